@@ -1,0 +1,193 @@
+"""Hugging Face checkpoints: config.json plus model.safetensors or a sharded index. Torch-free.
+
+The tensor names and shapes a config implies are computed here (`expected_tensors`), so the
+torch loader and the exporter check a checkpoint the same way and report every missing,
+unexpected or misshapen tensor in one error. Experts may be stored per expert (the layout of
+real checkpoints and `save_pretrained`) or packed (`mlp.experts.gate_up_proj` [E, 2I, D] and
+`mlp.experts.down_proj` [E, D, I]); both read as per-expert tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+from .config import MLAConfig
+from .errors import CheckpointError
+from .safetensors_io import SafetensorsFile
+
+PICKLE_PATTERNS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_PACKED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def expected_tensors(cfg: MLAConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor name a checkpoint for `cfg` holds, with its shape (HF naming, per-expert experts)."""
+    d, h, v = cfg.hidden_size, cfg.num_attention_heads, cfg.vocab_size
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (v, d)
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = (d,)
+        out[p + "post_attention_layernorm.weight"] = (d,)
+        a = p + "self_attn."
+        if cfg.q_lora_rank is None:
+            out[a + "q_proj.weight"] = (h * cfg.qk_head_dim, d)
+        else:
+            out[a + "q_a_proj.weight"] = (cfg.q_lora_rank, d)
+            out[a + "q_a_layernorm.weight"] = (cfg.q_lora_rank,)
+            out[a + "q_b_proj.weight"] = (h * cfg.qk_head_dim, cfg.q_lora_rank)
+        out[a + "kv_a_proj_with_mqa.weight"] = (cfg.kv_lora_rank + cfg.qk_rope_head_dim, d)
+        out[a + "kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
+        out[a + "kv_b_proj.weight"] = (h * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+        out[a + "o_proj.weight"] = (d, h * cfg.v_head_dim)
+        m = p + "mlp."
+        if not cfg.is_moe_layer(i):
+            out.update(_swiglu(m, d, cfg.intermediate_size))
+            continue
+        out[m + "gate.weight"] = (cfg.n_routed_experts, d)
+        if cfg.topk_method == "noaux_tc":
+            out[m + "gate.e_score_correction_bias"] = (cfg.n_routed_experts,)
+        for e in range(cfg.n_routed_experts):
+            out.update(_swiglu(f"{m}experts.{e}.", d, cfg.moe_intermediate_size))
+        if cfg.n_shared_experts:
+            out.update(_swiglu(m + "shared_experts.", d, cfg.moe_intermediate_size * cfg.n_shared_experts))
+    return out
+
+
+def _swiglu(prefix: str, d: int, inter: int) -> dict[str, tuple[int, ...]]:
+    return {prefix + "gate_proj.weight": (inter, d), prefix + "up_proj.weight": (inter, d), prefix + "down_proj.weight": (d, inter)}
+
+
+class Checkpoint:
+    """A checkpoint directory, checked on open: every tensor present, nothing unexpected, every shape right."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise CheckpointError(f"{self.directory}: checkpoint directory does not exist")
+        self.config = MLAConfig.from_hf_json(self.directory / "config.json")
+        self.files = _safetensors_files(self.directory)
+        self.notes: list[str] = []
+        self._where: dict[str, tuple[SafetensorsFile, str, slice | None]] = {}
+        self._index_tensors()
+        self._check_against_config()
+
+    # ---- reading ----
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def tensor(self, name: str) -> np.ndarray:
+        """One tensor as float32, in the HF per-expert naming."""
+        file, stored, rows = self._where[name]
+        arr = file.float32(stored) if rows is None else _packed_rows(file, stored, rows)
+        return arr
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {name: self.tensor(name) for name in self._where}
+
+    def content_hash(self) -> str:
+        """sha256 over config.json and every weight file, in name order: identifies the source of an export."""
+        h = hashlib.sha256()
+        for path in [self.directory / "config.json", *sorted(f.path for f in self.files)]:
+            h.update(path.name.encode())
+            with open(path, "rb") as f:
+                while chunk := f.read(1 << 24):
+                    h.update(chunk)
+        return h.hexdigest()
+
+    # ---- checking ----
+    def _index_tensors(self) -> None:
+        skipped = set()
+        for file in self.files:
+            for stored, (_, shape, _, _) in file.entries.items():
+                layer = _LAYER.match(stored)
+                if layer and int(layer.group(1)) >= self.config.num_hidden_layers:
+                    skipped.add(int(layer.group(1)))  # multi-token-prediction layers of V3/R1
+                    continue
+                packed = _PACKED.match(stored)
+                if packed:
+                    self._index_packed(file, stored, packed.group(1), packed.group(2), shape)
+                else:
+                    self._where[stored] = (file, stored, None)
+        if skipped:
+            self.notes.append(
+                f"skipped layer(s) {sorted(skipped)}: multi-token-prediction weights "
+                f"(num_nextn_predict_layers={self.config.num_nextn_predict_layers}) are not used for generation"
+            )
+
+    def _index_packed(self, file: SafetensorsFile, stored: str, prefix: str, kind: str, shape: tuple) -> None:
+        n_experts = shape[0] if shape else 0
+        for e in range(n_experts):
+            if kind == "down_proj":
+                self._where[f"{prefix}.{e}.down_proj.weight"] = (file, stored, slice(e, e + 1))
+            else:
+                half = shape[1] // 2
+                self._where[f"{prefix}.{e}.gate_proj.weight"] = (file, stored, (e, slice(0, half)))
+                self._where[f"{prefix}.{e}.up_proj.weight"] = (file, stored, (e, slice(half, shape[1])))
+
+    def _shape(self, name: str) -> tuple[int, ...]:
+        file, stored, rows = self._where[name]
+        shape = file.entries[stored][1]
+        if rows is None:
+            return shape
+        if isinstance(rows, slice):
+            return shape[1:]
+        return (shape[1] // 2, *shape[2:])
+
+    def _check_against_config(self) -> None:
+        expected = expected_tensors(self.config)
+        if self.config.tie_word_embeddings:
+            self._where.pop("lm_head.weight", None)  # a tied checkpoint may still carry a copy
+        missing = [n for n in expected if n not in self._where]
+        unexpected = [n for n in self._where if n not in expected]
+        wrong = [f"{n}: {list(self._shape(n))} (expected {list(s)})"
+                 for n, s in expected.items() if n in self._where and self._shape(n) != s]
+        if missing or unexpected or wrong:
+            parts = []
+            for title, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)):
+                if items:
+                    shown = items[:20] + ([f"... and {len(items) - 20} more"] if len(items) > 20 else [])
+                    parts.append(f"{title} ({len(items)}): " + "; ".join(shown))
+            raise CheckpointError(f"{self.directory}: checkpoint does not match config.json: " + " | ".join(parts))
+
+
+def _packed_rows(file: SafetensorsFile, stored: str, rows) -> np.ndarray:
+    dtype = file.entries[stored][0]
+    raw = file.raw(stored)
+    part = raw[rows.start] if isinstance(rows, slice) else raw[rows[0], rows[1]]
+    if dtype == "BF16":
+        return (part.astype(np.uint32) << 16).view(np.float32)
+    return np.array(part, dtype=np.float32)
+
+
+def _safetensors_files(directory: Path) -> list[SafetensorsFile]:
+    index = directory / "model.safetensors.index.json"
+    single = directory / "model.safetensors"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise CheckpointError(f"{index}: corrupt index (no weight_map)") from None
+        shards = sorted(set(weight_map.values()))
+        absent = [s for s in shards if not (directory / s).exists()]
+        if absent:
+            raise CheckpointError(f"{index}: shard file(s) missing: {', '.join(absent)}")
+        return [SafetensorsFile(directory / s) for s in shards]
+    if single.exists():
+        return [SafetensorsFile(single)]
+    others = sorted(directory.glob("*.safetensors"))
+    if others:
+        return [SafetensorsFile(p) for p in others]
+    pickles = [p.name for pat in PICKLE_PATTERNS for p in directory.glob(pat)]
+    if pickles:
+        raise CheckpointError(
+            f"{directory}: only pickle weights found ({', '.join(sorted(pickles))}); they can run code when loaded "
+            "and are refused. Convert them to safetensors in a trusted environment first"
+        )
+    raise CheckpointError(f"{directory}: no model.safetensors or model.safetensors.index.json")

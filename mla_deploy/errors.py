@@ -1,0 +1,33 @@
+"""Every error mla-deploy raises on bad input: one type per place it can come from.
+
+Each message names the problem precisely (which file, which field, which token id, which limit);
+the CLI prints it as one line and exits non-zero.
+"""
+
+
+class MLADeployError(Exception):
+    """Base of all errors that are the input's fault, not a bug."""
+
+
+class ConfigError(MLADeployError):
+    """A config.json or preset that cannot describe a supported MLA model."""
+
+
+class CheckpointError(MLADeployError):
+    """Weights that are missing, misshapen, unreadable or in a refused format (pickle)."""
+
+
+class ExportError(MLADeployError):
+    """An export that cannot be written (existing output, disk full, failed verification)."""
+
+
+class ExportLoadError(MLADeployError):
+    """An export directory that cannot be loaded: missing or corrupt files, mismatched graphs."""
+
+
+class InputError(MLADeployError):
+    """Runtime input that is out of range: token ids, lengths, caches, sampling parameters."""
+
+
+class ProviderError(MLADeployError):
+    """An onnxruntime execution provider that was asked for but cannot be used."""

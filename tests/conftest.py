@@ -1,0 +1,29 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny import VARIANTS, build_hf_model, save_hf_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def checkpoint_dir(tmp_path_factory):
+    """variant name -> (saved checkpoint directory, the transformers model it came from); built once per session."""
+    built = {}
+
+    def get(variant: str):
+        if variant not in built:
+            model = build_hf_model(variant)
+            directory = tmp_path_factory.mktemp(variant)
+            save_hf_model(model, directory)
+            built[variant] = (directory, model)
+        return built[variant]
+
+    return get
+
+
+@pytest.fixture(params=sorted(VARIANTS))
+def variant(request):
+    return request.param

@@ -1,0 +1,177 @@
+"""Config reading (both transformers forms) and checkpoint checks: each bad input gets its own message."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from mla_deploy.checkpoint import Checkpoint
+from mla_deploy.config import MLAConfig
+from mla_deploy.errors import CheckpointError, ConfigError
+from mla_deploy.modeling import load_model
+from mla_deploy.safetensors_io import SafetensorsFile, write_safetensors
+
+
+def copy_checkpoint(checkpoint_dir, tmp_path, variant="v3_lora_group_yarn"):
+    src, _ = checkpoint_dir(variant)
+    dst = tmp_path / "ckpt"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def edit_config(directory, **changes):
+    path = directory / "config.json"
+    raw = json.loads(path.read_text())
+    for k, v in changes.items():
+        if v is ...:
+            raw.pop(k, None)
+        else:
+            raw[k] = v
+    path.write_text(json.dumps(raw))
+
+
+def rewrite_weights(directory, fn):
+    """Apply fn to the {name: array} state of model.safetensors and write it back."""
+    f = SafetensorsFile(directory / "model.safetensors")
+    state = {n: np.array(f.raw(n)) for n in f.entries}
+    del f
+    fn(state)
+    write_safetensors(directory / "model.safetensors", state)
+
+
+def test_transformers_4x_rope_scaling_form_reads_like_5x(checkpoint_dir, tmp_path):
+    d = copy_checkpoint(checkpoint_dir, tmp_path)
+    modern = MLAConfig.from_hf_json(d / "config.json")
+    raw = json.loads((d / "config.json").read_text())
+    params = raw.pop("rope_parameters")
+    raw["rope_theta"] = params.pop("rope_theta")
+    params.pop("rope_type", None)
+    params["type"] = "yarn"
+    raw["rope_scaling"] = params
+    legacy = MLAConfig.from_hf_dict(raw)
+    assert legacy == modern
+    assert legacy.rope_type == "yarn" and legacy.rope_factor == 8.0 and legacy.original_max_position_embeddings == 32
+
+
+def test_missing_field_is_named(checkpoint_dir, tmp_path):
+    d = copy_checkpoint(checkpoint_dir, tmp_path)
+    edit_config(d, hidden_size=...)
+    with pytest.raises(ConfigError, match="missing field.*hidden_size"):
+        Checkpoint(d)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "rope type 'dynamic' is not supported"),
+        ({"qk_rope_head_dim": 7}, "qk_rope_head_dim=7 must be even"),
+        ({"q_lora_rank": "big"}, "q_lora_rank must be null"),
+        ({"topk_method": "greedy"}, "topk_method 'greedy' is not supported for deepseek_v3"),
+        ({"scoring_func": "softmax"}, "scoring_func 'softmax' is not supported"),
+        ({"n_group": 3}, "n_routed_experts=8 is not divisible by n_group=3"),
+        ({"model_type": "llama"}, "model_type 'llama' is not an MLA model"),
+        ({"attention_bias": True}, "attention_bias=true is not supported"),
+    ],
+)
+def test_invalid_config_refused_with_specific_message(checkpoint_dir, tmp_path, changes, message):
+    d = copy_checkpoint(checkpoint_dir, tmp_path)
+    edit_config(d, **changes)
+    with pytest.raises(ConfigError, match=message):
+        Checkpoint(d)
+
+
+def test_head_dims_that_do_not_add_up_are_wrong_shapes(checkpoint_dir, tmp_path):
+    d = copy_checkpoint(checkpoint_dir, tmp_path)
+    edit_config(d, qk_nope_head_dim=12)
+    with pytest.raises(CheckpointError, match=r"wrong shape.*q_b_proj.weight: \[96, 24\] \(expected \[80, 24\]\)"):
+        Checkpoint(d)
+
+
+def test_missing_tensor_named(checkpoint_dir, tmp_path):
+    d = copy_checkpoint(checkpoint_dir, tmp_path)
+    rewrite_weights(d, lambda s: s.pop("model.layers.1.self_attn.kv_b_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"missing \(1\): model.layers.1.self_attn.kv_b_proj.weight"):
+        Checkpoint(d)
+
+
+def test_wrong_shape_and_unexpected_listed_together(checkpoint_dir, tmp_path):
+    d = copy_checkpoint(checkpoint_dir, tmp_path)
+
+    def damage(s):
+        s["model.norm.weight"] = np.ones(10, np.float32)
+        s["model.layers.0.self_attn.extra.weight"] = np.ones(3, np.float32)
+
+    rewrite_weights(d, damage)
+    with pytest.raises(CheckpointError) as e:
+        Checkpoint(d)
+    assert "unexpected (1): model.layers.0.self_attn.extra.weight" in str(e.value)
+    assert "model.norm.weight: [10] (expected [64])" in str(e.value)
+
+
+def test_pickle_only_checkpoint_refused_without_loading(checkpoint_dir, tmp_path):
+    d = copy_checkpoint(checkpoint_dir, tmp_path)
+    (d / "model.safetensors").unlink()
+    marker = tmp_path / "pwned"
+    # A pickle that would create a file if it were ever unpickled.
+    import pickle
+
+    class Exploit:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    (d / "pytorch_model.bin").write_bytes(pickle.dumps(Exploit()))
+    with pytest.raises(CheckpointError, match="only pickle weights found \\(pytorch_model.bin\\).*refused"):
+        Checkpoint(d)
+    assert not marker.exists()
+
+
+def test_truncated_safetensors_named(checkpoint_dir, tmp_path):
+    d = copy_checkpoint(checkpoint_dir, tmp_path)
+    path = d / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"model.safetensors: truncated: tensor .* ends at byte"):
+        Checkpoint(d)
+
+
+def test_garbage_safetensors_named(checkpoint_dir, tmp_path):
+    d = copy_checkpoint(checkpoint_dir, tmp_path)
+    (d / "model.safetensors").write_bytes(b"\x00" * 3)
+    with pytest.raises(CheckpointError, match="model.safetensors: truncated safetensors file"):
+        Checkpoint(d)
+
+
+def test_missing_shard_named(checkpoint_dir, tmp_path):
+    _, hf = checkpoint_dir("v3_lora_group_yarn")
+    hf.save_pretrained(tmp_path, max_shard_size="50KB")
+    shard = sorted(tmp_path.glob("model-*.safetensors"))[0]
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=f"shard file\\(s\\) missing: {shard.name}"):
+        Checkpoint(tmp_path)
+
+
+def test_mtp_layer_skipped_with_note(checkpoint_dir, tmp_path):
+    d = copy_checkpoint(checkpoint_dir, tmp_path)
+    n = json.loads((d / "config.json").read_text())["num_hidden_layers"]
+    rewrite_weights(d, lambda s: s.update({f"model.layers.{n}.eh_proj.weight": np.ones((4, 4), np.float32)}))
+    ckpt = Checkpoint(d)
+    assert any(f"skipped layer(s) [{n}]" in note for note in ckpt.notes)
+    assert not any(name.startswith(f"model.layers.{n}.") for name in ckpt.names())
+
+
+def test_packed_experts_read_as_per_expert(checkpoint_dir, tmp_path):
+    d = copy_checkpoint(checkpoint_dir, tmp_path)
+    reference = load_model(d)
+
+    def pack(s):
+        prefix = "model.layers.1.mlp.experts"
+        n = 8
+        gate_up = [np.concatenate([s.pop(f"{prefix}.{e}.gate_proj.weight"), s.pop(f"{prefix}.{e}.up_proj.weight")]) for e in range(n)]
+        s[f"{prefix}.gate_up_proj"] = np.stack(gate_up)
+        s[f"{prefix}.down_proj"] = np.stack([s.pop(f"{prefix}.{e}.down_proj.weight") for e in range(n)])
+
+    rewrite_weights(d, pack)
+    packed = load_model(d)
+    for (name, a), (_, b) in zip(reference.state_dict().items(), packed.state_dict().items()):
+        assert np.array_equal(a.numpy(), b.numpy()), name
