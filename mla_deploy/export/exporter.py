@@ -1,0 +1,186 @@
+"""Checkpoint -> export directory: prefill.onnx, decode.onnx, one shared weights file, manifest, tokenizer.
+
+Everything is written to a temporary sibling directory, checked (onnx.checker full check, and the
+verifier unless skipped), fsynced, then renamed into place: a failed export leaves nothing behind.
+The weights are written once to `weights.bin` and both graphs refer to it as external data, so
+the tensors they share (embeddings, MLPs, experts, lm_head) are stored once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import onnx
+
+from .. import __version__, io_spec
+from ..checkpoint import Checkpoint
+from ..errors import ExportError
+from ..manifest import MANIFEST_FILE, MANIFEST_VERSION, WEIGHTS_FILE, TOKENIZER_FILES
+from .absorb import AbsorbMode, resolve_absorb
+from .graphs import build_graph
+from .onnx_builder import OPSET
+
+ALIGN = 64
+Progress = Callable[[str], None]
+
+
+@dataclass
+class ExportOptions:
+    absorb: str = "auto"
+    dtype: str = "float32"
+    max_seq_len: int | None = None  # default: the config's max_position_embeddings
+    force: bool = False
+
+
+@dataclass
+class ExportResult:
+    directory: Path
+    absorb: AbsorbMode
+    manifest: dict
+    notes: list[str] = field(default_factory=list)
+
+
+def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptions = ExportOptions(),
+           progress: Progress = lambda msg: None, verify: Callable[[Path], None] | None = None) -> ExportResult:
+    """Export a checkpoint; `verify(tmp_dir)` (raising on failure) runs before the directory is moved into place."""
+    out = Path(out_dir)
+    if options.dtype != "float32":
+        raise ExportError(f"--dtype {options.dtype}: only float32 exports are supported in this version")
+    if out.exists() and not options.force:
+        raise ExportError(f"{out}: output directory exists (use --force to replace it)")
+    progress(f"loading checkpoint {checkpoint_dir}")
+    ckpt = Checkpoint(checkpoint_dir)
+    cfg = ckpt.config
+    for note in ckpt.notes:
+        progress(f"note: {note}")
+    max_seq_len = options.max_seq_len or cfg.max_position_embeddings
+    if not 1 <= max_seq_len <= cfg.max_position_embeddings:
+        raise ExportError(f"--max-seq-len {max_seq_len}: must be between 1 and max_position_embeddings={cfg.max_position_embeddings}")
+    mode = resolve_absorb(cfg, options.absorb)
+    if AbsorbMode(options.absorb) == AbsorbMode.AUTO:
+        progress(f"absorb auto -> {mode.value} (fewer attention weight bytes per decode token)")
+
+    progress("hashing source weights")
+    source_hash = ckpt.content_hash()
+    export_id = hashlib.sha256(f"{source_hash}|{mode.value}|{options.dtype}|{max_seq_len}|{__version__}".encode()).hexdigest()[:32]
+    metadata = {"producer": "mla-deploy", "mla_deploy_version": __version__, "export_id": export_id}
+
+    weights: dict[str, np.ndarray] = {}
+    graphs = {}
+    for kind in (io_spec.PREFILL, io_spec.DECODE):
+        progress(f"building {kind} graph" + (f" (absorbed, {mode.value})" if kind == io_spec.DECODE else " (naive attention)"))
+        graphs[kind] = build_graph(kind, cfg, ckpt.tensor, max_seq_len, mode, weights).to_model({**metadata, "graph": kind})
+
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        progress(f"saving weights ({sum(a.nbytes for a in weights.values()) / 1e9:.2f} GB)")
+        offsets = _write_weights(tmp / WEIGHTS_FILE, weights)
+        manifest = _manifest(cfg, mode, options, max_seq_len, source_hash, export_id, ckpt)
+        manifest["weights"]["bytes"] = (tmp / WEIGHTS_FILE).stat().st_size
+        for kind, model in graphs.items():
+            progress(f"saving and checking {kind}.onnx")
+            _attach_external(model, weights, offsets)
+            path = tmp / io_spec.GRAPH_FILES[kind]
+            onnx.save_model(model, path)
+            onnx.checker.check_model(str(path), full_check=True)
+            manifest["graphs"][kind]["sha256"] = _sha256(path)
+        manifest["tokenizer"] = _copy_tokenizer(ckpt.directory, tmp)
+        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        if verify is not None:
+            progress("verifying against the torch source")
+            verify(tmp)
+        _fsync_tree(tmp)
+        _move_into_place(tmp, out)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise ExportError(f"{out}: writing the export failed ({e.strerror or e}); nothing was left behind") from None
+        raise
+    progress(f"wrote {out}")
+    return ExportResult(out, mode, manifest, list(ckpt.notes))
+
+
+def _manifest(cfg, mode, options, max_seq_len, source_hash, export_id, ckpt) -> dict:
+    graphs = {}
+    for kind in (io_spec.PREFILL, io_spec.DECODE):
+        inputs, outputs = io_spec.graph_io(kind, cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.vocab_size)
+        graphs[kind] = {"file": io_spec.GRAPH_FILES[kind], "inputs": [s.to_dict() for s in inputs],
+                        "outputs": [s.to_dict() for s in outputs]}
+    return {
+        "format": "mla-deploy-export", "manifest_version": MANIFEST_VERSION, "mla_deploy_version": __version__,
+        "export_id": export_id, "config": cfg.to_dict(), "absorb": mode.value, "dtype": options.dtype, "opset": OPSET,
+        "max_seq_len": max_seq_len, "source": {"name": ckpt.directory.name, "sha256": source_hash},
+        "weights": {"file": WEIGHTS_FILE}, "graphs": graphs,
+    }
+
+
+def _write_weights(path: Path, weights: dict[str, np.ndarray]) -> dict[str, tuple[int, int]]:
+    offsets = {}
+    with open(path, "wb") as f:
+        for name in sorted(weights):
+            pad = -f.tell() % ALIGN
+            f.write(b"\0" * pad)
+            data = np.ascontiguousarray(weights[name], dtype=np.float32).tobytes()
+            offsets[name] = (f.tell(), len(data))
+            f.write(data)
+    return offsets
+
+
+def _used_names(graph: onnx.GraphProto) -> set[str]:
+    names = set()
+    for node in graph.node:
+        names.update(node.input)
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                names |= _used_names(attr.g)
+    return names
+
+
+def _attach_external(model: onnx.ModelProto, weights: dict[str, np.ndarray], offsets: dict) -> None:
+    for name in sorted(_used_names(model.graph) & weights.keys()):
+        arr = weights[name]
+        offset, length = offsets[name]
+        tensor = onnx.TensorProto(name=name, data_type=onnx.TensorProto.FLOAT, dims=arr.shape,
+                                  data_location=onnx.TensorProto.EXTERNAL)
+        for key, value in (("location", WEIGHTS_FILE), ("offset", str(offset)), ("length", str(length))):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = key, value
+        model.graph.initializer.append(tensor)
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> list[str]:
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _fsync_tree(directory: Path) -> None:
+    for p in directory.iterdir():
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    if out.exists():  # --force: swap, then remove the old export
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(out)

@@ -1,0 +1,69 @@
+"""The export manifest: what an export directory holds, read and checked before any session is created.
+
+Torch-free (the runtime uses it). A manifest names the model config, the graphs with every input and
+output, the absorb mode, dtype, opset, maximum length, the source checkpoint's hash and an export id
+that is also stamped into each graph's metadata, so graphs from different exports are refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from . import io_spec
+from .config import MLAConfig
+from .errors import ExportLoadError, MLADeployError
+
+MANIFEST_FILE = "manifest.json"
+MANIFEST_VERSION = 1
+WEIGHTS_FILE = "weights.bin"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def read_manifest(directory: str | Path) -> dict:
+    directory = Path(directory)
+    path = directory / MANIFEST_FILE
+    if not directory.is_dir():
+        raise ExportLoadError(f"{directory}: export directory does not exist")
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ExportLoadError(f"{path}: missing; is {directory} an mla-deploy export?") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ExportLoadError(f"{path}: corrupt manifest ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != "mla-deploy-export":
+        raise ExportLoadError(f"{path}: not an mla-deploy manifest")
+    version = manifest.get("manifest_version")
+    if not isinstance(version, int) or version > MANIFEST_VERSION:
+        raise ExportLoadError(
+            f"{path}: manifest_version {version!r} was written by mla-deploy {manifest.get('mla_deploy_version')}; "
+            f"this mla-deploy reads version {MANIFEST_VERSION} or older: upgrade mla-deploy"
+        )
+    try:
+        manifest["config_obj"] = MLAConfig.from_dict(manifest["config"])
+        for kind in (io_spec.PREFILL, io_spec.DECODE):
+            manifest["graphs"][kind]["file"]
+        int(manifest["max_seq_len"])
+        manifest["weights"]["file"], manifest["weights"]["bytes"]
+    except (KeyError, TypeError, ValueError, MLADeployError) as e:
+        raise ExportLoadError(f"{path}: incomplete or invalid manifest ({e})") from None
+    return manifest
+
+
+def check_files(directory: Path, manifest: dict) -> None:
+    """Every file the manifest names exists; graph hashes and the weights size match."""
+    for kind in (io_spec.PREFILL, io_spec.DECODE):
+        entry = manifest["graphs"][kind]
+        path = directory / entry["file"]
+        if not path.is_file():
+            raise ExportLoadError(f"{path}: missing {kind} graph")
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        if entry.get("sha256") != digest:
+            raise ExportLoadError(f"{path}: does not match the manifest (sha256 differs): corrupted or from another export")
+    weights = directory / manifest["weights"]["file"]
+    if not weights.is_file():
+        raise ExportLoadError(f"{weights}: missing external weight data")
+    size = weights.stat().st_size
+    if size != manifest["weights"]["bytes"]:
+        raise ExportLoadError(f"{weights}: {size} bytes, the manifest says {manifest['weights']['bytes']}: truncated or replaced")
