@@ -27,3 +27,22 @@ def checkpoint_dir(tmp_path_factory):
 @pytest.fixture(params=sorted(VARIANTS))
 def variant(request):
     return request.param
+
+
+@pytest.fixture(scope="session")
+def exported(checkpoint_dir, tmp_path_factory):
+    """(variant, absorb) -> export directory of that tiny checkpoint; built once per session, not verified here."""
+    from mla_deploy.export import ExportOptions, export
+
+    built = {}
+
+    def get(variant: str, absorb: str = "fused"):
+        key = (variant, absorb)
+        if key not in built:
+            src, _ = checkpoint_dir(variant)
+            out = tmp_path_factory.mktemp(f"export-{variant}-{absorb}") / "out"
+            export(src, out, ExportOptions(absorb=absorb))
+            built[key] = out
+        return built[key]
+
+    return get

@@ -118,7 +118,7 @@ def _manifest(cfg, mode, options, max_seq_len, source_hash, export_id, ckpt) -> 
     return {
         "format": "mla-deploy-export", "manifest_version": MANIFEST_VERSION, "mla_deploy_version": __version__,
         "export_id": export_id, "config": cfg.to_dict(), "absorb": mode.value, "dtype": options.dtype, "opset": OPSET,
-        "max_seq_len": max_seq_len, "source": {"name": ckpt.directory.name, "sha256": source_hash},
+        "max_seq_len": max_seq_len, "source": {"path": str(ckpt.directory.resolve()), "sha256": source_hash},
         "weights": {"file": WEIGHTS_FILE}, "graphs": graphs,
     }
 

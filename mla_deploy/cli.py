@@ -1,0 +1,140 @@
+"""The mla-deploy command line: parses arguments and calls the library. Errors: one line, non-zero exit."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from .errors import MLADeployError
+
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "models" / "demo"
+
+
+class _Cli(click.Group):
+    """Turns every error into one readable line (the traceback only with --debug)."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+            raise
+        except MLADeployError as e:
+            self._fail(ctx, f"error: {e}", 1)
+        except KeyboardInterrupt:
+            self._fail(ctx, "interrupted", 130)
+        except Exception as e:  # a bug, not bad input: still one line unless --debug
+            self._fail(ctx, f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)", 2)
+
+    @staticmethod
+    def _fail(ctx, message: str, code: int):
+        if ctx.obj and ctx.obj.get("debug"):
+            raise
+        click.echo(message, err=True)
+        sys.exit(code)
+
+
+def _progress(start=[None]):  # noqa: B006 - one clock per process
+    start[0] = start[0] or time.perf_counter()
+    return lambda msg: click.echo(f"[{time.perf_counter() - start[0]:7.1f}s] {msg}", err=True)
+
+
+@click.group(cls=_Cli)
+@click.option("--debug", is_flag=True, help="Show tracebacks on errors.")
+@click.version_option(package_name="mla-deploy")
+@click.pass_context
+def main(ctx, debug):
+    """Export MLA (DeepSeek-V2/V3) checkpoints to ONNX and run them with onnxruntime."""
+    ctx.obj = {"debug": debug}
+
+
+@main.command()
+@click.argument("checkpoint", required=False, type=click.Path(path_type=Path))
+@click.option("-o", "--output", "out", required=True, type=click.Path(path_type=Path), help="Export directory to create.")
+@click.option("--absorb", type=click.Choice(["fused", "factored", "auto"]), default="auto", show_default=True)
+@click.option("--dtype", type=click.Choice(["float32"]), default="float32", show_default=True)
+@click.option("--max-seq-len", type=click.IntRange(min=1), default=None, help="Longest sequence (default: the config's).")
+@click.option("--no-verify", is_flag=True, help="Skip checking the export against the torch source.")
+@click.option("--steps", type=click.IntRange(min=1), default=8, show_default=True, help="Decode steps to verify.")
+@click.option("--force", is_flag=True, help="Replace an existing output directory.")
+def export(checkpoint, out, absorb, dtype, max_seq_len, no_verify, steps, force):
+    """Export CHECKPOINT (default: the bundled demo model) to prefill.onnx + decode.onnx."""
+    from .export import ExportOptions
+    from .export import export as run_export
+    from .verify import verify_export
+
+    checkpoint = checkpoint or DEFAULT_CHECKPOINT
+    progress = _progress()
+
+    def verify(tmp):
+        report = verify_export(tmp, checkpoint, steps=steps)
+        for line in report.lines:
+            progress(line)
+        if not report.passed:
+            raise MLADeployError(f"verification failed ({report.lines[-1]}); nothing was written")
+
+    run_export(checkpoint, out, ExportOptions(absorb=absorb, dtype=dtype, max_seq_len=max_seq_len, force=force),
+               progress=progress, verify=None if no_verify else verify)
+
+
+@main.command()
+@click.argument("export_dir", type=click.Path(path_type=Path))
+@click.option("--prompt", default=None, help="Prompt text (needs the export's tokenizer).")
+@click.option("--prompt-ids", default=None, help="Prompt as comma-separated token ids, e.g. 1,2,3.")
+@click.option("-n", "--max-new-tokens", type=int, default=64, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
+@click.option("--top-k", type=int, default=0, show_default=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--repetition-penalty", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("--provider", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
+def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, provider, as_json):
+    """Generate from EXPORT_DIR, streaming the text as it is produced."""
+    from .runtime import ExportedModel, RuntimeOptions, SamplingParams
+    from .runtime.complete import complete
+
+    ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
+    sampling = SamplingParams(temperature, top_k, top_p, repetition_penalty, seed).validate()
+    model = ExportedModel(export_dir, RuntimeOptions(provider=provider))
+    on_text = None if as_json else (lambda s: click.echo(s, nl=False))
+    if not as_json and prompt is not None:
+        click.echo(prompt, nl=False)
+    result = complete(model, prompt, ids, max_new_tokens, sampling, on_text)
+    if as_json:
+        click.echo(json.dumps(result))
+    elif "text" not in result:
+        click.echo(" ".join(map(str, result["token_ids"])))
+    else:
+        click.echo()
+        click.echo(f"[{len(result['token_ids'])} tokens, prefill {result['prefill_ms']:.1f} ms, "
+                   f"decode {result['decode_tokens_per_s']:.1f} tok/s]", err=True)
+
+
+@main.command()
+@click.argument("export_dir", type=click.Path(path_type=Path))
+@click.option("--checkpoint", type=click.Path(path_type=Path), default=None, help="Source checkpoint (default: the one exported).")
+@click.option("--steps", type=click.IntRange(min=1), default=8, show_default=True)
+def verify(export_dir, checkpoint, steps):
+    """Compare EXPORT_DIR with its torch source: logits per graph and step, and generated tokens."""
+    from .verify import verify_export
+
+    report = verify_export(export_dir, checkpoint, steps=steps)
+    for line in report.lines:
+        click.echo(line)
+    if not report.passed:
+        sys.exit(1)
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise MLADeployError(f"--prompt-ids {text!r}: expected comma-separated integers like 1,2,3") from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Loading an export: manifest checks, onnxruntime sessions, providers. onnxruntime + numpy only."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnxruntime as ort
+
+from .. import io_spec
+from ..config import MLAConfig
+from ..errors import ExportLoadError, ProviderError
+from ..manifest import check_files, read_manifest
+
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+
+
+def resolve_providers(provider: str, strict: bool = False) -> list[str]:
+    """'cpu' or 'cuda' -> onnxruntime provider list. Missing CUDA falls back to CPU with a warning, or raises if strict."""
+    if provider not in PROVIDERS:
+        raise ProviderError(f"unknown provider {provider!r}; expected one of {', '.join(PROVIDERS)}")
+    available = ort.get_available_providers()
+    wanted = PROVIDERS[provider]
+    if wanted in available:
+        return [wanted] + (["CPUExecutionProvider"] if wanted != "CPUExecutionProvider" else [])
+    message = (f"provider {provider!r} ({wanted}) is not available in this onnxruntime build "
+               f"(it has: {', '.join(available)}); install onnxruntime-gpu for CUDA")
+    if strict:
+        raise ProviderError(message)
+    warnings.warn(message + "; falling back to CPU", RuntimeWarning, stacklevel=3)
+    return ["CPUExecutionProvider"]
+
+
+@dataclass
+class RuntimeOptions:
+    provider: str = "cpu"
+    strict_provider: bool = False
+    threads: int = 0  # 0: onnxruntime's default (one per physical core)
+    optimization: str = "all"  # onnxruntime graph optimization level: disable, basic, extended, all
+
+
+_LEVELS = {
+    "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL, "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED, "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+
+
+class ExportedModel:
+    """An export directory, checked, with one prefill and one decode session. Safe to share across threads."""
+
+    def __init__(self, directory: str | Path, options: RuntimeOptions | None = None):
+        self.directory = Path(directory)
+        self.options = options or RuntimeOptions()
+        self.manifest = read_manifest(self.directory)
+        check_files(self.directory, self.manifest)
+        self.config: MLAConfig = self.manifest["config_obj"]
+        self.max_seq_len: int = int(self.manifest["max_seq_len"])
+        self.providers = resolve_providers(self.options.provider, self.options.strict_provider)
+        self.device = "cuda" if self.providers[0] == PROVIDERS["cuda"] else "cpu"
+        self.sessions = {kind: self._session(kind) for kind in (io_spec.PREFILL, io_spec.DECODE)}
+
+    def _session(self, kind: str) -> ort.InferenceSession:
+        path = self.directory / self.manifest["graphs"][kind]["file"]
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        so.graph_optimization_level = _LEVELS[self.options.optimization]
+        so.intra_op_num_threads = self.options.threads
+        try:
+            session = ort.InferenceSession(str(path), so, providers=self.providers)
+        except Exception as e:  # onnxruntime raises its own exception types for corrupt models and data
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ExportLoadError(f"{path}: onnxruntime cannot load this graph ({first})") from None
+        meta = session.get_modelmeta().custom_metadata_map
+        if meta.get("export_id") != self.manifest["export_id"] or meta.get("graph") != kind:
+            raise ExportLoadError(
+                f"{path}: graph belongs to export {meta.get('export_id')!r} ({meta.get('graph')!r}), "
+                f"the manifest to {self.manifest['export_id']!r}: graphs from different exports cannot be mixed"
+            )
+        expected = {s["name"] for s in self.manifest["graphs"][kind]["inputs"]}
+        actual = {i.name for i in session.get_inputs()}
+        if expected != actual:
+            raise ExportLoadError(f"{path}: graph inputs {sorted(actual ^ expected)} differ from the manifest")
+        return session

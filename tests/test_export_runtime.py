@@ -1,0 +1,231 @@
+"""Export + runtime against the torch source and transformers: logits, tokens, graph structure, contracts."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from click.testing import CliRunner
+
+from mla_deploy import io_spec
+from mla_deploy.cli import main
+from mla_deploy.errors import ExportError, ExportLoadError, InputError
+from mla_deploy.export import ExportOptions, export
+from mla_deploy.runtime import ExportedModel, Generator, RuntimeOptions
+from mla_deploy.verify import verify_export
+
+TOL = 1e-4
+ABSORB = ["fused", "factored"]
+
+
+@pytest.mark.parametrize("absorb", ABSORB)
+@pytest.mark.parametrize("lengths", [(19,), (21, 12, 5, 1)], ids=["batch1", "padded-batch"])
+def test_ort_matches_torch_for_prefill_and_32_decode_steps(checkpoint_dir, exported, variant, absorb, lengths):
+    src, _ = checkpoint_dir(variant)
+    report = verify_export(exported(variant, absorb), src, steps=32, lengths=lengths)
+    assert report.logit_scale > 0.5
+    assert report.prefill_max_abs < TOL, report.lines
+    assert len(report.decode_max_abs) == 32 and max(report.decode_max_abs) < TOL, report.lines
+    assert report.token_agreement == 1.0, report.lines
+
+
+def test_cli_run_greedy_equals_transformers_generate(checkpoint_dir, exported, variant):
+    _, hf = checkpoint_dir(variant)
+    prompt = [5, 17, 33, 8, 61, 12, 40]
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+    result = CliRunner().invoke(main, ["run", str(exported(variant)), "--prompt-ids", ",".join(map(str, prompt)),
+                                       "-n", "32", "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output.strip().splitlines()[-1])
+    stop = hf.config.eos_token_id
+    expected = ref[: ref.index(stop) + 1] if stop in ref else ref
+    assert out["token_ids"] == expected
+    assert {"token_ids", "prefill_ms", "decode_tokens_per_s"} <= out.keys()
+
+
+@pytest.mark.parametrize("absorb", ABSORB)
+def test_decode_graph_caches_are_latent_and_rope_only(checkpoint_dir, exported, absorb):
+    src, hf = checkpoint_dir("v3_lora_group_yarn")
+    cfg = hf.config
+    graph = onnx.load(exported("v3_lora_group_yarn", absorb) / "decode.onnx", load_external_data=False).graph
+
+    def widths(values):
+        return {v.name: v.type.tensor_type.shape.dim[-1].dim_value for v in values
+                if v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT}
+
+    inputs, outputs = widths(graph.input), widths(graph.output)
+    expected_in = {**{f"past_latent.{i}": cfg.kv_lora_rank for i in range(cfg.num_hidden_layers)},
+                   **{f"past_rope.{i}": cfg.qk_rope_head_dim for i in range(cfg.num_hidden_layers)}}
+    assert inputs == expected_in  # the only float inputs: no decompressed K/V anywhere
+    assert {k: v for k, v in outputs.items() if k != "logits"} == {
+        k.replace("past", "present"): v for k, v in expected_in.items()}
+
+
+def test_fused_decode_holds_fused_matrices_not_uk_uv(exported):
+    graph = onnx.load(exported("v3_lora_group_yarn", "fused") / "decode.onnx", load_external_data=False).graph
+    names = {t.name for t in graph.initializer}
+    for i in range(3):
+        assert {f"layers.{i}.attn.q_uk", f"layers.{i}.attn.uv_o"} <= names
+        assert not {f"layers.{i}.attn.uk", f"layers.{i}.attn.uv", f"layers.{i}.attn.kv_b"} & names
+    factored = onnx.load(exported("v3_lora_group_yarn", "factored") / "decode.onnx", load_external_data=False).graph
+    names = {t.name for t in factored.initializer}
+    assert {"layers.0.attn.uk", "layers.0.attn.uv"} <= names and "layers.0.attn.q_uk" not in names
+
+
+def test_fused_matrices_equal_the_float64_products(checkpoint_dir, exported):
+    """The stored W^Q·W^UK and W^UV·W^O are the products of the checkpoint's factors."""
+    from mla_deploy.checkpoint import Checkpoint
+    from mla_deploy.export.absorb import split_heads, split_kv_b
+
+    src, _ = checkpoint_dir("v2_nolora_greedy_yarn")
+    ckpt = Checkpoint(src)
+    cfg = ckpt.config
+    model = onnx.load(exported("v2_nolora_greedy_yarn", "fused") / "decode.onnx")
+    init = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    p = "model.layers.1.self_attn."
+    w_uk, w_uv = split_kv_b(cfg, ckpt.tensor(p + "kv_b_proj.weight"))
+    nope, _ = split_heads(cfg, ckpt.tensor(p + "q_proj.weight"))
+    h = 2
+    q_uk = init["layers.1.attn.q_uk"]  # [in, h·d_c]
+    expected = (w_uk[h].T.astype(np.float64) @ nope[h].astype(np.float64)).T  # [in, d_c]
+    dc = cfg.kv_lora_rank
+    np.testing.assert_allclose(q_uk[:, h * dc:(h + 1) * dc], expected, rtol=1e-6, atol=1e-7)
+    w_o = ckpt.tensor(p + "o_proj.weight")
+    uv_o = init["layers.1.attn.uv_o"]  # [h·d_c, d]
+    expected = (w_o[:, h * cfg.v_head_dim:(h + 1) * cfg.v_head_dim].astype(np.float64) @ w_uv[h].astype(np.float64)).T
+    np.testing.assert_allclose(uv_o[h * dc:(h + 1) * dc], expected, rtol=1e-6, atol=1e-7)
+
+
+def test_moe_runs_one_branch_per_expert(checkpoint_dir, exported):
+    _, hf = checkpoint_dir("v3_lora_group_yarn")
+    graph = onnx.load(exported("v3_lora_group_yarn") / "decode.onnx", load_external_data=False).graph
+    ifs = [n for n in graph.node if n.op_type == "If"]
+    moe_layers = hf.config.num_hidden_layers - hf.config.first_k_dense_replace
+    assert len(ifs) == moe_layers * hf.config.n_routed_experts
+    top_level_expert_matmuls = [n for n in graph.node if n.op_type == "MatMul" and any(".experts." in i for i in n.input)]
+    assert top_level_expert_matmuls == []  # routed experts run only inside their If branch
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 9])
+def test_chunked_prefill_then_decode_equals_one_shot(exported, variant, chunk):
+    model = ExportedModel(exported(variant))
+    prompts = [list(range(3, 30)), [7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27]]
+    whole = Generator(model, chunk_size=512, stop_token_ids=()).generate(prompts, 16)
+    chunked = Generator(model, chunk_size=chunk, stop_token_ids=()).generate(prompts, 16)
+    assert chunked.token_ids == whole.token_ids
+
+
+def test_batched_rows_equal_rows_alone(exported, variant):
+    model = ExportedModel(exported(variant))
+    prompts = [[4, 8, 15, 16, 23, 42], [3], [50, 60, 70, 80, 90, 11, 12, 13, 14]]
+    batch = Generator(model, stop_token_ids=()).generate(prompts, 12)
+    for row, prompt in zip(batch.token_ids, prompts):
+        assert Generator(model, stop_token_ids=()).generate([prompt], 12).token_ids[0] == row
+
+
+def test_cache_grows_past_a_block_without_changing_tokens(exported, monkeypatch):
+    from mla_deploy.runtime import cache
+
+    model = ExportedModel(exported("v2_group_limited"))
+    big = Generator(model, stop_token_ids=()).generate([[5, 6, 7]], 40)
+    monkeypatch.setattr(cache, "BLOCK", 8)  # forces five grows during this generation
+    small = Generator(model, stop_token_ids=()).generate([[5, 6, 7]], 40)
+    assert small.token_ids == big.token_ids
+
+
+def test_manifest_describes_the_export(checkpoint_dir, exported):
+    src, hf = checkpoint_dir("v3_lora_group_yarn")
+    out = exported("v3_lora_group_yarn", "fused")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["absorb"] == "fused" and manifest["dtype"] == "float32" and manifest["opset"] == 24
+    assert manifest["max_seq_len"] == hf.config.max_position_embeddings
+    assert manifest["config"]["kv_lora_rank"] == hf.config.kv_lora_rank
+    assert len(manifest["source"]["sha256"]) == 64 and manifest["mla_deploy_version"]
+    decode_inputs = {i["name"]: i for i in manifest["graphs"]["decode"]["inputs"]}
+    assert decode_inputs["past_latent.0"]["shape"] == ["batch", "capacity", hf.config.kv_lora_rank]
+    model = onnx.load(out / "decode.onnx", load_external_data=False)
+    meta = {p.key: p.value for p in model.metadata_props}
+    assert meta["producer"] == "mla-deploy" and meta["export_id"] == manifest["export_id"]
+    assert manifest["tokenizer"] == ["generation_config.json"]  # save_pretrained wrote no tokenizer
+    assert sorted(p.name for p in out.iterdir()) == ["decode.onnx", "generation_config.json", "manifest.json",
+                                                     "prefill.onnx", "weights.bin"]
+
+
+def test_weights_shared_between_graphs_stored_once(exported):
+    out = exported("v3_lora_group_yarn", "fused")
+    graphs = [onnx.load(out / f, load_external_data=False).graph for f in ("prefill.onnx", "decode.onnx")]
+    sizes = [{t.name: int(np.prod(t.dims)) * 4 for t in g.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
+             for g in graphs]
+    shared = sizes[0].keys() & sizes[1].keys()
+    assert {"embed", "lm_head", "layers.1.moe.experts.0.gate_up"} <= shared
+    union = {**sizes[0], **sizes[1]}
+    stored = json.loads((out / "manifest.json").read_text())["weights"]["bytes"]
+    assert sum(union.values()) <= stored < sum(union.values()) + 64 * len(union)  # each tensor once, 64-byte aligned
+    assert stored < sum(sizes[0].values()) + sum(sizes[1].values())
+
+
+def test_failed_verification_leaves_nothing(checkpoint_dir, tmp_path):
+    src, _ = checkpoint_dir("v2_group_limited")
+    out = tmp_path / "out"
+
+    def failing(_):
+        raise ExportError("verification failed on purpose")
+
+    with pytest.raises(ExportError, match="on purpose"):
+        export(src, out, ExportOptions(), verify=failing)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_context_length_guard(checkpoint_dir, tmp_path):
+    src, _ = checkpoint_dir("v2_group_limited")
+    out = tmp_path / "short"
+    export(src, out, ExportOptions(max_seq_len=24))
+    gen = Generator(ExportedModel(out))
+    with pytest.raises(InputError, match="20 prompt tokens \\+ 5 new tokens = 25 exceeds the export's maximum length 24"):
+        gen.generate([list(range(3, 23))], 5)
+    assert len(gen.generate([list(range(3, 23))], 4, ).token_ids[0]) <= 4
+
+
+def test_graphs_from_different_exports_refused(exported, tmp_path):
+    a, b = exported("v3_lora_group_yarn", "fused"), exported("v3_lora_group_yarn", "factored")
+    mixed = tmp_path / "mixed"
+    shutil.copytree(a, mixed)
+    shutil.copyfile(b / "decode.onnx", mixed / "decode.onnx")
+    with pytest.raises(ExportLoadError, match="decode.onnx: does not match the manifest"):
+        ExportedModel(mixed)
+    manifest = json.loads((mixed / "manifest.json").read_text())
+    import hashlib
+
+    manifest["graphs"]["decode"]["sha256"] = hashlib.sha256((mixed / "decode.onnx").read_bytes()).hexdigest()
+    (mixed / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ExportLoadError, match="graphs from different exports cannot be mixed"):
+        ExportedModel(mixed)
+
+
+def test_cuda_request_without_cuda_falls_back_with_message(exported):
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("CUDA is available here")
+    with pytest.warns(RuntimeWarning, match="CUDAExecutionProvider.*not available.*falling back to CPU"):
+        model = ExportedModel(exported("v2_group_limited"), RuntimeOptions(provider="cuda"))
+    assert model.device == "cpu"
+
+
+def test_runtime_imports_and_generates_without_torch(exported):
+    out = exported("v2_group_limited")
+    code = (
+        "import sys\n"
+        "from mla_deploy.runtime import ExportedModel, Generator\n"
+        f"r = Generator(ExportedModel({str(out)!r})).generate([[5, 6, 7]], 4)\n"
+        "assert len(r.token_ids[0]) >= 1\n"
+        "print('torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"
