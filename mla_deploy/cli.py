@@ -101,8 +101,6 @@ def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_
     sampling = SamplingParams(temperature, top_k, top_p, repetition_penalty, seed).validate()
     model = ExportedModel(export_dir, RuntimeOptions(provider=provider))
     on_text = None if as_json else (lambda s: click.echo(s, nl=False))
-    if not as_json and prompt is not None:
-        click.echo(prompt, nl=False)
     result = complete(model, prompt, ids, max_new_tokens, sampling, on_text)
     if as_json:
         click.echo(json.dumps(result))
@@ -126,6 +124,23 @@ def verify(export_dir, checkpoint, steps):
     for line in report.lines:
         click.echo(line)
     if not report.passed:
+        sys.exit(1)
+
+
+@main.command(name="eval")
+@click.argument("export_dir", type=click.Path(path_type=Path))
+@click.option("--text", "text_file", required=True, type=click.Path(path_type=Path), help="Text file to score.")
+@click.option("--window", type=click.IntRange(min=1), default=256, show_default=True, help="Tokens per scored window.")
+@click.option("--checkpoint", type=click.Path(path_type=Path), default=None, help="Source checkpoint (default: the one exported).")
+def eval_command(export_dir, text_file, window, checkpoint):
+    """Loss and perplexity of a text through the export and through the torch source, side by side."""
+    from .evaluate import evaluate
+
+    report = evaluate(export_dir, text_file, window, checkpoint)
+    for line in report.lines():
+        click.echo(line)
+    if report.difference > 1e-4:
+        click.echo("error: export and torch source disagree by more than 1e-4", err=True)
         sys.exit(1)
 
 

@@ -74,7 +74,7 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
     for i in range(cfg.num_hidden_layers):
         feed[io_spec.past_latent(i)] = np.zeros((b, capacity, cfg.kv_lora_rank), np.float32)
         feed[io_spec.past_rope(i)] = np.zeros((b, capacity, cfg.qk_rope_head_dim), np.float32)
-    out = _run(model, io_spec.PREFILL, feed)
+    out = model.run(io_spec.PREFILL, feed)
     valid = np.arange(longest)[None, :] < lens[:, None]
     prefill_diff = float(np.abs(out[io_spec.LOGITS] - ref)[valid].max())
     scale = float(np.abs(ref[valid]).max())
@@ -95,7 +95,7 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
         feed = {io_spec.INPUT_IDS: token[:, None].astype(np.int64), io_spec.POSITION_IDS: slot[:, None],
                 io_spec.ATTENTION_MASK: mask, io_spec.WRITE_INDICES: slot}
         feed.update({k.replace("present", "past"): v for k, v in cache_feed.items()})
-        out = _run(model, io_spec.DECODE, feed)
+        out = model.run(io_spec.DECODE, feed)
         cache_feed = {k: v for k, v in out.items() if k != io_spec.LOGITS}
         diff = float(np.abs(out[io_spec.LOGITS][:, 0] - ref_step).max())
         report.decode_max_abs.append(diff)
@@ -112,8 +112,3 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
                         f"(rtol {rtol:g} x logit scale {max(1.0, report.logit_scale):.2f})")
     return report
 
-
-def _run(model: ExportedModel, kind: str, feed: dict) -> dict:
-    session = model.sessions[kind]
-    names = [o.name for o in session.get_outputs()]
-    return dict(zip(names, session.run(None, feed)))

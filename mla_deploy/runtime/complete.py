@@ -24,6 +24,8 @@ def complete(model: ExportedModel, prompt: str | None = None, prompt_ids: list[i
             raise InputError(f"{model.directory}: this export has no tokenizer; pass token ids (--prompt-ids)")
         prompt_ids = tokenizer.encode(prompt)
     stream = TextStream(tokenizer) if tokenizer is not None else None
+    if on_text is not None and prompt is not None:
+        on_text(prompt)  # the prompt first, then the completion as it is generated
     t0 = time.perf_counter()
     steps = Generator(model, sampling).stream([prompt_ids], max_new_tokens)
     while True:

@@ -54,11 +54,12 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
     logits = apply_repetition_penalty(logits.astype(np.float64), history, params.repetition_penalty)
     if params.greedy:
         return logits.argmax(-1).astype(np.int64)
-    logits = logits / params.temperature
+    # subtract the max first: every scaled logit is <= 0, so no temperature, however small, overflows
+    logits = (logits - logits.max(-1, keepdims=True)) / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = np.partition(logits, -params.top_k, axis=-1)[:, -params.top_k, None]  # [b, 1]
         logits = np.where(logits < kth, -np.inf, logits)
-    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs = np.exp(logits)  # the max is exp(0) = 1: the sum is >= 1
     probs /= probs.sum(-1, keepdims=True)
     if params.top_p < 1.0:
         order = np.argsort(-probs, axis=-1, kind="stable")  # [b, vocab] descending

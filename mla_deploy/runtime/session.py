@@ -12,6 +12,7 @@ from .. import io_spec
 from ..config import MLAConfig
 from ..errors import ExportLoadError, ProviderError
 from ..manifest import check_files, read_manifest
+from .feed_check import check_feed
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
@@ -59,6 +60,15 @@ class ExportedModel:
         self.providers = resolve_providers(self.options.provider, self.options.strict_provider)
         self.device = "cuda" if self.providers[0] == PROVIDERS["cuda"] else "cpu"
         self.sessions = {kind: self._session(kind) for kind in (io_spec.PREFILL, io_spec.DECODE)}
+
+    def run(self, kind: str, feed: dict) -> dict:
+        """One checked call of the prefill or decode graph; outputs by name (new arrays, no in-place update)."""
+        if kind not in self.sessions:
+            raise ValueError(f"graph {kind!r}: expected {io_spec.PREFILL!r} or {io_spec.DECODE!r}")
+        check_feed(kind, feed, self.config, self.max_seq_len)
+        session = self.sessions[kind]
+        names = [o.name for o in session.get_outputs()]
+        return dict(zip(names, session.run(names, feed)))
 
     def _session(self, kind: str) -> ort.InferenceSession:
         path = self.directory / self.manifest["graphs"][kind]["file"]

@@ -1,0 +1,62 @@
+"""Loss and perplexity of a text through the exported graphs and through the torch source, side by side."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .checkpoint import Checkpoint
+from .errors import ExportError, InputError
+from .modeling import AttentionForm, load_model, new_caches
+from .runtime import ExportedModel, Tokenizer
+from .runtime.scoring import export_nll, log_softmax_nll, windows
+
+
+@dataclass
+class EvalReport:
+    tokens: int
+    windows: int
+    export_loss: float
+    torch_loss: float
+
+    @property
+    def difference(self) -> float:
+        return abs(self.export_loss - self.torch_loss)
+
+    def lines(self) -> list[str]:
+        return [
+            f"scored {self.tokens} tokens in {self.windows} windows",
+            f"onnx export : loss {self.export_loss:.4f}  perplexity {math.exp(self.export_loss):.3f}",
+            f"torch source: loss {self.torch_loss:.4f}  perplexity {math.exp(self.torch_loss):.3f}",
+            f"|Δ loss| {self.difference:.2e}",
+        ]
+
+
+def evaluate(export_dir: str | Path, text_file: str | Path, window: int = 256,
+             checkpoint_dir: str | Path | None = None) -> EvalReport:
+    model = ExportedModel(export_dir)
+    tokenizer = Tokenizer.from_export(export_dir, model.manifest)
+    if tokenizer is None:
+        raise InputError(f"{export_dir}: export has no tokenizer; eval needs one to read text")
+    try:
+        text = Path(text_file).read_text()
+    except OSError as e:
+        raise InputError(f"{text_file}: cannot read ({e.strerror})") from None
+    batch = windows(tokenizer.encode(text), window)
+    export_loss = float(export_nll(model, batch).mean())
+    source = Path(checkpoint_dir or model.manifest["source"]["path"])
+    ckpt = Checkpoint(source)
+    if ckpt.content_hash() != model.manifest["source"]["sha256"]:
+        raise ExportError(f"{source}: checkpoint differs from the one {export_dir} was exported from (sha256 mismatch)")
+    torch_model = load_model(ckpt)
+    nll = []
+    for w in batch:
+        ids = torch.from_numpy(w[None, :-1])
+        logits = torch_model(ids, torch.arange(window)[None], new_caches(torch_model.cfg, 1, window),
+                             torch.zeros(1, dtype=torch.long), torch.ones(1, window), form=AttentionForm.NAIVE)
+        nll.append(log_softmax_nll(logits.numpy()[0], w[1:]))
+    return EvalReport(int(batch.shape[0] * window), int(batch.shape[0]), export_loss, float(np.mean(nll)))

@@ -1,0 +1,63 @@
+"""Checks on a graph feed handed in by an app, before onnxruntime sees it: names, dtypes, shapes, ranges.
+
+Each problem is reported by input name with what was expected, so a wrong cache never reaches
+onnxruntime (whose own message would name a kernel, not the mistake).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import io_spec
+from ..config import MLAConfig
+from ..errors import InputError
+
+
+def check_feed(kind: str, feed: dict, cfg: MLAConfig, max_seq_len: int) -> None:
+    inputs, _ = io_spec.graph_io(kind, cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.vocab_size)
+    expected = {s.name: s for s in inputs}
+    missing = sorted(expected.keys() - feed.keys())
+    unknown = sorted(feed.keys() - expected.keys())
+    if missing or unknown:
+        raise InputError(f"{kind} inputs: missing {missing}, unknown {unknown}")
+    axes: dict[str, tuple[int, str]] = {}  # axis name -> (size, first input that fixed it)
+    for name, spec in expected.items():
+        value = feed[name]
+        if not isinstance(value, np.ndarray):
+            raise InputError(f"{name}: expected a numpy array, got {type(value).__name__}")
+        if value.dtype != np.dtype(spec.dtype):
+            raise InputError(f"{name}: dtype {value.dtype}, expected {spec.dtype}")
+        if value.ndim != len(spec.shape):
+            raise InputError(f"{name}: shape {list(value.shape)}, expected rank {len(spec.shape)} {list(spec.shape)}")
+        for size, axis in zip(value.shape, spec.shape):
+            if isinstance(axis, int):
+                if size != axis:
+                    raise InputError(f"{name}: shape {list(value.shape)}, expected {list(spec.shape)}")
+            elif axis in axes and axes[axis][0] != size:
+                raise InputError(f"{name}: {axis} is {size} but {axes[axis][1]} has {axis} {axes[axis][0]}: the inputs disagree")
+            else:
+                axes.setdefault(axis, (size, name))
+    _check_values(feed, axes, cfg, max_seq_len)
+
+
+def _check_values(feed: dict, axes: dict, cfg: MLAConfig, max_seq_len: int) -> None:
+    ids = feed[io_spec.INPUT_IDS]
+    if ids.size == 0:
+        raise InputError(f"{io_spec.INPUT_IDS}: empty; at least one token per row")
+    bad = np.argwhere((ids < 0) | (ids >= cfg.vocab_size))
+    if len(bad):
+        r, t = bad[0]
+        raise InputError(f"{io_spec.INPUT_IDS}[{r}, {t}] = {ids[r, t]}: outside the vocabulary [0, {cfg.vocab_size})")
+    pos = feed[io_spec.POSITION_IDS]
+    if pos.min() < 0 or pos.max() >= max_seq_len:
+        raise InputError(f"{io_spec.POSITION_IDS}: values must be in [0, {max_seq_len}) (the export's maximum length), "
+                         f"got [{pos.min()}, {pos.max()}]")
+    write = feed[io_spec.WRITE_INDICES]
+    capacity, seq = axes["capacity"][0], ids.shape[1]
+    if write.min() < 0 or (write + seq).max() > capacity:
+        raise InputError(f"{io_spec.WRITE_INDICES}: each row writes {seq} slots from its index; indices "
+                         f"[{write.min()}, {write.max()}] do not fit a cache of capacity {capacity}")
+    if io_spec.LOGITS_POSITIONS in feed:
+        lp = feed[io_spec.LOGITS_POSITIONS]
+        if lp.size and (lp.min() < 0 or lp.max() >= seq):
+            raise InputError(f"{io_spec.LOGITS_POSITIONS}: values must be in [0, {seq}), got [{lp.min()}, {lp.max()}]")

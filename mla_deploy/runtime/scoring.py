@@ -1,0 +1,51 @@
+"""Scoring text through the prefill graph: per-token log-likelihood, loss and perplexity. Torch-free.
+
+Text is cut into non-overlapping windows of `window` + 1 tokens; each window is scored from an
+empty cache (its first token predicts the second, and so on), several windows per graph run.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import io_spec
+from ..errors import InputError
+from .session import ExportedModel
+
+
+def windows(ids: list[int], window: int) -> np.ndarray:
+    """[n_windows, window + 1] token ids; the tail that does not fill a window is dropped."""
+    if window < 1:
+        raise InputError(f"window={window}: must be positive")
+    n = (len(ids) - 1) // window
+    if n < 1:
+        raise InputError(f"text has {len(ids)} tokens; scoring needs at least {window + 1}")
+    return np.array([ids[i * window : i * window + window + 1] for i in range(n)], np.int64)
+
+
+def log_softmax_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """logits [..., vocab], targets [...] -> negative log-likelihood [...] in float64."""
+    logits = logits.astype(np.float64)
+    top = logits.max(-1, keepdims=True)
+    log_z = np.log(np.exp(logits - top).sum(-1)) + top[..., 0]
+    return log_z - np.take_along_axis(logits, targets[..., None], -1)[..., 0]
+
+
+def export_nll(model: ExportedModel, batch: np.ndarray, rows_per_run: int = 8) -> np.ndarray:
+    """NLL of each next token of each window: [n_windows, window]."""
+    cfg = model.config
+    out = []
+    for start in range(0, len(batch), rows_per_run):
+        w = batch[start : start + rows_per_run]
+        b, t = w.shape[0], w.shape[1] - 1
+        if t > model.max_seq_len:
+            raise InputError(f"window {t} exceeds the export's maximum length {model.max_seq_len}")
+        pos = np.broadcast_to(np.arange(t), (b, t)).copy()
+        feed = {io_spec.INPUT_IDS: w[:, :-1], io_spec.POSITION_IDS: pos, io_spec.ATTENTION_MASK: np.ones((b, t), np.int64),
+                io_spec.WRITE_INDICES: np.zeros(b, np.int64), io_spec.LOGITS_POSITIONS: pos}
+        for i in range(cfg.num_hidden_layers):
+            feed[io_spec.past_latent(i)] = np.zeros((b, t, cfg.kv_lora_rank), np.float32)
+            feed[io_spec.past_rope(i)] = np.zeros((b, t, cfg.qk_rope_head_dim), np.float32)
+        logits = model.run(io_spec.PREFILL, feed)[io_spec.LOGITS]  # [b, t, vocab]
+        out.append(log_softmax_nll(logits, w[:, 1:]))
+    return np.concatenate(out)

@@ -1,0 +1,355 @@
+"""Bad input gets a specific error; nothing half-written; safe to share between threads; reproducible."""
+
+import errno
+import filecmp
+import gc
+import json
+import shutil
+import threading
+import weakref
+
+import numpy as np
+import psutil
+import pytest
+import torch
+from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mla_deploy import io_spec
+from mla_deploy.cli import main
+from mla_deploy.errors import CheckpointError, ExportError, ExportLoadError, InputError, ProviderError
+from mla_deploy.export import ExportOptions, export
+from mla_deploy.modeling import AttentionForm, load_model, new_caches
+from mla_deploy.runtime import ExportedModel, Generator, RuntimeOptions, SamplingParams
+from mla_deploy.runtime.session import resolve_providers
+
+VARIANT = "v3_lora_group_yarn"
+
+
+@pytest.fixture(scope="module")
+def model(exported):
+    return ExportedModel(exported(VARIANT))
+
+
+def torch_greedy(torch_model, prompt: list[int], n: int) -> list[int]:
+    """Greedy continuation with the torch source (naive prefill, absorbed decode)."""
+    cfg = torch_model.cfg
+    caches = new_caches(cfg, 1, len(prompt) + n)
+    mask = torch.ones(1, len(prompt) + n)
+    logits = torch_model(torch.tensor([prompt]), torch.arange(len(prompt))[None], caches, torch.zeros(1, dtype=torch.long),
+                         mask, form=AttentionForm.NAIVE)[:, -1]
+    out = []
+    for step in range(n):
+        token = int(logits.argmax(-1))
+        out.append(token)
+        slot = len(prompt) + step
+        logits = torch_model(torch.tensor([[token]]), torch.tensor([[slot]]), caches, torch.tensor([slot]), mask)[:, -1]
+    return out
+
+
+# ---- runtime input validation ----
+@pytest.mark.parametrize(
+    "prompts, n, message",
+    [
+        ([[5, 97]], 3, r"prompt 0, position 1: token id 97 is outside the vocabulary \[0, 97\)"),
+        ([[5, -1]], 3, r"token id -1 is outside the vocabulary"),
+        ([[]], 3, r"prompt 0: empty"),
+        ([], 3, r"non-empty list"),
+        ([[5, 6], "abc"], 3, r"prompt 1: expected a list of token ids, got str"),
+        ([[5, 2.5]], 3, r"prompt 0, position 1: token id 2.5 is not an integer"),
+        ([list(range(3, 90)) * 3], 3, r"261 prompt tokens \+ 3 new tokens = 264 exceeds the export's maximum length 256"),
+        ([[5]], 0, r"max_new_tokens=0: must be a positive integer"),
+    ],
+)
+def test_bad_prompts_refused_before_onnxruntime(model, prompts, n, message):
+    with pytest.raises(InputError, match=message):
+        Generator(model).generate(prompts, n)
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        (dict(temperature=-0.5), "temperature=-0.5: must be a finite number >= 0"),
+        (dict(temperature=float("nan")), "temperature=nan"),
+        (dict(top_p=0.0), r"top_p=0.0: must be in \(0, 1\]"),
+        (dict(top_p=1.5), r"top_p=1.5: must be in \(0, 1\]"),
+        (dict(top_k=-1), "top_k=-1: must be an integer >= 0"),
+        (dict(repetition_penalty=0), "repetition_penalty=0: must be a finite number > 0"),
+        (dict(seed=-3), "seed=-3: must be a non-negative integer"),
+    ],
+)
+def test_sampling_parameters_out_of_range(model, params, message):
+    with pytest.raises(InputError, match=message):
+        Generator(model, SamplingParams(**params))
+
+
+def good_feed(model, b=2, t=3, cap=8):
+    cfg = model.config
+    feed = {io_spec.INPUT_IDS: np.full((b, t), 5, np.int64), io_spec.POSITION_IDS: np.tile(np.arange(t), (b, 1)),
+            io_spec.ATTENTION_MASK: np.ones((b, cap), np.int64), io_spec.WRITE_INDICES: np.zeros(b, np.int64),
+            io_spec.LOGITS_POSITIONS: np.full((b, 1), t - 1, np.int64)}
+    for i in range(cfg.num_hidden_layers):
+        feed[io_spec.past_latent(i)] = np.zeros((b, cap, cfg.kv_lora_rank), np.float32)
+        feed[io_spec.past_rope(i)] = np.zeros((b, cap, cfg.qk_rope_head_dim), np.float32)
+    return feed
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda f: f.update({"past_latent.1": f["past_latent.1"].astype(np.float64)}), "past_latent.1: dtype float64, expected float32"),
+        (lambda f: f.update({"past_rope.0": np.zeros((2, 8, 5), np.float32)}), r"past_rope.0: shape \[2, 8, 5\], expected \['batch', 'capacity', 8\]"),
+        (lambda f: f.update({"past_latent.2": np.zeros((3, 8, 32), np.float32)}), "past_latent.2: batch is 3 but input_ids has batch 2: the inputs disagree"),
+        (lambda f: f.update({"past_rope.2": np.zeros((2, 9, 8), np.float32)}), "past_rope.2: capacity is 9 but attention_mask has capacity 8"),
+        (lambda f: f.pop("past_rope.1"), r"missing \['past_rope.1'\]"),
+        (lambda f: f.update({io_spec.WRITE_INDICES: np.array([0, 6])}), r"do not fit a cache of capacity 8"),
+        (lambda f: f.update({io_spec.INPUT_IDS: np.array([[5, 5, 5], [5, 500, 5]])}), r"input_ids\[1, 1\] = 500: outside the vocabulary"),
+        (lambda f: f.update({io_spec.POSITION_IDS: np.full((2, 3), 300)}), r"position_ids: values must be in \[0, 256\)"),
+    ],
+)
+def test_caches_and_feeds_checked_through_the_api(model, change, message):
+    feed = good_feed(model)
+    change(feed)
+    with pytest.raises(InputError, match=message):
+        model.run(io_spec.PREFILL, feed)
+
+
+def test_good_feed_runs(model):
+    out = model.run(io_spec.PREFILL, good_feed(model))
+    assert out[io_spec.LOGITS].shape == (2, 1, model.config.vocab_size)
+
+
+def test_unknown_provider_and_strict_cuda():
+    with pytest.raises(ProviderError, match="unknown provider 'tpu'"):
+        resolve_providers("tpu")
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        with pytest.raises(ProviderError, match="CUDAExecutionProvider.*not available"):
+            resolve_providers("cuda", strict=True)
+
+
+# ---- export side ----
+def test_export_refuses_existing_directory_unless_forced(checkpoint_dir, tmp_path):
+    src, _ = checkpoint_dir(VARIANT)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(ExportError, match="output directory exists \\(use --force"):
+        export(src, out)
+    assert (out / "keep.txt").read_text() == "mine"
+    export(src, out, ExportOptions(force=True))
+    assert not (out / "keep.txt").exists() and (out / "manifest.json").exists()
+
+
+def test_disk_full_mid_write_leaves_nothing(checkpoint_dir, tmp_path, monkeypatch):
+    from mla_deploy.export import exporter
+
+    src, _ = checkpoint_dir(VARIANT)
+    real = exporter._write_weights
+
+    def full(path, weights):
+        real(path, dict(list(weights.items())[:3]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(exporter, "_write_weights", full)
+    with pytest.raises(ExportError, match="writing the export failed \\(No space left on device\\); nothing was left behind"):
+        export(src, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_export_refuses_bad_checkpoints(checkpoint_dir, tmp_path):
+    src, _ = checkpoint_dir(VARIANT)
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    data = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[:1000])
+    with pytest.raises(CheckpointError, match="truncated"):
+        export(bad, tmp_path / "out")
+    (bad / "model.safetensors").unlink()
+    (bad / "pytorch_model.bin").write_bytes(b"not even a pickle")
+    with pytest.raises(CheckpointError, match="only pickle weights found"):
+        export(bad, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+# ---- load side ----
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda d: (d / "decode.onnx").unlink(), r"decode.onnx: missing decode graph"),
+        (lambda d: (d / "weights.bin").unlink(), r"weights.bin: missing external weight data"),
+        (lambda d: (d / "weights.bin").write_bytes((d / "weights.bin").read_bytes()[:-100]), r"weights.bin: \d+ bytes, the manifest says"),
+        (lambda d: (d / "prefill.onnx").write_bytes(b"garbage"), r"prefill.onnx: does not match the manifest"),
+        (lambda d: (d / "manifest.json").write_text("{not json"), r"manifest.json: corrupt manifest"),
+        (lambda d: (d / "manifest.json").unlink(), r"manifest.json: missing"),
+    ],
+)
+def test_damaged_exports_refused_naming_the_file(exported, tmp_path, damage, message):
+    d = tmp_path / "export"
+    shutil.copytree(exported(VARIANT), d)
+    damage(d)
+    with pytest.raises(ExportLoadError, match=message):
+        ExportedModel(d)
+
+
+def test_corrupt_graph_with_matching_hash_named(exported, tmp_path):
+    import hashlib
+
+    d = tmp_path / "export"
+    shutil.copytree(exported(VARIANT), d)
+    (d / "prefill.onnx").write_bytes(b"\x08\x07garbage-protobuf")
+    manifest = json.loads((d / "manifest.json").read_text())
+    manifest["graphs"]["prefill"]["sha256"] = hashlib.sha256((d / "prefill.onnx").read_bytes()).hexdigest()
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ExportLoadError, match="prefill.onnx: onnxruntime cannot load this graph"):
+        ExportedModel(d)
+
+
+def test_newer_manifest_version_refused(exported, tmp_path):
+    d = tmp_path / "export"
+    shutil.copytree(exported(VARIANT), d)
+    manifest = json.loads((d / "manifest.json").read_text())
+    manifest["manifest_version"] = 99
+    manifest["mla_deploy_version"] = "9.0.0"
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ExportLoadError, match="manifest_version 99 was written by mla-deploy 9.0.0.*upgrade mla-deploy"):
+        ExportedModel(d)
+
+
+# ---- properties ----
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    prompts=st.lists(st.lists(st.integers(-2, 100), min_size=0, max_size=20), min_size=0, max_size=4),
+    chunk=st.integers(1, 24),
+    n=st.integers(-1, 6),
+)
+def test_runtime_greedy_equals_torch_or_refuses_cleanly(checkpoint_dir, model, prompts, chunk, n):
+    src, _ = checkpoint_dir(VARIANT)
+    try:
+        result = Generator(model, chunk_size=chunk, stop_token_ids=()).generate(prompts, n)
+    except InputError:
+        bad = (not prompts or n < 1 or any(not p or min(p) < 0 or max(p) >= 97 for p in prompts))
+        assert bad, "a valid request was refused"
+        return
+    torch_model = _torch_model(src)
+    for prompt, got in zip(prompts, result.token_ids):
+        assert got == torch_greedy(torch_model, prompt, n)
+
+
+_TORCH = {}
+
+
+def _torch_model(src):
+    if src not in _TORCH:
+        _TORCH[src] = load_model(src)
+    return _TORCH[src]
+
+
+@pytest.mark.filterwarnings("error")  # an overflow or NaN inside sampling fails the test
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    temperature=st.one_of(st.floats(-1, 3), st.just(float("nan")), st.just(1e-300), st.just(1e300)),
+    top_k=st.integers(-2, 120),
+    top_p=st.floats(-0.5, 1.5),
+    penalty=st.floats(0.0, 3.0),
+    seed=st.integers(0, 2**31),
+)
+def test_sampling_returns_tokens_in_vocab_or_refuses(model, temperature, top_k, top_p, penalty, seed):
+    params = SamplingParams(temperature, top_k, top_p, penalty, seed)
+    try:
+        params.validate()
+    except InputError:
+        return
+    a = Generator(model, params, stop_token_ids=()).generate([[5, 6, 7], [8]], 5)
+    b = Generator(model, params, stop_token_ids=()).generate([[5, 6, 7], [8]], 5)
+    assert a.token_ids == b.token_ids  # seeded: reproducible
+    assert all(0 <= t < model.config.vocab_size for row in a.token_ids for t in row)
+
+
+# ---- concurrency, soak, cancellation ----
+def test_threads_sharing_one_model_get_what_they_get_alone(model):
+    prompts = [[3 + i, 10 + 2 * i, 40 - i] for i in range(6)]
+    alone = [Generator(model, stop_token_ids=()).generate([p], 24).token_ids[0] for p in prompts]
+    results = [None] * len(prompts)
+
+    def work(i):
+        for _ in range(3):
+            results[i] = Generator(model, stop_token_ids=()).generate([prompts[i]], 24).token_ids[0]
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert results == alone
+
+
+def test_soak_memory_flat_after_warmup(model):
+    gen = Generator(model, SamplingParams(temperature=0.8, seed=1), stop_token_ids=())
+    process = psutil.Process()
+    for _ in range(3):  # warm-up: arenas and caches reach their working size
+        gen.generate([[5, 6, 7]], 200)
+    gc.collect()
+    before = process.memory_info().rss
+    tokens = 0
+    for i in range(25):
+        tokens += len(gen.generate([[5, 6, 7 + i % 50]], 200).token_ids[0])
+    gc.collect()
+    grown = process.memory_info().rss - before
+    assert tokens == 5000
+    assert grown < 20 * 2**20, f"resident memory grew {grown / 2**20:.1f} MiB over {tokens} tokens"
+
+
+def test_closing_a_stream_frees_its_cache(model, monkeypatch):
+    from mla_deploy.runtime import generator as generator_module
+
+    made = []
+    real = generator_module.CacheBuffers
+
+    def tracked(*args, **kwargs):
+        buffers = real(*args, **kwargs)
+        made.append(weakref.ref(buffers))
+        return buffers
+
+    monkeypatch.setattr(generator_module, "CacheBuffers", tracked)
+    stream = Generator(model, stop_token_ids=()).stream([[5, 6, 7]], 100)
+    next(stream), next(stream)
+    assert made[0]() is not None
+    stream.close()
+    gc.collect()
+    assert made[0]() is None
+
+
+# ---- reproducibility ----
+def test_exporting_twice_gives_identical_files(checkpoint_dir, tmp_path):
+    src, _ = checkpoint_dir(VARIANT)
+    export(src, tmp_path / "a")
+    export(src, tmp_path / "b")
+    names = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "b").iterdir())
+    match, mismatch, errors = filecmp.cmpfiles(tmp_path / "a", tmp_path / "b", names, shallow=False)
+    assert mismatch == [] and errors == [] and sorted(match) == names
+
+
+# ---- CLI ----
+def test_cli_errors_are_one_line(exported):
+    out = str(exported(VARIANT))
+    runner = CliRunner()
+    cases = [
+        (["run", out, "--prompt-ids", "1,2,999"], "token id 999 is outside the vocabulary"),
+        (["run", out, "--prompt-ids", "1,x"], "expected comma-separated integers"),
+        (["run", out, "--prompt-ids", "1,2", "--temperature", "-1"], "temperature=-1.0"),
+        (["run", out, "--prompt", "hello"], "has no tokenizer; pass token ids"),
+        (["run", "/nonexistent/export", "--prompt-ids", "1"], "export directory does not exist"),
+        (["export", "/nonexistent/ckpt", "-o", "/tmp/never-written"], "checkpoint directory does not exist"),
+    ]
+    for args, message in cases:
+        result = runner.invoke(main, args)
+        assert result.exit_code != 0, args
+        errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and message in errors[0], (args, result.output)
+        assert "Traceback" not in result.output and result.output.strip().splitlines()[-1] == errors[0]
+    debug = runner.invoke(main, ["--debug", "run", "/nonexistent/export", "--prompt-ids", "1"])
+    assert debug.exit_code != 0 and isinstance(debug.exception, ExportLoadError)
