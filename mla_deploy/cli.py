@@ -144,6 +144,54 @@ def eval_command(export_dir, text_file, window, checkpoint):
         sys.exit(1)
 
 
+@main.command()
+@click.option("--quick", is_flag=True, help="ctx 128 and 4k, batch 1, four engines: a few minutes.")
+@click.option("--preset", default="v2lite-2L", show_default=True, help="Preset to build and benchmark (models/presets).")
+@click.option("--checkpoint", type=click.Path(path_type=Path), default=None, help="Benchmark this checkpoint instead of a preset.")
+@click.option("--contexts", default=None, help="Comma-separated context lengths (default 128,1024,4096,16384).")
+@click.option("--batches", default=None, help="Comma-separated batch sizes (default 1,8).")
+@click.option("--engines", default=None, help="Comma-separated engines (default: all).")
+@click.option("--steps", type=click.IntRange(min=1), default=None, help="Timed decode steps per point.")
+@click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--workdir", type=click.Path(path_type=Path), default=Path("benchmarks/work"), show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), default=Path("benchmarks/results"), show_default=True,
+              help="Where results.json and results.png go.")
+def bench(quick, preset, checkpoint, contexts, batches, engines, steps, threads, workdir, out):
+    """Benchmark engines side by side: decode speed vs context, prefill, memory, bandwidth limit."""
+    from .bench import BenchConfig, run_bench
+    from .bench.report import save, table
+
+    overrides = {k: v for k, v in dict(
+        preset=preset, checkpoint=checkpoint, threads=threads, workdir=workdir, steps=steps,
+        contexts=_parse_ints(contexts, "--contexts"), batches=_parse_ints(batches, "--batches"),
+        engines=tuple(engines.split(",")) if engines else None).items() if v is not None}
+    cfg = BenchConfig.quick(**overrides) if quick else BenchConfig(**overrides)
+    result = run_bench(cfg, progress=_progress())
+    click.echo(table(result))
+    json_path, png = save(result, out, "quick" if quick else "results")
+    click.echo(f"saved {json_path}" + (f" and {png}" if png else ""))
+
+
+@main.command()
+@click.argument("name")
+@click.option("-o", "--output", "out", required=True, type=click.Path(path_type=Path))
+@click.option("--seed", type=int, default=0, show_default=True)
+def preset(name, out, seed):
+    """Write a random-weight checkpoint for preset NAME (models/presets/NAME.json)."""
+    from .presets import build_preset
+
+    click.echo(build_preset(name, out, seed))
+
+
+def _parse_ints(text, flag):
+    if text is None:
+        return None
+    try:
+        return tuple(int(t) for t in text.split(",") if t)
+    except ValueError:
+        raise MLADeployError(f"{flag} {text!r}: expected comma-separated integers") from None
+
+
 def _parse_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(" ", "").split(",") if t]

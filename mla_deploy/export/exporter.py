@@ -145,13 +145,14 @@ def _used_names(graph: onnx.GraphProto) -> set[str]:
     return names
 
 
-def _attach_external(model: onnx.ModelProto, weights: dict[str, np.ndarray], offsets: dict) -> None:
+def _attach_external(model: onnx.ModelProto, weights: dict[str, np.ndarray], offsets: dict,
+                     location: str = WEIGHTS_FILE) -> None:
     for name in sorted(_used_names(model.graph) & weights.keys()):
         arr = weights[name]
         offset, length = offsets[name]
         tensor = onnx.TensorProto(name=name, data_type=onnx.TensorProto.FLOAT, dims=arr.shape,
                                   data_location=onnx.TensorProto.EXTERNAL)
-        for key, value in (("location", WEIGHTS_FILE), ("offset", str(offset)), ("length", str(length))):
+        for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
             entry = tensor.external_data.add()
             entry.key, entry.value = key, value
         model.graph.initializer.append(tensor)

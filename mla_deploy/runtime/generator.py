@@ -82,11 +82,7 @@ class Generator:
         Closing the iterator early frees the generation's caches."""
         rows = self.check_prompts(prompts, max_new_tokens)
         b = len(rows)
-        longest = max(len(r) for r in rows)
-        caches = CacheBuffers(self.model.config, b, min(longest + 1, self.model.max_seq_len), self.model.max_seq_len,
-                              self.model.device)
-        state = _State(caches, np.array([len(r) for r in rows], np.int64), [np.asarray(r, np.int64) for r in rows],
-                       np.random.default_rng(self.sampling.seed))
+        state = self.new_state([np.asarray(r, np.int64) for r in rows])
         generated: list[list[int]] = [[] for _ in range(b)]
         finished = np.zeros(b, bool)
         reasons = ["length"] * b
@@ -114,6 +110,14 @@ class Generator:
             state.decode_binding = None
             state.decode_buffers.clear()
         return GenerationResult(generated, reasons, state.prefill_ms, state.decode_ms, state.decode_steps * b)
+
+    def new_state(self, history: list[np.ndarray], context: int | None = None) -> _State:
+        """Generation state for these rows; caches sized for the longest row (or `context` slots already held)."""
+        held = max(len(h) for h in history) if context is None else context
+        caches = CacheBuffers(self.model.config, len(history), min(held + 1, self.model.max_seq_len),
+                              self.model.max_seq_len, self.model.device)
+        lengths = np.array([len(h) for h in history] if context is None else [context] * len(history), np.int64)
+        return _State(caches, lengths, history, np.random.default_rng(self.sampling.seed))
 
     def check_prompts(self, prompts, max_new_tokens: int) -> list[list[int]]:
         """Token-id rows, each checked: non-empty, integer, in the vocabulary, within the export's length."""

@@ -1,0 +1,219 @@
+"""The engines a benchmark compares. Each loads, measures prefill and decode, and unloads.
+
+Decode is measured at a context of `ctx` tokens already in the cache. Caches are filled with real
+random data (never-written zero pages read at twice the real bandwidth and flatter every figure),
+then `steps` decode steps are timed after one warm-up step; the median step is reported.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .. import io_spec
+from ..config import MLAConfig
+from ..export.absorb import AbsorbMode
+from . import traffic
+
+
+def _median_ms(fn, steps: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+class OnnxEngine:
+    """An mla-deploy export driven by the runtime: in-place latent caches, IO binding."""
+
+    def __init__(self, name: str, directory: Path, threads: int):
+        self.name, self.directory, self.threads = name, directory, threads
+
+    def load(self):
+        from ..runtime import ExportedModel, Generator, RuntimeOptions
+
+        self.model = ExportedModel(self.directory, RuntimeOptions(threads=self.threads))
+        self.cfg: MLAConfig = self.model.config
+        self.gen = Generator(self.model, stop_token_ids=())
+        self.absorb = AbsorbMode(self.model.manifest["absorb"])
+
+    def prefill_tokens_per_s(self, n: int) -> float:
+        prompt = np.random.default_rng(0).integers(0, self.cfg.vocab_size, n).tolist()
+        best = min(self._prefill_once(prompt) for _ in range(2))
+        return n / best
+
+    def _prefill_once(self, prompt) -> float:
+        state = self.gen.new_state([np.asarray(prompt)])
+        t0 = time.perf_counter()
+        self.gen.prefill(state, [prompt])
+        return time.perf_counter() - t0
+
+    def decode_step_ms(self, ctx: int, batch: int, steps: int) -> float:
+        rng = np.random.default_rng(ctx)
+        state = self.gen.new_state([np.zeros(1, np.int64)] * batch, context=ctx)
+        state.caches.ensure(ctx + steps + 2)
+        for arr in state.caches.arrays.values():
+            arr[:] = rng.standard_normal(arr.shape, dtype=np.float32)
+        tokens = rng.integers(0, self.cfg.vocab_size, batch)
+        return _median_ms(lambda: self.gen.decode_step(state, tokens), steps)
+
+    def cache_bytes_per_token(self) -> int:
+        return traffic.latent_cache_bytes_per_token(self.cfg)
+
+    def weight_bytes_per_token(self, active_experts: int) -> int:
+        return traffic.decode_weight_bytes(self.cfg, self.absorb, active_experts)
+
+    def close(self):
+        self.model = self.gen = None
+        gc.collect()
+
+
+class MhaOnnxEngine(OnnxEngine):
+    """The decompressed-K/V baseline graph: per-head K/V caches grown by Concat each step."""
+
+    def load(self):
+        import onnxruntime as ort
+
+        from ..export.baseline import MHA_FILE
+        from ..manifest import read_manifest
+
+        self.cfg = read_manifest(self.directory)["config_obj"]
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = self.threads
+        so.log_severity_level = 3
+        self.session = ort.InferenceSession(str(self.directory / MHA_FILE), so, providers=["CPUExecutionProvider"])
+        self.absorb = None
+
+    def prefill_tokens_per_s(self, n: int):
+        return None  # the baseline is decode-only
+
+    def decode_step_ms(self, ctx: int, batch: int, steps: int) -> float:
+        cfg, rng = self.cfg, np.random.default_rng(ctx)
+        h = cfg.num_attention_heads
+        feed = {io_spec.INPUT_IDS: rng.integers(0, cfg.vocab_size, (batch, 1)), io_spec.POSITION_IDS: np.full((batch, 1), ctx)}
+        for i in range(cfg.num_hidden_layers):
+            feed[io_spec.past_key(i)] = rng.standard_normal((batch, h, ctx, cfg.qk_head_dim), dtype=np.float32)
+            feed[io_spec.past_value(i)] = rng.standard_normal((batch, h, ctx, cfg.v_head_dim), dtype=np.float32)
+        names = [o.name for o in self.session.get_outputs()]
+        # each step feeds the same past: a step's cost is what it would be at ctx (Concat copies the whole cache)
+        return _median_ms(lambda: self.session.run(names, feed), steps)
+
+    def cache_bytes_per_token(self) -> int:
+        return traffic.mha_cache_bytes_per_token(self.cfg)
+
+    def weight_bytes_per_token(self, active_experts: int) -> int:
+        return traffic.decode_weight_bytes(self.cfg, None, active_experts)
+
+    def close(self):
+        self.session = None
+        gc.collect()
+
+
+class TorchEngine:
+    """The torch source model in the naive or the absorbed form (eager, float32)."""
+
+    def __init__(self, name: str, checkpoint: Path, form: str, threads: int):
+        self.name, self.checkpoint, self.form, self.threads = name, checkpoint, form, threads
+
+    def load(self):
+        import torch
+
+        from ..modeling import load_model
+
+        torch.set_num_threads(self.threads)
+        self.model = load_model(self.checkpoint)
+        self.cfg = self.model.cfg
+
+    def prefill_tokens_per_s(self, n: int) -> float:
+        import torch
+
+        from ..modeling import new_caches
+
+        ids = torch.randint(0, self.cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
+
+        def once():
+            self.model(ids, torch.arange(n)[None], new_caches(self.cfg, 1, n), torch.zeros(1, dtype=torch.long),
+                       torch.ones(1, n), form=self.form, logits_positions=torch.tensor([[n - 1]]))
+
+        return n / (_median_ms(once, 1) / 1e3)
+
+    def decode_step_ms(self, ctx: int, batch: int, steps: int) -> float:
+        import torch
+
+        from ..modeling import new_caches
+
+        caches = new_caches(self.cfg, batch, ctx + 1)
+        for c in caches:
+            c.latent.normal_()
+            c.rope.normal_()
+        ids = torch.randint(0, self.cfg.vocab_size, (batch, 1))
+        slot = torch.full((batch,), ctx)
+        mask = torch.ones(batch, ctx + 1)
+        return _median_ms(lambda: self.model(ids, slot[:, None], caches, slot, mask, form=self.form), steps)
+
+    def cache_bytes_per_token(self) -> int:
+        return traffic.latent_cache_bytes_per_token(self.cfg)
+
+    def weight_bytes_per_token(self, active_experts: int):
+        return None
+
+    def close(self):
+        self.model = None
+        gc.collect()
+
+
+class TransformersEngine(TorchEngine):
+    """transformers' own DeepseekV2/V3ForCausalLM with its DynamicCache (sdpa attention)."""
+
+    def __init__(self, name: str, checkpoint: Path, threads: int):
+        super().__init__(name, checkpoint, "hf", threads)
+
+    def load(self):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from ..config import MLAConfig
+
+        torch.set_num_threads(self.threads)
+        self.cfg = MLAConfig.from_hf_json(Path(self.checkpoint) / "config.json")
+        self.model = AutoModelForCausalLM.from_pretrained(self.checkpoint, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+    def prefill_tokens_per_s(self, n: int) -> float:
+        import torch
+
+        ids = torch.randint(0, self.cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            return n / (_median_ms(lambda: self.model(ids, logits_to_keep=1), 1) / 1e3)
+
+    def decode_step_ms(self, ctx: int, batch: int, steps: int) -> float:
+        import torch
+        from transformers import DynamicCache
+
+        cfg = self.cfg
+
+        def fresh_cache():
+            cache = DynamicCache(config=self.model.config)
+            g = torch.Generator().manual_seed(ctx)
+            for i in range(cfg.num_hidden_layers):  # transformers 5 caches the latent: [b, 1, ctx, d_c], [b, 1, ctx, d_r]
+                cache.update(torch.randn(batch, 1, ctx, cfg.kv_lora_rank, generator=g),
+                             torch.randn(batch, 1, ctx, cfg.qk_rope_head_dim, generator=g), i)
+            return cache
+
+        ids = torch.randint(0, cfg.vocab_size, (batch, 1))
+        pos = torch.full((batch, 1), ctx)
+        times = []
+        for i in range(steps + 1):  # each step from exactly ctx cached tokens; the cache is built outside the timer
+            cache = fresh_cache()
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                self.model(ids, position_ids=pos, past_key_values=cache, use_cache=True)
+            if i:
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)

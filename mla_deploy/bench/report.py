@@ -1,0 +1,95 @@
+"""Benchmark output: the table, the target summary, the JSON file and the chart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .run import BenchResult
+
+
+def table(result: BenchResult) -> str:
+    bw = result.bandwidth_gbs
+    lines = [f"machine: {result.machine['cpu']}, {result.machine['threads']} threads, "
+             f"onnxruntime {result.machine['onnxruntime']}",
+             "bandwidth (GB/s): " + ", ".join(f"{k} {v:.1f}" for k, v in bw.items()),
+             "",
+             f"{'engine':<20}{'ctx':>7}{'batch':>6}{'ms/step':>10}{'tok/s':>9}{'of limit':>10}{'cache B/tok':>13}{'rss MB':>8}"]
+    for r in result.rows:
+        frac = f"{r['fraction_of_limit']:.2f}" if "fraction_of_limit" in r else "-"
+        lines.append(f"{r['engine']:<20}{r['ctx']:>7}{r['batch']:>6}{r['step_ms']:>10.2f}{r['tokens_per_s']:>9.1f}"
+                     f"{frac:>10}{r['cache_bytes_per_token']:>13}{r['rss_mb']:>8}")
+    if result.prefill:
+        lines += ["", f"{'engine':<20}{'prefill tokens':>15}{'tok/s':>9}"]
+        lines += [f"{p['engine']:<20}{p['tokens']:>15}{p['tokens_per_s']:>9.1f}" for p in result.prefill]
+    lines += ["", *targets(result), "", f"run time {result.seconds:.0f} s"]
+    return "\n".join(lines)
+
+
+def _step(result, engine, ctx, batch=1):
+    for r in result.rows:
+        if (r["engine"], r["ctx"], r["batch"]) == (engine, ctx, batch):
+            return r
+    return None
+
+
+def targets(result: BenchResult) -> list[str]:
+    """Each target of the benchmark issue that this run measured, with the figure and whether it holds."""
+    out = ["targets (measured in this run):"]
+
+    def check(label, value, ok, fmt="{:.2f}"):
+        if value is not None:
+            out.append(f"  {'met ' if ok(value) else 'MISS'}  {label}: {fmt.format(value)}")
+
+    best = max(("onnx-fused", "onnx-factored"),
+               key=lambda e: (_step(result, e, 128) or {}).get("tokens_per_s", 0))
+    r128 = _step(result, best, 128)
+    check(f"{best} decode at ctx 128, fraction of the bandwidth limit (>= 0.9)",
+          r128 and r128.get("fraction_of_limit"), lambda v: v >= 0.9)
+    r16k = _step(result, best, 16384)
+    check(f"{best} step at 16k / step at 128 (<= 1.15)", r16k and r128 and r16k["step_ms"] / r128["step_ms"], lambda v: v <= 1.15)
+    hf4k, ours4k = _step(result, "transformers", 4096), _step(result, best, 4096)
+    check("decode at 4k vs transformers (>= 15x)", hf4k and ours4k and hf4k["step_ms"] / ours4k["step_ms"], lambda v: v >= 15, "{:.1f}x")
+    mha16k = _step(result, "onnx-mha-baseline", 16384)
+    check("decode at 16k vs decompressed-K/V ONNX (>= 4x)", mha16k and r16k and mha16k["step_ms"] / r16k["step_ms"],
+          lambda v: v >= 4, "{:.1f}x")
+    mha, ours = _step(result, "onnx-mha-baseline", 128), r128
+    check("cache bytes per token, decompressed / latent", mha and ours and mha["cache_bytes_per_token"] / ours["cache_bytes_per_token"],
+          lambda v: True, "{:.2f}x")
+    pre = [p for p in result.prefill if p["engine"] == best]
+    check(f"{best} prefill of 512 tokens (>= 850 tok/s)", pre[0]["tokens_per_s"] if pre else None, lambda v: v >= 850, "{:.0f} tok/s")
+    b8 = _step(result, best, 128, 8)
+    check("batch 8 vs batch 1 decode tokens/s at ctx 128 (>= 5x)", b8 and r128 and b8["tokens_per_s"] / r128["tokens_per_s"],
+          lambda v: v >= 5, "{:.1f}x")
+    return out
+
+
+def save(result: BenchResult, directory: Path, name: str = "results") -> tuple[Path, Path | None]:
+    directory.mkdir(parents=True, exist_ok=True)
+    json_path = directory / f"{name}.json"
+    json_path.write_text(result.to_json() + "\n")
+    return json_path, chart(result, directory / f"{name}.png")
+
+
+def chart(result: BenchResult, path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for engine in dict.fromkeys(r["engine"] for r in result.rows):
+        pts = sorted((r["ctx"], r["tokens_per_s"]) for r in result.rows if r["engine"] == engine and r["batch"] == 1)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=engine)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("decode tokens/s (batch 1)")
+    ax.set_title(f"decode speed, {result.machine['cpu'][:48]}, {result.machine['threads']} threads", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,161 @@
+"""The benchmark matrix: engines x contexts x batch sizes, with the bandwidth limit measured in the same run."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import psutil
+
+from .. import __version__
+from ..presets import build_preset
+from . import bandwidth
+from .engines import MhaOnnxEngine, OnnxEngine, TorchEngine, TransformersEngine
+
+ALL_ENGINES = ("onnx-fused", "onnx-factored", "onnx-mha-baseline", "torch-absorbed", "torch-naive", "transformers")
+
+
+@dataclass
+class BenchConfig:
+    preset: str | None = "v2lite-2L"
+    checkpoint: Path | None = None  # overrides preset
+    workdir: Path = Path("benchmarks/work")
+    contexts: tuple[int, ...] = (128, 1024, 4096, 16384)
+    batches: tuple[int, ...] = (1, 8)
+    engines: tuple[str, ...] = ALL_ENGINES
+    steps: int = 8
+    prefill_tokens: int = 512
+    threads: int = 2
+    bandwidth_mb: int = 512  # size of the bandwidth probes (well beyond any cache)
+
+    @classmethod
+    def quick(cls, **kw) -> "BenchConfig":
+        return cls(**{**dict(contexts=(128, 4096), batches=(1,), steps=4,
+                             engines=("onnx-fused", "onnx-factored", "onnx-mha-baseline", "transformers")), **kw})
+
+
+@dataclass
+class BenchResult:
+    machine: dict
+    bandwidth_gbs: dict
+    rows: list[dict] = field(default_factory=list)
+    prefill: list[dict] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+
+def machine_info(threads: int) -> dict:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import onnxruntime
+
+    return {"cpu": cpu, "logical_cores": os.cpu_count(), "threads": threads,
+            "memory_gb": round(psutil.virtual_memory().total / 2**30, 1), "python": platform.python_version(),
+            "onnxruntime": onnxruntime.__version__, "mla_deploy": __version__}
+
+
+def prepare(cfg: BenchConfig, progress: Callable[[str], None]) -> tuple[Path, dict[str, Path]]:
+    """The checkpoint and the exports the engines need; built once in workdir and reused."""
+    from ..export import ExportOptions, export
+    from ..export.baseline import export_mha_baseline
+
+    cfg.workdir.mkdir(parents=True, exist_ok=True)
+    if cfg.checkpoint is not None:
+        checkpoint = Path(cfg.checkpoint)
+    else:
+        checkpoint = cfg.workdir / f"{cfg.preset}-checkpoint"
+        if not checkpoint.exists():
+            progress(f"building the {cfg.preset} random-weight checkpoint (seed 0)")
+        build_preset(cfg.preset, checkpoint)
+    exports = {}
+    max_len = max(*cfg.contexts, cfg.prefill_tokens) + cfg.steps + 8
+    for mode in ("fused", "factored"):
+        out = cfg.workdir / f"{checkpoint.name}-export-{mode}-{max_len}"
+        if not (out / "manifest.json").exists():
+            progress(f"exporting {mode} (max length {max_len})")
+            export(checkpoint, out, ExportOptions(absorb=mode, max_seq_len=max_len, force=True), progress=progress)
+        exports[mode] = out
+    if "onnx-mha-baseline" in cfg.engines:
+        if not (exports["fused"] / "decode_mha.onnx").exists():
+            progress("exporting the decompressed-K/V baseline decode graph")
+        export_mha_baseline(checkpoint, exports["fused"], max_len)
+    return checkpoint, exports
+
+
+def make_engine(name: str, checkpoint: Path, exports: dict, threads: int):
+    factories = {
+        "onnx-fused": lambda: OnnxEngine(name, exports["fused"], threads),
+        "onnx-factored": lambda: OnnxEngine(name, exports["factored"], threads),
+        "onnx-mha-baseline": lambda: MhaOnnxEngine(name, exports["fused"], threads),
+        "torch-absorbed": lambda: TorchEngine(name, checkpoint, "absorbed", threads),
+        "torch-naive": lambda: TorchEngine(name, checkpoint, "naive", threads),
+        "transformers": lambda: TransformersEngine(name, checkpoint, threads),
+    }
+    return factories[name]()
+
+
+def expected_active_experts(cfg, batch: int) -> float:
+    """Distinct routed experts a batch of uniformly routed rows touches: E·(1 - (1 - k/E)^b)."""
+    if cfg.n_routed_experts is None:
+        return 0
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    return e * (1 - (1 - k / e) ** batch)
+
+
+def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda m: None) -> BenchResult:
+    t0 = time.perf_counter()
+    checkpoint, exports = prepare(cfg, progress)
+    progress("measuring memory bandwidth")
+    bw = {"matmul_start": bandwidth.matmul_read_gbs(cfg.threads, cfg.bandwidth_mb),
+          "numpy_1thread": bandwidth.numpy_read_gbs(cfg.bandwidth_mb)}
+    result = BenchResult(machine_info(cfg.threads), bw)
+    process = psutil.Process()
+    for name in cfg.engines:
+        engine = make_engine(name, checkpoint, exports, cfg.threads)
+        gc.collect()
+        base_rss = process.memory_info().rss
+        progress(f"{name}: loading")
+        engine.load()
+        pf = engine.prefill_tokens_per_s(cfg.prefill_tokens) if cfg.prefill_tokens else None
+        if pf is not None:
+            result.prefill.append({"engine": name, "tokens": cfg.prefill_tokens, "tokens_per_s": round(pf, 1)})
+            progress(f"{name}: prefill {cfg.prefill_tokens} tokens at {pf:.0f} tok/s")
+        for batch in cfg.batches:
+            for ctx in cfg.contexts:
+                ms = engine.decode_step_ms(ctx, batch, cfg.steps)
+                row = {"engine": name, "ctx": ctx, "batch": batch, "step_ms": round(ms, 3),
+                       "tokens_per_s": round(batch * 1e3 / ms, 2), "cache_bytes_per_token": engine.cache_bytes_per_token(),
+                       "rss_mb": round((process.memory_info().rss - base_rss) / 2**20)}
+                weights = engine.weight_bytes_per_token(round(expected_active_experts(engine.cfg, batch)))
+                if weights is not None:
+                    cache_read = batch * ctx * engine.cache_bytes_per_token()
+                    row["bytes_per_step"] = weights + cache_read
+                    row["limit_step_ms"] = round((weights + cache_read) / (max(bw.values()) * 1e9) * 1e3, 3)
+                    row["fraction_of_limit"] = round(row["limit_step_ms"] / ms, 3)
+                result.rows.append(row)
+                progress(f"{name}: ctx {ctx} batch {batch}: {ms:.1f} ms/step, {row['tokens_per_s']:.1f} tok/s")
+        engine.close()
+        del engine
+        gc.collect()
+    bw["matmul_end"] = bandwidth.matmul_read_gbs(cfg.threads, cfg.bandwidth_mb)
+    # the limit uses the highest bandwidth seen in the run (the conservative choice for the fraction)
+    for row in result.rows:
+        if "bytes_per_step" in row:
+            row["limit_step_ms"] = round(row["bytes_per_step"] / (max(bw.values()) * 1e9) * 1e3, 3)
+            row["fraction_of_limit"] = round(row["limit_step_ms"] / row["step_ms"], 3)
+    result.seconds = round(time.perf_counter() - t0, 1)
+    return result

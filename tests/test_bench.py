@@ -1,0 +1,69 @@
+"""The benchmark code paths on a tiny preset: every engine runs and reports the right fields. No timing assertions."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from mla_deploy.bench import BenchConfig, run_bench
+from mla_deploy.bench.report import save, table
+from mla_deploy.bench.run import ALL_ENGINES, expected_active_experts
+from mla_deploy.bench.traffic import decode_weight_bytes, latent_cache_bytes_per_token, mha_cache_bytes_per_token
+from mla_deploy.cli import main
+from mla_deploy.config import MLAConfig
+from mla_deploy.export.absorb import AbsorbMode, resolve_absorb
+from mla_deploy.presets import preset_config
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    work = tmp_path_factory.mktemp("bench")
+    cfg = BenchConfig(preset="tiny-v3", workdir=work, contexts=(8, 40), batches=(1, 3), steps=1, prefill_tokens=16,
+                      bandwidth_mb=64)
+    return run_bench(cfg)
+
+
+def test_every_engine_reports_every_point(result):
+    points = {(r["engine"], r["ctx"], r["batch"]) for r in result.rows}
+    assert points == {(e, c, b) for e in ALL_ENGINES for c in (8, 40) for b in (1, 3)}
+    for r in result.rows:
+        assert r["step_ms"] > 0 and r["tokens_per_s"] == pytest.approx(r["batch"] * 1e3 / r["step_ms"], rel=1e-2)
+        if r["engine"].startswith("onnx"):
+            assert 0 < r["fraction_of_limit"] and r["limit_step_ms"] > 0 and r["bytes_per_step"] > 0
+    assert {p["engine"] for p in result.prefill} == set(ALL_ENGINES) - {"onnx-mha-baseline"}
+    assert set(result.bandwidth_gbs) == {"matmul_start", "numpy_1thread", "matmul_end"}
+    assert all(v > 0 for v in result.bandwidth_gbs.values())
+
+
+def test_cache_bytes_ratio_is_the_formula(result):
+    cfg = MLAConfig.from_hf_dict(preset_config("tiny-v3"))
+    latent = {r["cache_bytes_per_token"] for r in result.rows if r["engine"] == "onnx-fused"}
+    mha = {r["cache_bytes_per_token"] for r in result.rows if r["engine"] == "onnx-mha-baseline"}
+    ratio = mha.pop() / latent.pop()
+    h, dn, dr, dv, dc = 4, 16, 8, 16, 32
+    assert ratio == h * (dn + dr + dv) / (dc + dr) == cfg.mha_cache_width / cfg.latent_cache_width
+
+
+def test_report_table_json_and_chart(result, tmp_path):
+    text = table(result)
+    assert "onnx-fused" in text and "targets (measured in this run):" in text and "bandwidth (GB/s)" in text
+    json_path, png = save(result, tmp_path)
+    data = json.loads(json_path.read_text())
+    assert data["machine"]["threads"] == 2 and len(data["rows"]) == len(result.rows)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_reference_preset_traffic_matches_the_issue_figures():
+    cfg = MLAConfig.from_hf_dict(preset_config("v2lite-2L"))
+    # lm_head 0.84 GB + attention 0.11 + dense MLP 0.27 + 6 routed and 2 shared experts 0.28 = 1.50 GB
+    assert decode_weight_bytes(cfg, AbsorbMode.FACTORED, 6) / 1e9 == pytest.approx(1.50, abs=0.01)
+    assert resolve_absorb(cfg, "auto") == AbsorbMode.FACTORED  # fused matrices are ~3x larger here
+    assert mha_cache_bytes_per_token(cfg) / latent_cache_bytes_per_token(cfg) == pytest.approx(16 * 320 / 576)
+    assert expected_active_experts(cfg, 1) == pytest.approx(6)
+
+
+def test_bench_cli_quick_path(tmp_path):
+    out = CliRunner().invoke(main, ["bench", "--quick", "--preset", "tiny-v3", "--workdir", str(tmp_path / "w"),
+                                    "--out", str(tmp_path / "r"), "--contexts", "8", "--steps", "1"])
+    assert out.exit_code == 0, out.output
+    assert (tmp_path / "r" / "quick.json").exists() and "onnx-fused" in out.output
