@@ -9,11 +9,10 @@ Torch-free: the runtime reads this from the export manifest.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ConfigError
+from .errors import ConfigError, read_json
 
 MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 ROPE_TYPES = ("default", "yarn")
@@ -128,13 +127,9 @@ class MLAConfig:
     # ---- reading an HF config.json ----
     @classmethod
     def from_hf_json(cls, path: str | Path) -> "MLAConfig":
-        path = Path(path)
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: no config.json") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        raw = read_json(path, ConfigError, "config.json")
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a JSON object")
         return cls.from_hf_dict(raw, source=str(path))
 
     @classmethod

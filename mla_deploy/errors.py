@@ -31,3 +31,18 @@ class InputError(MLADeployError):
 
 class ProviderError(MLADeployError):
     """An onnxruntime execution provider that was asked for but cannot be used."""
+
+
+def read_json(path, error: type[MLADeployError], what: str):
+    """Parse a JSON file, or raise `error` naming the file: missing, unreadable or not JSON."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise error(f"{path}: missing {what}") from None
+    except OSError as e:
+        raise error(f"{path}: cannot read {what} ({e.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{path}: corrupt {what}, not valid JSON ({e})") from None

@@ -8,12 +8,11 @@ that is also stamped into each graph's metadata, so graphs from different export
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 from . import io_spec
 from .config import MLAConfig
-from .errors import ExportLoadError, MLADeployError
+from .errors import ExportLoadError, MLADeployError, read_json
 
 MANIFEST_FILE = "manifest.json"
 MANIFEST_VERSION = 1
@@ -26,12 +25,7 @@ def read_manifest(directory: str | Path) -> dict:
     path = directory / MANIFEST_FILE
     if not directory.is_dir():
         raise ExportLoadError(f"{directory}: export directory does not exist")
-    try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ExportLoadError(f"{path}: missing; is {directory} an mla-deploy export?") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ExportLoadError(f"{path}: corrupt manifest ({e})") from None
+    manifest = read_json(path, ExportLoadError, "manifest (is this an mla-deploy export?)")
     if not isinstance(manifest, dict) or manifest.get("format") != "mla-deploy-export":
         raise ExportLoadError(f"{path}: not an mla-deploy manifest")
     version = manifest.get("manifest_version")

@@ -19,6 +19,7 @@ from .checkpoint import Checkpoint
 from .errors import ExportError
 from .modeling import AttentionForm, load_model, new_caches
 from .runtime import ExportedModel, Generator, RuntimeOptions
+from .runtime.feeds import empty_caches
 
 DEFAULT_RTOL = 1e-4
 
@@ -71,9 +72,7 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
                       torch.from_numpy(mask), form=AttentionForm.NAIVE).numpy()
     feed = {io_spec.INPUT_IDS: ids, io_spec.POSITION_IDS: pos, io_spec.ATTENTION_MASK: mask,
             io_spec.WRITE_INDICES: np.zeros(b, np.int64), io_spec.LOGITS_POSITIONS: pos}
-    for i in range(cfg.num_hidden_layers):
-        feed[io_spec.past_latent(i)] = np.zeros((b, capacity, cfg.kv_lora_rank), np.float32)
-        feed[io_spec.past_rope(i)] = np.zeros((b, capacity, cfg.qk_rope_head_dim), np.float32)
+    feed.update(empty_caches(cfg, b, capacity))
     out = model.run(io_spec.PREFILL, feed)
     valid = np.arange(longest)[None, :] < lens[:, None]
     prefill_diff = float(np.abs(out[io_spec.LOGITS] - ref)[valid].max())

@@ -22,6 +22,7 @@ from mla_deploy.errors import CheckpointError, ExportError, ExportLoadError, Inp
 from mla_deploy.export import ExportOptions, export
 from mla_deploy.modeling import AttentionForm, load_model, new_caches
 from mla_deploy.runtime import ExportedModel, Generator, RuntimeOptions, SamplingParams
+from mla_deploy.runtime.feeds import empty_caches
 from mla_deploy.runtime.session import resolve_providers
 
 VARIANT = "v3_lora_group_yarn"
@@ -89,9 +90,7 @@ def good_feed(model, b=2, t=3, cap=8):
     feed = {io_spec.INPUT_IDS: np.full((b, t), 5, np.int64), io_spec.POSITION_IDS: np.tile(np.arange(t), (b, 1)),
             io_spec.ATTENTION_MASK: np.ones((b, cap), np.int64), io_spec.WRITE_INDICES: np.zeros(b, np.int64),
             io_spec.LOGITS_POSITIONS: np.full((b, 1), t - 1, np.int64)}
-    for i in range(cfg.num_hidden_layers):
-        feed[io_spec.past_latent(i)] = np.zeros((b, cap, cfg.kv_lora_rank), np.float32)
-        feed[io_spec.past_rope(i)] = np.zeros((b, cap, cfg.qk_rope_head_dim), np.float32)
+    feed.update(empty_caches(cfg, b, cap))
     return feed
 
 

@@ -10,6 +10,7 @@ import numpy as np
 
 from .. import io_spec
 from ..errors import InputError
+from .feeds import empty_caches
 from .session import ExportedModel
 
 
@@ -43,9 +44,7 @@ def export_nll(model: ExportedModel, batch: np.ndarray, rows_per_run: int = 8) -
         pos = np.broadcast_to(np.arange(t), (b, t)).copy()
         feed = {io_spec.INPUT_IDS: w[:, :-1], io_spec.POSITION_IDS: pos, io_spec.ATTENTION_MASK: np.ones((b, t), np.int64),
                 io_spec.WRITE_INDICES: np.zeros(b, np.int64), io_spec.LOGITS_POSITIONS: pos}
-        for i in range(cfg.num_hidden_layers):
-            feed[io_spec.past_latent(i)] = np.zeros((b, t, cfg.kv_lora_rank), np.float32)
-            feed[io_spec.past_rope(i)] = np.zeros((b, t, cfg.qk_rope_head_dim), np.float32)
+        feed.update(empty_caches(cfg, b, t))
         logits = model.run(io_spec.PREFILL, feed)[io_spec.LOGITS]  # [b, t, vocab]
         out.append(log_softmax_nll(logits, w[:, 1:]))
     return np.concatenate(out)

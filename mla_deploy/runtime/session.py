@@ -12,7 +12,7 @@ from .. import io_spec
 from ..config import MLAConfig
 from ..errors import ExportLoadError, ProviderError
 from ..manifest import check_files, read_manifest
-from .feed_check import check_feed
+from .feeds import check_feed
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 

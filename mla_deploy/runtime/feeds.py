@@ -1,4 +1,4 @@
-"""Checks on a graph feed handed in by an app, before onnxruntime sees it: names, dtypes, shapes, ranges.
+"""Graph feeds: building cache inputs, and checking a feed handed in by an app before onnxruntime sees it.
 
 Each problem is reported by input name with what was expected, so a wrong cache never reaches
 onnxruntime (whose own message would name a kernel, not the mistake).
@@ -11,6 +11,16 @@ import numpy as np
 from .. import io_spec
 from ..config import MLAConfig
 from ..errors import InputError
+
+
+def empty_caches(cfg: MLAConfig, batch: int, capacity: int) -> dict[str, np.ndarray]:
+    """Zero-filled past_latent/past_rope inputs for every layer (for one-off graph calls; the Generator
+    keeps its own in-place buffers)."""
+    feed = {}
+    for i in range(cfg.num_hidden_layers):
+        feed[io_spec.past_latent(i)] = np.zeros((batch, capacity, cfg.kv_lora_rank), np.float32)
+        feed[io_spec.past_rope(i)] = np.zeros((batch, capacity, cfg.qk_rope_head_dim), np.float32)
+    return feed
 
 
 def check_feed(kind: str, feed: dict, cfg: MLAConfig, max_seq_len: int) -> None:
