@@ -229,3 +229,16 @@ def test_runtime_imports_and_generates_without_torch(exported):
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
+
+
+def test_cache_update_is_in_place(exported, capfd):
+    """onnxruntime warns when TensorScatter copies the cache instead of writing into the bound buffer."""
+    out = exported("v3_lora_group_yarn", "fused")
+    for kind in ("prefill.onnx", "decode.onnx"):
+        graph = onnx.load(out / kind, load_external_data=False).graph
+        producers = {o: n.op_type for n in graph.node for o in n.output}
+        assert all(producers[f"present_{c}.{i}"] == "TensorScatter" for c in ("latent", "rope") for i in range(3))
+    model = ExportedModel(out, RuntimeOptions(log_severity=1))
+    capfd.readouterr()
+    Generator(model, stop_token_ids=()).generate([[5, 6, 7], [8, 9]], 6)
+    assert "in-place optimization not activated" not in capfd.readouterr().err

@@ -15,6 +15,7 @@ from typing import Callable
 
 import numpy as np
 
+from .. import io_spec
 from .. import rope as rope_math
 from ..config import MLAConfig
 from . import absorb
@@ -99,9 +100,13 @@ class AttentionBuilder:
         return latent, rope(g, k_pe, cos, sin)
 
     def write_cache(self, latent, k_pe, past_latent, past_rope, write_indices) -> tuple[str, str]:
-        g = self.g
-        return (g.TensorScatter(past_latent, latent, write_indices, axis=-2),  # [b, cap, d_c]
-                g.TensorScatter(past_rope, k_pe, write_indices, axis=-2))  # [b, cap, d_r]
+        """TensorScatter straight into the present_* graph outputs: with the output bound to the past buffer,
+        onnxruntime updates it in place (an Identity in between would force a copy of the whole cache)."""
+        g, i = self.g, self.layer
+        return (g.op("TensorScatter", past_latent, latent, write_indices, axis=-2,
+                     out_names=[io_spec.present_latent(i)]),  # [b, cap, d_c]
+                g.op("TensorScatter", past_rope, k_pe, write_indices, axis=-2,
+                     out_names=[io_spec.present_rope(i)]))  # [b, cap, d_r]
 
     def naive(self, x, cos, sin, bias, past_latent, past_rope, write_indices):
         """Prefill: decompress K/V from the whole latent cache, standard attention per head."""

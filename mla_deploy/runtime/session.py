@@ -39,6 +39,7 @@ class RuntimeOptions:
     strict_provider: bool = False
     threads: int = 0  # 0: onnxruntime's default (one per physical core)
     optimization: str = "all"  # onnxruntime graph optimization level: disable, basic, extended, all
+    log_severity: int = 3  # onnxruntime's own log: 0 verbose .. 3 errors only
 
 
 _LEVELS = {
@@ -73,7 +74,7 @@ class ExportedModel:
     def _session(self, kind: str) -> ort.InferenceSession:
         path = self.directory / self.manifest["graphs"][kind]["file"]
         so = ort.SessionOptions()
-        so.log_severity_level = 3
+        so.log_severity_level = self.options.log_severity
         so.graph_optimization_level = _LEVELS[self.options.optimization]
         so.intra_op_num_threads = self.options.threads
         try:
