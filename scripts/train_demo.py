@@ -178,6 +178,10 @@ def main(argv=None):
         "heldout_loss_64x256": round(held, 4), "heldout_sample_files": [f.name for f in held_files[:4]],
     }, indent=2) + "\n")
     print(f"wrote {args.out}", flush=True)
+    sys.path.insert(0, str(Path(__file__).parent))
+    import model_card
+
+    model_card.main(str(args.out))  # export, eval heldout.txt, write eval.json and the model card
 
 
 if __name__ == "__main__":
