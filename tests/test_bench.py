@@ -31,7 +31,7 @@ def test_every_engine_reports_every_point(result):
         if r["engine"].startswith("onnx"):
             assert 0 < r["fraction_of_limit"] and r["limit_step_ms"] > 0 and r["bytes_per_step"] > 0
     assert {p["engine"] for p in result.prefill} == set(ALL_ENGINES) - {"onnx-mha-baseline"}
-    assert set(result.bandwidth_gbs) == {"matmul_start", "numpy_1thread", "matmul_end"}
+    assert set(result.bandwidth_gbs) == {"matmul_start", "numpy_threads", "matmul_end"}
     assert all(v > 0 for v in result.bandwidth_gbs.values())
 
 

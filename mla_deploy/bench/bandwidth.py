@@ -9,9 +9,8 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 
-def matmul_read_gbs(threads: int, mbytes: int = 512, repeats: int = 7) -> float:
+def matmul_read_gbs(threads: int, mbytes: int = 512, repeats: int = 7, k: int = 4096) -> float:
     """GB/s at which onnxruntime's fp32 MatMul reads a weight at batch 1 (x [1, K] @ W [K, N]), best of `repeats`."""
-    k = 4096
     n = mbytes * 2**20 // (4 * k)
     w = np.full((k, n), 0.5, np.float32)  # written pages (real data), never the kernel's shared zero page
     graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "bw",
@@ -28,10 +27,21 @@ def matmul_read_gbs(threads: int, mbytes: int = 512, repeats: int = 7) -> float:
     return w.nbytes / best / 1e9
 
 
-def numpy_read_gbs(mbytes: int = 512, repeats: int = 5) -> float:
-    """GB/s of a single-threaded numpy reduction over real data (a second, independent figure)."""
+def numpy_read_gbs(mbytes: int = 512, repeats: int = 5, threads: int = 1) -> float:
+    """GB/s of numpy reductions over real data, one slice per thread (an independent second figure)."""
+    import threading
+
     a = np.full(mbytes * 2**20 // 4, 0.5, np.float32)
-    best = min(_timed(lambda: a.sum(dtype=np.float32)) for _ in range(repeats))
+    parts = np.array_split(a, threads)
+
+    def read():
+        workers = [threading.Thread(target=p.sum) for p in parts]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+
+    best = min(_timed(read) for _ in range(repeats))
     return a.nbytes / best / 1e9
 
 

@@ -120,8 +120,8 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda m: None
     t0 = time.perf_counter()
     checkpoint, exports = prepare(cfg, progress)
     progress("measuring memory bandwidth")
-    bw = {"matmul_start": bandwidth.matmul_read_gbs(cfg.threads, cfg.bandwidth_mb),
-          "numpy_1thread": bandwidth.numpy_read_gbs(cfg.bandwidth_mb)}
+    bw = {"matmul_start": max(bandwidth.matmul_read_gbs(cfg.threads, cfg.bandwidth_mb, k=k) for k in (2048, 4096)),
+          "numpy_threads": bandwidth.numpy_read_gbs(cfg.bandwidth_mb, threads=cfg.threads)}
     result = BenchResult(machine_info(cfg.threads), bw)
     process = psutil.Process()
     for name in cfg.engines:
@@ -151,7 +151,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda m: None
         engine.close()
         del engine
         gc.collect()
-    bw["matmul_end"] = bandwidth.matmul_read_gbs(cfg.threads, cfg.bandwidth_mb)
+    bw["matmul_end"] = max(bandwidth.matmul_read_gbs(cfg.threads, cfg.bandwidth_mb, k=k) for k in (2048, 4096))
     # the limit uses the highest bandwidth seen in the run (the conservative choice for the fraction)
     for row in result.rows:
         if "bytes_per_step" in row:

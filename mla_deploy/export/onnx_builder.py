@@ -58,7 +58,7 @@ class GraphBuilder:
     def op(self, op_type: str, *inputs: str, outputs: int = 1, domain: str = "", out_names=None, **attrs):
         """Append a node; `out_names` gives its outputs fixed names (a graph output written directly, no Identity)."""
         names = list(out_names) if out_names else [self.fresh(op_type.lower()) for _ in range(outputs)]
-        self.nodes.append(helper.make_node(op_type, list(inputs), names, domain=domain, **attrs))
+        self.nodes.append(helper.make_node(op_type, list(inputs), names, name=names[0], domain=domain, **attrs))
         return names[0] if outputs == 1 else names
 
     def __getattr__(self, op_type: str):
