@@ -36,13 +36,15 @@ def _median_ms(fn, steps: int) -> float:
 class OnnxEngine:
     """An mla-deploy export driven by the runtime: in-place latent caches, IO binding."""
 
+    has_prefill = True
+
     def __init__(self, name: str, directory: Path, threads: int):
         self.name, self.directory, self.threads = name, directory, threads
 
-    def load(self):
+    def load(self, graphs=("prefill", "decode")):
         from ..runtime import ExportedModel, Generator, RuntimeOptions
 
-        self.model = ExportedModel(self.directory, RuntimeOptions(threads=self.threads))
+        self.model = ExportedModel(self.directory, RuntimeOptions(threads=self.threads), graphs=graphs)
         self.cfg: MLAConfig = self.model.config
         self.gen = Generator(self.model, stop_token_ids=())
         self.absorb = AbsorbMode(self.model.manifest["absorb"])
@@ -81,7 +83,9 @@ class OnnxEngine:
 class MhaOnnxEngine(OnnxEngine):
     """The decompressed-K/V baseline graph: per-head K/V caches grown by Concat each step."""
 
-    def load(self):
+    has_prefill = False
+
+    def load(self, graphs=None):
         import onnxruntime as ort
 
         from ..export.baseline import MHA_FILE
@@ -122,10 +126,12 @@ class MhaOnnxEngine(OnnxEngine):
 class TorchEngine:
     """The torch source model in the naive or the absorbed form (eager, float32)."""
 
+    has_prefill = True
+
     def __init__(self, name: str, checkpoint: Path, form: str, threads: int):
         self.name, self.checkpoint, self.form, self.threads = name, checkpoint, form, threads
 
-    def load(self):
+    def load(self, graphs=None):
         import torch
 
         from ..modeling import load_model
@@ -178,7 +184,7 @@ class TransformersEngine(TorchEngine):
     def __init__(self, name: str, checkpoint: Path, threads: int):
         super().__init__(name, checkpoint, "hf", threads)
 
-    def load(self):
+    def load(self, graphs=None):
         import torch
         from transformers import AutoModelForCausalLM
 

@@ -116,6 +116,22 @@ def expected_active_experts(cfg, batch: int) -> float:
     return e * (1 - (1 - k / e) ** batch)
 
 
+def _decode_points(cfg, engines, result, progress) -> None:
+    """Every (batch, ctx) point for each engine in turn, so the noisy host treats them alike."""
+    for batch in cfg.batches:
+        for ctx in cfg.contexts:
+            for engine in engines:
+                ms = engine.decode_step_ms(ctx, batch, cfg.steps)
+                row = {"engine": engine.name, "ctx": ctx, "batch": batch, "step_ms": round(ms, 3),
+                       "tokens_per_s": round(batch * 1e3 / ms, 2), "cache_bytes_per_token": engine.cache_bytes_per_token(),
+                       "rss_mb": engine.rss_mb}  # resident memory the engine's load added
+                weights = engine.weight_bytes_per_token(round(expected_active_experts(engine.cfg, batch)))
+                if weights is not None:
+                    row["bytes_per_step"] = weights + batch * ctx * engine.cache_bytes_per_token()
+                result.rows.append(row)
+                progress(f"{engine.name}: ctx {ctx} batch {batch}: {ms:.1f} ms/step, {row['tokens_per_s']:.1f} tok/s")
+
+
 def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda m: None) -> BenchResult:
     t0 = time.perf_counter()
     checkpoint, exports = prepare(cfg, progress)
@@ -123,34 +139,43 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda m: None
     bw = {"matmul_start": max(bandwidth.matmul_read_gbs(cfg.threads, cfg.bandwidth_mb, k=k) for k in (2048, 4096)),
           "numpy_threads": bandwidth.numpy_read_gbs(cfg.bandwidth_mb, threads=cfg.threads)}
     result = BenchResult(machine_info(cfg.threads), bw)
+    onnx_names = [n for n in cfg.engines if n.startswith("onnx")]
+    other_names = [n for n in cfg.engines if not n.startswith("onnx")]
+    if cfg.prefill_tokens:  # prefill: one engine at a time (full sessions)
+        for name in cfg.engines:
+            engine = make_engine(name, checkpoint, exports, cfg.threads)
+            if not engine.has_prefill:
+                continue
+            engine.load(graphs=("prefill",))
+            pf = engine.prefill_tokens_per_s(cfg.prefill_tokens)
+            if pf is not None:
+                result.prefill.append({"engine": name, "tokens": cfg.prefill_tokens, "tokens_per_s": round(pf, 1)})
+                progress(f"{name}: prefill {cfg.prefill_tokens} tokens at {pf:.0f} tok/s")
+            engine.close()
+    # decode, ONNX engines side by side: all loaded (decode graphs only), measured in turn at every point
     process = psutil.Process()
-    for name in cfg.engines:
+    engines = []
+    for name in onnx_names:
+        progress(f"{name}: loading decode graph")
         engine = make_engine(name, checkpoint, exports, cfg.threads)
         gc.collect()
-        base_rss = process.memory_info().rss
-        progress(f"{name}: loading")
-        engine.load()
-        pf = engine.prefill_tokens_per_s(cfg.prefill_tokens) if cfg.prefill_tokens else None
-        if pf is not None:
-            result.prefill.append({"engine": name, "tokens": cfg.prefill_tokens, "tokens_per_s": round(pf, 1)})
-            progress(f"{name}: prefill {cfg.prefill_tokens} tokens at {pf:.0f} tok/s")
-        for batch in cfg.batches:
-            for ctx in cfg.contexts:
-                ms = engine.decode_step_ms(ctx, batch, cfg.steps)
-                row = {"engine": name, "ctx": ctx, "batch": batch, "step_ms": round(ms, 3),
-                       "tokens_per_s": round(batch * 1e3 / ms, 2), "cache_bytes_per_token": engine.cache_bytes_per_token(),
-                       "rss_mb": round((process.memory_info().rss - base_rss) / 2**20)}
-                weights = engine.weight_bytes_per_token(round(expected_active_experts(engine.cfg, batch)))
-                if weights is not None:
-                    cache_read = batch * ctx * engine.cache_bytes_per_token()
-                    row["bytes_per_step"] = weights + cache_read
-                    row["limit_step_ms"] = round((weights + cache_read) / (max(bw.values()) * 1e9) * 1e3, 3)
-                    row["fraction_of_limit"] = round(row["limit_step_ms"] / ms, 3)
-                result.rows.append(row)
-                progress(f"{name}: ctx {ctx} batch {batch}: {ms:.1f} ms/step, {row['tokens_per_s']:.1f} tok/s")
+        before = process.memory_info().rss
+        engine.load(graphs=("decode",))
+        engine.rss_mb = round((process.memory_info().rss - before) / 2**20)
+        engines.append(engine)
+    _decode_points(cfg, engines, result, progress)
+    for engine in engines:
         engine.close()
-        del engine
+    engines.clear()
+    for name in other_names:  # the torch-side engines are far slower: one at a time
         gc.collect()
+        before = process.memory_info().rss
+        progress(f"{name}: loading")
+        engine = make_engine(name, checkpoint, exports, cfg.threads)
+        engine.load()
+        engine.rss_mb = round((process.memory_info().rss - before) / 2**20)
+        _decode_points(cfg, [engine], result, progress)
+        engine.close()
     bw["matmul_end"] = max(bandwidth.matmul_read_gbs(cfg.threads, cfg.bandwidth_mb, k=k) for k in (2048, 4096))
     # the limit uses the highest bandwidth seen in the run (the conservative choice for the fraction)
     for row in result.rows:

@@ -51,7 +51,9 @@ _LEVELS = {
 class ExportedModel:
     """An export directory, checked, with one prefill and one decode session. Safe to share across threads."""
 
-    def __init__(self, directory: str | Path, options: RuntimeOptions | None = None):
+    def __init__(self, directory: str | Path, options: RuntimeOptions | None = None,
+                 graphs: tuple[str, ...] = (io_spec.PREFILL, io_spec.DECODE)):
+        """`graphs` limits the sessions created (a decode-only model for benchmarks holds half the memory)."""
         self.directory = Path(directory)
         self.options = options or RuntimeOptions()
         self.manifest = read_manifest(self.directory)
@@ -60,7 +62,7 @@ class ExportedModel:
         self.max_seq_len: int = int(self.manifest["max_seq_len"])
         self.providers = resolve_providers(self.options.provider, self.options.strict_provider)
         self.device = "cuda" if self.providers[0] == PROVIDERS["cuda"] else "cpu"
-        self.sessions = {kind: self._session(kind) for kind in (io_spec.PREFILL, io_spec.DECODE)}
+        self.sessions = {kind: self._session(kind) for kind in graphs}
 
     def run(self, kind: str, feed: dict) -> dict:
         """One checked call of the prefill or decode graph; outputs by name (new arrays, no in-place update)."""
