@@ -33,6 +33,7 @@ def test_every_engine_reports_every_point(result):
     assert {p["engine"] for p in result.prefill} == set(ALL_ENGINES) - {"onnx-mha-baseline"}
     assert set(result.bandwidth_gbs) == {"matmul_start", "numpy_threads", "matmul_end"}
     assert all(v > 0 for v in result.bandwidth_gbs.values())
+    assert result.runtime_start["torch_imported"] is False and result.runtime_start["load_s"] > 0
 
 
 def test_cache_bytes_ratio_is_the_formula(result):

@@ -15,9 +15,14 @@ def table(result: BenchResult) -> str:
              "",
              f"{'engine':<20}{'ctx':>7}{'batch':>6}{'ms/step':>10}{'tok/s':>9}{'of limit':>10}{'cache B/tok':>13}{'rss MB':>8}"]
     for r in result.rows:
+        if "skipped" in r:
+            lines.append(f"{r['engine']:<20}{r['ctx']:>7}{r['batch']:>6}  skipped: {r['skipped']}")
+            continue
         frac = f"{r['fraction_of_limit']:.2f}" if "fraction_of_limit" in r else "-"
         lines.append(f"{r['engine']:<20}{r['ctx']:>7}{r['batch']:>6}{r['step_ms']:>10.2f}{r['tokens_per_s']:>9.1f}"
                      f"{frac:>10}{r['cache_bytes_per_token']:>13}{r['rss_mb']:>8}")
+    lines.append("(rss MB: resident memory the engine added: the absorbed exports, loaded side by side, show what their "
+                 "load added; the others the growth from their load through that point)")
     if result.prefill:
         lines += ["", f"{'engine':<20}{'prefill tokens':>15}{'tok/s':>9}"]
         lines += [f"{p['engine']:<20}{p['tokens']:>15}{p['tokens_per_s']:>9.1f}" for p in result.prefill]
@@ -27,7 +32,7 @@ def table(result: BenchResult) -> str:
 
 def _step(result, engine, ctx, batch=1):
     for r in result.rows:
-        if (r["engine"], r["ctx"], r["batch"]) == (engine, ctx, batch):
+        if (r["engine"], r["ctx"], r["batch"]) == (engine, ctx, batch) and "step_ms" in r:
             return r
     return None
 
@@ -53,13 +58,19 @@ def targets(result: BenchResult) -> list[str]:
     check("decode at 16k vs decompressed-K/V ONNX (>= 4x)", mha16k and r16k and mha16k["step_ms"] / r16k["step_ms"],
           lambda v: v >= 4, "{:.1f}x")
     mha, ours = _step(result, "onnx-mha-baseline", 128), r128
-    check("cache bytes per token, decompressed / latent", mha and ours and mha["cache_bytes_per_token"] / ours["cache_bytes_per_token"],
+    check("cache bytes per token, decompressed / latent (= n_h(d_nope+d_r+d_v)/(d_c+d_r))",
+          mha and ours and mha["cache_bytes_per_token"] / ours["cache_bytes_per_token"],
           lambda v: True, "{:.2f}x")
     pre = [p for p in result.prefill if p["engine"] == best]
     check(f"{best} prefill of 512 tokens (>= 850 tok/s)", pre[0]["tokens_per_s"] if pre else None, lambda v: v >= 850, "{:.0f} tok/s")
     b8 = _step(result, best, 128, 8)
     check("batch 8 vs batch 1 decode tokens/s at ctx 128 (>= 5x)", b8 and r128 and b8["tokens_per_s"] / r128["tokens_per_s"],
           lambda v: v >= 5, "{:.1f}x")
+    start = result.runtime_start
+    if start:
+        total = start["import_s"] + start["load_s"]
+        check(f"runtime import + load of a small export ({start['export']}), torch imported: {start['torch_imported']} (< 1 s)",
+              total, lambda v: v < 1 and not start["torch_imported"], "{:.2f} s")
     return out
 
 
@@ -80,7 +91,8 @@ def chart(result: BenchResult, path: Path) -> Path | None:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for engine in dict.fromkeys(r["engine"] for r in result.rows):
-        pts = sorted((r["ctx"], r["tokens_per_s"]) for r in result.rows if r["engine"] == engine and r["batch"] == 1)
+        pts = sorted((r["ctx"], r["tokens_per_s"]) for r in result.rows
+                     if r["engine"] == engine and r["batch"] == 1 and "tokens_per_s" in r)
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=engine)
     ax.set_xscale("log", base=2)
@@ -93,3 +105,28 @@ def chart(result: BenchResult, path: Path) -> Path | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def markdown(result: BenchResult) -> str:
+    """The README's tables: decode tokens/s per engine and context for each batch size, then prefill."""
+    engines = list(dict.fromkeys(r["engine"] for r in result.rows))
+    contexts = sorted({r["ctx"] for r in result.rows})
+    out = []
+    for batch in sorted({r["batch"] for r in result.rows}):
+        out += [f"Decode tokens/s, batch {batch} (step ms in brackets; fraction of the bandwidth limit for the ONNX engines):", "",
+                "| engine | " + " | ".join(f"ctx {c}" for c in contexts) + " |",
+                "|---|" + "---|" * len(contexts)]
+        for engine in engines:
+            cells = []
+            for c in contexts:
+                r = next((r for r in result.rows if (r["engine"], r["ctx"], r["batch"]) == (engine, c, batch)), None)
+                if r is None or "step_ms" not in r:
+                    cells.append("skipped" if r else "-")
+                    continue
+                frac = f", {r['fraction_of_limit']:.2f}" if "fraction_of_limit" in r else ""
+                cells.append(f"{r['tokens_per_s']:.1f} ({r['step_ms']:.0f} ms{frac})")
+            out.append(f"| {engine} | " + " | ".join(cells) + " |")
+        out.append("")
+    if result.prefill:
+        out += ["Prefill of 512 tokens (tokens/s): " + ", ".join(f"{p['engine']} {p['tokens_per_s']:.0f}" for p in result.prefill), ""]
+    return "\n".join(out)

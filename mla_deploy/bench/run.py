@@ -46,6 +46,7 @@ class BenchResult:
     bandwidth_gbs: dict
     rows: list[dict] = field(default_factory=list)
     prefill: list[dict] = field(default_factory=list)
+    runtime_start: dict = field(default_factory=dict)
     seconds: float = 0.0
 
     def to_json(self) -> str:
@@ -108,6 +109,17 @@ def make_engine(name: str, checkpoint: Path, exports: dict, threads: int):
     return factories[name]()
 
 
+def release_memory() -> None:
+    """Collect garbage and hand freed heap back to the OS, so the next engine's RSS growth is its own."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def expected_active_experts(cfg, batch: int) -> float:
     """Distinct routed experts a batch of uniformly routed rows touches: E·(1 - (1 - k/E)^b)."""
     if cfg.n_routed_experts is None:
@@ -116,15 +128,44 @@ def expected_active_experts(cfg, batch: int) -> float:
     return e * (1 - (1 - k / e) ** batch)
 
 
+def runtime_start(export_dir: Path) -> dict:
+    """A fresh interpreter imports the runtime and loads a small export: seconds taken, and whether torch came in."""
+    import subprocess
+    import sys
+
+    code = ("import sys, time\n"
+            "t0 = time.perf_counter()\n"
+            "from mla_deploy.runtime import ExportedModel\n"
+            "t1 = time.perf_counter()\n"
+            f"ExportedModel({str(export_dir)!r})\n"
+            "t2 = time.perf_counter()\n"
+            "print(t1 - t0, t2 - t1, 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    return {"import_s": round(float(out[0]), 3), "load_s": round(float(out[1]), 3), "torch_imported": out[2] == "True",
+            "export": export_dir.name}
+
+
 def _decode_points(cfg, engines, result, progress) -> None:
-    """Every (batch, ctx) point for each engine in turn, so the noisy host treats them alike."""
+    """Every (batch, ctx) point for each engine in turn, so the noisy host treats them alike.
+    rss_mb: resident memory the engine added: what its load added when engines share the phase,
+    otherwise the growth since just before it loaded (weights, sessions, caches of that point)."""
+    process = psutil.Process()
     for batch in cfg.batches:
         for ctx in cfg.contexts:
             for engine in engines:
+                # a decode step holds its cache about three times over (inputs, Concat or scatter output, temporaries)
+                need = 3 * batch * ctx * engine.cache_bytes_per_token()
+                if need > 0.5 * psutil.virtual_memory().available:
+                    result.rows.append({"engine": engine.name, "ctx": ctx, "batch": batch,
+                                        "skipped": f"needs ~{need / 2**30:.1f} GB of cache buffers",
+                                        "cache_bytes_per_token": engine.cache_bytes_per_token()})
+                    progress(f"{engine.name}: ctx {ctx} batch {batch}: skipped, {result.rows[-1]['skipped']}")
+                    continue
                 ms = engine.decode_step_ms(ctx, batch, cfg.steps)
                 row = {"engine": engine.name, "ctx": ctx, "batch": batch, "step_ms": round(ms, 3),
                        "tokens_per_s": round(batch * 1e3 / ms, 2), "cache_bytes_per_token": engine.cache_bytes_per_token(),
-                       "rss_mb": engine.rss_mb}  # resident memory the engine's load added
+                       "rss_mb": round((getattr(engine, "rss_loaded", None) if len(engines) > 1 else
+                                        process.memory_info().rss - engine.rss_before) / 2**20)}
                 weights = engine.weight_bytes_per_token(round(expected_active_experts(engine.cfg, batch)))
                 if weights is not None:
                     row["bytes_per_step"] = weights + batch * ctx * engine.cache_bytes_per_token()
@@ -139,8 +180,10 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda m: None
     bw = {"matmul_start": max(bandwidth.matmul_read_gbs(cfg.threads, cfg.bandwidth_mb, k=k) for k in (2048, 4096)),
           "numpy_threads": bandwidth.numpy_read_gbs(cfg.bandwidth_mb, threads=cfg.threads)}
     result = BenchResult(machine_info(cfg.threads), bw)
-    onnx_names = [n for n in cfg.engines if n.startswith("onnx")]
-    other_names = [n for n in cfg.engines if not n.startswith("onnx")]
+    # the absorbed exports take turns at every point; the rest (the decompressed-K/V baseline needs GBs of
+    # cache at 16k x batch 8, the torch engines are slow) run one at a time, each alone in memory
+    onnx_names = [n for n in cfg.engines if n in ("onnx-fused", "onnx-factored")]
+    other_names = [n for n in cfg.engines if n not in onnx_names]
     if cfg.prefill_tokens:  # prefill: one engine at a time (full sessions)
         for name in cfg.engines:
             engine = make_engine(name, checkpoint, exports, cfg.threads)
@@ -152,34 +195,41 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda m: None
                 result.prefill.append({"engine": name, "tokens": cfg.prefill_tokens, "tokens_per_s": round(pf, 1)})
                 progress(f"{name}: prefill {cfg.prefill_tokens} tokens at {pf:.0f} tok/s")
             engine.close()
-    # decode, ONNX engines side by side: all loaded (decode graphs only), measured in turn at every point
+    # decode, the absorbed ONNX engines side by side: both loaded (decode graphs only), measured in turn
     process = psutil.Process()
     engines = []
     for name in onnx_names:
         progress(f"{name}: loading decode graph")
         engine = make_engine(name, checkpoint, exports, cfg.threads)
-        gc.collect()
-        before = process.memory_info().rss
+        release_memory()
+        engine.rss_before = process.memory_info().rss
         engine.load(graphs=("decode",))
-        engine.rss_mb = round((process.memory_info().rss - before) / 2**20)
+        engine.rss_loaded = process.memory_info().rss - engine.rss_before  # its own weights and sessions
         engines.append(engine)
     _decode_points(cfg, engines, result, progress)
     for engine in engines:
         engine.close()
     engines.clear()
-    for name in other_names:  # the torch-side engines are far slower: one at a time
-        gc.collect()
-        before = process.memory_info().rss
+    for name in other_names:
+        release_memory()
         progress(f"{name}: loading")
         engine = make_engine(name, checkpoint, exports, cfg.threads)
+        engine.rss_before = process.memory_info().rss
         engine.load()
-        engine.rss_mb = round((process.memory_info().rss - before) / 2**20)
         _decode_points(cfg, [engine], result, progress)
         engine.close()
+    small = cfg.workdir / "demo-export"
+    if not (small / "manifest.json").exists():
+        from ..cli import DEFAULT_CHECKPOINT
+        from ..export import ExportOptions, export
+
+        export(DEFAULT_CHECKPOINT, small, ExportOptions(force=True))
+    result.runtime_start = runtime_start(small)
+    progress(f"runtime start: {result.runtime_start}")
     bw["matmul_end"] = max(bandwidth.matmul_read_gbs(cfg.threads, cfg.bandwidth_mb, k=k) for k in (2048, 4096))
     # the limit uses the highest bandwidth seen in the run (the conservative choice for the fraction)
     for row in result.rows:
-        if "bytes_per_step" in row:
+        if "bytes_per_step" in row and "step_ms" in row:
             row["limit_step_ms"] = round(row["bytes_per_step"] / (max(bw.values()) * 1e9) * 1e3, 3)
             row["fraction_of_limit"] = round(row["limit_step_ms"] / row["step_ms"], 3)
     result.seconds = round(time.perf_counter() - t0, 1)
