@@ -68,3 +68,34 @@ def test_bench_cli_quick_path(tmp_path):
                                     "--out", str(tmp_path / "r"), "--contexts", "8", "--steps", "1"])
     assert out.exit_code == 0, out.output
     assert (tmp_path / "r" / "quick.json").exists() and "onnx-fused" in out.output
+
+
+def test_decompressed_kv_baseline_computes_the_same_model(checkpoint_dir, tmp_path):
+    """The baseline is only a fair comparison if it is the same model: token by token, its logits equal the source's."""
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+
+    from mla_deploy import io_spec
+    from mla_deploy.export.baseline import export_mha_baseline
+    from mla_deploy.modeling import load_model, new_caches
+
+    src, _ = checkpoint_dir("v3_lora_group_yarn")
+    path = export_mha_baseline(src, tmp_path)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    model = load_model(src)
+    cfg = model.cfg
+    ids = [5, 17, 33, 8, 61, 12]
+    caches = new_caches(cfg, 1, len(ids))
+    feed = {}
+    for i in range(cfg.num_hidden_layers):
+        feed[io_spec.past_key(i)] = np.zeros((1, cfg.num_attention_heads, 0, cfg.qk_head_dim), np.float32)
+        feed[io_spec.past_value(i)] = np.zeros((1, cfg.num_attention_heads, 0, cfg.v_head_dim), np.float32)
+    names = [o.name for o in session.get_outputs()]
+    for pos, token in enumerate(ids):
+        feed[io_spec.INPUT_IDS], feed[io_spec.POSITION_IDS] = np.array([[token]]), np.array([[pos]])
+        out = dict(zip(names, session.run(names, feed)))
+        ref = model(torch.tensor([[token]]), torch.tensor([[pos]]), caches, torch.tensor([pos]), torch.ones(1, len(ids)))
+        assert np.abs(out[io_spec.LOGITS] - ref.numpy()).max() < 1e-4
+        for i in range(cfg.num_hidden_layers):
+            feed[io_spec.past_key(i)], feed[io_spec.past_value(i)] = out[io_spec.present_key(i)], out[io_spec.present_value(i)]

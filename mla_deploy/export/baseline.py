@@ -17,6 +17,7 @@ from .. import __version__, io_spec
 from ..checkpoint import Checkpoint
 from . import absorb, layers
 from .exporter import _attach_external, _write_weights
+from .graphs import decoder
 from .onnx_builder import GraphBuilder
 
 MHA_FILE = "decode_mha.onnx"
@@ -29,40 +30,32 @@ def build_mha_decode(cfg, t, max_seq_len: int, weights: dict) -> GraphBuilder:
     inputs, outputs = io_spec.mha_graph_io(cfg.num_hidden_layers, h, dn + dr, dv, cfg.vocab_size)
     for spec in inputs:
         g.input(spec.name, spec.dtype, spec.shape)
-    x = g.Gather(g.weight("embed", t("model.embed_tokens.weight")), io_spec.INPUT_IDS, axis=0)  # [b, 1, d]
-    cos, sin = layers.rope_lookup(g, cfg, io_spec.POSITION_IDS, max_seq_len)  # [b, 1, d_r/2]
-    presents = {}
-    for i in range(cfg.num_hidden_layers):
-        hf = f"model.layers.{i}."
-        attn = layers.AttentionBuilder(g, cfg, t, i)
-        hn = layers.rms_norm(g, x, f"layers.{i}.input_norm", t(hf + "input_layernorm.weight"), cfg.rms_norm_eps)
+
+    def attention(attn, hn: str, cos: str, sin: str) -> str:
+        """Decompress the new token's K/V per head, append to the full caches with Concat, attend."""
+        i = attn.layer
         q_in, q_weight = attn.query_input(hn)
         q = layers.linear(g, q_in, f"layers.{i}.attn.q", absorb.query_weight(cfg, q_weight))
         q = g.Transpose(g.Reshape(q, g.const([0, 0, h, dn + dr])), perm=[0, 2, 1, 3])  # [b, h, 1, d_nope + d_r]
         q_nope, q_pe = g.op("Split", q, g.const([dn, dr]), outputs=2, axis=-1)
         q_pe = layers.rope(g, q_pe, g.Unsqueeze(cos, g.const([1])), g.Unsqueeze(sin, g.const([1])))
         latent, k_pe = attn.latent_and_rope(hn, cos, sin)  # [b, 1, d_c], [b, 1, d_r]
-        kv = layers.linear(g, latent, f"layers.{i}.attn.kv_b", t(hf + "self_attn.kv_b_proj.weight").T)
+        kv = layers.linear(g, latent, f"layers.{i}.attn.kv_b", t(attn.hf + "kv_b_proj.weight").T)
         kv = g.Transpose(g.Reshape(kv, g.const([0, 0, h, dn + dv])), perm=[0, 2, 1, 3])  # [b, h, 1, d_nope + d_v]
         k_nope, v = g.op("Split", kv, g.const([dn, dv]), outputs=2, axis=-1)
         k_pe = g.Expand(g.Unsqueeze(k_pe, g.const([1])), g.Concat(g.Shape(k_nope, end=3), g.const([dr]), axis=0))  # [b, h, 1, d_r]
         key = g.Concat(k_nope, k_pe, axis=-1)  # [b, h, 1, d_nope + d_r]
-        keys = g.Concat(io_spec.past_key(i), key, axis=2)  # [b, h, past + 1, d_nope + d_r]
-        values = g.Concat(io_spec.past_value(i), v, axis=2)  # [b, h, past + 1, d_v]
-        presents[io_spec.present_key(i)], presents[io_spec.present_value(i)] = keys, values
+        keys = g.op("Concat", io_spec.past_key(i), key, axis=2, out_names=[io_spec.present_key(i)])  # [b, h, past + 1, ·]
+        values = g.op("Concat", io_spec.past_value(i), v, axis=2, out_names=[io_spec.present_value(i)])  # [b, h, past + 1, d_v]
         query = g.Concat(q_nope, q_pe, axis=-1)  # [b, h, 1, d_nope + d_r]
         scores = g.Mul(g.MatMul(query, g.Transpose(keys, perm=[0, 1, 3, 2])), g.const(attn.scale, np.float32))
         o = g.MatMul(g.Softmax(scores, axis=-1), values)  # [b, h, 1, d_v]
         o = g.Reshape(g.Transpose(o, perm=[0, 2, 1, 3]), g.const([0, 0, h * dv]))  # [b, 1, h·d_v]
-        x = g.Add(x, layers.linear(g, o, f"layers.{i}.attn.o", t(hf + "self_attn.o_proj.weight").T))
-        hn = layers.rms_norm(g, x, f"layers.{i}.post_norm", t(hf + "post_attention_layernorm.weight"), cfg.rms_norm_eps)
-        mlp = layers.moe(g, cfg, hn, t, i) if cfg.is_moe_layer(i) else layers.hf_swiglu(g, hn, f"layers.{i}.mlp", t, hf + "mlp.")
-        x = g.Add(x, mlp)
-    x = layers.rms_norm(g, x, "final_norm", t("model.norm.weight"), cfg.rms_norm_eps)
-    head = t("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")
-    logits = layers.linear(g, x, "lm_head", head.T)
+        return layers.linear(g, o, f"layers.{i}.attn.o", t(attn.hf + "o_proj.weight").T)
+
+    logits = decoder(g, cfg, t, max_seq_len, attention)
     for spec in outputs:
-        g.output(logits if spec.name == io_spec.LOGITS else presents[spec.name], spec.name, spec.dtype, spec.shape)
+        g.output(logits if spec.name == io_spec.LOGITS else spec.name, spec.name, spec.dtype, spec.shape)
     return g
 
 
