@@ -13,7 +13,7 @@ import psutil
 import pytest
 import torch
 from click.testing import CliRunner
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from mla_deploy import io_spec
@@ -252,9 +252,11 @@ def _torch_model(src):
     temperature=st.one_of(st.floats(-1, 3), st.just(float("nan")), st.just(1e-300), st.just(1e300)),
     top_k=st.integers(-2, 120),
     top_p=st.floats(-0.5, 1.5),
-    penalty=st.floats(0.0, 3.0),
+    penalty=st.one_of(st.floats(0.0, 3.0), st.just(3.2302997040633257e-216), st.just(1e-310), st.just(1e300)),
     seed=st.integers(0, 2**31),
 )
+@example(temperature=1e-300, top_k=0, top_p=1.0, penalty=3.2302997040633257e-216, seed=0)  # found by CI: overflow
+@example(temperature=0.5, top_k=3, top_p=0.5, penalty=1e-310, seed=1)  # a denormal penalty: logits past float64
 def test_sampling_returns_tokens_in_vocab_or_refuses(model, temperature, top_k, top_p, penalty, seed):
     params = SamplingParams(temperature, top_k, top_p, penalty, seed)
     try:

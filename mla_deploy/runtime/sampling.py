@@ -42,11 +42,12 @@ def apply_repetition_penalty(logits: np.ndarray, history: list[np.ndarray], pena
     if penalty == 1.0:
         return logits
     logits = logits.copy()
-    for row, seen in enumerate(history):
-        seen = np.unique(seen)
-        values = logits[row, seen]
-        logits[row, seen] = np.where(values > 0, values / penalty, values * penalty)
-    return logits
+    with np.errstate(over="ignore"):  # an extreme penalty may leave float64's range: clipped below
+        for row, seen in enumerate(history):
+            seen = np.unique(seen)
+            values = logits[row, seen]
+            logits[row, seen] = np.where(values > 0, values / penalty, values * penalty)
+    return np.clip(logits, -1e300, 1e300)  # finite, so max-subtraction below can never make inf - inf
 
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, history: list[np.ndarray]) -> np.ndarray:
@@ -54,8 +55,10 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
     logits = apply_repetition_penalty(logits.astype(np.float64), history, params.repetition_penalty)
     if params.greedy:
         return logits.argmax(-1).astype(np.int64)
-    # subtract the max first: every scaled logit is <= 0, so no temperature, however small, overflows
-    logits = (logits - logits.max(-1, keepdims=True)) / params.temperature
+    # subtract the max first: every scaled logit is <= 0; one far below the max may scale to -inf,
+    # which is exactly its probability (0), so that overflow is expected
+    with np.errstate(over="ignore"):
+        logits = (logits - logits.max(-1, keepdims=True)) / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = np.partition(logits, -params.top_k, axis=-1)[:, -params.top_k, None]  # [b, 1]
         logits = np.where(logits < kth, -np.inf, logits)
