@@ -18,7 +18,7 @@ import numpy as np
 
 from .config import MLAConfig
 from .errors import CheckpointError
-from .safetensors_io import SafetensorsFile
+from .safetensors_io import SafetensorsFile, bf16_to_float32
 
 PICKLE_PATTERNS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -161,9 +161,7 @@ def _packed_rows(file: SafetensorsFile, stored: str, rows) -> np.ndarray:
     dtype = file.entries[stored][0]
     raw = file.raw(stored)
     part = raw[rows.start] if isinstance(rows, slice) else raw[rows[0], rows[1]]
-    if dtype == "BF16":
-        return (part.astype(np.uint32) << 16).view(np.float32)
-    return np.array(part, dtype=np.float32)
+    return bf16_to_float32(part) if dtype == "BF16" else np.array(part, dtype=np.float32)
 
 
 def _safetensors_files(directory: Path) -> list[SafetensorsFile]:

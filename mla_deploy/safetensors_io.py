@@ -71,15 +71,18 @@ class SafetensorsFile:
         dtype, shape, begin, end = self.entries[name]
         data = self._mapped()[self._data_start + begin : self._data_start + end]
         np_dtype = np.uint16 if dtype == "BF16" else _NUMPY_DTYPES[dtype]
-        return data.view(np_dtype).reshape(shape)
+        return data.view(np_dtype).reshape(shape)  # bytes -> [*shape]
 
     def float32(self, name: str) -> np.ndarray:
         """The tensor as float32 (a copy; bfloat16 widened exactly)."""
         dtype = self.entries[name][0]
         raw = self.raw(name)
-        if dtype == "BF16":
-            return (raw.astype(np.uint32) << 16).view(np.float32)
-        return np.array(raw, dtype=np.float32)
+        return bf16_to_float32(raw) if dtype == "BF16" else np.array(raw, dtype=np.float32)
+
+
+def bf16_to_float32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 stored as uint16 bits -> float32, exactly (bfloat16 is float32's upper half)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)  # [...] uint16 -> [...] float32
 
 
 def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:

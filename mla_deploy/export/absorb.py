@@ -36,7 +36,7 @@ def split_heads(cfg: MLAConfig, q_weight: np.ndarray) -> tuple[np.ndarray, np.nd
 
 def split_kv_b(cfg: MLAConfig, kv_b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """kv_b_proj.weight [h·(d_nope+d_v), d_c] -> W^UK [h, d_nope, d_c], W^UV [h, d_v, d_c]."""
-    w = kv_b.reshape(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+    w = kv_b.reshape(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)  # [h, d_nope + d_v, d_c]
     return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
 
 
@@ -44,19 +44,19 @@ def query_weight(cfg: MLAConfig, q_weight: np.ndarray) -> np.ndarray:
     """The whole query projection for the naive form, rope rows permuted: [in, h·(d_nope+d_r)]."""
     nope, rope = split_heads(cfg, q_weight)
     w = np.concatenate([nope, rope], axis=1)  # [h, d_nope + d_r, in]
-    return w.reshape(-1, w.shape[-1]).T
+    return w.reshape(-1, w.shape[-1]).T  # [h·(d_nope + d_r), in] -> [in, h·(d_nope + d_r)]
 
 
 def query_rope_weight(cfg: MLAConfig, q_weight: np.ndarray) -> np.ndarray:
     """Rope rows only, for the absorbed forms: [in, h·d_r]."""
     _, rope = split_heads(cfg, q_weight)
-    return rope.reshape(-1, rope.shape[-1]).T
+    return rope.reshape(-1, rope.shape[-1]).T  # [h·d_r, in] -> [in, h·d_r]
 
 
 def query_nope_weight(cfg: MLAConfig, q_weight: np.ndarray) -> np.ndarray:
     """Nope rows only, for the factored form: [in, h·d_nope]."""
     nope, _ = split_heads(cfg, q_weight)
-    return nope.reshape(-1, nope.shape[-1]).T
+    return nope.reshape(-1, nope.shape[-1]).T  # [h·d_nope, in] -> [in, h·d_nope]
 
 
 def fused_query_absorb(cfg: MLAConfig, q_weight: np.ndarray, kv_b: np.ndarray) -> np.ndarray:
@@ -64,7 +64,7 @@ def fused_query_absorb(cfg: MLAConfig, q_weight: np.ndarray, kv_b: np.ndarray) -
     nope, _ = split_heads(cfg, q_weight)
     w_uk, _ = split_kv_b(cfg, kv_b)
     fused = np.einsum("hdc,hdi->hci", w_uk.astype(np.float64), nope.astype(np.float64))  # [h, d_c, in]
-    return fused.reshape(-1, fused.shape[-1]).T.astype(q_weight.dtype)
+    return fused.reshape(-1, fused.shape[-1]).T.astype(q_weight.dtype)  # [h·d_c, in] -> [in, h·d_c]
 
 
 def fused_output_absorb(cfg: MLAConfig, o_weight: np.ndarray, kv_b: np.ndarray) -> np.ndarray:
@@ -72,7 +72,7 @@ def fused_output_absorb(cfg: MLAConfig, o_weight: np.ndarray, kv_b: np.ndarray) 
     _, w_uv = split_kv_b(cfg, kv_b)
     w_o = o_weight.reshape(o_weight.shape[0], cfg.num_attention_heads, cfg.v_head_dim)  # [d, h, d_v]
     fused = np.einsum("dhv,hvc->hcd", w_o.astype(np.float64), w_uv.astype(np.float64))  # [h, d_c, d]
-    return fused.reshape(-1, fused.shape[-1]).astype(o_weight.dtype)
+    return fused.reshape(-1, fused.shape[-1]).astype(o_weight.dtype)  # [h, d_c, d] -> [h·d_c, d]
 
 
 def factored_uk(cfg: MLAConfig, kv_b: np.ndarray) -> np.ndarray:
@@ -82,7 +82,7 @@ def factored_uk(cfg: MLAConfig, kv_b: np.ndarray) -> np.ndarray:
 
 def factored_uv(cfg: MLAConfig, kv_b: np.ndarray) -> np.ndarray:
     """[h, d_c, d_v]: o_latent [h, b, d_c] @ W^UVᵀ -> o [h, b, d_v]."""
-    return np.ascontiguousarray(split_kv_b(cfg, kv_b)[1].transpose(0, 2, 1))
+    return np.ascontiguousarray(split_kv_b(cfg, kv_b)[1].transpose(0, 2, 1))  # [h, d_v, d_c] -> [h, d_c, d_v]
 
 
 def kv_a_weight(cfg: MLAConfig, w: np.ndarray) -> np.ndarray:

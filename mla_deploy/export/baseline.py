@@ -48,7 +48,8 @@ def build_mha_decode(cfg, t, max_seq_len: int, weights: dict) -> GraphBuilder:
         keys = g.op("Concat", io_spec.past_key(i), key, axis=2, out_names=[io_spec.present_key(i)])  # [b, h, past + 1, ·]
         values = g.op("Concat", io_spec.past_value(i), v, axis=2, out_names=[io_spec.present_value(i)])  # [b, h, past + 1, d_v]
         query = g.Concat(q_nope, q_pe, axis=-1)  # [b, h, 1, d_nope + d_r]
-        scores = g.Mul(g.MatMul(query, g.Transpose(keys, perm=[0, 1, 3, 2])), g.const(attn.scale, np.float32))
+        keys_t = g.Transpose(keys, perm=[0, 1, 3, 2])  # [b, h, d_nope + d_r, past + 1]
+        scores = g.Mul(g.MatMul(query, keys_t), g.const(attn.scale, np.float32))  # [b, h, 1, past + 1]
         o = g.MatMul(g.Softmax(scores, axis=-1), values)  # [b, h, 1, d_v]
         o = g.Reshape(g.Transpose(o, perm=[0, 2, 1, 3]), g.const([0, 0, h * dv]))  # [b, 1, h·d_v]
         return layers.linear(g, o, f"layers.{i}.attn.o", t(attn.hf + "o_proj.weight").T)

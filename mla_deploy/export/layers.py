@@ -166,7 +166,8 @@ class AttentionBuilder:
             o = g.Reshape(o_latent, g.const([0, 1, h * dc]))  # [b, 1, h·d_c]
             out = linear(g, o, f"{self.name}.uv_o", absorb.fused_output_absorb(cfg, o_weight, kv_b))
         else:
-            o = g.MatMul(g.Transpose(o_latent, perm=[1, 0, 2]), g.weight(f"{self.name}.uv", absorb.factored_uv(cfg, kv_b)))
+            o_latent = g.Transpose(o_latent, perm=[1, 0, 2])  # [b, h, d_c] -> [h, b, d_c]
+            o = g.MatMul(o_latent, g.weight(f"{self.name}.uv", absorb.factored_uv(cfg, kv_b)))  # [h, b, d_v]
             o = g.Reshape(g.Transpose(o, perm=[1, 0, 2]), g.const([0, 1, h * dv]))  # [h, b, d_v] -> [b, 1, h·d_v]
             out = linear(g, o, f"{self.name}.o", o_weight.T)
         return out, cache_latent, cache_rope
@@ -226,7 +227,7 @@ def moe(g: GraphBuilder, cfg: MLAConfig, x: str, t: Tensors, layer: int) -> str:
     out = hf_swiglu(g, x2, f"{name}.shared", t, hf + "shared_experts.") if cfg.n_shared_experts else g.Mul(x2, g.const(0.0, np.float32))
     for e, flag in enumerate(flags):
         out = expert_branch(g, cfg, e, flag, x2, chosen, dispatch, out, t, hf, name)
-    return g.Reshape(out, shape)
+    return g.Reshape(out, shape)  # [N, d] -> [b, T, d]
 
 
 def expert_branch(g, cfg, e, flag, x2, chosen, dispatch, acc, t, hf, name) -> str:

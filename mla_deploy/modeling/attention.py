@@ -75,7 +75,7 @@ class MLAttention(nn.Module):
 
     def _split_kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        w = self.kv_b_proj.weight.view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        w = self.kv_b_proj.weight.view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)  # [h, d_nope + d_v, d_c]
         return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]  # W^UK [h, d_nope, d_c], W^UV [h, d_v, d_c]
 
     def _naive(self, q_nope, rope_scores, bias, cache):

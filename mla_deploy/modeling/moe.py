@@ -93,4 +93,4 @@ class MoE(nn.Module):
             out.index_add_(0, rows, y)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
-        return out.view(shape)
+        return out.view(shape)  # [N, d] -> [b, T, d]
