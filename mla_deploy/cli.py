@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import click
@@ -49,6 +50,8 @@ def _progress(start=[None]):  # noqa: B006 - one clock per process
 def main(ctx, debug):
     """Export MLA (DeepSeek-V2/V3) checkpoints to ONNX and run them with onnxruntime."""
     ctx.obj = {"debug": debug}
+    if not debug:  # library warnings (a provider fallback, say) as one readable line each
+        warnings.showwarning = lambda message, *_: click.echo(f"warning: {message}", err=True)
 
 
 @main.command()

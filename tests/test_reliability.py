@@ -354,3 +354,15 @@ def test_cli_errors_are_one_line(exported):
         assert "Traceback" not in result.output and result.output.strip().splitlines()[-1] == errors[0]
     debug = runner.invoke(main, ["--debug", "run", "/nonexistent/export", "--prompt-ids", "1"])
     assert debug.exit_code != 0 and isinstance(debug.exception, ExportLoadError)
+
+
+def test_cli_provider_fallback_is_one_warning_line(exported):
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("CUDA is available here")
+    result = CliRunner().invoke(main, ["run", str(exported(VARIANT)), "--prompt-ids", "5,6", "-n", "2", "--provider", "cuda", "--json"])
+    assert result.exit_code == 0, result.output
+    warned = [line for line in result.output.splitlines() if "CUDAExecutionProvider" in line]
+    assert len(warned) == 1 and warned[0].startswith("warning: ") and "falling back to CPU" in warned[0]
+    assert json.loads(result.output.strip().splitlines()[-1])["token_ids"]
