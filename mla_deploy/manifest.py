@@ -20,6 +20,11 @@ WEIGHTS_FILE = "weights.bin"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
+def file_sha256(path: Path) -> str:
+    """The digest the manifest records for each graph file (written by the exporter, checked on load)."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
 def read_manifest(directory: str | Path) -> dict:
     directory = Path(directory)
     path = directory / MANIFEST_FILE
@@ -52,8 +57,7 @@ def check_files(directory: Path, manifest: dict) -> None:
         path = directory / entry["file"]
         if not path.is_file():
             raise ExportLoadError(f"{path}: missing {kind} graph")
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()
-        if entry.get("sha256") != digest:
+        if entry.get("sha256") != file_sha256(path):
             raise ExportLoadError(f"{path}: does not match the manifest (sha256 differs): corrupted or from another export")
     weights = directory / manifest["weights"]["file"]
     if not weights.is_file():

@@ -22,7 +22,7 @@ import onnx
 from .. import __version__, io_spec
 from ..checkpoint import Checkpoint
 from ..errors import ExportError
-from ..manifest import MANIFEST_FILE, MANIFEST_VERSION, WEIGHTS_FILE, TOKENIZER_FILES
+from ..manifest import MANIFEST_FILE, MANIFEST_VERSION, TOKENIZER_FILES, WEIGHTS_FILE, file_sha256
 from .absorb import AbsorbMode, resolve_absorb
 from .graphs import build_graph
 from .onnx_builder import OPSET
@@ -92,7 +92,7 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
             path = tmp / io_spec.GRAPH_FILES[kind]
             onnx.save_model(model, path)
             onnx.checker.check_model(str(path), full_check=True)
-            manifest["graphs"][kind]["sha256"] = _sha256(path)
+            manifest["graphs"][kind]["sha256"] = file_sha256(path)
         manifest["tokenizer"] = _copy_tokenizer(ckpt.directory, tmp)
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         if verify is not None:
@@ -165,10 +165,6 @@ def _copy_tokenizer(src: Path, dst: Path) -> list[str]:
             shutil.copyfile(src / name, dst / name)
             copied.append(name)
     return copied
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _fsync_tree(directory: Path) -> None:
