@@ -22,8 +22,10 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
+from mla_deploy import io_spec
 from mla_deploy.modeling import load_model, new_caches
 from mla_deploy.runtime import ExportedModel, Generator, RuntimeOptions
+from mla_deploy.runtime.feeds import prefill_feed
 
 
 def mobius_session(path: str) -> ort.InferenceSession:
@@ -81,12 +83,7 @@ def main(mobius_path: str, export_dir: str, checkpoint: str, contexts=(128, 1024
                 torch.ones(1, 40)).numpy()
     mob_logits = mob.run(["logits"], mobius_feed(cfg, ids, 0, rng))[0]
     full = ExportedModel(export_dir, RuntimeOptions(threads=2), graphs=("prefill",))
-    pos = np.arange(40)[None]
-    from mla_deploy.runtime.feeds import empty_caches
-
-    feed = {"input_ids": ids, "position_ids": pos, "attention_mask": np.ones((1, 40), np.int64),
-            "write_indices": np.zeros(1, np.int64), "logits_positions": pos, **empty_caches(cfg, 1, 40)}
-    our_logits = full.run("prefill", feed)["logits"]
+    our_logits = full.run(io_spec.PREFILL, prefill_feed(cfg, ids))[io_spec.LOGITS]
     print(f"max |Δlogit| vs torch source, 40 tokens: mla-deploy {np.abs(our_logits - ref).max():.2e}, "
           f"mobius-onnx {np.abs(mob_logits - ref).max():.2e} (logit scale {np.abs(ref).max():.2f})")
 

@@ -19,7 +19,7 @@ from .checkpoint import Checkpoint
 from .errors import ExportError
 from .modeling import AttentionForm, load_model, new_caches
 from .runtime import ExportedModel, Generator, RuntimeOptions
-from .runtime.feeds import empty_caches
+from .runtime.feeds import prefill_feed
 
 DEFAULT_RTOL = 1e-4
 
@@ -65,14 +65,11 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
     lens = np.array(lengths, np.int64)
 
     # prefill: every position's logits, right-padded rows
+    feed = prefill_feed(cfg, ids, capacity)
     caches = new_caches(cfg, b, capacity)
-    mask = np.ones((b, capacity), np.int64)
-    pos = np.broadcast_to(np.arange(longest), (b, longest)).copy()
-    ref = torch_model(torch.from_numpy(ids), torch.from_numpy(pos), caches, torch.zeros(b, dtype=torch.long),
-                      torch.from_numpy(mask), form=AttentionForm.NAIVE).numpy()
-    feed = {io_spec.INPUT_IDS: ids, io_spec.POSITION_IDS: pos, io_spec.ATTENTION_MASK: mask,
-            io_spec.WRITE_INDICES: np.zeros(b, np.int64), io_spec.LOGITS_POSITIONS: pos}
-    feed.update(empty_caches(cfg, b, capacity))
+    mask = feed[io_spec.ATTENTION_MASK]
+    ref = torch_model(torch.from_numpy(ids), torch.from_numpy(feed[io_spec.POSITION_IDS]), caches,
+                      torch.zeros(b, dtype=torch.long), torch.from_numpy(mask), form=AttentionForm.NAIVE).numpy()
     out = model.run(io_spec.PREFILL, feed)
     valid = np.arange(longest)[None, :] < lens[:, None]
     prefill_diff = float(np.abs(out[io_spec.LOGITS] - ref)[valid].max())

@@ -23,6 +23,17 @@ def empty_caches(cfg: MLAConfig, batch: int, capacity: int) -> dict[str, np.ndar
     return feed
 
 
+def prefill_feed(cfg: MLAConfig, ids: np.ndarray, capacity: int | None = None) -> dict[str, np.ndarray]:
+    """Prefill rows `ids` [b, T] (right-padded) from an empty cache of `capacity` slots (default T), scoring
+    every position: the feed verification and scoring use."""
+    b, t = ids.shape
+    capacity = t if capacity is None else capacity
+    pos = np.broadcast_to(np.arange(t), (b, t)).copy()  # [b, T]
+    return {io_spec.INPUT_IDS: ids, io_spec.POSITION_IDS: pos, io_spec.ATTENTION_MASK: np.ones((b, capacity), np.int64),
+            io_spec.WRITE_INDICES: np.zeros(b, np.int64), io_spec.LOGITS_POSITIONS: pos,
+            **empty_caches(cfg, b, capacity)}
+
+
 def check_feed(kind: str, feed: dict, cfg: MLAConfig, max_seq_len: int) -> None:
     inputs, _ = io_spec.graph_io(kind, cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.vocab_size)
     expected = {s.name: s for s in inputs}

@@ -10,7 +10,7 @@ import numpy as np
 
 from .. import io_spec
 from ..errors import InputError
-from .feeds import empty_caches
+from .feeds import prefill_feed
 from .session import ExportedModel
 
 
@@ -38,13 +38,9 @@ def export_nll(model: ExportedModel, batch: np.ndarray, rows_per_run: int = 8) -
     out = []
     for start in range(0, len(batch), rows_per_run):
         w = batch[start : start + rows_per_run]
-        b, t = w.shape[0], w.shape[1] - 1
+        t = w.shape[1] - 1
         if t > model.max_seq_len:
             raise InputError(f"window {t} exceeds the export's maximum length {model.max_seq_len}")
-        pos = np.broadcast_to(np.arange(t), (b, t)).copy()
-        feed = {io_spec.INPUT_IDS: w[:, :-1], io_spec.POSITION_IDS: pos, io_spec.ATTENTION_MASK: np.ones((b, t), np.int64),
-                io_spec.WRITE_INDICES: np.zeros(b, np.int64), io_spec.LOGITS_POSITIONS: pos}
-        feed.update(empty_caches(cfg, b, t))
-        logits = model.run(io_spec.PREFILL, feed)[io_spec.LOGITS]  # [b, t, vocab]
+        logits = model.run(io_spec.PREFILL, prefill_feed(cfg, w[:, :-1]))[io_spec.LOGITS]  # [b, t, vocab]
         out.append(log_softmax_nll(logits, w[:, 1:]))
     return np.concatenate(out)
