@@ -60,6 +60,15 @@ class TensorSpec:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
 
 
+def cache_widths(num_layers: int, kv_lora_rank: int, rope_dim: int) -> dict[str, int]:
+    """past_* cache name -> width, layer by layer: the latent ĉ, then the roped key."""
+    widths = {}
+    for i in range(num_layers):
+        widths[past_latent(i)] = kv_lora_rank
+        widths[past_rope(i)] = rope_dim
+    return widths
+
+
 def graph_io(graph: str, num_layers: int, kv_lora_rank: int, rope_dim: int, vocab: int,
              cache_dtype: str = "float32") -> tuple[list[TensorSpec], list[TensorSpec]]:
     """(inputs, outputs) of the prefill or decode graph."""
@@ -73,11 +82,10 @@ def graph_io(graph: str, num_layers: int, kv_lora_rank: int, rope_dim: int, voca
     if graph == PREFILL:
         inputs.append(TensorSpec(LOGITS_POSITIONS, "int64", ("batch", "n_logits")))
     outputs = [TensorSpec(LOGITS, "float32", ("batch", "n_logits" if graph == PREFILL else 1, vocab))]
-    for i in range(num_layers):
-        inputs.append(TensorSpec(past_latent(i), cache_dtype, ("batch", "capacity", kv_lora_rank)))
-        inputs.append(TensorSpec(past_rope(i), cache_dtype, ("batch", "capacity", rope_dim)))
-        outputs.append(TensorSpec(present_latent(i), cache_dtype, ("batch", "capacity", kv_lora_rank)))
-        outputs.append(TensorSpec(present_rope(i), cache_dtype, ("batch", "capacity", rope_dim)))
+    presents = dict(cache_pairs(num_layers))
+    for past, width in cache_widths(num_layers, kv_lora_rank, rope_dim).items():
+        inputs.append(TensorSpec(past, cache_dtype, ("batch", "capacity", width)))
+        outputs.append(TensorSpec(presents[past], cache_dtype, ("batch", "capacity", width)))
     return inputs, outputs
 
 

@@ -30,13 +30,6 @@ class CacheBuffers:
         self.values: dict[str, ort.OrtValue] = {}
         self.ensure(capacity)
 
-    def widths(self) -> dict[str, int]:
-        out = {}
-        for i in range(self.cfg.num_hidden_layers):
-            out[io_spec.past_latent(i)] = self.cfg.kv_lora_rank
-            out[io_spec.past_rope(i)] = self.cfg.qk_rope_head_dim
-        return out
-
     def ensure(self, needed: int) -> bool:
         """Grow to hold `needed` slots (rounded up to BLOCK, at most max_capacity). True when buffers changed."""
         if needed <= self.capacity:
@@ -44,7 +37,8 @@ class CacheBuffers:
         if needed > self.max_capacity:
             raise InputError(f"sequence needs {needed} cache slots, the export's maximum length is {self.max_capacity}")
         capacity = min(self.max_capacity, -(-needed // BLOCK) * BLOCK)
-        for name, width in self.widths().items():
+        cfg = self.cfg
+        for name, width in io_spec.cache_widths(cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim).items():
             new = np.zeros((self.batch, capacity, width), np.float32)
             old = self.arrays.get(name)
             if old is not None:

@@ -16,11 +16,8 @@ from ..errors import InputError
 def empty_caches(cfg: MLAConfig, batch: int, capacity: int) -> dict[str, np.ndarray]:
     """Zero-filled past_latent/past_rope inputs for every layer (for one-off graph calls; the Generator
     keeps its own in-place buffers)."""
-    feed = {}
-    for i in range(cfg.num_hidden_layers):
-        feed[io_spec.past_latent(i)] = np.zeros((batch, capacity, cfg.kv_lora_rank), np.float32)
-        feed[io_spec.past_rope(i)] = np.zeros((batch, capacity, cfg.qk_rope_head_dim), np.float32)
-    return feed
+    widths = io_spec.cache_widths(cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+    return {name: np.zeros((batch, capacity, width), np.float32) for name, width in widths.items()}
 
 
 def prefill_feed(cfg: MLAConfig, ids: np.ndarray, capacity: int | None = None) -> dict[str, np.ndarray]:
