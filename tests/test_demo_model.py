@@ -1,7 +1,6 @@
 """The bundled demo model: an ordinary HF checkpoint, checked like any other, and its model card reproduced."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

@@ -11,7 +11,6 @@ import weakref
 import numpy as np
 import psutil
 import pytest
-import torch
 from click.testing import CliRunner
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -20,10 +19,11 @@ from mla_deploy import io_spec
 from mla_deploy.cli import main
 from mla_deploy.errors import CheckpointError, ExportError, ExportLoadError, InputError, ProviderError
 from mla_deploy.export import ExportOptions, export
-from mla_deploy.modeling import AttentionForm, load_model, new_caches
-from mla_deploy.runtime import ExportedModel, Generator, RuntimeOptions, SamplingParams
+from mla_deploy.modeling import load_model
+from mla_deploy.runtime import ExportedModel, Generator, SamplingParams
 from mla_deploy.runtime.feeds import empty_caches
 from mla_deploy.runtime.session import resolve_providers
+from reference import torch_greedy
 
 VARIANT = "v3_lora_group_yarn"
 
@@ -31,22 +31,6 @@ VARIANT = "v3_lora_group_yarn"
 @pytest.fixture(scope="module")
 def model(exported):
     return ExportedModel(exported(VARIANT))
-
-
-def torch_greedy(torch_model, prompt: list[int], n: int) -> list[int]:
-    """Greedy continuation with the torch source (naive prefill, absorbed decode)."""
-    cfg = torch_model.cfg
-    caches = new_caches(cfg, 1, len(prompt) + n)
-    mask = torch.ones(1, len(prompt) + n)
-    logits = torch_model(torch.tensor([prompt]), torch.arange(len(prompt))[None], caches, torch.zeros(1, dtype=torch.long),
-                         mask, form=AttentionForm.NAIVE)[:, -1]
-    out = []
-    for step in range(n):
-        token = int(logits.argmax(-1))
-        out.append(token)
-        slot = len(prompt) + step
-        logits = torch_model(torch.tensor([[token]]), torch.tensor([[slot]]), caches, torch.tensor([slot]), mask)[:, -1]
-    return out
 
 
 # ---- runtime input validation ----
@@ -218,23 +202,34 @@ def test_newer_manifest_version_refused(exported, tmp_path):
 
 
 # ---- properties ----
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(
-    prompts=st.lists(st.lists(st.integers(-2, 100), min_size=0, max_size=20), min_size=0, max_size=4),
-    chunk=st.integers(1, 24),
-    n=st.integers(-1, 6),
-)
-def test_runtime_greedy_equals_torch_or_refuses_cleanly(checkpoint_dir, model, prompts, chunk, n):
+@st.composite
+def greedy_requests(draw):
+    """A valid request by construction: 1-5 rows of 1-60 in-vocabulary ids, 1-10 new tokens, a chunk size."""
+    rows = draw(st.lists(st.lists(st.integers(0, 96), min_size=1, max_size=60), min_size=1, max_size=5))
+    return rows, draw(st.integers(1, 64)), draw(st.integers(1, 10))
+
+
+@pytest.mark.parametrize("absorb", ["fused", "factored"])
+@settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(request=greedy_requests())
+def test_runtime_greedy_equals_torch_greedy(checkpoint_dir, exported, absorb, request):
+    prompts, chunk, n = request
     src, _ = checkpoint_dir(VARIANT)
-    try:
-        result = Generator(model, chunk_size=chunk, stop_token_ids=()).generate(prompts, n)
-    except InputError:
-        bad = (not prompts or n < 1 or any(not p or min(p) < 0 or max(p) >= 97 for p in prompts))
-        assert bad, "a valid request was refused"
-        return
+    model = _loaded(exported(VARIANT, absorb))
+    result = Generator(model, chunk_size=chunk, stop_token_ids=()).generate(prompts, n)
+    assert len(result.token_ids) == len(prompts) and result.finish_reasons == ["length"] * len(prompts)
     torch_model = _torch_model(src)
-    for prompt, got in zip(prompts, result.token_ids):
+    for prompt, got in zip(prompts, result.token_ids, strict=True):
         assert got == torch_greedy(torch_model, prompt, n)
+
+
+_LOADED = {}
+
+
+def _loaded(directory):
+    if directory not in _LOADED:
+        _LOADED[directory] = ExportedModel(directory)
+    return _LOADED[directory]
 
 
 _TORCH = {}
@@ -270,57 +265,125 @@ def test_sampling_returns_tokens_in_vocab_or_refuses(model, temperature, top_k, 
 
 
 # ---- concurrency, soak, cancellation ----
-def test_threads_sharing_one_model_get_what_they_get_alone(model):
-    prompts = [[3 + i, 10 + 2 * i, 40 - i] for i in range(6)]
-    alone = [Generator(model, stop_token_ids=()).generate([p], 24).token_ids[0] for p in prompts]
-    results = [None] * len(prompts)
+def run_threads(work, n: int, timeout: float = 180) -> None:
+    """work(i) in n threads; fails on any thread's exception or on a thread still running at the timeout."""
+    errors = []
 
-    def work(i):
-        for _ in range(3):
-            results[i] = Generator(model, stop_token_ids=()).generate([prompts[i]], 24).token_ids[0]
+    def guarded(i):
+        try:
+            work(i)
+        except BaseException as e:  # noqa: BLE001 - reported below, with the thread it came from
+            errors.append((i, repr(e)))
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=120)
-    assert results == alone
+        t.join(timeout=timeout)
+    assert not [t for t in threads if t.is_alive()], f"threads still running after {timeout} s"
+    assert errors == []
 
 
-def test_soak_memory_flat_after_warmup(model):
+PROMPTS = [[3 + i, 10 + 2 * i, 40 - i] for i in range(6)]
+
+
+def test_threads_sharing_one_model_get_what_they_get_alone(model):
+    alone = [Generator(model, stop_token_ids=()).generate([p], 24).token_ids[0] for p in PROMPTS]
+    results = [[] for _ in PROMPTS]
+
+    def work(i):
+        for _ in range(3):
+            results[i].append(Generator(model, stop_token_ids=()).generate([PROMPTS[i]], 24).token_ids[0])
+
+    run_threads(work, len(PROMPTS))
+    assert results == [[row] * 3 for row in alone]
+
+
+def test_threads_sharing_one_generator_get_what_they_get_alone(model):
+    """The Generator holds no per-generation state: one seeded sampler serves every thread reproducibly."""
+    gen = Generator(model, SamplingParams(temperature=0.9, top_k=30, seed=3), stop_token_ids=())
+    alone = [gen.generate([p], 24).token_ids[0] for p in PROMPTS]
+    assert len(set(map(tuple, alone))) > 1
+    results = [[] for _ in PROMPTS]
+
+    def work(i):
+        for _ in range(3):
+            results[i].append(gen.generate([PROMPTS[i]], 24).token_ids[0])
+
+    run_threads(work, len(PROMPTS))
+    assert results == [[row] * 3 for row in alone]
+
+
+@pytest.fixture(scope="module")
+def wide_cache_model(tmp_path_factory):
+    """A tiny model with DeepSeek's latent width (kv_lora_rank 512): 1.6 MB of cache per 256-slot generation,
+    so a cache leaked per generation is far above the noise of the resident-set size."""
+    from tiny import build_hf_model, save_hf_model
+
+    src = tmp_path_factory.mktemp("wide-src")
+    save_hf_model(build_hf_model("v2_group_limited", kv_lora_rank=512), src)
+    out = tmp_path_factory.mktemp("wide") / "export"
+    export(src, out)
+    return ExportedModel(out)
+
+
+def test_soak_memory_flat_after_warmup(wide_cache_model):
+    model = wide_cache_model
     gen = Generator(model, SamplingParams(temperature=0.8, seed=1), stop_token_ids=())
     process = psutil.Process()
     for _ in range(3):  # warm-up: arenas and caches reach their working size
         gen.generate([[5, 6, 7]], 200)
     gc.collect()
     before = process.memory_info().rss
-    tokens = 0
-    for i in range(25):
+    runs, tokens = 40, 0
+    for i in range(runs):
         tokens += len(gen.generate([[5, 6, 7 + i % 50]], 200).token_ids[0])
     gc.collect()
     grown = process.memory_info().rss - before
-    assert tokens == 5000
-    assert grown < 20 * 2**20, f"resident memory grew {grown / 2**20:.1f} MiB over {tokens} tokens"
+    cfg = model.config
+    cache_bytes = cfg.num_hidden_layers * 256 * cfg.latent_cache_width * 4  # one generation's buffers
+    assert tokens == runs * 200
+    assert grown < runs * cache_bytes / 2, (
+        f"resident memory grew {grown / 2**20:.1f} MiB over {runs} generations "
+        f"(a cache leaked per generation would be {runs * cache_bytes / 2**20:.0f} MiB)")
 
 
-def test_closing_a_stream_frees_its_cache(model, monkeypatch):
-    from mla_deploy.runtime import generator as generator_module
+@pytest.fixture
+def cache_arrays(monkeypatch):
+    """Weak references to every cache buffer the runtime allocates from now on."""
+    from mla_deploy.runtime.cache import CacheBuffers
 
-    made = []
-    real = generator_module.CacheBuffers
+    refs = []
+    real = CacheBuffers.ensure
 
-    def tracked(*args, **kwargs):
-        buffers = real(*args, **kwargs)
-        made.append(weakref.ref(buffers))
-        return buffers
+    def tracking(self, needed):
+        grew = real(self, needed)
+        refs.extend(weakref.ref(a) for a in self.arrays.values())
+        return grew
 
-    monkeypatch.setattr(generator_module, "CacheBuffers", tracked)
+    monkeypatch.setattr(CacheBuffers, "ensure", tracking)
+    return refs
+
+
+def test_closing_a_stream_frees_its_cache_buffers(model, cache_arrays):
     stream = Generator(model, stop_token_ids=()).stream([[5, 6, 7]], 100)
     next(stream), next(stream)
-    assert made[0]() is not None
+    assert cache_arrays and all(ref() is not None for ref in cache_arrays)
     stream.close()
     gc.collect()
-    assert made[0]() is None
+    assert [ref for ref in cache_arrays if ref() is not None] == []
+
+
+def test_a_stream_ended_by_an_error_frees_its_cache_even_while_the_error_is_kept(model, cache_arrays):
+    """An app that keeps the exception (logging, retry) keeps its traceback, and with it the generator's frame:
+    the buffers must still go."""
+    stream = Generator(model, stop_token_ids=()).stream([[5, 6, 7]], 100)
+    next(stream), next(stream)
+    with pytest.raises(RuntimeError) as kept:
+        stream.throw(RuntimeError("the consumer failed"))
+    gc.collect()
+    assert kept.value.__traceback__ is not None
+    assert cache_arrays and [ref for ref in cache_arrays if ref() is not None] == []
 
 
 # ---- reproducibility ----

@@ -1,0 +1,116 @@
+"""Sampling in value: the distribution our sampler draws from equals the one transformers' own logits
+processors define (repetition penalty, temperature, top-k, top-p, in generate()'s order).
+
+Frequencies of many fixed-seed draws are compared with the reference probabilities: the support must be
+exactly the reference's (a top-k or top-p boundary off by one token fails), every token's frequency must
+lie within 5 standard errors of its probability, and the total variation distance must be small.
+"""
+
+import numpy as np
+import pytest
+import torch
+from transformers import (RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
+                          TopPLogitsWarper)
+
+from mla_deploy import io_spec
+from mla_deploy.runtime import ExportedModel, Generator, SamplingParams
+from mla_deploy.runtime.feeds import prefill_feed
+from mla_deploy.runtime.sampling import sample
+
+DRAWS = 40_000
+LOGITS = np.array([2.0, 1.6, 1.5, 0.9, 0.3, -0.2, -0.4, -1.0, 0.05, 1.1, -2.5, 0.7], np.float32)
+HISTORY = np.array([0, 5, 5, 10])  # a positive logit (0), a negative one (5, twice), a very negative one (10)
+
+
+def reference_probs(logits: np.ndarray, history: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The distribution transformers' generate() samples from, with its own processors and warpers."""
+    scores = torch.tensor(logits, dtype=torch.float64)[None]  # [1, vocab]
+    ids = torch.tensor(history)[None]  # [1, len]
+    if params.repetition_penalty != 1.0:
+        scores = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(ids, scores)
+    if params.temperature != 1.0:
+        scores = TemperatureLogitsWarper(params.temperature)(ids, scores)
+    if params.top_k:
+        scores = TopKLogitsWarper(params.top_k)(ids, scores)
+    if params.top_p < 1.0:
+        scores = TopPLogitsWarper(params.top_p)(ids, scores)
+    return torch.softmax(scores, -1)[0].numpy()
+
+
+def assert_same_distribution(tokens: np.ndarray, probs: np.ndarray) -> None:
+    n = len(tokens)
+    freq = np.bincount(tokens, minlength=len(probs)) / n
+    support, drawn = set(np.flatnonzero(probs > 0)), set(np.flatnonzero(freq > 0))
+    assert drawn <= support, f"drew tokens {sorted(drawn - support)} that the reference filters out"
+    likely = set(np.flatnonzero(probs > 20 / n))
+    assert likely <= drawn, f"never drew tokens {sorted(likely - drawn)} of probability {probs[sorted(likely - drawn)]}"
+    bound = 5 * np.sqrt(probs * (1 - probs) / n) + 1 / n
+    worst = np.argmax(np.abs(freq - probs) / bound)
+    assert np.all(np.abs(freq - probs) <= bound), (
+        f"token {worst}: frequency {freq[worst]:.4f}, reference probability {probs[worst]:.4f}")
+    # total variation: about 2.5x its expected value under the reference, far below any wrong distribution's
+    assert 0.5 * np.abs(freq - probs).sum() <= np.sqrt(probs * (1 - probs) / n).sum()
+
+
+CASES = {
+    "temperature 1": SamplingParams(temperature=1.0, seed=1),
+    "temperature 0.5": SamplingParams(temperature=0.5, seed=2),
+    "temperature 2.5": SamplingParams(temperature=2.5, seed=3),
+    "top-k 4": SamplingParams(temperature=1.0, top_k=4, seed=4),
+    "top-k 1": SamplingParams(temperature=1.3, top_k=1, seed=5),
+    "top-p 0.5": SamplingParams(temperature=1.0, top_p=0.5, seed=6),
+    "top-p 0.8": SamplingParams(temperature=0.8, top_p=0.8, seed=7),
+    "repetition 1.8": SamplingParams(temperature=1.0, repetition_penalty=1.8, seed=8),
+    "repetition 0.6": SamplingParams(temperature=1.0, repetition_penalty=0.6, seed=9),
+    "all four": SamplingParams(temperature=0.7, top_k=7, top_p=0.9, repetition_penalty=1.3, seed=10),
+}
+
+
+@pytest.mark.parametrize("params", CASES.values(), ids=CASES.keys())
+def test_sampled_frequencies_match_transformers_processors(params):
+    rng = np.random.default_rng(params.seed)
+    logits = np.tile(LOGITS, (DRAWS, 1))  # [draws, vocab]: one independent draw per row
+    tokens = sample(logits, params, rng, [HISTORY] * DRAWS)
+    assert tokens.shape == (DRAWS,) and tokens.dtype == np.int64
+    assert_same_distribution(tokens, reference_probs(LOGITS, HISTORY, params))
+
+
+def test_the_reference_cases_really_filter():
+    """Guards the cases above: each filter removes tokens or reshapes the distribution it is meant to."""
+    plain = reference_probs(LOGITS, HISTORY, SamplingParams(temperature=1.0))
+    assert (reference_probs(LOGITS, HISTORY, CASES["top-k 4"]) > 0).sum() == 4
+    top_p = reference_probs(LOGITS, HISTORY, CASES["top-p 0.5"])
+    assert 1 < (top_p > 0).sum() < len(LOGITS) - 1  # the token crossing 0.5 is kept, the rest dropped
+    assert np.sort(plain)[::-1][: (top_p > 0).sum() - 1].sum() < 0.5
+    penalised = reference_probs(LOGITS, HISTORY, CASES["repetition 1.8"])
+    assert penalised[0] < plain[0] and penalised[1] > plain[1]  # a positive logit divided
+    assert penalised[5] / penalised[1] < plain[5] / plain[1]  # a negative one multiplied
+
+
+@pytest.mark.parametrize("penalty", [1.0, 1.7])
+def test_greedy_is_argmax_after_the_repetition_penalty(penalty):
+    params = SamplingParams(temperature=0.0, repetition_penalty=penalty)
+    token = sample(LOGITS[None], params, np.random.default_rng(0), [HISTORY])
+    assert token.tolist() == [int(np.argmax(reference_probs(LOGITS, HISTORY, SamplingParams(1.0, 0, 1.0, penalty))))]
+    assert token.tolist() == ([0] if penalty == 1.0 else [1])  # penalised, token 0 (2.0 / 1.7) falls below token 1
+
+
+def test_rows_use_their_own_history():
+    params = SamplingParams(temperature=0.0, repetition_penalty=5.0)
+    tokens = sample(np.tile(LOGITS, (2, 1)), params, np.random.default_rng(0), [np.array([0]), np.array([3])])
+    assert tokens.tolist() == [1, 0]
+
+
+def test_generator_samples_the_first_token_from_the_exports_distribution(exported):
+    """Through the Generator: the prompt is the penalty's history, the parameters reach the sampler."""
+    model = ExportedModel(exported("v3_lora_group_yarn"))
+    prompt = [5, 17, 33, 8]
+    params = SamplingParams(temperature=0.9, top_k=20, top_p=0.95, repetition_penalty=1.4, seed=11)
+    logits = model.run(io_spec.PREFILL, prefill_feed(model.config, np.array([prompt])))[io_spec.LOGITS][0, -1]
+    rows = 4000
+    result = Generator(model, params, stop_token_ids=()).generate([prompt] * rows, 1)
+    first = np.array([row[0] for row in result.token_ids])
+    assert len(result.token_ids) == rows and all(len(row) == 1 for row in result.token_ids)
+    probs = reference_probs(logits, np.array(prompt), params)
+    assert (probs > 0).sum() < 20  # top-p really cut into the top 20
+    assert_same_distribution(first, probs)
