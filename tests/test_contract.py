@@ -1,0 +1,257 @@
+"""The contracts nothing else pinned down: stop tokens, the graphs' attention_mask, cache growth inside a
+chunked prefill, rows at very different lengths up to the export's limit, YaRN with mscale != mscale_all_dim,
+the CLI's streams, verify/eval failing a wrong export, `--absorb auto` choosing fused, streamed text."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from mla_deploy import io_spec
+from mla_deploy.checkpoint import Checkpoint
+from mla_deploy.cli import DEFAULT_CHECKPOINT, main
+from mla_deploy.export import ExportOptions, export
+from mla_deploy.export.absorb import AbsorbMode, resolve_absorb
+from mla_deploy.modeling import AttentionForm, load_model, new_caches
+from mla_deploy.runtime import ExportedModel, Generator, TextStream, Tokenizer
+from mla_deploy.runtime.complete import complete
+from mla_deploy.verify import verify_export
+from reference import torch_greedy
+from tiny import build_hf_model, save_hf_model
+
+VARIANT = "v3_lora_group_yarn"
+
+
+@pytest.fixture(scope="module")
+def model(exported):
+    return ExportedModel(exported(VARIANT))
+
+
+# ---- stop tokens ----
+def test_one_row_stopping_early_leaves_the_others_untouched(model):
+    prompts = [[5, 6, 7], [40, 41, 42, 43]]
+    free = Generator(model, stop_token_ids=()).generate(prompts, 12).token_ids
+    stop = free[0][3]
+    assert stop not in free[1] and stop not in free[0][:3], "pick prompts whose rows differ"
+    gen = Generator(model, stop_token_ids=[stop])
+    steps = list(gen.stream(prompts, 12))
+    assert [s.tokens[0] for s in steps] == free[0][:4] + [None] * 8  # the stop token is emitted, then None
+    assert [s.tokens[1] for s in steps] == free[1]
+    result = gen.generate(prompts, 12)
+    assert result.token_ids == [free[0][:4], free[1]]
+    assert result.finish_reasons == ["stop", "length"]
+
+
+def test_generation_ends_when_every_row_stopped(model):
+    free = Generator(model, stop_token_ids=()).generate([[5, 6, 7]], 10).token_ids[0]
+    steps = list(Generator(model, stop_token_ids=[free[2]]).stream([[5, 6, 7]], 10))
+    assert [s.tokens for s in steps] == [[t] for t in free[: free.index(free[2]) + 1]]
+
+
+def test_default_stop_tokens_are_the_configs_eos(model):
+    assert Generator(model).stop_token_ids == set(model.config.eos_token_id) == {2}
+
+
+# ---- the graphs' attention_mask (left padding) ----
+@pytest.mark.parametrize("absorb", ["fused", "factored"])
+def test_masked_slots_in_the_graphs_match_the_torch_source(checkpoint_dir, exported, absorb):
+    """Left-padded rows: mask 0 on the holes, positions counted from each row's first real token."""
+    src, _ = checkpoint_dir(VARIANT)
+    model = ExportedModel(exported(VARIANT, absorb))
+    torch_model = load_model(src)
+    cfg, lengths, steps = model.config, [11, 6, 2], 4
+    b, t = len(lengths), max(lengths)
+    capacity = t + steps
+    rng = np.random.default_rng(0)
+    ids = np.zeros((b, t), np.int64)
+    mask = np.zeros((b, capacity), np.int64)
+    for r, n in enumerate(lengths):
+        ids[r, t - n:] = rng.integers(3, cfg.vocab_size, n)
+        mask[r, t - n:] = 1  # the decode slots are unmasked as they are written
+    mask[:, t:] = 1
+    pos = np.clip(np.cumsum(mask[:, :t], -1) - 1, 0, None)  # [b, t]
+    feed = {io_spec.INPUT_IDS: ids, io_spec.POSITION_IDS: pos, io_spec.ATTENTION_MASK: mask,
+            io_spec.WRITE_INDICES: np.zeros(b, np.int64), io_spec.LOGITS_POSITIONS: np.tile(np.arange(t), (b, 1)),
+            **{name: np.zeros((b, capacity, w), np.float32)
+               for name, w in io_spec.cache_widths(cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim).items()}}
+    out = model.run(io_spec.PREFILL, feed)
+    caches = new_caches(cfg, b, capacity)
+    ref = torch_model(torch.from_numpy(ids), torch.from_numpy(pos), caches, torch.zeros(b, dtype=torch.long),
+                      torch.from_numpy(mask), form=AttentionForm.NAIVE).numpy()
+    real = mask[:, :t].astype(bool)
+    assert np.abs(out[io_spec.LOGITS] - ref)[real].max() < 1e-4
+    logits = ref[:, -1]
+    for step in range(steps):
+        token = logits.argmax(-1)[:, None]
+        slot = np.full(b, t + step)
+        position = pos[:, -1:] + 1 + step
+        ref_step = torch_model(torch.from_numpy(token), torch.from_numpy(position), caches, torch.from_numpy(slot),
+                               torch.from_numpy(mask), form=AttentionForm.ABSORBED).numpy()[:, 0]
+        feed = {io_spec.INPUT_IDS: token, io_spec.POSITION_IDS: position, io_spec.ATTENTION_MASK: mask,
+                io_spec.WRITE_INDICES: slot,
+                **{k.replace("present", "past"): v for k, v in out.items() if k != io_spec.LOGITS}}
+        out = model.run(io_spec.DECODE, feed)
+        assert np.abs(out[io_spec.LOGITS][:, 0] - ref_step).max() < 1e-4, f"decode step {step}"
+        logits = ref_step
+    unmasked = dict(feed, **{io_spec.ATTENTION_MASK: np.ones_like(mask)})
+    assert np.abs(model.run(io_spec.DECODE, unmasked)[io_spec.LOGITS] - out[io_spec.LOGITS]).max() > 1e-3  # it matters
+
+
+# ---- cache growth, lengths, the limit ----
+def test_cache_grows_inside_a_chunked_prefill_and_across_decode_blocks(checkpoint_dir, model, monkeypatch):
+    """Caches start at one slot (the Generator normally sizes them for the prompt), so every 12-token prefill
+    chunk must grow them, and decode grows them again every 8 slots."""
+    from mla_deploy.runtime import cache
+
+    src, _ = checkpoint_dir(VARIANT)
+    monkeypatch.setattr(cache, "BLOCK", 8)
+    real_init, real_ensure = cache.CacheBuffers.__init__, cache.CacheBuffers.ensure
+    capacities = []
+
+    def tiny_start(self, cfg, batch, capacity, max_capacity, device="cpu"):
+        real_init(self, cfg, batch, 1, max_capacity, device)
+
+    def recording(self, needed):
+        grew = real_ensure(self, needed)
+        capacities.append(self.capacity)
+        return grew
+
+    monkeypatch.setattr(cache.CacheBuffers, "__init__", tiny_start)
+    monkeypatch.setattr(cache.CacheBuffers, "ensure", recording)
+    prompt = list(range(3, 48))  # 45 tokens: chunks end at 12, 24, 36, 45
+    got = Generator(model, chunk_size=12, stop_token_ids=()).generate([prompt], 20).token_ids[0]
+    assert capacities[:5] == [8, 16, 24, 40, 48]  # one slot at first, then grown by every prefill chunk
+    assert sorted(set(capacities[5:])) == [48, 56, 64]  # and by decode, block by block
+    assert got == torch_greedy(load_model(src), prompt, 20)
+
+
+@pytest.fixture(scope="module")
+def short_export(checkpoint_dir, tmp_path_factory):
+    src, _ = checkpoint_dir("v2_nolora_greedy_yarn")
+    out = tmp_path_factory.mktemp("short") / "export"
+    export(src, out, ExportOptions(max_seq_len=64, absorb="factored"))
+    return src, ExportedModel(out)
+
+
+def test_rows_of_very_different_lengths_up_to_the_limit_match_torch(short_export):
+    src, model = short_export
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 97, n).tolist() for n in (58, 1, 29, 7)]
+    result = Generator(model, chunk_size=16, stop_token_ids=()).generate(prompts, 6)  # row 0 ends at slot 63 of 64
+    torch_model = load_model(src)
+    assert len(result.token_ids) == 4
+    for prompt, got in zip(prompts, result.token_ids, strict=True):
+        assert got == torch_greedy(torch_model, prompt, 6)
+
+
+# ---- YaRN with mscale != mscale_all_dim ----
+YARN_UNEQUAL = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "beta_fast": 32,
+                "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707, "rope_theta": 10000.0}
+
+
+@pytest.mark.parametrize("base", ["v2_nolora_greedy_yarn", "v3_lora_group_yarn"])
+def test_yarn_with_unequal_mscales_matches_transformers_and_exports(tmp_path, base):
+    from mla_deploy import rope
+
+    hf = build_hf_model(base, rope_parameters=YARN_UNEQUAL)
+    save_hf_model(hf, tmp_path / "ckpt")
+    cfg = Checkpoint(tmp_path / "ckpt").config
+    assert rope.attention_factor(cfg) != 1.0 and rope.softmax_scale(cfg) != cfg.qk_head_dim ** -0.5
+    ours = load_model(tmp_path / "ckpt")
+    ids = torch.randint(3, cfg.vocab_size, (2, 70), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    got = ours(ids, torch.arange(70)[None].expand(2, -1), new_caches(cfg, 2, 70), torch.zeros(2, dtype=torch.long),
+               torch.ones(2, 70))
+    assert (got - ref).abs().max().item() < 1e-4
+    export(tmp_path / "ckpt", tmp_path / "out")
+    report = verify_export(tmp_path / "out", tmp_path / "ckpt", steps=8, lengths=(40, 9))
+    assert report.passed, report.lines
+
+
+# ---- absorb auto ----
+def test_absorb_auto_picks_fused_when_the_latent_is_narrower_than_the_heads(tmp_path):
+    hf = build_hf_model("v3_dense_tied", kv_lora_rank=8)  # d_c 8 < d_nope 16: the fused matrices are smaller
+    save_hf_model(hf, tmp_path / "ckpt")
+    cfg = Checkpoint(tmp_path / "ckpt").config
+    assert resolve_absorb(cfg, "auto") == AbsorbMode.FUSED
+    result = export(tmp_path / "ckpt", tmp_path / "out")
+    assert result.absorb == AbsorbMode.FUSED and result.manifest["absorb"] == "fused"
+    assert verify_export(tmp_path / "out", tmp_path / "ckpt", steps=4).passed
+
+
+def test_absorb_auto_picks_factored_for_deepseek_shapes(checkpoint_dir):
+    src, _ = checkpoint_dir(VARIANT)  # d_c 32 > d_nope 16, as in DeepSeek (512 > 128)
+    assert resolve_absorb(Checkpoint(src).config, "auto") == AbsorbMode.FACTORED
+
+
+# ---- the CLI's streams ----
+def test_run_json_is_one_object_on_stdout_and_nothing_on_stderr(exported):
+    result = CliRunner().invoke(main, ["run", str(exported(VARIANT)), "--prompt-ids", "5,6,7", "-n", "5", "--json"])
+    assert result.exit_code == 0 and result.stderr == ""
+    lines = result.stdout.splitlines()
+    assert len(lines) == 1
+    out = json.loads(lines[0])
+    assert set(out) == {"prompt_ids", "token_ids", "finish_reason", "prefill_ms", "decode_tokens_per_s", "total_ms"}
+    assert out["prompt_ids"] == [5, 6, 7] and len(out["token_ids"]) <= 5
+    assert all(isinstance(t, int) for t in out["token_ids"]) and out["finish_reason"] in ("stop", "length")
+    assert all(isinstance(out[k], float) and out[k] >= 0 for k in ("prefill_ms", "decode_tokens_per_s", "total_ms"))
+
+
+def test_errors_go_to_stderr_alone(exported):
+    result = CliRunner().invoke(main, ["run", str(exported(VARIANT)), "--prompt-ids", "5,999", "--json"])
+    assert result.exit_code == 1 and result.stdout == ""
+    assert result.stderr.splitlines() == [result.stderr.strip()] and result.stderr.startswith("error: ")
+
+
+# ---- verify and eval fail a wrong export ----
+@pytest.fixture(scope="module")
+def wrong_demo_export(tmp_path_factory):
+    """The demo model exported by a broken exporter (softmax scale off by 10 %), not verified."""
+    from mla_deploy.export import layers
+
+    out = tmp_path_factory.mktemp("wrong") / "export"
+    real = layers.rope_math.softmax_scale
+    layers.rope_math.softmax_scale = lambda cfg: real(cfg) * 1.1
+    try:
+        export(DEFAULT_CHECKPOINT, out)
+    finally:
+        layers.rope_math.softmax_scale = real
+    return out
+
+
+def test_verify_exits_1_on_a_wrong_export(wrong_demo_export):
+    result = CliRunner().invoke(main, ["verify", str(wrong_demo_export), "--steps", "2"])
+    assert result.exit_code == 1, result.output
+    assert result.stdout.splitlines()[-1].startswith("FAIL")
+
+
+def test_eval_exits_1_on_a_wrong_export(wrong_demo_export, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text((DEFAULT_CHECKPOINT / "heldout.txt").read_text()[:3000])
+    result = CliRunner().invoke(main, ["eval", str(wrong_demo_export), "--text", str(text), "--window", "64"])
+    assert result.exit_code == 1, result.output
+    assert "disagree by more than 1e-4" in result.stderr
+
+
+# ---- streamed text ----
+def test_text_stream_never_splits_a_character():
+    tokenizer = Tokenizer(DEFAULT_CHECKPOINT / "tokenizer.json")
+    text = "def naïve(x):  # «λ» → 日本語 ✓ 🙂\n    return x"
+    ids = tokenizer.encode(text)
+    stream = TextStream(tokenizer)
+    pieces = [stream.push(t) for t in ids]
+    assert "".join(pieces) == tokenizer.decode(ids) == text
+    assert not any("\ufffd" in p for p in pieces)
+    assert sum(1 for p in pieces if p == "") >= 1  # some byte tokens had to wait for the rest of their character
+
+
+def test_complete_streams_the_prompt_then_exactly_the_completion(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo-text") / "export"
+    export(DEFAULT_CHECKPOINT, out)
+    pieces = []
+    result = complete(ExportedModel(out), prompt="class Stack:\n", max_new_tokens=24, on_text=pieces.append)
+    assert pieces[0] == "class Stack:\n"
+    assert "".join(pieces[1:]) == result["text"] and len(result["token_ids"]) == 24
