@@ -10,9 +10,8 @@ from pathlib import Path
 
 import click
 
-from .errors import MLADeployError
-
-DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "models" / "demo"
+from .errors import MLADeployError, missing_extra
+from .presets import DEMO_CHECKPOINT
 
 
 class _Cli(click.Group):
@@ -27,6 +26,11 @@ class _Cli(click.Group):
             self._fail(ctx, f"error: {e}", 1)
         except KeyboardInterrupt:
             self._fail(ctx, "interrupted", 130)
+        except ModuleNotFoundError as e:
+            hint = missing_extra(e.name)
+            if hint is None:
+                self._fail(ctx, f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)", 2)
+            self._fail(ctx, f"error: `mla-deploy {ctx.invoked_subcommand}` {hint}", 1)
         except Exception as e:  # a bug, not bad input: still one line unless --debug
             self._fail(ctx, f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)", 2)
 
@@ -57,11 +61,14 @@ def main(ctx, debug):
 @main.command()
 @click.argument("checkpoint", required=False, type=click.Path(path_type=Path))
 @click.option("-o", "--output", "out", required=True, type=click.Path(path_type=Path), help="Export directory to create.")
-@click.option("--absorb", type=click.Choice(["fused", "factored", "auto"]), default="auto", show_default=True)
+@click.option("--absorb", type=click.Choice(["fused", "factored", "auto"]), default="auto", show_default=True,
+              help="The decode graph's absorbed attention: fused W^Q·W^UK and W^UV·W^O matrices, or factored "
+                   "per-head W^UK / W^UV; auto picks the one with fewer weight bytes per token (computed from the config).")
 @click.option("--dtype", type=click.Choice(["float32"]), default="float32", show_default=True)
 @click.option("--max-seq-len", type=click.IntRange(min=1), default=None, help="Longest sequence (default: the config's).")
 @click.option("--no-verify", is_flag=True, help="Skip checking the export against the torch source.")
-@click.option("--steps", type=click.IntRange(min=1), default=8, show_default=True, help="Decode steps to verify.")
+@click.option("--steps", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Teacher-forced decode steps the verification compares (after the prefill).")
 @click.option("--force", is_flag=True, help="Replace an existing output directory.")
 def export(checkpoint, out, absorb, dtype, max_seq_len, no_verify, steps, force):
     """Export CHECKPOINT (default: the bundled demo model) to prefill.onnx + decode.onnx."""
@@ -69,7 +76,7 @@ def export(checkpoint, out, absorb, dtype, max_seq_len, no_verify, steps, force)
     from .export import export as run_export
     from .verify import verify_export
 
-    checkpoint = checkpoint or DEFAULT_CHECKPOINT
+    checkpoint = checkpoint or DEMO_CHECKPOINT
     progress = _progress()
 
     def verify(tmp):
@@ -89,20 +96,25 @@ def export(checkpoint, out, absorb, dtype, max_seq_len, no_verify, steps, force)
 @click.option("--prompt-ids", default=None, help="Prompt as comma-separated token ids, e.g. 1,2,3.")
 @click.option("-n", "--max-new-tokens", type=int, default=64, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
-@click.option("--top-k", type=int, default=0, show_default=True)
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--repetition-penalty", type=float, default=1.0, show_default=True)
-@click.option("--seed", type=int, default=None)
+@click.option("--top-k", type=int, default=0, show_default=True, help="Sample from the k likeliest tokens; 0 is off.")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass; 1 is off.")
+@click.option("--repetition-penalty", type=float, default=1.0, show_default=True, help="1 is off; > 1 discourages repeats.")
+@click.option("--seed", type=int, default=None, help="Seed for sampling (reproducible runs).")
 @click.option("--provider", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--threads", type=click.IntRange(min=0), default=0, show_default=True,
+              help="onnxruntime intra-op threads; 0 is one per physical core.")
+@click.option("--check-weights", is_flag=True, help="Hash every block of weights.bin before loading (default: a sample).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
-def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, provider, as_json):
+def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, provider,
+        threads, check_weights, as_json):
     """Generate from EXPORT_DIR, streaming the text as it is produced."""
     from .runtime import ExportedModel, RuntimeOptions, SamplingParams
     from .runtime.complete import complete
 
     ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
     sampling = SamplingParams(temperature, top_k, top_p, repetition_penalty, seed).validate()
-    model = ExportedModel(export_dir, RuntimeOptions(provider=provider))
+    options = RuntimeOptions(provider=provider, threads=threads, check_weights="full" if check_weights else "sampled")
+    model = ExportedModel(export_dir, options)
     on_text = None if as_json else (lambda s: click.echo(s, nl=False))
     result = complete(model, prompt, ids, max_new_tokens, sampling, on_text)
     if as_json:
@@ -117,8 +129,20 @@ def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_
 
 @main.command()
 @click.argument("export_dir", type=click.Path(path_type=Path))
+def check(export_dir):
+    """Check EXPORT_DIR's files against its manifest: graph hashes and every 1 MiB block of weights.bin."""
+    from .manifest import check_export
+
+    report = check_export(export_dir)
+    click.echo(f"OK: {export_dir}: graphs and {report['blocks']} weight blocks ({report['bytes'] / 1e9:.2f} GB) "
+               f"match the manifest ({report['seconds']:.2f} s)")
+
+
+@main.command()
+@click.argument("export_dir", type=click.Path(path_type=Path))
 @click.option("--checkpoint", type=click.Path(path_type=Path), default=None, help="Source checkpoint (default: the one exported).")
-@click.option("--steps", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--steps", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Teacher-forced decode steps to compare (after the prefill).")
 def verify(export_dir, checkpoint, steps):
     """Compare EXPORT_DIR with its torch source: logits per graph and step, and generated tokens."""
     from .verify import verify_export
@@ -139,7 +163,7 @@ def eval_command(export_dir, text_file, window, checkpoint):
     """Loss and perplexity of a text through the export and through the torch source, side by side."""
     from .evaluate import evaluate
 
-    report = evaluate(export_dir, text_file, window, checkpoint)
+    report = evaluate(export_dir, text_file, window, checkpoint, progress=_progress())
     for line in report.lines():
         click.echo(line)
     if report.difference > 1e-4:
@@ -157,8 +181,8 @@ def eval_command(export_dir, text_file, window, checkpoint):
 @click.option("--steps", type=click.IntRange(min=1), default=None, help="Timed decode steps per point.")
 @click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--workdir", type=click.Path(path_type=Path), default=Path("benchmarks/work"), show_default=True)
-@click.option("--out", type=click.Path(path_type=Path), default=Path("benchmarks/results"), show_default=True,
-              help="Where results.json and results.png go.")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("benchmarks/work/results"), show_default=True,
+              help="Where results.json and results.png go (benchmarks/results holds the README's figures).")
 def bench(quick, preset, checkpoint, contexts, batches, engines, steps, threads, workdir, out):
     """Benchmark engines side by side: decode speed vs context, prefill, memory, bandwidth limit."""
     from .bench import BenchConfig, run_bench

@@ -46,3 +46,16 @@ def read_json(path, error: type[MLADeployError], what: str):
         raise error(f"{path}: cannot read {what} ({e.strerror})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise error(f"{path}: corrupt {what}, not valid JSON ({e})") from None
+
+
+# Optional dependencies by top-level module: the extra that installs each (pyproject.toml).
+EXTRAS = {"torch": "export", "onnx": "export", "psutil": "bench", "matplotlib": "bench", "transformers": "bench"}
+
+
+def missing_extra(module: str | None) -> str | None:
+    """'needs the X extra ...: pip install ...' for a module an extra provides, else None (a real bug)."""
+    top = (module or "").split(".")[0]
+    if top not in EXTRAS:
+        return None
+    return (f"needs the '{EXTRAS[top]}' extra (module {top!r} is not installed): "
+            f"pip install 'mla-deploy[{EXTRAS[top]}]'")

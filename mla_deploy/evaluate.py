@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -36,8 +38,24 @@ class EvalReport:
         ]
 
 
+class _Progress:
+    """'<what>: windows done/total, tokens/s' lines, at most one every few seconds (and at the end)."""
+
+    def __init__(self, progress: Callable[[str], None], what: str, total: int, window: int, every_s: float = 5.0):
+        self.progress, self.what, self.total, self.window, self.every_s = progress, what, total, window, every_s
+        self.start = self.last = time.perf_counter()
+
+    def __call__(self, done: int) -> None:
+        now = time.perf_counter()
+        if done < self.total and now - self.last < self.every_s:
+            return
+        self.last = now
+        rate = done * self.window / max(now - self.start, 1e-9)
+        self.progress(f"{self.what}: {done}/{self.total} windows, {rate:.0f} tokens/s")
+
+
 def evaluate(export_dir: str | Path, text_file: str | Path, window: int = 256,
-             checkpoint_dir: str | Path | None = None) -> EvalReport:
+             checkpoint_dir: str | Path | None = None, progress: Callable[[str], None] = lambda msg: None) -> EvalReport:
     model = ExportedModel(export_dir)
     tokenizer = Tokenizer.from_export(export_dir, model.manifest)
     if tokenizer is None:
@@ -47,16 +65,18 @@ def evaluate(export_dir: str | Path, text_file: str | Path, window: int = 256,
     except OSError as e:
         raise InputError(f"{text_file}: cannot read ({e.strerror})") from None
     batch = windows(tokenizer.encode(text), window)
-    export_loss = float(export_nll(model, batch).mean())
+    export_loss = float(export_nll(model, batch, on_run=_Progress(progress, "onnx export ", len(batch), window)).mean())
     source = Path(checkpoint_dir or model.manifest["source"]["path"])
     ckpt = Checkpoint(source)
     if ckpt.content_hash() != model.manifest["source"]["sha256"]:
         raise ExportError(f"{source}: checkpoint differs from the one {export_dir} was exported from (sha256 mismatch)")
     torch_model = load_model(ckpt)
     nll = []
-    for w in batch:
+    torch_progress = _Progress(progress, "torch source", len(batch), window)
+    for done, w in enumerate(batch, 1):
         ids = torch.from_numpy(w[None, :-1])
         logits = torch_model(ids, torch.arange(window)[None], new_caches(torch_model.cfg, 1, window),
                              torch.zeros(1, dtype=torch.long), torch.ones(1, window), form=AttentionForm.NAIVE)
         nll.append(log_softmax_nll(logits.numpy()[0], w[1:]))
+        torch_progress(done)
     return EvalReport(int(batch.shape[0] * window), int(batch.shape[0]), export_loss, float(np.mean(nll)))

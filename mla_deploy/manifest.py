@@ -10,12 +10,12 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from . import io_spec
+from . import integrity, io_spec
 from .config import MLAConfig
 from .errors import ExportLoadError, MLADeployError, read_json
 
 MANIFEST_FILE = "manifest.json"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: per-block weight digests (mla_deploy.integrity)
 WEIGHTS_FILE = "weights.bin"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
@@ -28,6 +28,8 @@ def file_sha256(path: Path) -> str:
 def read_manifest(directory: str | Path) -> dict:
     directory = Path(directory)
     path = directory / MANIFEST_FILE
+    if directory.exists() and not directory.is_dir():
+        raise ExportLoadError(f"{directory}: is a file; expected an export directory (the output of `mla-deploy export`)")
     if not directory.is_dir():
         raise ExportLoadError(f"{directory}: export directory does not exist")
     manifest = read_json(path, ExportLoadError, "manifest (is this an mla-deploy export?)")
@@ -37,7 +39,12 @@ def read_manifest(directory: str | Path) -> dict:
     if not isinstance(version, int) or version > MANIFEST_VERSION:
         raise ExportLoadError(
             f"{path}: manifest_version {version!r} was written by mla-deploy {manifest.get('mla_deploy_version')}; "
-            f"this mla-deploy reads version {MANIFEST_VERSION} or older: upgrade mla-deploy"
+            f"this mla-deploy reads version {MANIFEST_VERSION}: upgrade mla-deploy"
+        )
+    if version < MANIFEST_VERSION:
+        raise ExportLoadError(
+            f"{path}: manifest_version {version} (mla-deploy {manifest.get('mla_deploy_version')}) has no weight "
+            f"checksums; re-export the checkpoint with this mla-deploy"
         )
     try:
         manifest["config_obj"] = MLAConfig.from_dict(manifest["config"])
@@ -50,8 +57,9 @@ def read_manifest(directory: str | Path) -> dict:
     return manifest
 
 
-def check_files(directory: Path, manifest: dict) -> None:
-    """Every file the manifest names exists; graph hashes and the weights size match."""
+def check_files(directory: Path, manifest: dict, check_weights: str = "sampled") -> None:
+    """Every file the manifest names exists; graph hashes match; the weights file's size and blocks match
+    (all blocks, or a sample of a large file: mla_deploy.integrity)."""
     for kind in (io_spec.PREFILL, io_spec.DECODE):
         entry = manifest["graphs"][kind]
         path = directory / entry["file"]
@@ -62,6 +70,16 @@ def check_files(directory: Path, manifest: dict) -> None:
     weights = directory / manifest["weights"]["file"]
     if not weights.is_file():
         raise ExportLoadError(f"{weights}: missing external weight data")
-    size = weights.stat().st_size
-    if size != manifest["weights"]["bytes"]:
-        raise ExportLoadError(f"{weights}: {size} bytes, the manifest says {manifest['weights']['bytes']}: truncated or replaced")
+    integrity.check_weights(weights, manifest["weights"], check_weights)
+
+
+def check_export(directory: str | Path) -> dict:
+    """The full check `mla-deploy check` runs: manifest, graph hashes, every block of the weights file."""
+    import time
+
+    directory = Path(directory)
+    start = time.perf_counter()
+    manifest = read_manifest(directory)
+    check_files(directory, manifest, "full")
+    return {"blocks": len(manifest["weights"]["block_digests"]), "bytes": manifest["weights"]["bytes"],
+            "seconds": time.perf_counter() - start}

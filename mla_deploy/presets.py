@@ -18,7 +18,9 @@ from .config import MLAConfig
 from .errors import ConfigError
 from .safetensors_io import write_safetensors
 
-PRESET_DIR = Path(__file__).resolve().parent.parent / "models" / "presets"
+MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
+PRESET_DIR = MODELS_DIR / "presets"
+DEMO_CHECKPOINT = MODELS_DIR / "demo"  # the bundled demo model: `export`'s default checkpoint
 
 
 def preset_names() -> list[str]:
@@ -32,6 +34,11 @@ def preset_config(name: str) -> dict:
     raw = json.loads(path.read_text())
     raw.pop("_comment", None)
     return raw
+
+
+def checkpoint_bytes(cfg: MLAConfig, itemsize: int = 4) -> int:
+    """Bytes of every tensor a checkpoint for `cfg` holds, at `itemsize` bytes per element."""
+    return sum(int(np.prod(shape)) for shape in expected_tensors(cfg).values()) * itemsize
 
 
 def build_preset(name: str, out: str | Path, seed: int = 0, std: float = 0.02) -> Path:

@@ -11,7 +11,8 @@ from click.testing import CliRunner
 
 from mla_deploy import io_spec
 from mla_deploy.checkpoint import Checkpoint
-from mla_deploy.cli import DEFAULT_CHECKPOINT, main
+from mla_deploy.cli import main
+from mla_deploy.presets import DEMO_CHECKPOINT
 from mla_deploy.export import ExportOptions, export
 from mla_deploy.export.absorb import AbsorbMode, resolve_absorb
 from mla_deploy.modeling import AttentionForm, load_model, new_caches
@@ -216,7 +217,7 @@ def wrong_demo_export(tmp_path_factory):
     real = layers.rope_math.softmax_scale
     layers.rope_math.softmax_scale = lambda cfg: real(cfg) * 1.1
     try:
-        export(DEFAULT_CHECKPOINT, out)
+        export(DEMO_CHECKPOINT, out)
     finally:
         layers.rope_math.softmax_scale = real
     return out
@@ -230,7 +231,7 @@ def test_verify_exits_1_on_a_wrong_export(wrong_demo_export):
 
 def test_eval_exits_1_on_a_wrong_export(wrong_demo_export, tmp_path):
     text = tmp_path / "text.txt"
-    text.write_text((DEFAULT_CHECKPOINT / "heldout.txt").read_text()[:3000])
+    text.write_text((DEMO_CHECKPOINT / "heldout.txt").read_text()[:3000])
     result = CliRunner().invoke(main, ["eval", str(wrong_demo_export), "--text", str(text), "--window", "64"])
     assert result.exit_code == 1, result.output
     assert "disagree by more than 1e-4" in result.stderr
@@ -238,7 +239,7 @@ def test_eval_exits_1_on_a_wrong_export(wrong_demo_export, tmp_path):
 
 # ---- streamed text ----
 def test_text_stream_never_splits_a_character():
-    tokenizer = Tokenizer(DEFAULT_CHECKPOINT / "tokenizer.json")
+    tokenizer = Tokenizer(DEMO_CHECKPOINT / "tokenizer.json")
     text = "def naïve(x):  # «λ» → 日本語 ✓ 🙂\n    return x"
     ids = tokenizer.encode(text)
     stream = TextStream(tokenizer)
@@ -250,7 +251,7 @@ def test_text_stream_never_splits_a_character():
 
 def test_complete_streams_the_prompt_then_exactly_the_completion(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo-text") / "export"
-    export(DEFAULT_CHECKPOINT, out)
+    export(DEMO_CHECKPOINT, out)
     pieces = []
     result = complete(ExportedModel(out), prompt="class Stack:\n", max_new_tokens=24, on_text=pieces.append)
     assert pieces[0] == "class Stack:\n"

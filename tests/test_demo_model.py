@@ -6,14 +6,14 @@ import re
 import pytest
 import torch
 
-from mla_deploy.cli import DEFAULT_CHECKPOINT
+from mla_deploy.presets import DEMO_CHECKPOINT
 from mla_deploy.evaluate import evaluate
 from mla_deploy.modeling import load_model, new_caches
 from mla_deploy.runtime import ExportedModel, Tokenizer
 from mla_deploy.runtime.complete import complete
 from mla_deploy.verify import verify_export
 
-DEMO = DEFAULT_CHECKPOINT
+DEMO = DEMO_CHECKPOINT
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ import gc
 import json
 import os
 import platform
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -14,7 +15,9 @@ from typing import Callable
 import psutil
 
 from .. import __version__
-from ..presets import build_preset
+from ..config import MLAConfig
+from ..errors import MLADeployError
+from ..presets import DEMO_CHECKPOINT, build_preset, checkpoint_bytes, preset_config
 from . import bandwidth
 from .engines import MhaOnnxEngine, OnnxEngine, TorchEngine, TransformersEngine
 
@@ -77,15 +80,19 @@ def prepare(cfg: BenchConfig, progress: Callable[[str], None]) -> tuple[Path, di
     cfg.workdir.mkdir(parents=True, exist_ok=True)
     if cfg.checkpoint is not None:
         checkpoint = Path(cfg.checkpoint)
+        model_cfg = MLAConfig.from_hf_json(checkpoint / "config.json")
     else:
         checkpoint = cfg.workdir / f"{cfg.preset}-checkpoint"
+        model_cfg = MLAConfig.from_hf_dict(preset_config(cfg.preset), source=f"preset {cfg.preset}")
+    max_len = max(*cfg.contexts, cfg.prefill_tokens) + cfg.steps + 8
+    outputs = {mode: cfg.workdir / f"{checkpoint.name}-export-{mode}-{max_len}" for mode in ("fused", "factored")}
+    check_disk(cfg, model_cfg, checkpoint, outputs, progress)
+    if cfg.checkpoint is None:
         if not checkpoint.exists():
             progress(f"building the {cfg.preset} random-weight checkpoint (seed 0)")
         build_preset(cfg.preset, checkpoint)
     exports = {}
-    max_len = max(*cfg.contexts, cfg.prefill_tokens) + cfg.steps + 8
-    for mode in ("fused", "factored"):
-        out = cfg.workdir / f"{checkpoint.name}-export-{mode}-{max_len}"
+    for mode, out in outputs.items():
         if not (out / "manifest.json").exists():
             progress(f"exporting {mode} (max length {max_len})")
             export(checkpoint, out, ExportOptions(absorb=mode, max_seq_len=max_len, force=True), progress=progress)
@@ -95,6 +102,21 @@ def prepare(cfg: BenchConfig, progress: Callable[[str], None]) -> tuple[Path, di
             progress("exporting the decompressed-K/V baseline decode graph")
         export_mha_baseline(checkpoint, exports["fused"], max_len)
     return checkpoint, exports
+
+
+def check_disk(cfg: BenchConfig, model_cfg: MLAConfig, checkpoint: Path, outputs: dict, progress) -> None:
+    """Say how much disk the checkpoint and exports still to be built take, and refuse when it is not free."""
+    unit = checkpoint_bytes(model_cfg)  # one float32 copy of the weights: the checkpoint, or one export
+    need = sum(unit for out in outputs.values() if not (out / "manifest.json").exists())
+    if cfg.checkpoint is None and not checkpoint.exists():
+        need += unit
+    if "onnx-mha-baseline" in cfg.engines and not (outputs["fused"] / "decode_mha.onnx").exists():
+        need += unit
+    free = shutil.disk_usage(cfg.workdir).free
+    progress(f"disk: {need / 1e9:.1f} GB to build in {cfg.workdir} (reused on later runs; {free / 1e9:.0f} GB free)")
+    if need > free:
+        raise MLADeployError(f"{cfg.workdir}: the benchmark needs about {need / 1e9:.1f} GB of disk for its checkpoint "
+                             f"and exports, {free / 1e9:.1f} GB are free; pass --workdir on a larger disk")
 
 
 def make_engine(name: str, checkpoint: Path, exports: dict, threads: int):
@@ -220,10 +242,9 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda m: None
         engine.close()
     small = cfg.workdir / "demo-export"
     if not (small / "manifest.json").exists():
-        from ..cli import DEFAULT_CHECKPOINT
         from ..export import ExportOptions, export
 
-        export(DEFAULT_CHECKPOINT, small, ExportOptions(force=True))
+        export(DEMO_CHECKPOINT, small, ExportOptions(force=True))
     result.runtime_start = runtime_start(small)
     progress(f"runtime start: {result.runtime_start}")
     bw["matmul_end"] = max(bandwidth.matmul_read_gbs(cfg.threads, cfg.bandwidth_mb, k=k) for k in (2048, 4096))

@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 import onnx
 
-from .. import __version__, io_spec
+from .. import __version__, integrity, io_spec
 from ..checkpoint import Checkpoint
 from ..errors import ExportError
 from ..manifest import MANIFEST_FILE, MANIFEST_VERSION, TOKENIZER_FILES, WEIGHTS_FILE, file_sha256
@@ -85,7 +85,8 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
         progress(f"saving weights ({sum(a.nbytes for a in weights.values()) / 1e9:.2f} GB)")
         offsets = _write_weights(tmp / WEIGHTS_FILE, weights)
         manifest = _manifest(cfg, mode, options, max_seq_len, source_hash, export_id, ckpt)
-        manifest["weights"]["bytes"] = (tmp / WEIGHTS_FILE).stat().st_size
+        manifest["weights"].update(bytes=(tmp / WEIGHTS_FILE).stat().st_size, block_bytes=integrity.BLOCK_BYTES,
+                                   digest=integrity.DIGEST, block_digests=integrity.block_digests(tmp / WEIGHTS_FILE))
         for kind, model in graphs.items():
             progress(f"saving and checking {kind}.onnx")
             _attach_external(model, weights, offsets)

@@ -24,10 +24,12 @@ def complete(model: ExportedModel, prompt: str | None = None, prompt_ids: list[i
             raise InputError(f"{model.directory}: this export has no tokenizer; pass token ids (--prompt-ids)")
         prompt_ids = tokenizer.encode(prompt)
     stream = TextStream(tokenizer) if tokenizer is not None else None
+    generator = Generator(model, sampling)
+    generator.check_prompts([prompt_ids], max_new_tokens)  # every option checked before anything is printed
     if on_text is not None and prompt is not None:
         on_text(prompt)  # the prompt first, then the completion as it is generated
     t0 = time.perf_counter()
-    steps = Generator(model, sampling).stream([prompt_ids], max_new_tokens)
+    steps = generator.stream([prompt_ids], max_new_tokens)
     while True:
         try:
             step = next(steps)

@@ -6,6 +6,8 @@ empty cache (its first token predicts the second, and so on), several windows pe
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from .. import io_spec
@@ -32,8 +34,9 @@ def log_softmax_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     return log_z - np.take_along_axis(logits, targets[..., None], -1)[..., 0]
 
 
-def export_nll(model: ExportedModel, batch: np.ndarray, rows_per_run: int = 8) -> np.ndarray:
-    """NLL of each next token of each window: [n_windows, window]."""
+def export_nll(model: ExportedModel, batch: np.ndarray, rows_per_run: int = 8,
+               on_run: Callable[[int], None] = lambda done: None) -> np.ndarray:
+    """NLL of each next token of each window: [n_windows, window]. `on_run(windows done)` after each graph run."""
     cfg = model.config
     out = []
     for start in range(0, len(batch), rows_per_run):
@@ -43,4 +46,5 @@ def export_nll(model: ExportedModel, batch: np.ndarray, rows_per_run: int = 8) -
             raise InputError(f"window {t} exceeds the export's maximum length {model.max_seq_len}")
         logits = model.run(io_spec.PREFILL, prefill_feed(cfg, w[:, :-1]))[io_spec.LOGITS]  # [b, t, vocab]
         out.append(log_softmax_nll(logits, w[:, 1:]))
+        on_run(start + len(w))
     return np.concatenate(out)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-from .. import io_spec
+from .. import integrity, io_spec
 from ..config import MLAConfig
-from ..errors import ExportLoadError, ProviderError
+from ..errors import ExportLoadError, InputError, ProviderError
 from ..manifest import check_files, read_manifest
 from .feeds import check_feed
 
@@ -40,6 +40,7 @@ class RuntimeOptions:
     threads: int = 0  # 0: onnxruntime's default (one per physical core)
     optimization: str = "all"  # onnxruntime graph optimization level: disable, basic, extended, all
     log_severity: int = 3  # onnxruntime's own log: 0 verbose .. 3 errors only
+    check_weights: str = "sampled"  # "full": hash every block of weights.bin at load (mla_deploy.integrity)
 
 
 _LEVELS = {
@@ -56,8 +57,10 @@ class ExportedModel:
         """`graphs` limits the sessions created (a decode-only model for benchmarks holds half the memory)."""
         self.directory = Path(directory)
         self.options = options or RuntimeOptions()
+        if self.options.check_weights not in integrity.CHECKS:
+            raise InputError(f"check_weights={self.options.check_weights!r}: expected one of {', '.join(integrity.CHECKS)}")
         self.manifest = read_manifest(self.directory)
-        check_files(self.directory, self.manifest)
+        check_files(self.directory, self.manifest, self.options.check_weights)
         self.config: MLAConfig = self.manifest["config_obj"]
         self.max_seq_len: int = int(self.manifest["max_seq_len"])
         self.providers = resolve_providers(self.options.provider, self.options.strict_provider)

@@ -1,0 +1,224 @@
+"""What a new user meets first: damaged weights caught, missing extras named, options checked before any
+output, progress from long commands, the benchmark's disk use said before it writes."""
+
+import json
+import random
+import shutil
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from mla_deploy import integrity
+from mla_deploy.cli import main
+from mla_deploy.errors import ExportLoadError
+from mla_deploy.export import export
+from mla_deploy.manifest import check_export
+from mla_deploy.presets import DEMO_CHECKPOINT
+from mla_deploy.runtime import ExportedModel, RuntimeOptions
+
+
+@pytest.fixture(scope="module")
+def demo_export(tmp_path_factory):
+    out = tmp_path_factory.mktemp("first-hour") / "demo"
+    export(DEMO_CHECKPOINT, out)
+    return out
+
+
+def flip_bytes(path, offset: int, n: int = 8) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        data = bytearray(f.read(n))
+        f.seek(offset)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+@pytest.fixture
+def damaged(demo_export, tmp_path):
+    """The demo export with 8 bytes flipped in the middle of weights.bin (same size, same graphs)."""
+    d = tmp_path / "damaged"
+    shutil.copytree(demo_export, d)
+    flip_bytes(d / "weights.bin", (d / "weights.bin").stat().st_size // 2)
+    return d
+
+
+# ---- weights integrity ----
+def test_flipped_weight_bytes_are_refused_at_load_naming_the_block(damaged):
+    size = (damaged / "weights.bin").stat().st_size
+    assert size <= integrity.FULL_AT_LOAD_BYTES  # a small export is checked whole at every load
+    block = size // 2 // integrity.BLOCK_BYTES
+    with pytest.raises(ExportLoadError, match=rf"weights.bin: corrupted: block {block} \(bytes {block * 2**20}-"):
+        ExportedModel(damaged)
+
+
+def test_run_and_check_exit_1_on_flipped_weights(damaged):
+    runner = CliRunner()
+    run = runner.invoke(main, ["run", str(damaged), "--prompt", "def f(", "-n", "4"])
+    assert run.exit_code == 1 and run.stdout == "" and "corrupted: block" in run.stderr
+    check = runner.invoke(main, ["check", str(damaged)])
+    assert check.exit_code == 1 and "corrupted: block" in check.stderr
+
+
+def test_check_reads_every_block_of_an_intact_export(demo_export):
+    result = CliRunner().invoke(main, ["check", str(demo_export)])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((demo_export / "manifest.json").read_text())
+    blocks = -(-manifest["weights"]["bytes"] // integrity.BLOCK_BYTES)
+    assert len(manifest["weights"]["block_digests"]) == blocks and check_export(demo_export)["blocks"] == blocks
+    assert f"graphs and {blocks} weight blocks" in result.stdout
+
+
+def small_blocks(path, monkeypatch, block_bytes=32 * 1024):
+    """Re-describe a weights file with 32 KiB blocks and no whole-file check, so it looks 'large'."""
+    monkeypatch.setattr(integrity, "BLOCK_BYTES", block_bytes)
+    monkeypatch.setattr(integrity, "FULL_AT_LOAD_BYTES", 0)
+    return {"bytes": path.stat().st_size, "block_bytes": block_bytes, "digest": integrity.DIGEST,
+            "block_digests": integrity.block_digests(path)}
+
+
+def test_a_large_file_is_sampled_at_load_and_read_whole_when_asked(demo_export, tmp_path, monkeypatch):
+    weights = tmp_path / "weights.bin"
+    shutil.copyfile(demo_export / "weights.bin", weights)
+    entry = small_blocks(weights, monkeypatch)
+    n = len(entry["block_digests"])
+    assert n > 10 * integrity.SAMPLED_BLOCKS
+    assert integrity.check_weights(weights, entry, "sampled", random.Random(0)) == integrity.SAMPLED_BLOCKS + 2
+    assert integrity.check_weights(weights, entry, "full") == n
+    flip_bytes(weights, entry["block_bytes"] * (n // 2) + 5)  # one damaged block: found by the full check, by some loads
+    with pytest.raises(ExportLoadError, match=f"block {n // 2} "):
+        integrity.check_weights(weights, entry, "full")
+    caught = 0
+    for seed in range(200):
+        try:
+            integrity.check_weights(weights, entry, "sampled", random.Random(seed))
+        except ExportLoadError:
+            caught += 1
+    expected = 200 * integrity.SAMPLED_BLOCKS / (n - 2)
+    assert 0.3 * expected < caught < 3 * expected  # random blocks each load, not always the same ones
+
+
+def test_full_check_option_reaches_the_load(damaged, monkeypatch):
+    monkeypatch.setattr(integrity, "FULL_AT_LOAD_BYTES", 0)
+    monkeypatch.setattr(integrity, "SAMPLED_BLOCKS", 0)  # a sampled load now reads only the first and last block
+    ExportedModel(damaged)  # the damage in the middle goes unseen by the sample...
+    with pytest.raises(ExportLoadError, match="corrupted"):
+        ExportedModel(damaged, RuntimeOptions(check_weights="full"))  # ...not by the full check
+    result = CliRunner().invoke(main, ["run", str(damaged), "--check-weights", "--prompt-ids", "5", "-n", "2"])
+    assert result.exit_code == 1 and "corrupted" in result.stderr
+
+
+def test_manifest_without_digests_asks_for_a_re_export(demo_export, tmp_path):
+    d = tmp_path / "old"
+    shutil.copytree(demo_export, d)
+    manifest = json.loads((d / "manifest.json").read_text())
+    manifest["manifest_version"] = 1
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ExportLoadError, match="has no weight checksums; re-export"):
+        ExportedModel(d)
+
+
+# ---- missing extras ----
+BLOCKED_RUN = ("import sys\n"
+               "for name in sys.argv[1].split(','): sys.modules[name] = None  # as if not installed\n"
+               "from mla_deploy.cli import main\n"
+               "main(sys.argv[2:], prog_name='mla-deploy')\n")
+
+
+@pytest.mark.parametrize("blocked, args, extra", [
+    ("onnx", ["export", "-o", "{tmp}/out"], "export"),
+    ("torch", ["export", "-o", "{tmp}/out"], "export"),
+    ("torch", ["verify", "{export}"], "export"),
+    ("torch", ["eval", "{export}", "--text", "{text}"], "export"),
+    ("psutil", ["bench", "--quick", "--workdir", "{tmp}/work"], "bench"),
+    ("matplotlib,psutil", ["bench", "--quick", "--workdir", "{tmp}/work"], "bench"),
+])
+def test_a_missing_extra_is_one_line_naming_the_install(demo_export, tmp_path, blocked, args, extra):
+    text = DEMO_CHECKPOINT / "heldout.txt"
+    args = [a.format(tmp=tmp_path, export=demo_export, text=text) for a in args]
+    done = subprocess.run([sys.executable, "-c", BLOCKED_RUN, blocked, *args], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: `mla-deploy {args[0]}` needs the '{extra}' extra"), lines
+    assert lines[0].endswith(f"pip install 'mla-deploy[{extra}]'")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
+
+
+def test_an_unknown_missing_module_stays_an_internal_error(monkeypatch):
+    from mla_deploy import errors
+
+    assert errors.missing_extra("numpy") is None and errors.missing_extra("torch.nn") is not None
+
+
+# ---- option errors before output ----
+@pytest.mark.parametrize("args, message", [
+    (["-n", "-5"], "max_new_tokens=-5: must be a positive integer"),
+    (["--temperature", "-1"], "temperature=-1.0"),
+    (["-n", "5000"], "exceeds the export's maximum length 1024"),
+])
+def test_run_checks_options_before_printing_the_prompt(demo_export, args, message):
+    result = CliRunner().invoke(main, ["run", str(demo_export), "--prompt", "class Stack:", *args])
+    assert result.exit_code == 1 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()] and message in result.stderr
+
+
+def test_run_on_a_file_says_it_is_a_file():
+    result = CliRunner().invoke(main, ["run", str(DEMO_CHECKPOINT / "README.md"), "--prompt", "x"])
+    assert result.exit_code == 1
+    assert "README.md: is a file; expected an export directory" in result.stderr
+
+
+def test_run_threads_option_reaches_onnxruntime(demo_export):
+    result = CliRunner().invoke(main, ["run", str(demo_export), "--prompt-ids", "5,6", "-n", "3", "--threads", "1",
+                                       "--json"])
+    assert result.exit_code == 0, result.output
+    assert len(json.loads(result.stdout)["token_ids"]) == 3
+
+
+def test_help_documents_every_option():
+    runner = CliRunner()
+    export_help = runner.invoke(main, ["export", "--help"]).stdout
+    assert "fewer weight bytes" in export_help and "Teacher-forced decode steps" in export_help
+    run_help = runner.invoke(main, ["run", "--help"]).stdout
+    assert "0 is off" in run_help and "--threads" in run_help and "--check-weights" in run_help
+    assert "Teacher-forced" in runner.invoke(main, ["verify", "--help"]).stdout
+
+
+# ---- progress and disk ----
+def test_eval_reports_progress_on_stderr(demo_export, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text((DEMO_CHECKPOINT / "heldout.txt").read_text()[:6000])
+    result = CliRunner().invoke(main, ["eval", str(demo_export), "--text", str(text), "--window", "32"])
+    assert result.exit_code == 0, result.output
+    progress = [line for line in result.stderr.splitlines() if "windows" in line]
+    assert any("onnx export : " in line for line in progress) and any("torch source: " in line for line in progress)
+    last = [line for line in progress if "torch source" in line][-1]
+    done, total = last.split(": ")[1].split(" windows")[0].split("/")
+    assert done == total and int(total) > 8 and "tokens/s" in last
+    assert "loss" in result.stdout and "tokens/s" not in result.stdout
+
+
+def test_bench_says_its_disk_use_and_refuses_without_room(tmp_path, monkeypatch):
+    from mla_deploy.bench import run as bench_run
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(bench_run.shutil, "disk_usage", lambda p: usage._replace(free=10**9))
+    result = CliRunner().invoke(main, ["bench", "--quick", "--workdir", str(tmp_path / "work"), "--out",
+                                       str(tmp_path / "results")])
+    assert result.exit_code == 1
+    assert "GB to build in" in result.stderr and "1 GB free" in result.stderr
+    assert "needs about" in result.stderr and "pass --workdir on a larger disk" in result.stderr
+    assert [p.name for p in (tmp_path / "work").iterdir()] == [] and not (tmp_path / "results").exists()
+
+
+def test_bench_results_default_beside_the_committed_ones():
+    bench = next(p for p in main.commands["bench"].params if p.name == "out")
+    assert str(bench.default) == "benchmarks/work/results"
+
+
+def test_bench_does_not_import_the_command_line():
+    done = subprocess.run([sys.executable, "-c", "import sys, mla_deploy.bench.run; print('mla_deploy.cli' in sys.modules)"],
+                          capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"
