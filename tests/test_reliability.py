@@ -127,19 +127,21 @@ def test_export_refuses_existing_directory_unless_forced(checkpoint_dir, tmp_pat
 
 
 def test_disk_full_mid_write_leaves_nothing(checkpoint_dir, tmp_path, monkeypatch):
-    from mla_deploy.export import exporter
+    from mla_deploy.export.weights import WeightsFile
 
     src, _ = checkpoint_dir(VARIANT)
-    real = exporter._write_weights
+    real, written = WeightsFile.tensor, []
 
-    def full(path, weights):
-        real(path, dict(list(weights.items())[:3]))
-        raise OSError(errno.ENOSPC, "No space left on device")
+    def full(self, name, make):
+        if len(written) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written.append(name)
+        return real(self, name, make)
 
-    monkeypatch.setattr(exporter, "_write_weights", full)
+    monkeypatch.setattr(WeightsFile, "tensor", full)
     with pytest.raises(ExportError, match="writing the export failed \\(No space left on device\\); nothing was left behind"):
         export(src, tmp_path / "out")
-    assert list(tmp_path.iterdir()) == []
+    assert len(written) == 3 and list(tmp_path.iterdir()) == []
 
 
 def test_export_refuses_bad_checkpoints(checkpoint_dir, tmp_path):

@@ -2,8 +2,9 @@
 
 Everything is written to a temporary sibling directory, checked (onnx.checker full check, and the
 verifier unless skipped), fsynced, then renamed into place: a failed export leaves nothing behind.
-The weights are written once to `weights.bin` and both graphs refer to it as external data, so
-the tensors they share (embeddings, MLPs, experts, lm_head) are stored once.
+Weights stream: each is read from the checkpoint, transformed, appended to `weights.bin` and dropped
+while the graphs are built (export.weights), so memory follows the largest tensor, not the model.
+Both graphs refer to that one file as external data: the tensors they share are stored once.
 """
 
 from __future__ import annotations
@@ -16,18 +17,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import onnx
+import onnx_ir as ir
 
 from .. import __version__, integrity, io_spec
 from ..checkpoint import Checkpoint
 from ..errors import ExportError
 from ..manifest import MANIFEST_FILE, MANIFEST_VERSION, TOKENIZER_FILES, WEIGHTS_FILE, file_sha256
-from .absorb import AbsorbMode, resolve_absorb
+from .absorb import AbsorbMode, absorbed_weight_bytes, resolve_absorb
 from .graphs import build_graph
-from .onnx_builder import OPSET
+from .layers import OPSET
+from .progress import layer_bar
+from .weights import WeightsFile
 
-ALIGN = 64
 Progress = Callable[[str], None]
 
 
@@ -65,33 +67,34 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
         raise ExportError(f"--max-seq-len {max_seq_len}: must be between 1 and max_position_embeddings={cfg.max_position_embeddings}")
     mode = resolve_absorb(cfg, options.absorb)
     if AbsorbMode(options.absorb) == AbsorbMode.AUTO:
-        progress(f"absorb auto -> {mode.value} (fewer attention weight bytes per decode token)")
+        fused, factored = (absorbed_weight_bytes(cfg, m) / 1e6 for m in (AbsorbMode.FUSED, AbsorbMode.FACTORED))
+        progress(f"absorb auto -> {mode.value}: attention weights read per decode token and layer, computed from the "
+                 f"config: factored {factored:.2f} MB, fused {fused:.2f} MB (bytes decide, not a timing)")
 
     progress("hashing source weights")
     source_hash = ckpt.content_hash()
     export_id = hashlib.sha256(f"{source_hash}|{mode.value}|{options.dtype}|{max_seq_len}|{__version__}".encode()).hexdigest()[:32]
     metadata = {"producer": "mla-deploy", "mla_deploy_version": __version__, "export_id": export_id}
 
-    weights: dict[str, np.ndarray] = {}
-    graphs = {}
-    for kind in (io_spec.PREFILL, io_spec.DECODE):
-        progress(f"building {kind} graph" + (f" (absorbed, {mode.value})" if kind == io_spec.DECODE else " (naive attention)"))
-        graphs[kind] = build_graph(kind, cfg, ckpt.tensor, max_seq_len, mode, weights).to_model({**metadata, "graph": kind})
-
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        progress(f"saving weights ({sum(a.nbytes for a in weights.values()) / 1e9:.2f} GB)")
-        offsets = _write_weights(tmp / WEIGHTS_FILE, weights)
+        graphs = {}
+        with WeightsFile(tmp / WEIGHTS_FILE) as weights:
+            for kind in (io_spec.PREFILL, io_spec.DECODE):
+                progress(f"building {kind} graph" + (f" (absorbed, {mode.value})" if kind == io_spec.DECODE
+                                                     else " (naive attention)") + ", writing its weights")
+                with layer_bar(cfg.num_hidden_layers, kind) as on_layer:
+                    graphs[kind] = build_graph(kind, cfg, ckpt.tensor, max_seq_len, mode, weights, metadata, on_layer)
+        progress(f"wrote weights ({weights.nbytes / 1e9:.2f} GB)")
         manifest = _manifest(cfg, mode, options, max_seq_len, source_hash, export_id, ckpt)
         manifest["weights"].update(bytes=(tmp / WEIGHTS_FILE).stat().st_size, block_bytes=integrity.BLOCK_BYTES,
                                    digest=integrity.DIGEST, block_digests=integrity.block_digests(tmp / WEIGHTS_FILE))
         for kind, model in graphs.items():
             progress(f"saving and checking {kind}.onnx")
-            _attach_external(model, weights, offsets)
             path = tmp / io_spec.GRAPH_FILES[kind]
-            onnx.save_model(model, path)
+            ir.save(model, path)  # external tensors stay references into weights.bin
             onnx.checker.check_model(str(path), full_check=True)
             manifest["graphs"][kind]["sha256"] = file_sha256(path)
         manifest["tokenizer"] = _copy_tokenizer(ckpt.directory, tmp)
@@ -122,41 +125,6 @@ def _manifest(cfg, mode, options, max_seq_len, source_hash, export_id, ckpt) -> 
         "max_seq_len": max_seq_len, "source": {"path": str(ckpt.directory.resolve()), "sha256": source_hash},
         "weights": {"file": WEIGHTS_FILE}, "graphs": graphs,
     }
-
-
-def _write_weights(path: Path, weights: dict[str, np.ndarray]) -> dict[str, tuple[int, int]]:
-    offsets = {}
-    with open(path, "wb") as f:
-        for name in sorted(weights):
-            pad = -f.tell() % ALIGN
-            f.write(b"\0" * pad)
-            data = np.ascontiguousarray(weights[name], dtype=np.float32).tobytes()
-            offsets[name] = (f.tell(), len(data))
-            f.write(data)
-    return offsets
-
-
-def _used_names(graph: onnx.GraphProto) -> set[str]:
-    names = set()
-    for node in graph.node:
-        names.update(node.input)
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                names |= _used_names(attr.g)
-    return names
-
-
-def _attach_external(model: onnx.ModelProto, weights: dict[str, np.ndarray], offsets: dict,
-                     location: str = WEIGHTS_FILE) -> None:
-    for name in sorted(_used_names(model.graph) & weights.keys()):
-        arr = weights[name]
-        offset, length = offsets[name]
-        tensor = onnx.TensorProto(name=name, data_type=onnx.TensorProto.FLOAT, dims=arr.shape,
-                                  data_location=onnx.TensorProto.EXTERNAL)
-        for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
-            entry = tensor.external_data.add()
-            entry.key, entry.value = key, value
-        model.graph.initializer.append(tensor)
 
 
 def _copy_tokenizer(src: Path, dst: Path) -> list[str]:

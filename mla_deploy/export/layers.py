@@ -1,8 +1,14 @@
-"""The model's pieces as ONNX subgraphs, over HF weights transformed by mla_deploy.export.absorb.
+"""The torch source's modules as ONNX graph code (onnxscript's builder), one class per module of
+`mla_deploy/modeling/`: RMSNorm, SwiGLU, MLAttention (naive and absorbed), Router, MoE.
+
+Each module is built over a `Graph` (one graph under construction) and reads its weights by HF name
+through `Tensors`; the weights it multiplies by are the pure transforms of `export.absorb`, written once
+to the shared weights file by `Graph.weight`. Calling a module (`module(op, x)`) emits its nodes with
+`op`, so the same module code serves the main graph and the `If` branches of the experts.
 
 Attention is plain MatMul-Softmax-MatMul: measured 4-8x faster on CPU than the fused Attention /
-GroupQueryAttention ops for 576-wide absorbed heads. Caches are updated with TensorScatter, so
-with IO binding the runtime's buffers are written in place.
+GroupQueryAttention ops for 576-wide absorbed heads. Caches are written with TensorScatter straight
+into the graph outputs, so with IO binding the runtime's buffers are updated in place.
 
 MoE runs only the experts some token chose: one `If` per routed expert, whose branch gathers that
 expert's tokens, runs its SwiGLU on them and scatter-adds the weighted result. An expert nobody
@@ -14,232 +20,314 @@ from __future__ import annotations
 from typing import Callable
 
 import numpy as np
+import onnx_ir as ir
+from onnxscript import GraphBuilder
 
 from .. import io_spec
 from .. import rope as rope_math
 from ..config import MLAConfig
 from . import absorb
 from .absorb import AbsorbMode
-from .onnx_builder import GraphBuilder
+from .weights import WeightsFile
 
+OPSET = 24
+IR_VERSION = 11  # what onnxruntime 1.31 reads for opset 24 (it refuses IR 14)
 Tensors = Callable[[str], np.ndarray]  # HF tensor name -> float32 array
 NEG_INF = float(np.finfo(np.float32).min)
+FLOAT, BOOL = ir.DataType.FLOAT, ir.DataType.BOOL
+
+
+class Graph:
+    """One graph under construction: onnxscript's builder, plus weights by name from the shared file."""
+
+    def __init__(self, name: str, weights: WeightsFile):
+        self.builder = GraphBuilder(ir.Graph([], [], nodes=[], opset_imports={"": OPSET}, name=name))
+        self.op = self.builder.op
+        self.weights = weights
+        self._values: dict[str, ir.Value] = {}
+
+    def weight(self, name: str, make: Callable[[], np.ndarray]) -> ir.Value:
+        """The initializer `name` of this graph; `make` runs only if no graph has written it yet."""
+        if name not in self._values:
+            self._values[name] = self.builder.initializer(self.weights.tensor(name, make), name=name, qualify=False)
+        return self._values[name]
+
+    def input(self, spec: io_spec.TensorSpec) -> ir.Value:
+        return self.builder.input(spec.name, ir.DataType.from_numpy(np.dtype(spec.dtype)), list(spec.shape))
+
+    def output(self, value: ir.Value, spec: io_spec.TensorSpec) -> None:
+        """`value` becomes the graph output `spec.name` itself (renamed, no Identity in between)."""
+        self.builder.add_output(value, spec.name)
+        value.dtype = ir.DataType.from_numpy(np.dtype(spec.dtype))
+        value.shape = ir.Shape(list(spec.shape))
+
+    def scope(self, name: str):
+        """Node names under `name` (layers.3.attn/...): readable profiles and graph viewers."""
+        builder = self.builder
+
+        class _Scope:
+            def __enter__(self):
+                builder.push_module(name)
+
+            def __exit__(self, *exc):
+                builder.pop_module()
+
+        return _Scope()
+
+    def model(self, metadata: dict[str, str]) -> ir.Model:
+        return ir.Model(self.builder.graph, ir_version=IR_VERSION, producer_name="mla-deploy",
+                        producer_version=metadata.get("mla_deploy_version", ""), metadata_props=dict(metadata))
 
 
 # ---- small pieces ----
-def rms_norm(g: GraphBuilder, x: str, weight_name: str, weight: np.ndarray, eps: float) -> str:
-    return g.RMSNormalization(x, g.weight(weight_name, weight), axis=-1, epsilon=eps)
+class RMSNorm:
+    def __init__(self, g: Graph, name: str, hf_weight: str, t: Tensors, eps: float):
+        self.g, self.name, self.hf_weight, self.t, self.eps = g, name, hf_weight, t, eps
+
+    def __call__(self, op, x: ir.Value) -> ir.Value:
+        weight = self.g.weight(self.name, lambda: self.t(self.hf_weight))
+        return op.RMSNormalization(x, weight, axis=-1, epsilon=self.eps)
 
 
-def linear(g: GraphBuilder, x: str, name: str, w_in_out: np.ndarray) -> str:
-    return g.MatMul(x, g.weight(name, w_in_out))
+def linear(g: Graph, op, x: ir.Value, name: str, make_w_in_out: Callable[[], np.ndarray]) -> ir.Value:
+    """x @ W with W stored [in, out]."""
+    return op.MatMul(x, g.weight(name, make_w_in_out))
 
 
-def swiglu(g: GraphBuilder, x: str, prefix: str, gate_up: np.ndarray, down: np.ndarray) -> str:
-    gu = linear(g, x, f"{prefix}.gate_up", gate_up)  # [..., 2·inter]
-    gate, up = g.op("Split", gu, g.const([down.shape[0], down.shape[0]]), outputs=2, axis=-1)
-    return linear(g, g.Mul(g.Mul(gate, g.Sigmoid(gate)), up), f"{prefix}.down", down)  # silu(gate)·up -> [..., d]
+class SwiGLU:
+    """down(silu(gate(x)) · up(x)), gate and up in one [d, 2·inter] matmul."""
+
+    def __init__(self, g: Graph, name: str, hf: str, t: Tensors, inter: int):
+        self.g, self.name, self.hf, self.t, self.inter = g, name, hf, t, inter
+
+    def __call__(self, op, x: ir.Value) -> ir.Value:
+        t, hf = self.t, self.hf
+        gu = linear(self.g, op, x, f"{self.name}.gate_up",
+                    lambda: absorb.gate_up_weight(t(hf + "gate_proj.weight"), t(hf + "up_proj.weight")))  # [..., 2·inter]
+        gate, up = op.Split(gu, [self.inter, self.inter], axis=-1, _outputs=2)
+        hidden = op.Mul(op.Mul(gate, op.Sigmoid(gate)), up)  # silu(gate)·up
+        return linear(self.g, op, hidden, f"{self.name}.down", lambda: t(hf + "down_proj.weight").T)  # [..., d]
 
 
-def hf_swiglu(g: GraphBuilder, x: str, prefix: str, t: Tensors, hf_prefix: str) -> str:
-    gate_up = absorb.gate_up_weight(t(hf_prefix + "gate_proj.weight"), t(hf_prefix + "up_proj.weight"))
-    return swiglu(g, x, prefix, gate_up, t(hf_prefix + "down_proj.weight").T)
-
-
-def rope(g: GraphBuilder, x: str, cos: str, sin: str) -> str:
+def rope(op, x: ir.Value, cos: ir.Value, sin: ir.Value) -> ir.Value:
     """Rotate halves: x [..., d_r], cos/sin broadcastable to [..., d_r/2]."""
-    x1, x2 = g.op("Split", x, outputs=2, axis=-1, num_outputs=2)  # [..., d_r/2] each
-    return g.Concat(g.Sub(g.Mul(x1, cos), g.Mul(x2, sin)), g.Add(g.Mul(x2, cos), g.Mul(x1, sin)), axis=-1)
+    x1, x2 = op.Split(x, axis=-1, num_outputs=2, _outputs=2)  # [..., d_r/2] each
+    return op.Concat(op.Sub(op.Mul(x1, cos), op.Mul(x2, sin)), op.Add(op.Mul(x2, cos), op.Mul(x1, sin)), axis=-1)
 
 
-def rope_lookup(g: GraphBuilder, cfg: MLAConfig, position_ids: str, max_len: int) -> tuple[str, str]:
+def rope_lookup(g: Graph, cfg: MLAConfig, position_ids: ir.Value, max_len: int) -> tuple[ir.Value, ir.Value]:
     """position_ids [b, T] -> cos, sin [b, T, d_r/2] from tables of max_len positions."""
-    cos, sin = rope_math.rope_tables(cfg, max_len)
-    return g.Gather(g.weight("rope.cos", cos), position_ids, axis=0), g.Gather(g.weight("rope.sin", sin), position_ids, axis=0)
+    op = g.op
+    cos = g.weight("rope.cos", lambda: rope_math.rope_tables(cfg, max_len)[0])  # [max_len, d_r/2]
+    sin = g.weight("rope.sin", lambda: rope_math.rope_tables(cfg, max_len)[1])
+    return op.Gather(cos, position_ids, axis=0), op.Gather(sin, position_ids, axis=0)
 
 
-def attention_bias(g: GraphBuilder, input_ids: str, attention_mask: str, write_indices: str) -> str:
+def attention_bias(op, input_ids: ir.Value, attention_mask: ir.Value, write_indices: ir.Value) -> ir.Value:
     """Additive mask [b, 1, T, cap]: 0 where query t (at slot write_indices + t) sees slot j, else float32 min."""
-    zero, one = g.const(0), g.const(1)
-    seq = g.Gather(g.Shape(input_ids), one, axis=0)  # T
-    cap = g.Gather(g.Shape(attention_mask), one, axis=0)  # capacity
-    query_slot = g.Add(g.Unsqueeze(write_indices, g.const([1])), g.Range(zero, seq, one))  # [b, T]
-    slots = g.Range(zero, cap, one)  # [cap]
-    causal = g.LessOrEqual(slots, g.Unsqueeze(query_slot, g.const([2])))  # [b, T, cap]
-    valid = g.Cast(g.Unsqueeze(attention_mask, g.const([1])), to=9)  # [b, 1, cap] bool
-    visible = g.And(causal, valid)
-    bias = g.Where(visible, g.const(0.0, np.float32), g.const(NEG_INF, np.float32))  # [b, T, cap]
-    return g.Unsqueeze(bias, g.const([1]))  # [b, 1, T, cap]
+    seq = op.Gather(op.Shape(input_ids), 1, axis=0)  # T
+    cap = op.Gather(op.Shape(attention_mask), 1, axis=0)  # capacity
+    query_slot = op.Add(op.Unsqueeze(write_indices, [1]), op.Range(0, seq, 1))  # [b, T]
+    causal = op.LessOrEqual(op.Range(0, cap, 1), op.Unsqueeze(query_slot, [2]))  # [cap] vs [b, T, 1] -> [b, T, cap]
+    valid = op.Cast(op.Unsqueeze(attention_mask, [1]), to=BOOL)  # [b, 1, cap]
+    bias = op.Where(op.And(causal, valid), 0.0, NEG_INF)  # [b, T, cap]
+    return op.Unsqueeze(bias, [1])  # [b, 1, T, cap]
 
 
-# ---- attention ----
-class AttentionBuilder:
-    """One layer's MLA in ONNX: shared projections, then the naive (prefill) or absorbed (decode) core."""
+# ---- attention (modeling/attention.py) ----
+class MLAttention:
+    """One layer's MLA: shared projections, then the naive (prefill) or absorbed (decode) core."""
 
-    def __init__(self, g: GraphBuilder, cfg: MLAConfig, t: Tensors, layer: int):
+    def __init__(self, g: Graph, cfg: MLAConfig, t: Tensors, layer: int):
         self.g, self.cfg, self.t, self.layer = g, cfg, t, layer
         self.hf = f"model.layers.{layer}.self_attn."
         self.name = f"layers.{layer}.attn"
         self.scale = rope_math.softmax_scale(cfg)
 
-    def query_input(self, x: str) -> tuple[str, np.ndarray]:
+    def _hf(self, name: str) -> Callable[[], np.ndarray]:
+        return lambda: self.t(self.hf + name)
+
+    def query_input(self, op, x: ir.Value) -> tuple[ir.Value, Callable[[], np.ndarray]]:
         """x, or c_q = q_norm(W^DQ x) with q LoRA; and the HF weight that maps it to per-head queries."""
-        cfg, g, t = self.cfg, self.g, self.t
+        cfg = self.cfg
         if cfg.q_lora_rank is None:
-            return x, t(self.hf + "q_proj.weight")
-        c_q = linear(g, x, f"{self.name}.q_a", t(self.hf + "q_a_proj.weight").T)
-        c_q = rms_norm(g, c_q, f"{self.name}.q_a_norm", t(self.hf + "q_a_layernorm.weight"), cfg.rms_norm_eps)
-        return c_q, t(self.hf + "q_b_proj.weight")
+            return x, self._hf("q_proj.weight")
+        c_q = linear(self.g, op, x, f"{self.name}.q_a", lambda: self.t(self.hf + "q_a_proj.weight").T)
+        c_q = RMSNorm(self.g, f"{self.name}.q_a_norm", self.hf + "q_a_layernorm.weight", self.t, cfg.rms_norm_eps)(op, c_q)
+        return c_q, self._hf("q_b_proj.weight")
 
-    def latent_and_rope(self, x: str, cos: str, sin: str) -> tuple[str, str]:
+    def latent_and_rope(self, op, x: ir.Value, cos: ir.Value, sin: ir.Value) -> tuple[ir.Value, ir.Value]:
         """x [b, T, d] -> ĉ [b, T, d_c] (normed), k_pe [b, T, d_r] (roped)."""
-        cfg, g, t = self.cfg, self.g, self.t
-        kv = linear(g, x, f"{self.name}.kv_a", absorb.kv_a_weight(cfg, t(self.hf + "kv_a_proj_with_mqa.weight")))
-        latent, k_pe = g.op("Split", kv, g.const([cfg.kv_lora_rank, cfg.qk_rope_head_dim]), outputs=2, axis=-1)
-        latent = rms_norm(g, latent, f"{self.name}.kv_norm", t(self.hf + "kv_a_layernorm.weight"), cfg.rms_norm_eps)
-        return latent, rope(g, k_pe, cos, sin)
+        cfg = self.cfg
+        kv = linear(self.g, op, x, f"{self.name}.kv_a",
+                    lambda: absorb.kv_a_weight(cfg, self.t(self.hf + "kv_a_proj_with_mqa.weight")))
+        latent, k_pe = op.Split(kv, [cfg.kv_lora_rank, cfg.qk_rope_head_dim], axis=-1, _outputs=2)
+        latent = RMSNorm(self.g, f"{self.name}.kv_norm", self.hf + "kv_a_layernorm.weight", self.t, cfg.rms_norm_eps)(op, latent)
+        return latent, rope(op, k_pe, cos, sin)
 
-    def write_cache(self, latent, k_pe, past_latent, past_rope, write_indices) -> tuple[str, str]:
-        """TensorScatter straight into the present_* graph outputs: with the output bound to the past buffer,
-        onnxruntime updates it in place (an Identity in between would force a copy of the whole cache)."""
-        g, i = self.g, self.layer
-        return (g.op("TensorScatter", past_latent, latent, write_indices, axis=-2,
-                     out_names=[io_spec.present_latent(i)]),  # [b, cap, d_c]
-                g.op("TensorScatter", past_rope, k_pe, write_indices, axis=-2,
-                     out_names=[io_spec.present_rope(i)]))  # [b, cap, d_r]
+    def write_cache(self, op, latent, k_pe, past_latent, past_rope, write_indices) -> tuple[ir.Value, ir.Value]:
+        """TensorScatter; the graph makes its outputs the present_* outputs themselves: with the output bound to
+        the past buffer, onnxruntime updates it in place (an Identity in between would force a copy)."""
+        return (op.TensorScatter(past_latent, latent, write_indices, axis=-2),  # [b, cap, d_c]
+                op.TensorScatter(past_rope, k_pe, write_indices, axis=-2))  # [b, cap, d_r]
 
-    def naive(self, x, cos, sin, bias, past_latent, past_rope, write_indices):
+    def naive(self, op, x, cos, sin, bias, past_latent, past_rope, write_indices):
         """Prefill: decompress K/V from the whole latent cache, standard attention per head."""
         cfg, g, t = self.cfg, self.g, self.t
         h, dn, dr, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        q_in, q_weight = self.query_input(x)
-        q = linear(g, q_in, f"{self.name}.q", absorb.query_weight(cfg, q_weight))  # [b, T, h·(d_nope+d_r)]
-        q = g.Transpose(g.Reshape(q, g.const([0, 0, h, dn + dr])), perm=[0, 2, 1, 3])  # [b, h, T, d_nope+d_r]
-        q_nope, q_pe = g.op("Split", q, g.const([dn, dr]), outputs=2, axis=-1)
-        q_pe = rope(g, q_pe, g.Unsqueeze(cos, g.const([1])), g.Unsqueeze(sin, g.const([1])))  # cos [b, 1, T, d_r/2]
-        latent, k_pe = self.latent_and_rope(x, cos, sin)
-        cache_latent, cache_rope = self.write_cache(latent, k_pe, past_latent, past_rope, write_indices)
+        q_in, q_weight = self.query_input(op, x)
+        q = linear(g, op, q_in, f"{self.name}.q", lambda: absorb.query_weight(cfg, q_weight()))  # [b, T, h·(d_nope+d_r)]
+        q = op.Transpose(op.Reshape(q, [0, 0, h, dn + dr]), perm=[0, 2, 1, 3])  # -> [b, T, h, ·] -> [b, h, T, d_nope+d_r]
+        q_nope, q_pe = op.Split(q, [dn, dr], axis=-1, _outputs=2)
+        q_pe = rope(op, q_pe, op.Unsqueeze(cos, [1]), op.Unsqueeze(sin, [1]))  # cos [b, 1, T, d_r/2]
+        latent, k_pe = self.latent_and_rope(op, x, cos, sin)
+        cache_latent, cache_rope = self.write_cache(op, latent, k_pe, past_latent, past_rope, write_indices)
 
-        kv = linear(g, cache_latent, f"{self.name}.kv_b", t(self.hf + "kv_b_proj.weight").T)  # [b, cap, h·(d_nope+d_v)]
-        kv = g.Transpose(g.Reshape(kv, g.const([0, 0, h, dn + dv])), perm=[0, 2, 1, 3])  # [b, h, cap, d_nope+d_v]
-        k_nope, v = g.op("Split", kv, g.const([dn, dv]), outputs=2, axis=-1)
-        scores = g.Add(
-            g.MatMul(q_nope, g.Transpose(k_nope, perm=[0, 1, 3, 2])),  # [b, h, T, cap]
-            g.MatMul(q_pe, g.Unsqueeze(g.Transpose(cache_rope, perm=[0, 2, 1]), g.const([1]))),  # k_pe [b, 1, d_r, cap]
+        kv = linear(g, op, cache_latent, f"{self.name}.kv_b", lambda: t(self.hf + "kv_b_proj.weight").T)  # [b, cap, h·(d_nope+d_v)]
+        kv = op.Transpose(op.Reshape(kv, [0, 0, h, dn + dv]), perm=[0, 2, 1, 3])  # -> [b, cap, h, ·] -> [b, h, cap, d_nope+d_v]
+        k_nope, v = op.Split(kv, [dn, dv], axis=-1, _outputs=2)
+        scores = op.Add(
+            op.MatMul(q_nope, op.Transpose(k_nope, perm=[0, 1, 3, 2])),  # [b, h, T, cap]
+            op.MatMul(q_pe, op.Unsqueeze(op.Transpose(cache_rope, perm=[0, 2, 1]), [1])),  # k_pe [b, 1, d_r, cap]
         )
-        probs = g.Softmax(g.Add(g.Mul(scores, g.const(self.scale, np.float32)), bias), axis=-1)
-        o = g.Transpose(g.MatMul(probs, v), perm=[0, 2, 1, 3])  # [b, T, h, d_v]
-        o = g.Reshape(o, g.const([0, 0, h * dv]))  # [b, T, h·d_v]
-        return linear(g, o, f"{self.name}.o", t(self.hf + "o_proj.weight").T), cache_latent, cache_rope
+        probs = op.Softmax(op.Add(op.Mul(scores, self.scale), bias), axis=-1)
+        o = op.Transpose(op.MatMul(probs, v), perm=[0, 2, 1, 3])  # [b, T, h, d_v]
+        o = op.Reshape(o, [0, 0, h * dv])  # [b, T, h, d_v] -> [b, T, h·d_v]
+        out = linear(g, op, o, f"{self.name}.o", lambda: t(self.hf + "o_proj.weight").T)
+        return out, cache_latent, cache_rope
 
-    def absorbed(self, x, cos, sin, bias, past_latent, past_rope, write_indices, mode: AbsorbMode):
+    def absorbed(self, op, x, cos, sin, bias, past_latent, past_rope, write_indices, mode: AbsorbMode):
         """Decode (T = 1): the query moves into latent space; attention reads ĉ directly; W^UV after."""
-        cfg, g, t = self.cfg, self.g, self.t
+        cfg, g = self.cfg, self.g
         h, dn, dr, dc, dv = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
                              cfg.kv_lora_rank, cfg.v_head_dim)
-        kv_b = t(self.hf + "kv_b_proj.weight")
-        q_in, q_weight = self.query_input(x)
+        kv_b = self._hf("kv_b_proj.weight")
+        q_in, q_weight = self.query_input(op, x)
         if mode == AbsorbMode.FUSED:
-            q_latent = linear(g, q_in, f"{self.name}.q_uk", absorb.fused_query_absorb(cfg, q_weight, kv_b))
-            q_latent = g.Reshape(q_latent, g.const([0, h, dc]))  # [b, 1, h·d_c] -> [b, h, d_c]
+            q_latent = linear(g, op, q_in, f"{self.name}.q_uk", lambda: absorb.fused_query_absorb(cfg, q_weight(), kv_b()))
+            q_latent = op.Reshape(q_latent, [0, h, dc])  # [b, 1, h·d_c] -> [b, h, d_c]
         else:
-            q_nope = linear(g, q_in, f"{self.name}.q_nope", absorb.query_nope_weight(cfg, q_weight))
-            q_nope = g.Transpose(g.Reshape(q_nope, g.const([0, h, dn])), perm=[1, 0, 2])  # [h, b, d_nope]
-            q_latent = g.MatMul(q_nope, g.weight(f"{self.name}.uk", absorb.factored_uk(cfg, kv_b)))  # [h, b, d_c]
-            q_latent = g.Transpose(q_latent, perm=[1, 0, 2])  # [b, h, d_c]
-        q_pe = linear(g, q_in, f"{self.name}.q_rope", absorb.query_rope_weight(cfg, q_weight))
-        q_pe = g.Reshape(q_pe, g.const([0, h, dr]))  # [b, 1, h·d_r] -> [b, h, d_r]
-        q_pe = rope(g, q_pe, cos, sin)  # cos [b, 1, d_r/2] broadcasts over heads
-        latent, k_pe = self.latent_and_rope(x, cos, sin)
-        cache_latent, cache_rope = self.write_cache(latent, k_pe, past_latent, past_rope, write_indices)
+            q_nope = linear(g, op, q_in, f"{self.name}.q_nope", lambda: absorb.query_nope_weight(cfg, q_weight()))
+            q_nope = op.Transpose(op.Reshape(q_nope, [0, h, dn]), perm=[1, 0, 2])  # [b, 1, h·d_nope] -> [b, h, d_nope] -> [h, b, d_nope]
+            q_latent = op.MatMul(q_nope, g.weight(f"{self.name}.uk", lambda: absorb.factored_uk(cfg, kv_b())))  # [h, b, d_c]
+            q_latent = op.Transpose(q_latent, perm=[1, 0, 2])  # [b, h, d_c]
+        q_pe = linear(g, op, q_in, f"{self.name}.q_rope", lambda: absorb.query_rope_weight(cfg, q_weight()))
+        q_pe = op.Reshape(q_pe, [0, h, dr])  # [b, 1, h·d_r] -> [b, h, d_r]
+        q_pe = rope(op, q_pe, cos, sin)  # cos [b, 1, d_r/2] broadcasts over heads
+        latent, k_pe = self.latent_and_rope(op, x, cos, sin)
+        cache_latent, cache_rope = self.write_cache(op, latent, k_pe, past_latent, past_rope, write_indices)
 
-        scores = g.Add(
-            g.MatMul(cache_latent, g.Transpose(q_latent, perm=[0, 2, 1])),  # [b, cap, d_c] @ [b, d_c, h] -> [b, cap, h]
-            g.MatMul(cache_rope, g.Transpose(q_pe, perm=[0, 2, 1])),  # [b, cap, d_r] @ [b, d_r, h] -> [b, cap, h]
+        scores = op.Add(
+            op.MatMul(cache_latent, op.Transpose(q_latent, perm=[0, 2, 1])),  # [b, cap, d_c] @ [b, d_c, h] -> [b, cap, h]
+            op.MatMul(cache_rope, op.Transpose(q_pe, perm=[0, 2, 1])),  # [b, cap, d_r] @ [b, d_r, h] -> [b, cap, h]
         )
-        scores = g.Transpose(scores, perm=[0, 2, 1])  # [b, h, cap]
-        decode_bias = g.Squeeze(bias, g.const([1]))  # [b, 1, 1, cap] -> [b, 1, cap]
-        probs = g.Softmax(g.Add(g.Mul(scores, g.const(self.scale, np.float32)), decode_bias), axis=-1)
-        o_latent = g.MatMul(probs, cache_latent)  # [b, h, cap] @ [b, cap, d_c] -> [b, h, d_c]
-        o_weight = t(self.hf + "o_proj.weight")
+        scores = op.Transpose(scores, perm=[0, 2, 1])  # [b, h, cap]
+        decode_bias = op.Squeeze(bias, [1])  # [b, 1, 1, cap] -> [b, 1, cap]
+        probs = op.Softmax(op.Add(op.Mul(scores, self.scale), decode_bias), axis=-1)
+        o_latent = op.MatMul(probs, cache_latent)  # [b, h, cap] @ [b, cap, d_c] -> [b, h, d_c]
+        o_weight = self._hf("o_proj.weight")
         if mode == AbsorbMode.FUSED:
-            o = g.Reshape(o_latent, g.const([0, 1, h * dc]))  # [b, 1, h·d_c]
-            out = linear(g, o, f"{self.name}.uv_o", absorb.fused_output_absorb(cfg, o_weight, kv_b))
+            o = op.Reshape(o_latent, [0, 1, h * dc])  # [b, h, d_c] -> [b, 1, h·d_c]
+            out = linear(g, op, o, f"{self.name}.uv_o", lambda: absorb.fused_output_absorb(cfg, o_weight(), kv_b()))
         else:
-            o_latent = g.Transpose(o_latent, perm=[1, 0, 2])  # [b, h, d_c] -> [h, b, d_c]
-            o = g.MatMul(o_latent, g.weight(f"{self.name}.uv", absorb.factored_uv(cfg, kv_b)))  # [h, b, d_v]
-            o = g.Reshape(g.Transpose(o, perm=[1, 0, 2]), g.const([0, 1, h * dv]))  # [h, b, d_v] -> [b, 1, h·d_v]
-            out = linear(g, o, f"{self.name}.o", o_weight.T)
+            o_latent = op.Transpose(o_latent, perm=[1, 0, 2])  # [b, h, d_c] -> [h, b, d_c]
+            o = op.MatMul(o_latent, g.weight(f"{self.name}.uv", lambda: absorb.factored_uv(cfg, kv_b())))  # [h, b, d_v]
+            o = op.Reshape(op.Transpose(o, perm=[1, 0, 2]), [0, 1, h * dv])  # [h, b, d_v] -> [b, h, d_v] -> [b, 1, h·d_v]
+            out = linear(g, op, o, f"{self.name}.o", lambda: o_weight().T)
         return out, cache_latent, cache_rope
 
 
-# ---- mixture of experts ----
-def route(g: GraphBuilder, cfg: MLAConfig, x2: str, t: Tensors, hf: str, name: str) -> tuple[str, str]:
-    """x2 [N, d] -> expert indices [N, k] int64, weights [N, k] float32 (see modeling/moe.py for the math)."""
-    logits = linear(g, x2, f"{name}.router", t(hf + "gate.weight").T)  # [N, E]
-    k = g.const([cfg.num_experts_per_tok])
-    if cfg.scoring_func == "sigmoid":
-        scores = g.Sigmoid(logits)
-        choice = g.Add(scores, g.weight(f"{name}.score_bias", t(hf + "gate.e_score_correction_bias")))
-        top2 = g.op("TopK", grouped(g, cfg, choice), g.const([2]), outputs=2, axis=-1)[0]  # [N, G, 2]
-        group_scores = g.ReduceSum(top2, g.const([-1]), keepdims=0)  # [N, G]
-        choice = g.Where(group_mask(g, cfg, group_scores), choice, g.const(float("-inf"), np.float32))
-        _, idx = g.op("TopK", choice, k, outputs=2, axis=-1)
-        weights = g.GatherElements(scores, idx, axis=1)  # [N, k]
-        if cfg.norm_topk_prob:
-            denominator = g.Add(g.ReduceSum(weights, g.const([-1]), keepdims=1), g.const(1e-20, np.float32))
-            weights = g.Div(weights, denominator)
-    else:
-        scores = g.Softmax(logits, axis=-1)
-        if cfg.topk_method == "group_limited_greedy":
-            group_scores = g.ReduceMax(grouped(g, cfg, scores), g.const([-1]), keepdims=0)  # [N, G]
-            scores = g.Where(group_mask(g, cfg, group_scores), scores, g.const(0.0, np.float32))
-        weights, idx = g.op("TopK", scores, k, outputs=2, axis=-1)
-    return idx, g.Mul(weights, g.const(cfg.routed_scaling_factor, np.float32))
+# ---- mixture of experts (modeling/moe.py) ----
+class Router:
+    """x2 [N, d] -> expert indices [N, k] int64, weights [N, k] float32 (the math: modeling/moe.py)."""
+
+    def __init__(self, g: Graph, cfg: MLAConfig, t: Tensors, hf: str, name: str):
+        self.g, self.cfg, self.t, self.hf, self.name = g, cfg, t, hf, name
+
+    def __call__(self, op, x2: ir.Value) -> tuple[ir.Value, ir.Value]:
+        cfg, g, t, hf = self.cfg, self.g, self.t, self.hf
+        logits = linear(g, op, x2, f"{self.name}.router", lambda: t(hf + "gate.weight").T)  # [N, E]
+        k = [cfg.num_experts_per_tok]
+        if cfg.scoring_func == "sigmoid":
+            scores = op.Sigmoid(logits)
+            choice = op.Add(scores, g.weight(f"{self.name}.score_bias", lambda: t(hf + "gate.e_score_correction_bias")))
+            top2, _ = op.TopK(self._grouped(op, choice), [2], axis=-1, _outputs=2)  # [N, G, 2]
+            group_scores = op.ReduceSum(top2, [-1], keepdims=0)  # [N, G]
+            choice = op.Where(self._group_mask(op, group_scores), choice, float("-inf"))
+            _, idx = op.TopK(choice, k, axis=-1, _outputs=2)
+            weights = op.GatherElements(scores, idx, axis=1)  # [N, k]: the bias only chooses
+            if cfg.norm_topk_prob:
+                weights = op.Div(weights, op.Add(op.ReduceSum(weights, [-1], keepdims=1), 1e-20))
+        else:
+            scores = op.Softmax(logits, axis=-1)
+            if cfg.topk_method == "group_limited_greedy":
+                group_scores = op.ReduceMax(self._grouped(op, scores), [-1], keepdims=0)  # [N, G]
+                scores = op.Where(self._group_mask(op, group_scores), scores, 0.0)
+            weights, idx = op.TopK(scores, k, axis=-1, _outputs=2)
+        return idx, op.Mul(weights, float(cfg.routed_scaling_factor))
+
+    def _grouped(self, op, scores: ir.Value) -> ir.Value:
+        cfg = self.cfg
+        return op.Reshape(scores, [0, cfg.n_group, cfg.n_routed_experts // cfg.n_group])  # [N, E] -> [N, G, E/G]
+
+    def _group_mask(self, op, group_scores: ir.Value) -> ir.Value:
+        """[N, G] -> [N, E] bool: experts in the topk_group best groups."""
+        cfg = self.cfg
+        _, top = op.TopK(group_scores, [cfg.topk_group], axis=-1, _outputs=2)  # [N, topk_group]
+        hit = op.Equal(op.Unsqueeze(top, [-1]), op.Range(0, cfg.n_group, 1))  # [N, topk_group, G]
+        keep = op.ReduceMax(op.Cast(hit, to=FLOAT), [1], keepdims=0)  # [N, G]
+        per_group = cfg.n_routed_experts // cfg.n_group
+        keep = op.Expand(op.Unsqueeze(keep, [-1]), [1, 1, per_group])  # [N, G] -> [N, G, 1] -> [N, G, E/G]
+        return op.Cast(op.Reshape(keep, [0, cfg.n_routed_experts]), to=BOOL)  # [N, G, E/G] -> [N, E] bool
 
 
-def grouped(g: GraphBuilder, cfg: MLAConfig, scores: str) -> str:
-    return g.Reshape(scores, g.const([0, cfg.n_group, cfg.n_routed_experts // cfg.n_group]))  # [N, E] -> [N, G, E/G]
+class MoE:
+    """Shared experts on every token; routed experts, each behind an If, on the tokens that chose it."""
 
+    def __init__(self, g: Graph, cfg: MLAConfig, t: Tensors, layer: int):
+        self.g, self.cfg, self.t, self.layer = g, cfg, t, layer
+        self.hf, self.name = f"model.layers.{layer}.mlp.", f"layers.{layer}.moe"
 
-def group_mask(g: GraphBuilder, cfg: MLAConfig, group_scores: str) -> str:
-    """[N, G] -> [N, E] bool: experts in the topk_group best groups."""
-    _, top = g.op("TopK", group_scores, g.const([cfg.topk_group]), outputs=2, axis=-1)  # [N, topk_group]
-    hit = g.Equal(g.Unsqueeze(top, g.const([-1])), g.const(np.arange(cfg.n_group)))  # [N, topk_group, G]
-    keep = g.ReduceMax(g.Cast(hit, to=1), g.const([1]), keepdims=0)  # [N, G]
-    per_group = cfg.n_routed_experts // cfg.n_group
-    keep = g.Expand(g.Unsqueeze(keep, g.const([-1])), g.const([1, 1, per_group]))  # [N, G, E/G]
-    return g.Cast(g.Reshape(keep, g.const([0, cfg.n_routed_experts])), to=9)  # [N, E] bool
+    def __call__(self, op, x: ir.Value) -> ir.Value:
+        cfg, g, t, hf = self.cfg, self.g, self.t, self.hf
+        shape = op.Shape(x)
+        x2 = op.Reshape(x, [-1, cfg.hidden_size])  # [b, T, d] -> [N, d]
+        idx, weights = Router(g, cfg, t, hf, self.name)(op, x2)
+        onehot = op.Cast(op.Equal(op.Unsqueeze(idx, [-1]), op.Range(0, cfg.n_routed_experts, 1)), to=FLOAT)  # [N, k, E]
+        dispatch = op.ReduceSum(op.Mul(onehot, op.Unsqueeze(weights, [-1])), [1], keepdims=0)  # [N, E]
+        chosen = op.ReduceMax(onehot, [1], keepdims=0)  # [N, E] 1.0 where the token chose the expert
+        active = op.Greater(op.ReduceSum(chosen, [0], keepdims=0), 0.0)  # [E]
+        flags = op.Split(active, axis=0, num_outputs=cfg.n_routed_experts, _outputs=cfg.n_routed_experts)
+        flags = flags if isinstance(flags, (list, tuple)) else [flags]
+        if cfg.n_shared_experts:
+            shared = SwiGLU(g, f"{self.name}.shared", hf + "shared_experts.", t,
+                            cfg.moe_intermediate_size * cfg.n_shared_experts)
+            out = shared(op, x2)
+        else:
+            out = op.Mul(x2, 0.0)
+        for e, flag in enumerate(flags):
+            out = self._expert(op, e, flag, x2, chosen, dispatch, out)
+        return op.Reshape(out, shape)  # [N, d] -> [b, T, d]
 
+    def _expert(self, op, e: int, flag, x2, chosen, dispatch, acc) -> ir.Value:
+        """acc + weight · expert_e(x) on the rows that chose expert e, inside If(expert e chosen by any row)."""
+        cfg = self.cfg
+        expert = SwiGLU(self.g, f"{self.name}.experts.{e}", f"{self.hf}experts.{e}.", self.t, cfg.moe_intermediate_size)
 
-def moe(g: GraphBuilder, cfg: MLAConfig, x: str, t: Tensors, layer: int) -> str:
-    hf, name = f"model.layers.{layer}.mlp.", f"layers.{layer}.moe"
-    shape = g.Shape(x)
-    x2 = g.Reshape(x, g.const([-1, cfg.hidden_size]))  # [b, T, d] -> [N, d]
-    idx, weights = route(g, cfg, x2, t, hf, name)
-    onehot = g.Cast(g.Equal(g.Unsqueeze(idx, g.const([-1])), g.const(np.arange(cfg.n_routed_experts))), to=1)  # [N, k, E]
-    dispatch = g.ReduceSum(g.Mul(onehot, g.Unsqueeze(weights, g.const([-1]))), g.const([1]), keepdims=0)  # [N, E]
-    chosen = g.ReduceMax(onehot, g.const([1]), keepdims=0)  # [N, E] 1.0 where the token chose the expert
-    active = g.Greater(g.ReduceSum(chosen, g.const([0]), keepdims=0), g.const(0.0, np.float32))  # [E]
-    flags = g.op("Split", active, outputs=cfg.n_routed_experts, axis=0, num_outputs=cfg.n_routed_experts)
-    flags = flags if isinstance(flags, list) else [flags]
+        def run(op):
+            column = op.Squeeze(op.Gather(chosen, [e], axis=1), [1])  # [N]
+            rows = op.Reshape(op.NonZero(column), [-1])  # [1, n_e] -> [n_e]
+            y = expert(op, op.Gather(x2, rows, axis=0))  # [n_e, d]
+            w = op.Gather(op.Squeeze(op.Gather(dispatch, [e], axis=1), [1]), rows, axis=0)  # [n_e]
+            y = op.Mul(y, op.Unsqueeze(w, [-1]))
+            return op.ScatterND(acc, op.Unsqueeze(rows, [-1]), y, reduction="add")  # [N, d]
 
-    out = hf_swiglu(g, x2, f"{name}.shared", t, hf + "shared_experts.") if cfg.n_shared_experts else g.Mul(x2, g.const(0.0, np.float32))
-    for e, flag in enumerate(flags):
-        out = expert_branch(g, cfg, e, flag, x2, chosen, dispatch, out, t, hf, name)
-    return g.Reshape(out, shape)  # [N, d] -> [b, T, d]
+        def skip(op):
+            return op.Identity(acc)
 
-
-def expert_branch(g, cfg, e, flag, x2, chosen, dispatch, acc, t, hf, name) -> str:
-    """acc + weight · expert_e(x) on the rows that chose expert e, inside If(expert e chosen by any row)."""
-    then = g.branch(f"expert{e}")
-    col = then.const([e])
-    rows = then.Reshape(then.NonZero(then.Squeeze(then.Gather(chosen, col, axis=1), then.const([1]))), then.const([-1]))  # [n_e]
-    y = hf_swiglu(then, then.Gather(x2, rows, axis=0), f"{name}.experts.{e}", t, f"{hf}experts.{e}.")  # [n_e, d]
-    w = then.Gather(then.Squeeze(then.Gather(dispatch, col, axis=1), then.const([1])), rows, axis=0)  # [n_e]
-    y = then.Mul(y, then.Unsqueeze(w, then.const([-1])))
-    new = then.ScatterND(acc, then.Unsqueeze(rows, then.const([-1])), y, reduction="add")  # [N, d]
-    then.output(new, then.fresh("out"), "float32", ["N", cfg.hidden_size])
-    orelse = g.branch(f"skip{e}")
-    orelse.output(orelse.Identity(acc), orelse.fresh("out"), "float32", ["N", cfg.hidden_size])
-    return g.If(flag, then_branch=then.to_graph(), else_branch=orelse.to_graph())
+        out_type = dict(type=ir.TensorType(FLOAT), shape=ir.Shape(["N", cfg.hidden_size]))
+        then_branch = self.g.builder.subgraph(run, [], [ir.Value(name=f"{self.name}.expert{e}.out", **out_type)],
+                                              name=f"{self.name}.expert{e}")
+        else_branch = self.g.builder.subgraph(skip, [], [ir.Value(name=f"{self.name}.skip{e}.out", **out_type)],
+                                              name=f"{self.name}.skip{e}")
+        return op.If(flag, then_branch=then_branch, else_branch=else_branch)

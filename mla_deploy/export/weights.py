@@ -1,0 +1,53 @@
+"""The export's one weights file, written while the graphs are built: each tensor once, then dropped.
+
+A graph asks for a weight by name with a function that makes it (read from the checkpoint, transposed,
+absorbed); the first ask computes it, appends it to `weights.bin` (64-byte aligned) and keeps only its
+offset. Both graphs refer to the same bytes as ONNX external data, so at no point does the exporter hold
+more than the tensor being written: peak memory follows the largest tensor, not the model.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import onnx_ir as ir
+
+ALIGN = 64
+
+
+class WeightsFile:
+    """weights.bin, appended to tensor by tensor; `tensor(name, make)` returns its external reference."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._file = open(self.path, "wb")
+        self._tensors: dict[str, ir.ExternalTensor] = {}
+        self.nbytes = 0
+
+    def tensor(self, name: str, make: Callable[[], np.ndarray]) -> ir.ExternalTensor:
+        """The tensor called `name`, written on first use; `make` is not called again for a known name."""
+        if name in self._tensors:
+            return self._tensors[name]
+        array = np.ascontiguousarray(make(), dtype=np.float32)
+        f = self._file
+        f.write(b"\0" * (-f.tell() % ALIGN))
+        offset = f.tell()
+        f.write(array.tobytes())  # float32 little-endian, ONNX's external layout
+        self.nbytes = f.tell()
+        external = ir.ExternalTensor(self.path.name, offset, array.nbytes, ir.DataType.FLOAT,
+                                     shape=ir.Shape(array.shape), name=name, base_dir=self.path.parent)
+        self._tensors[name] = external
+        return external
+
+    def __enter__(self) -> "WeightsFile":
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        """Flush and fsync when the graphs were built (their external data must be on disk); just close on error."""
+        if exc_type is None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        self._file.close()
