@@ -26,12 +26,10 @@ class _Cli(click.Group):
             self._fail(ctx, f"error: {e}", 1)
         except KeyboardInterrupt:
             self._fail(ctx, "interrupted", 130)
-        except ModuleNotFoundError as e:
-            hint = missing_extra(e.name)
-            if hint is None:
-                self._fail(ctx, f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)", 2)
-            self._fail(ctx, f"error: `mla-deploy {ctx.invoked_subcommand}` {hint}", 1)
-        except Exception as e:  # a bug, not bad input: still one line unless --debug
+        except Exception as e:  # a missing extra, or a bug (not bad input): still one line unless --debug
+            hint = missing_extra(e.name) if isinstance(e, ModuleNotFoundError) else None
+            if hint is not None:
+                self._fail(ctx, f"error: `mla-deploy {ctx.invoked_subcommand}` {hint}", 1)
             self._fail(ctx, f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)", 2)
 
     @staticmethod

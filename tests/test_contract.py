@@ -18,6 +18,7 @@ from mla_deploy.export.absorb import AbsorbMode, resolve_absorb
 from mla_deploy.modeling import AttentionForm, load_model, new_caches
 from mla_deploy.runtime import ExportedModel, Generator, TextStream, Tokenizer
 from mla_deploy.runtime.complete import complete
+from mla_deploy.runtime.feeds import empty_caches
 from mla_deploy.verify import verify_export
 from reference import torch_greedy
 from tiny import build_hf_model, save_hf_model
@@ -75,8 +76,7 @@ def test_masked_slots_in_the_graphs_match_the_torch_source(checkpoint_dir, expor
     pos = np.clip(np.cumsum(mask[:, :t], -1) - 1, 0, None)  # [b, t]
     feed = {io_spec.INPUT_IDS: ids, io_spec.POSITION_IDS: pos, io_spec.ATTENTION_MASK: mask,
             io_spec.WRITE_INDICES: np.zeros(b, np.int64), io_spec.LOGITS_POSITIONS: np.tile(np.arange(t), (b, 1)),
-            **{name: np.zeros((b, capacity, w), np.float32)
-               for name, w in io_spec.cache_widths(cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim).items()}}
+            **empty_caches(cfg, b, capacity)}
     out = model.run(io_spec.PREFILL, feed)
     caches = new_caches(cfg, b, capacity)
     ref = torch_model(torch.from_numpy(ids), torch.from_numpy(pos), caches, torch.zeros(b, dtype=torch.long),

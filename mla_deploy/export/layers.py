@@ -17,6 +17,8 @@ chose costs one skipped branch and reads none of its weights.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Callable
 
 import numpy as np
@@ -61,18 +63,14 @@ class Graph:
         value.dtype = ir.DataType.from_numpy(np.dtype(spec.dtype))
         value.shape = ir.Shape(list(spec.shape))
 
+    @contextlib.contextmanager
     def scope(self, name: str):
         """Node names under `name` (layers.3.attn/...): readable profiles and graph viewers."""
-        builder = self.builder
-
-        class _Scope:
-            def __enter__(self):
-                builder.push_module(name)
-
-            def __exit__(self, *exc):
-                builder.pop_module()
-
-        return _Scope()
+        self.builder.push_module(name)
+        try:
+            yield
+        finally:
+            self.builder.pop_module()
 
     def model(self, metadata: dict[str, str]) -> ir.Model:
         return ir.Model(self.builder.graph, ir_version=IR_VERSION, producer_name="mla-deploy",
@@ -118,8 +116,9 @@ def rope(op, x: ir.Value, cos: ir.Value, sin: ir.Value) -> ir.Value:
 def rope_lookup(g: Graph, cfg: MLAConfig, position_ids: ir.Value, max_len: int) -> tuple[ir.Value, ir.Value]:
     """position_ids [b, T] -> cos, sin [b, T, d_r/2] from tables of max_len positions."""
     op = g.op
-    cos = g.weight("rope.cos", lambda: rope_math.rope_tables(cfg, max_len)[0])  # [max_len, d_r/2]
-    sin = g.weight("rope.sin", lambda: rope_math.rope_tables(cfg, max_len)[1])
+    tables = functools.cache(lambda: rope_math.rope_tables(cfg, max_len))  # computed once for both
+    cos = g.weight("rope.cos", lambda: tables()[0])  # [max_len, d_r/2]
+    sin = g.weight("rope.sin", lambda: tables()[1])
     return op.Gather(cos, position_ids, axis=0), op.Gather(sin, position_ids, axis=0)
 
 
