@@ -158,10 +158,10 @@ class Checkpoint:
 
 
 def _packed_rows(file: SafetensorsFile, stored: str, rows) -> np.ndarray:
+    """One expert's matrix out of a packed [E, ...] tensor, reading only its bytes."""
     dtype = file.entries[stored][0]
-    raw = file.raw(stored)
-    part = raw[rows.start] if isinstance(rows, slice) else raw[rows[0], rows[1]]
-    return bf16_to_float32(part) if dtype == "BF16" else np.array(part, dtype=np.float32)
+    part = file.raw(stored, index=rows.start) if isinstance(rows, slice) else file.raw(stored, index=rows[0], rows=rows[1])
+    return bf16_to_float32(part) if dtype == "BF16" else part.astype(np.float32, copy=False)
 
 
 def _safetensors_files(directory: Path) -> list[SafetensorsFile]:

@@ -113,16 +113,17 @@ def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_
     sampling = SamplingParams(temperature, top_k, top_p, repetition_penalty, seed).validate()
     options = RuntimeOptions(provider=provider, threads=threads, check_weights="full" if check_weights else "sampled")
     model = ExportedModel(export_dir, options)
+    memory = model.load_memory
     on_text = None if as_json else (lambda s: click.echo(s, nl=False))
     result = complete(model, prompt, ids, max_new_tokens, sampling, on_text)
     if as_json:
+        result["load"] = {"seconds": round(model.load_seconds, 3), "memory": memory.to_dict() if memory else None}
         click.echo(json.dumps(result))
-    elif "text" not in result:
-        click.echo(" ".join(map(str, result["token_ids"])))
-    else:
-        click.echo()
-        click.echo(f"[{len(result['token_ids'])} tokens, prefill {result['prefill_ms']:.1f} ms, "
-                   f"decode {result['decode_tokens_per_s']:.1f} tok/s]", err=True)
+        return
+    click.echo() if "text" in result else click.echo(" ".join(map(str, result["token_ids"])))
+    click.echo(f"[{len(result['token_ids'])} tokens, prefill {result['prefill_ms']:.1f} ms, decode "
+               f"{result['decode_tokens_per_s']:.1f} tok/s; loaded in {model.load_seconds:.1f} s"
+               + (f", {memory.describe()}" if memory else "") + "]", err=True)
 
 
 @main.command()
@@ -201,11 +202,12 @@ def bench(quick, preset, checkpoint, contexts, batches, engines, steps, threads,
 @click.argument("name")
 @click.option("-o", "--output", "out", required=True, type=click.Path(path_type=Path))
 @click.option("--seed", type=int, default=0, show_default=True)
-def preset(name, out, seed):
-    """Write a random-weight checkpoint for preset NAME (models/presets/NAME.json)."""
+@click.option("--layers", type=int, default=None, help="Keep only the first N decoder layers (a cut of the full model).")
+def preset(name, out, seed, layers):
+    """Write a random-weight checkpoint for preset NAME (models/presets/NAME.json), in its published dtype and shards."""
     from .presets import build_preset
 
-    click.echo(build_preset(name, out, seed))
+    click.echo(build_preset(name, out, seed, layers))
 
 
 def _parse_ints(text, flag):

@@ -1,7 +1,15 @@
 """Preset configs (data files in models/presets/) and random-weight checkpoints built from them. Torch-free.
 
-A preset checkpoint is an ordinary HF directory (config.json + model.safetensors with per-expert
-keys), so it goes through exactly the loading path of a downloaded one.
+A preset checkpoint is an ordinary HF directory (config.json plus model.safetensors, or shards with a
+model.safetensors.index.json, per-expert keys), so it goes through exactly the loading path of a
+downloaded one. It is written the way real checkpoints are published: in the preset's `torch_dtype`
+(float32 when absent), in shards of at most `SHARD_BYTES`, streaming: each tensor is drawn, written
+and dropped in blocks of rows, so memory stays flat whatever the model's size.
+
+Weights: norms 1, V3's router bias 0, every other tensor N(0, initializer_range²) as transformers
+initialises DeepSeek models, which keeps activations finite through every layer. Each tensor draws
+from its own seed (the preset seed and its name), so `--layers N` writes exactly the first N layers of
+the full model.
 """
 
 from __future__ import annotations
@@ -9,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -16,23 +25,34 @@ import numpy as np
 from .checkpoint import expected_tensors
 from .config import MLAConfig
 from .errors import ConfigError
-from .safetensors_io import write_safetensors
+from .progress import progress_bar
+from .safetensors_io import SafetensorsWriter, float32_to_bf16
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 PRESET_DIR = MODELS_DIR / "presets"
 DEMO_CHECKPOINT = MODELS_DIR / "demo"  # the bundled demo model: `export`'s default checkpoint
+SHARD_BYTES = 5 * 1024**3  # transformers' default max_shard_size
+INDEX_FILE = "model.safetensors.index.json"
+_STORED = {"float32": ("F32", 4), "bfloat16": ("BF16", 2)}
+_BLOCK_ELEMENTS = 1 << 22  # rows drawn per block: ~16 MB of float32 at a time
 
 
 def preset_names() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
 
 
-def preset_config(name: str) -> dict:
+def preset_config(name: str, layers: int | None = None) -> dict:
+    """The preset's HF config.json as a dict; `layers` cuts it to its first N decoder layers."""
     path = PRESET_DIR / f"{name}.json"
     if not path.is_file():
         raise ConfigError(f"unknown preset {name!r}; available: {', '.join(preset_names())}")
     raw = json.loads(path.read_text())
     raw.pop("_comment", None)
+    if layers is not None:
+        if not 1 <= layers <= raw["num_hidden_layers"]:
+            raise ConfigError(f"--layers {layers}: preset {name} has {raw['num_hidden_layers']} layers; choose 1 to "
+                              f"{raw['num_hidden_layers']}")
+        raw["num_hidden_layers"] = layers
     return raw
 
 
@@ -41,27 +61,79 @@ def checkpoint_bytes(cfg: MLAConfig, itemsize: int = 4) -> int:
     return sum(int(np.prod(shape)) for shape in expected_tensors(cfg).values()) * itemsize
 
 
-def build_preset(name: str, out: str | Path, seed: int = 0, std: float = 0.02) -> Path:
-    """Write a random-weight checkpoint for preset `name` (norm weights 1, the rest N(0, std²)); reused if present."""
+def build_preset(name: str, out: str | Path, seed: int = 0, layers: int | None = None) -> Path:
+    """Write a random-weight checkpoint for preset `name` to `out` (atomic); reused when `out` already holds it."""
+    raw = preset_config(name, layers)
+    return write_random_checkpoint(raw, out, seed, source=f"preset {name}")
+
+
+def write_random_checkpoint(raw: dict, out: str | Path, seed: int = 0, source: str = "config") -> Path:
+    """A random-weight checkpoint for the HF config dict `raw`, in its `torch_dtype`, sharded and streamed."""
     out = Path(out)
-    if (out / "config.json").exists() and (out / "model.safetensors").exists():
-        return out
-    raw = preset_config(name)
-    cfg = MLAConfig.from_hf_dict(raw, source=f"preset {name}")
-    rng = np.random.default_rng(seed)
-    tensors = {}
-    for tensor_name, shape in expected_tensors(cfg).items():
-        if tensor_name.endswith("norm.weight") or "layernorm" in tensor_name:
-            tensors[tensor_name] = np.ones(shape, np.float32)
-        elif tensor_name.endswith("e_score_correction_bias"):
-            tensors[tensor_name] = np.zeros(shape, np.float32)
-        else:
-            tensors[tensor_name] = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+    cfg = MLAConfig.from_hf_dict(raw, source=source)
+    config_text = json.dumps({**raw, "_random_weights": {"seed": seed}}, indent=2) + "\n"
+    if (out / "config.json").is_file() and (out / "config.json").read_text() == config_text:
+        return out  # the same config and seed (a directory appears only when complete)
+    dtype = raw.get("torch_dtype", "float32")
+    if dtype not in _STORED:
+        raise ConfigError(f"{source}: torch_dtype {dtype!r} is not one of {', '.join(_STORED)}")
+    stored, itemsize = _STORED[dtype]
+    shapes = expected_tensors(cfg)
+    shards = _shards(shapes, itemsize)
+    std = raw.get("initializer_range", 0.02)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-    write_safetensors(tmp / "model.safetensors", tensors)
+    try:
+        with progress_bar(checkpoint_bytes(cfg, itemsize), source, "B") as advance:
+            for file, names in shards.items():
+                with SafetensorsWriter(tmp / file, {n: (stored, shapes[n]) for n in names}) as writer:
+                    for name in writer.names:
+                        writer.write_blocks(name, _draw(name, shapes[name], seed, std, dtype))
+                        advance(int(np.prod(shapes[name])) * itemsize)
+        if len(shards) > 1:
+            weight_map = {n: file for file, names in shards.items() for n in names}
+            index = {"metadata": {"total_size": checkpoint_bytes(cfg, itemsize)}, "weight_map": weight_map}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        (tmp / "config.json").write_text(config_text)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
+
+
+def _shards(shapes: dict[str, tuple[int, ...]], itemsize: int) -> dict[str, list[str]]:
+    """Tensors in module order, filled greedily into shards of at most SHARD_BYTES, named as transformers names them."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        nbytes = int(np.prod(shape)) * itemsize
+        if groups[-1] and size + nbytes > SHARD_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    if len(groups) == 1:
+        return {"model.safetensors": groups[0]}
+    n = len(groups)
+    return {f"model-{i + 1:05d}-of-{n:05d}.safetensors": g for i, g in enumerate(groups)}
+
+
+def _draw(name: str, shape: tuple[int, ...], seed: int, std: float, dtype: str):
+    """The tensor's values in blocks of rows (uint16 bits for bfloat16), from its own seeded stream."""
+    rows = shape[0]
+    per_row = int(np.prod(shape[1:]))
+    step = max(1, _BLOCK_ELEMENTS // max(per_row, 1))
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    for start in range(0, rows, step):
+        block_shape = (min(step, rows - start), *shape[1:])
+        if name.endswith("norm.weight") or "layernorm" in name:
+            block = np.ones(block_shape, np.float32)
+        elif name.endswith("e_score_correction_bias"):
+            block = np.zeros(block_shape, np.float32)
+        else:
+            block = rng.standard_normal(block_shape, dtype=np.float32)
+            block *= np.float32(std)
+        yield float32_to_bf16(block) if dtype == "bfloat16" else block

@@ -175,3 +175,51 @@ def test_packed_experts_read_as_per_expert(checkpoint_dir, tmp_path):
     packed = load_model(d)
     for (name, a), (_, b) in zip(reference.state_dict().items(), packed.state_dict().items()):
         assert np.array_equal(a.numpy(), b.numpy()), name
+
+
+# ---- streaming reads and writes ----
+def test_bfloat16_rounding_matches_torch():
+    import torch
+
+    from mla_deploy.safetensors_io import bf16_to_float32, float32_to_bf16
+
+    rng = np.random.default_rng(0)
+    values = np.concatenate([rng.standard_normal(10_000).astype(np.float32) * 3,
+                             # exact ties: the dropped half is 0x8000, rounded to even both ways
+                             (np.array([0x3F808000, 0x3F818000, 0xBF808000], np.uint32)).view(np.float32)])
+    ours = float32_to_bf16(values)
+    theirs = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    assert (ours == theirs).all()
+    assert (bf16_to_float32(ours) == torch.from_numpy(values).to(torch.bfloat16).float().numpy()).all()
+
+
+def test_sharded_bfloat16_random_checkpoint_reads_back(tmp_path, monkeypatch):
+    """Shards with an index, as published; bfloat16 values equal the float32 draw rounded, block by block."""
+    from mla_deploy import presets, safetensors_io
+
+    raw = {**presets.preset_config("tiny-v3"), "torch_dtype": "bfloat16"}
+    monkeypatch.setattr(presets, "SHARD_BYTES", presets.checkpoint_bytes(MLAConfig.from_hf_dict(raw), 2) // 3)
+    monkeypatch.setattr(safetensors_io, "_BLOCK_ELEMENTS", 1000)  # many blocks per tensor
+    monkeypatch.setattr(presets, "_BLOCK_ELEMENTS", 1000)
+    half = Checkpoint(presets.write_random_checkpoint(raw, tmp_path / "bf16", seed=1))
+    full = Checkpoint(presets.write_random_checkpoint({**raw, "torch_dtype": "float32"}, tmp_path / "f32", seed=1))
+    index = json.loads((tmp_path / "bf16" / presets.INDEX_FILE).read_text())
+    assert len(half.files) >= 3 and set(index["weight_map"]) == set(half.names())
+    for name in full.names():
+        rounded = safetensors_io.bf16_to_float32(safetensors_io.float32_to_bf16(full.tensor(name)))
+        assert (half.tensor(name) == rounded).all(), name
+
+
+def test_writer_refuses_out_of_plan_tensors(tmp_path):
+    from mla_deploy.safetensors_io import SafetensorsWriter
+
+    plan = {"a": ("F32", (2, 3)), "b": ("F32", (4,))}
+    with pytest.raises(ValueError, match="wrote 'b', expected 'a' next"):
+        with SafetensorsWriter(tmp_path / "x.safetensors", plan) as w:
+            w.write("b", np.zeros(4, np.float32))
+    with pytest.raises(ValueError, match=r"'a' got 12 bytes"):
+        with SafetensorsWriter(tmp_path / "x.safetensors", plan) as w:
+            w.write_blocks("a", [np.zeros((1, 3), np.float32)])
+    with pytest.raises(ValueError, match="1 planned tensor"):
+        with SafetensorsWriter(tmp_path / "x.safetensors", plan) as w:
+            w.write("a", np.zeros((2, 3), np.float32))

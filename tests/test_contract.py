@@ -195,7 +195,9 @@ def test_run_json_is_one_object_on_stdout_and_nothing_on_stderr(exported):
     lines = result.stdout.splitlines()
     assert len(lines) == 1
     out = json.loads(lines[0])
-    assert set(out) == {"prompt_ids", "token_ids", "finish_reason", "prefill_ms", "decode_tokens_per_s", "total_ms"}
+    assert set(out) == {"prompt_ids", "token_ids", "finish_reason", "prefill_ms", "decode_tokens_per_s", "total_ms", "load"}
+    assert out["load"]["seconds"] > 0 and set(out["load"]["memory"]) == {"rss", "pss", "anonymous", "file"}
+    assert 0 < out["load"]["memory"]["pss"] <= out["load"]["memory"]["rss"]
     assert out["prompt_ids"] == [5, 6, 7] and len(out["token_ids"]) <= 5
     assert all(isinstance(t, int) for t in out["token_ids"]) and out["finish_reason"] in ("stop", "length")
     assert all(isinstance(out[k], float) and out[k] >= 0 for k in ("prefill_ms", "decode_tokens_per_s", "total_ms"))

@@ -27,7 +27,7 @@ from ..manifest import MANIFEST_FILE, MANIFEST_VERSION, TOKENIZER_FILES, WEIGHTS
 from .absorb import AbsorbMode, absorbed_weight_bytes, resolve_absorb
 from .graphs import build_graph
 from .layers import OPSET
-from .progress import layer_bar
+from ..progress import progress_bar
 from .weights import WeightsFile
 
 Progress = Callable[[str], None]
@@ -85,8 +85,9 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
             for kind in (io_spec.PREFILL, io_spec.DECODE):
                 progress(f"building {kind} graph" + (f" (absorbed, {mode.value})" if kind == io_spec.DECODE
                                                      else " (naive attention)") + ", writing its weights")
-                with layer_bar(cfg.num_hidden_layers, kind) as on_layer:
-                    graphs[kind] = build_graph(kind, cfg, ckpt.tensor, max_seq_len, mode, weights, metadata, on_layer)
+                with progress_bar(cfg.num_hidden_layers, f"{kind} layers", "layer") as advance:
+                    graphs[kind] = build_graph(kind, cfg, ckpt.tensor, max_seq_len, mode, weights, metadata,
+                                               on_layer=lambda i: advance(1))
         progress(f"wrote weights ({weights.nbytes / 1e9:.2f} GB)")
         manifest = _manifest(cfg, mode, options, max_seq_len, source_hash, export_id, ckpt)
         manifest["weights"].update(bytes=(tmp / WEIGHTS_FILE).stat().st_size, block_bytes=integrity.BLOCK_BYTES,

@@ -31,11 +31,11 @@ class WeightsFile:
         """The tensor called `name`, written on first use; `make` is not called again for a known name."""
         if name in self._tensors:
             return self._tensors[name]
-        array = np.ascontiguousarray(make(), dtype=np.float32)
+        array = np.asarray(make(), dtype=np.float32)
         f = self._file
         f.write(b"\0" * (-f.tell() % ALIGN))
         offset = f.tell()
-        f.write(array.tobytes())  # float32 little-endian, ONNX's external layout
+        _write_rows(f, array)
         self.nbytes = f.tell()
         external = ir.ExternalTensor(self.path.name, offset, array.nbytes, ir.DataType.FLOAT,
                                      shape=ir.Shape(array.shape), name=name, base_dir=self.path.parent)
@@ -51,3 +51,14 @@ class WeightsFile:
             self._file.flush()
             os.fsync(self._file.fileno())
         self._file.close()
+
+
+def _write_rows(f, array: np.ndarray, block_bytes: int = 1 << 24) -> None:
+    """float32 little-endian, ONNX's external layout. A transposed view is laid out block by block of rows, so
+    writing W^T costs one block of memory beyond W, not a second copy of W."""
+    if array.flags.c_contiguous or array.ndim < 2:
+        f.write(np.ascontiguousarray(array).data)
+        return
+    step = max(1, block_bytes // (array[0].nbytes or 1))
+    for start in range(0, array.shape[0], step):
+        f.write(np.ascontiguousarray(array[start : start + step]).data)  # [step, ...] rows in C order

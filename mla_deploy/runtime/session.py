@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,7 @@ from ..config import MLAConfig
 from ..errors import ExportLoadError, InputError, ProviderError
 from ..manifest import check_files, read_manifest
 from .feeds import check_feed
+from .memory import ResidentMemory, resident_memory
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
@@ -41,6 +43,9 @@ class RuntimeOptions:
     optimization: str = "all"  # onnxruntime graph optimization level: disable, basic, extended, all
     log_severity: int = 3  # onnxruntime's own log: 0 verbose .. 3 errors only
     check_weights: str = "sampled"  # "full": hash every block of weights.bin at load (mla_deploy.integrity)
+    # onnxruntime's prepacking copies every MatMul weight into a per-session packed buffer: off, both sessions
+    # read the one memory-mapped weights.bin (README, "One copy of the weights").
+    prepack: bool = False
 
 
 _LEVELS = {
@@ -65,7 +70,10 @@ class ExportedModel:
         self.max_seq_len: int = int(self.manifest["max_seq_len"])
         self.providers = resolve_providers(self.options.provider, self.options.strict_provider)
         self.device = "cuda" if self.providers[0] == PROVIDERS["cuda"] else "cpu"
+        started = time.perf_counter()
         self.sessions = {kind: self._session(kind) for kind in graphs}
+        self.load_seconds = time.perf_counter() - started
+        self.load_memory: ResidentMemory | None = resident_memory()  # this process, just after the sessions loaded
 
     def run(self, kind: str, feed: dict) -> dict:
         """One checked call of the prefill or decode graph; outputs by name (new arrays, no in-place update)."""
@@ -82,6 +90,8 @@ class ExportedModel:
         so.log_severity_level = self.options.log_severity
         so.graph_optimization_level = _LEVELS[self.options.optimization]
         so.intra_op_num_threads = self.options.threads
+        if not self.options.prepack:
+            so.add_session_config_entry("session.disable_prepacking", "1")
         try:
             session = ort.InferenceSession(str(path), so, providers=self.providers)
         except Exception as e:  # onnxruntime raises its own exception types for corrupt models and data

@@ -1,0 +1,99 @@
+"""Memory follows the largest layer, not the model: the export's peak RSS and the runtime's resident weights,
+each measured in a child process (its own ru_maxrss and smaps_rollup) on checkpoints of N and 4N layers."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mla_deploy.checkpoint import expected_tensors
+from mla_deploy.config import MLAConfig
+from mla_deploy.presets import checkpoint_bytes, preset_config, write_random_checkpoint
+
+N = 2
+MiB = 1 << 20
+# DeepSeek-V2-Lite's structure at 1/4 of its width: a MoE layer is ~33 MB of float32, the largest tensor 1 MB.
+SMALL_V2 = dict(vocab_size=1024, hidden_size=512, intermediate_size=1024, moe_intermediate_size=512, num_attention_heads=8,
+                num_key_value_heads=8, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+                n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, max_position_embeddings=256,
+                bos_token_id=1, eos_token_id=2)
+
+
+def config(layers: int) -> dict:
+    raw = {**preset_config("v2lite-2L"), **SMALL_V2, "num_hidden_layers": layers}
+    raw.pop("rope_scaling")
+    return raw
+
+
+def layer_bytes(layers: int) -> int:
+    """float32 bytes of one MoE layer (every layer past the first is one)."""
+    return (checkpoint_bytes(MLAConfig.from_hf_dict(config(layers))) - checkpoint_bytes(MLAConfig.from_hf_dict(config(1)))) // (layers - 1)
+
+
+def child(code: str) -> dict:
+    """Run `code` in a fresh interpreter; it prints one JSON object last."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+EXPORT = """
+import json, resource, sys
+from mla_deploy.export import export
+export(sys.argv[1] if len(sys.argv) > 1 else {ckpt!r}, {out!r})
+print(json.dumps({{"maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}}))
+"""
+
+RUN = """
+import json
+from mla_deploy.runtime import ExportedModel, Generator, RuntimeOptions
+from mla_deploy.runtime.memory import resident_memory
+model = ExportedModel({out!r}, RuntimeOptions(prepack={prepack}))
+Generator(model, stop_token_ids=()).generate([list(range(3, 40)), list(range(50, 60))], 3)
+print(json.dumps({{"loaded": model.load_memory.to_dict(), "after": resident_memory().to_dict()}}))
+"""
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    """{layers: (export dir, exporter's peak RSS)} for N and 4N layers, same seed (the first N layers are equal)."""
+    root = tmp_path_factory.mktemp("memory")
+    result = {}
+    for layers in (N, 4 * N):
+        ckpt = write_random_checkpoint(config(layers), root / f"ckpt{layers}", seed=0)
+        out = root / f"export{layers}"
+        result[layers] = (out, child(EXPORT.format(ckpt=str(ckpt), out=str(out)))["maxrss"])
+    return result
+
+
+def test_random_checkpoint_cut_is_a_prefix_of_the_full_one(tmp_path):
+    from mla_deploy.checkpoint import Checkpoint
+
+    short = Checkpoint(write_random_checkpoint(config(1), tmp_path / "one", seed=3))
+    full = Checkpoint(write_random_checkpoint(config(2), tmp_path / "two", seed=3))
+    assert set(short.names()) < set(full.names()) and set(full.names()) == set(expected_tensors(full.config))
+    for name in short.names():
+        assert (short.tensor(name) == full.tensor(name)).all(), name
+
+
+def test_export_peak_rss_grows_by_less_than_one_layer_from_n_to_4n_layers(exports):
+    (_, small), (_, large) = exports[N], exports[4 * N]
+    one_layer = layer_bytes(4 * N)
+    assert one_layer > 24 * MiB  # the bound below must be able to fail: holding the model costs 3N layers
+    growth = large - small
+    print(f"export peak RSS: {small / MiB:.0f} MiB ({N} layers), {large / MiB:.0f} MiB ({4 * N} layers), "
+          f"one layer {one_layer / MiB:.0f} MiB")
+    assert growth < one_layer + 16 * MiB, f"peak RSS grew {growth / MiB:.0f} MiB for {3 * N} more layers"
+
+
+@pytest.mark.parametrize("prepack, bound", [(False, (0.5, 1.15))])
+def test_runtime_holds_the_weights_once(exports, prepack, bound):
+    """PSS after load, a prefill and decode steps: its growth from N to 4N layers per byte of weights.bin growth."""
+    (small_dir, _), (large_dir, _) = exports[N], exports[4 * N]
+    small, large = (child(RUN.format(out=str(d), prepack=prepack)) for d in (small_dir, large_dir))
+    weights = (large_dir / "weights.bin").stat().st_size - (small_dir / "weights.bin").stat().st_size
+    ratio = (large["after"]["pss"] - small["after"]["pss"]) / weights
+    print(f"prepack={prepack}: resident growth / weights growth = {ratio:.3f}")
+    assert bound[0] < ratio <= bound[1]
+    assert large["loaded"]["anonymous"] - small["loaded"]["anonymous"] < weights / 4  # nothing copied at load
