@@ -1,0 +1,111 @@
+"""Resident memory and speed of an export loaded with each runtime memory option, side by side.
+
+    .venv/bin/python benchmarks/runtime_memory.py EXPORT_DIR [--threads N]
+
+Memory: each option in its own child process, from /proc/self/smaps_rollup after loading both
+sessions, after a 512-token prefill and after 8 decode steps (PSS counts a page of weights.bin that
+both sessions map once; RSS twice). Speed: both options loaded in this process, measured alternately
+point by point (prefill 512 tokens, decode at context 128 and 4096, batch 1), so machine noise lands
+on both. Options: `prepack` (onnxruntime copies every MatMul weight into a per-session packed
+buffer, its default) and `mapped` (prepacking off: both sessions read the one memory-mapped file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+OPTIONS = {"prepack": True, "mapped": False}
+
+CHILD = """
+import json, numpy as np, sys
+from mla_deploy.runtime import ExportedModel, Generator, RuntimeOptions
+from mla_deploy.runtime.memory import resident_memory
+model = ExportedModel(sys.argv[1], RuntimeOptions(prepack=sys.argv[2] == "True", threads=int(sys.argv[3])))
+out = {"load_s": model.load_seconds, "loaded": model.load_memory.to_dict()}
+gen = Generator(model, stop_token_ids=())
+prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, 512).tolist()
+state = gen.new_state([np.asarray(prompt)])
+gen.prefill(state, [prompt])
+out["prefilled"] = resident_memory().to_dict()
+for t in range(8):
+    gen.decode_step(state, np.array([t + 5]))
+out["decoded"] = resident_memory().to_dict()
+print(json.dumps(out))
+"""
+
+
+def memory(directory: str, prepack: bool, threads: int) -> dict:
+    done = subprocess.run([sys.executable, "-c", CHILD, directory, str(prepack), str(threads)],
+                          capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def speed(directory: str, threads: int, rounds: int = 5) -> dict[str, dict[str, float]]:
+    from mla_deploy.runtime import ExportedModel, Generator, RuntimeOptions
+
+    gens = {name: Generator(ExportedModel(directory, RuntimeOptions(prepack=p, threads=threads)), stop_token_ids=())
+            for name, p in OPTIONS.items()}
+    rng = np.random.default_rng(0)
+    vocab = next(iter(gens.values())).model.config.vocab_size
+    prompt = rng.integers(0, vocab, 512).tolist()
+    states = {}
+    for name, gen in gens.items():  # decode states with real data in every cache slot
+        for ctx in (128, 4096):
+            state = gen.new_state([np.zeros(1, np.int64)], context=ctx)
+            state.caches.ensure(ctx + 64)
+            for arr in state.caches.arrays.values():
+                arr[:] = rng.standard_normal(arr.shape, dtype=np.float32)
+            states[name, ctx] = state
+    times: dict[tuple, list[float]] = {}
+
+    def timed(key, fn):
+        t0 = time.perf_counter()
+        fn()
+        times.setdefault(key, []).append(time.perf_counter() - t0)
+
+    for name, gen in gens.items():  # warm-up: the first calls after loading are slow
+        for _ in range(3):
+            gen.prefill(gen.new_state([np.asarray(prompt)]), [prompt])
+            for ctx in (128, 4096):
+                gen.decode_step(states[name, ctx], np.array([7]))
+    for _ in range(rounds):
+        for name, gen in gens.items():
+            timed((name, "prefill 512"), lambda: gen.prefill(gen.new_state([np.asarray(prompt)]), [prompt]))
+            for ctx in (128, 4096):
+                for _ in range(4):
+                    timed((name, f"decode ctx {ctx}"), lambda: gen.decode_step(states[name, ctx], np.array([7])))
+    out: dict[str, dict[str, float]] = {}
+    for (name, point), ts in times.items():
+        out.setdefault(point, {})[name] = statistics.median(ts) * 1e3
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("export_dir")
+    parser.add_argument("--threads", type=int, default=0)
+    args = parser.parse_args()
+    weights = (__import__("pathlib").Path(args.export_dir) / "weights.bin").stat().st_size
+    print(f"weights.bin {weights / 1e9:.2f} GB")
+    print("| option | load s | after load PSS / RSS / anon GB | after prefill 512 | after 8 decode steps | PSS / weights |")
+    print("|---|---|---|---|---|---|")
+    for name, prepack in OPTIONS.items():
+        m = memory(args.export_dir, prepack, args.threads)
+        cells = [" / ".join(f"{m[k][f] / 1e9:.2f}" for f in ("pss", "rss", "anonymous")) for k in ("loaded", "prefilled", "decoded")]
+        print(f"| {name} | {m['load_s']:.1f} | {' | '.join(cells)} | {m['decoded']['pss'] / weights:.2f} |", flush=True)
+    print()
+    print("| point | " + " | ".join(f"{n} ms" for n in OPTIONS) + " | mapped / prepack |")
+    print("|---|---|---|---|")
+    for point, by in speed(args.export_dir, args.threads).items():
+        print(f"| {point} | " + " | ".join(f"{by[n]:.1f}" for n in OPTIONS) + f" | {by['mapped'] / by['prepack']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
