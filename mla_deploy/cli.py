@@ -126,6 +126,17 @@ def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_
                + (f", {memory.describe()}" if memory else "") + "]", err=True)
 
 
+@main.command(name="inspect")
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def inspect_command(path, as_json):
+    """What PATH (an export or a checkpoint) holds: parameters, bytes read per decode token, graphs, cache sizes."""
+    from .inspection import format_report, inspect_path
+
+    report = inspect_path(path)
+    click.echo(json.dumps(report) if as_json else "\n".join(format_report(report)))
+
+
 @main.command()
 @click.argument("export_dir", type=click.Path(path_type=Path))
 def check(export_dir):

@@ -1,9 +1,11 @@
 """Verify an export against its torch source: prefill logits, N decode steps, and generated tokens.
 
-The same batch (rows of different lengths) goes through the torch model and through the graphs.
-Decode steps are teacher-forced with the torch model's greedy tokens, so every step compares the
-same inputs. Then the runtime's own Generator (in-place caches, chunked prefill) must produce the
-torch model's greedy tokens. Tolerance: max |Δlogit| <= rtol · max(1, max |logit|).
+The runtime's own Generator (in-place caches, chunked prefill) generates N greedy tokens for a batch
+of rows of different lengths. Then the same prompts go through the prefill graph, and the generated
+tokens through the decode graph one step at a time; the torch source takes exactly those inputs, one
+decoder layer at a time (modeling.layerwise: one layer's weights in memory, so any checkpoint that
+fits on disk verifies). Every step's logits are compared, and the source's greedy choice at each
+step must be the token the runtime generated. Tolerance: max |Δlogit| <= rtol · max(1, max |logit|).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 from . import io_spec
 from .checkpoint import Checkpoint
 from .errors import ExportError
-from .modeling import AttentionForm, load_model, new_caches
+from .modeling.layerwise import layerwise_logits
 from .runtime import ExportedModel, Generator, RuntimeOptions
 from .runtime.feeds import prefill_feed
 
@@ -51,8 +53,7 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
     ckpt = Checkpoint(source)
     if ckpt.content_hash() != manifest["source"]["sha256"]:
         raise ExportError(f"{source}: checkpoint differs from the one {export_dir} was exported from (sha256 mismatch)")
-    torch_model = load_model(ckpt)
-    cfg = torch_model.cfg
+    cfg = ckpt.config
     lengths = tuple(min(n, model.max_seq_len - steps - 1) for n in lengths)
     if min(lengths) < 1:
         raise ExportError(f"--steps {steps}: too many for the export's maximum length {model.max_seq_len}")
@@ -64,47 +65,44 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
         ids[r, : len(row)] = row
     lens = np.array(lengths, np.int64)
 
-    # prefill: every position's logits, right-padded rows
-    feed = prefill_feed(cfg, ids, capacity)
-    caches = new_caches(cfg, b, capacity)
-    mask = feed[io_spec.ATTENTION_MASK]
-    ref = torch_model(torch.from_numpy(ids), torch.from_numpy(feed[io_spec.POSITION_IDS]), caches,
-                      torch.zeros(b, dtype=torch.long), torch.from_numpy(mask), form=AttentionForm.NAIVE).numpy()
-    out = model.run(io_spec.PREFILL, feed)
-    valid = np.arange(longest)[None, :] < lens[:, None]
-    prefill_diff = float(np.abs(out[io_spec.LOGITS] - ref)[valid].max())
-    scale = float(np.abs(ref[valid]).max())
-    report = VerifyReport(prefill_diff, [], 0.0, scale, rtol)
-    report.lines.append(f"prefill  batch {b}, lengths {list(lengths)}: max |Δlogit| {prefill_diff:.3e}")
-
-    # decode: teacher-forced with the torch model's greedy tokens
-    last = ref[np.arange(b), lens - 1]  # [b, vocab]
-    greedy = [[] for _ in range(b)]
-    cache_feed = {k: v for k, v in out.items() if k != io_spec.LOGITS}
-    for step in range(steps):
-        token = last.argmax(-1)
-        for r in range(b):
-            greedy[r].append(int(token[r]))
-        slot = lens + step
-        ref_step = torch_model(torch.from_numpy(token[:, None]), torch.from_numpy(slot[:, None]), caches,
-                               torch.from_numpy(slot), torch.from_numpy(mask), form=AttentionForm.ABSORBED).numpy()[:, 0]
-        feed = {io_spec.INPUT_IDS: token[:, None].astype(np.int64), io_spec.POSITION_IDS: slot[:, None],
-                io_spec.ATTENTION_MASK: mask, io_spec.WRITE_INDICES: slot}
-        feed.update({k.replace("present", "past"): v for k, v in cache_feed.items()})
-        out = model.run(io_spec.DECODE, feed)
-        cache_feed = {k: v for k, v in out.items() if k != io_spec.LOGITS}
-        diff = float(np.abs(out[io_spec.LOGITS][:, 0] - ref_step).max())
-        report.decode_max_abs.append(diff)
-        report.logit_scale = max(report.logit_scale, float(np.abs(ref_step).max()))
-        report.lines.append(f"decode   step {step + 1:>3}: max |Δlogit| {diff:.3e}")
-        last = ref_step
-
     # the runtime end to end: in-place caches, chunked prefill, greedy sampling
-    result = Generator(model, chunk_size=max(1, longest // 2), stop_token_ids=()).generate(rows, steps)
-    agree = sum(a == c for ours, theirs in zip(result.token_ids, greedy) for a, c in zip(ours, theirs))
+    generated = Generator(model, chunk_size=max(1, longest // 2), stop_token_ids=()).generate(rows, steps).token_ids
+    if any(len(g) != steps for g in generated):
+        raise ExportError(f"the runtime generated {[len(g) for g in generated]} tokens per row, expected {steps}")
+    tokens = np.array(generated, np.int64)  # [b, steps]
+
+    # the graphs: prefill scores every position; decode steps are fed the generated tokens
+    feed = prefill_feed(cfg, ids, capacity)
+    mask = feed[io_spec.ATTENTION_MASK]
+    out = model.run(io_spec.PREFILL, feed)
+    prefill_logits, step_logits = out[io_spec.LOGITS], []
+    for step in range(steps):
+        slot = lens + step
+        feed = {io_spec.INPUT_IDS: tokens[:, step : step + 1], io_spec.POSITION_IDS: slot[:, None],
+                io_spec.ATTENTION_MASK: mask, io_spec.WRITE_INDICES: slot}
+        feed.update({k.replace("present", "past"): v for k, v in out.items() if k != io_spec.LOGITS})
+        out = model.run(io_spec.DECODE, feed)
+        step_logits.append(out[io_spec.LOGITS][:, 0])
+
+    # the torch source on the same inputs, one layer at a time
+    ref_prefill, ref_steps = (t.numpy() for t in layerwise_logits(
+        ckpt, torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(lens), torch.from_numpy(tokens)))
+    valid = np.arange(longest)[None, :] < lens[:, None]
+    prefill_diff = float(np.abs(prefill_logits - ref_prefill)[valid].max())
+    report = VerifyReport(prefill_diff, [], 0.0, float(np.abs(ref_prefill[valid]).max()), rtol)
+    report.lines.append(f"prefill  batch {b}, lengths {list(lengths)}: max |Δlogit| {prefill_diff:.3e}")
+    for step in range(steps):
+        diff = float(np.abs(step_logits[step] - ref_steps[:, step]).max())
+        report.decode_max_abs.append(diff)
+        report.logit_scale = max(report.logit_scale, float(np.abs(ref_steps[:, step]).max()))
+        report.lines.append(f"decode   step {step + 1:>3}: max |Δlogit| {diff:.3e}")
+
+    # the source's greedy choice before each generated token: after the prompt, then after each decode step
+    last = ref_prefill[np.arange(b), lens - 1]  # [b, vocab]
+    chosen = np.concatenate([last.argmax(-1)[:, None], ref_steps[:, :-1].argmax(-1)], axis=1)  # [b, steps]
+    agree = int((chosen == tokens).sum())
     report.token_agreement = agree / (b * steps)
     report.lines.append(f"tokens   runtime greedy vs torch greedy: {agree}/{b * steps} agree")
     report.lines.append(f"{'PASS' if report.passed else 'FAIL'}: tolerance {report.tolerance:.3e} "
                         f"(rtol {rtol:g} x logit scale {max(1.0, report.logit_scale):.2f})")
     return report
-

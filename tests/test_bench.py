@@ -8,7 +8,7 @@ from click.testing import CliRunner
 from mla_deploy.bench import BenchConfig, run_bench
 from mla_deploy.bench.report import save, table
 from mla_deploy.bench.run import ALL_ENGINES, expected_active_experts
-from mla_deploy.bench.traffic import decode_weight_bytes, latent_cache_bytes_per_token, mha_cache_bytes_per_token
+from mla_deploy.footprint import decode_read_bytes, latent_cache_bytes_per_token, mha_cache_bytes_per_token
 from mla_deploy.cli import main
 from mla_deploy.config import MLAConfig
 from mla_deploy.export.absorb import AbsorbMode, resolve_absorb
@@ -57,7 +57,10 @@ def test_report_table_json_and_chart(result, tmp_path):
 def test_reference_preset_traffic_matches_the_issue_figures():
     cfg = MLAConfig.from_hf_dict(preset_config("v2lite-2L"))
     # lm_head 0.84 GB + attention 0.11 + dense MLP 0.27 + 6 routed and 2 shared experts 0.28 = 1.50 GB
-    assert decode_weight_bytes(cfg, AbsorbMode.FACTORED, 6) / 1e9 == pytest.approx(1.50, abs=0.01)
+    groups = decode_read_bytes(cfg, AbsorbMode.FACTORED)
+    assert sum(groups.values()) / 1e9 == pytest.approx(1.50, abs=0.01)
+    assert groups["lm_head"] / 1e9 == pytest.approx(0.84, abs=0.005) and groups["dense_mlp"] / 1e9 == pytest.approx(0.27, abs=0.005)
+    assert (groups["routed_experts"] + groups["shared_experts"]) / 1e9 == pytest.approx(0.28, abs=0.005)
     assert resolve_absorb(cfg, "auto") == AbsorbMode.FACTORED  # fused matrices are ~3x larger here
     assert mha_cache_bytes_per_token(cfg) / latent_cache_bytes_per_token(cfg) == pytest.approx(16 * 320 / 576)
     assert expected_active_experts(cfg, 1) == pytest.approx(6)

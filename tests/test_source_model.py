@@ -170,3 +170,26 @@ def test_random_weights_are_not_identical_across_layers(checkpoint_dir):
     w0 = model.model.layers[0].self_attn.kv_b_proj.weight
     w1 = model.model.layers[1].self_attn.kv_b_proj.weight
     assert not np.allclose(w0.numpy(), w1.numpy())
+
+
+def test_layer_by_layer_source_equals_the_whole_model(checkpoint_dir, variant):
+    """modeling.layerwise (verify's source: one layer in memory) computes what MLAForCausalLM computes."""
+    from mla_deploy.checkpoint import Checkpoint
+    from mla_deploy.modeling.layerwise import layerwise_logits
+
+    directory, _ = checkpoint_dir(variant)
+    model = load_model(directory)
+    gen = torch.Generator().manual_seed(2)
+    lens = torch.tensor([9, 4])
+    ids = torch.randint(3, model.cfg.vocab_size, (2, 9), generator=gen)
+    ids[1, 4:] = 0  # right padding
+    tokens = torch.randint(3, model.cfg.vocab_size, (2, 5), generator=gen)
+    mask = torch.ones(2, 9 + 5)
+    prefill, steps = layerwise_logits(Checkpoint(directory), ids, mask, lens, tokens)
+    caches = new_caches(model.cfg, 2, 14)
+    ref = model(ids, torch.arange(9)[None].expand(2, -1), caches, torch.zeros(2, dtype=torch.long), mask, form=AttentionForm.NAIVE)
+    assert ref.abs().max() > 0.5 and (prefill - ref).abs().max().item() < 1e-5
+    for s in range(5):
+        slot = lens + s
+        ref = model(tokens[:, s : s + 1], slot[:, None], caches, slot, mask, form=AttentionForm.ABSORBED)
+        assert (steps[:, s] - ref[:, 0]).abs().max().item() < 1e-5, s

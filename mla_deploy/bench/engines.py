@@ -17,7 +17,7 @@ import numpy as np
 from .. import io_spec
 from ..config import MLAConfig
 from ..export.absorb import AbsorbMode
-from . import traffic
+from .. import footprint
 
 
 BUDGET_S = 20.0  # per measured point: slow engines stop early, after at least two timed steps
@@ -70,10 +70,10 @@ class OnnxEngine:
         return _median_ms(lambda: self.gen.decode_step(state, tokens), steps)
 
     def cache_bytes_per_token(self) -> int:
-        return traffic.latent_cache_bytes_per_token(self.cfg)
+        return footprint.latent_cache_bytes_per_token(self.cfg)
 
     def weight_bytes_per_token(self, active_experts: int) -> int:
-        return traffic.decode_weight_bytes(self.cfg, self.absorb, active_experts)
+        return sum(footprint.decode_read_bytes(self.cfg, self.absorb, active_experts=active_experts).values())
 
     def close(self):
         self.model = self.gen = None
@@ -113,10 +113,10 @@ class MhaOnnxEngine(OnnxEngine):
         return _median_ms(lambda: self.session.run(names, feed), steps)
 
     def cache_bytes_per_token(self) -> int:
-        return traffic.mha_cache_bytes_per_token(self.cfg)
+        return footprint.mha_cache_bytes_per_token(self.cfg)
 
     def weight_bytes_per_token(self, active_experts: int) -> int:
-        return traffic.decode_weight_bytes(self.cfg, None, active_experts)
+        return sum(footprint.decode_read_bytes(self.cfg, None, active_experts=active_experts).values())
 
     def close(self):
         self.session = None
@@ -168,7 +168,7 @@ class TorchEngine:
         return _median_ms(lambda: self.model(ids, slot[:, None], caches, slot, mask, form=self.form), steps)
 
     def cache_bytes_per_token(self) -> int:
-        return traffic.latent_cache_bytes_per_token(self.cfg)
+        return footprint.latent_cache_bytes_per_token(self.cfg)
 
     def weight_bytes_per_token(self, active_experts: int):
         return None

@@ -25,7 +25,7 @@ from ..checkpoint import Checkpoint
 from ..errors import ExportError
 from ..manifest import MANIFEST_FILE, MANIFEST_VERSION, TOKENIZER_FILES, WEIGHTS_FILE, file_sha256
 from .absorb import AbsorbMode, absorbed_weight_bytes, resolve_absorb
-from .graphs import build_graph
+from .graphs import build_graph, op_counts
 from .layers import OPSET
 from ..progress import progress_bar
 from .weights import WeightsFile
@@ -98,6 +98,7 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
             ir.save(model, path)  # external tensors stay references into weights.bin
             onnx.checker.check_model(str(path), full_check=True)
             manifest["graphs"][kind]["sha256"] = file_sha256(path)
+            manifest["graphs"][kind]["op_counts"] = op_counts(model)
         manifest["tokenizer"] = _copy_tokenizer(ckpt.directory, tmp)
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         if verify is not None:

@@ -76,3 +76,12 @@ def build_graph(kind: str, cfg: MLAConfig, t: layers.Tensors, max_seq_len: int, 
     for spec in specs_out:  # the caches' TensorScatter outputs become present_* themselves
         g.output(logits if spec.name == io_spec.LOGITS else caches[spec.name], spec)
     return g.model({**metadata, "graph": kind})
+
+
+def op_counts(model: ir.Model) -> dict[str, int]:
+    """Nodes per operator over the whole graph, If branches included (domain-qualified outside the ONNX domain)."""
+    counts: dict[str, int] = {}
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        op = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
+        counts[op] = counts.get(op, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))

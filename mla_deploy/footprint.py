@@ -1,0 +1,76 @@
+"""What a model costs, from its config alone: parameters (total and active per token), the weight bytes one
+decode step reads by group, and cache bytes per token for MLA beside the caches of the same heads as
+MHA, GQA and MQA. Torch-free; `inspect` prints it and the benchmarks use it for bytes per token.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .checkpoint import expected_tensors
+from .config import MLAConfig
+from .export.absorb import AbsorbMode, absorbed_weight_bytes
+
+F32 = 4
+CONTEXTS = (4096, 32768, 131072)
+BATCHES = (1, 8)
+
+
+def parameter_counts(cfg: MLAConfig) -> dict[str, int]:
+    """total: every weight; active: the weights multiplied for one token (the embedding row is a lookup, and
+    only num_experts_per_tok of each MoE layer's routed experts run), as DeepSeek counts "activated" parameters."""
+    total = sum(int(np.prod(s)) for s in expected_tensors(cfg).values())
+    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    idle = sum(cfg.n_routed_experts - cfg.num_experts_per_tok for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
+    embedding = cfg.vocab_size * cfg.hidden_size
+    lookup_only = 0 if cfg.tie_word_embeddings else embedding  # a tied table is also the head's matmul
+    return {"total": total, "active_per_token": total - lookup_only - idle * expert, "embedding": embedding}
+
+
+def decode_read_bytes(cfg: MLAConfig, absorb: AbsorbMode | None, itemsize: int = F32,
+                      active_experts: int | None = None) -> dict[str, int]:
+    """Weight bytes one decode token reads, by group: attention in the absorbed form `absorb` (None: the naive form,
+    decompressing the cache), `active_experts` routed experts per MoE layer (default: num_experts_per_tok)."""
+    d, h = cfg.hidden_size, cfg.num_attention_heads
+    k = cfg.num_experts_per_tok if active_experts is None else active_experts
+    q_in = cfg.q_lora_rank or d
+    groups = dict.fromkeys(("lm_head", "attention", "dense_mlp", "shared_experts", "routed_experts", "routers_and_norms"), 0)
+    groups["lm_head"] = cfg.vocab_size * d * itemsize
+    groups["routers_and_norms"] = d * itemsize  # the final norm
+    for layer in range(cfg.num_hidden_layers):
+        attn = (d * q_in if cfg.q_lora_rank else 0) + d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        if absorb is None:  # naive: full query, kv_b, o_proj
+            attn += q_in * h * cfg.qk_head_dim + cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim) + h * cfg.v_head_dim * d
+            groups["attention"] += attn * itemsize
+        else:
+            groups["attention"] += attn * itemsize + absorbed_weight_bytes(cfg, absorb, itemsize)
+        norms = 2 * d + cfg.kv_lora_rank + (cfg.q_lora_rank or 0)
+        if cfg.is_moe_layer(layer):
+            expert = 3 * d * cfg.moe_intermediate_size * itemsize
+            groups["routed_experts"] += k * expert
+            groups["shared_experts"] += cfg.n_shared_experts * expert
+            norms += cfg.n_routed_experts * d  # the router
+        else:
+            groups["dense_mlp"] += 3 * d * cfg.intermediate_size * itemsize
+        groups["routers_and_norms"] += norms * itemsize
+    return groups
+
+
+def cache_bytes_per_token(cfg: MLAConfig, itemsize: int = F32) -> dict[str, int]:
+    """Bytes cached per token over all layers: MLA's latent + roped key, and K/V caches of the same head dims
+    (K: d_nope + d_r, V: d_v) with every head (MHA), 8 or 4 KV heads (GQA) or one (MQA)."""
+    per_head = cfg.qk_head_dim + cfg.v_head_dim
+    kinds = {"MLA (latent + rope)": cfg.latent_cache_width, f"MHA ({cfg.num_attention_heads} KV heads)": cfg.num_attention_heads * per_head}
+    for groups in (8, 4):
+        if groups < cfg.num_attention_heads:
+            kinds[f"GQA ({groups} KV heads)"] = groups * per_head
+    kinds["MQA (1 KV head)"] = per_head
+    return {name: cfg.num_hidden_layers * width * itemsize for name, width in kinds.items()}
+
+
+def latent_cache_bytes_per_token(cfg: MLAConfig, itemsize: int = F32) -> int:
+    return cfg.num_hidden_layers * cfg.latent_cache_width * itemsize
+
+
+def mha_cache_bytes_per_token(cfg: MLAConfig, itemsize: int = F32) -> int:
+    return cfg.num_hidden_layers * cfg.mha_cache_width * itemsize

@@ -1,0 +1,95 @@
+"""`mla-deploy inspect`: what a deployer asks first about an export or a checkpoint, from its files alone
+(no onnxruntime session, no torch): parameters, weight bytes read per decode token, the graphs' inputs,
+outputs and operators, and the cache MLA keeps per token beside MHA, GQA and MQA caches of the same heads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import footprint
+from .checkpoint import Checkpoint
+from .errors import InputError
+from .export.absorb import AbsorbMode, resolve_absorb
+from .manifest import MANIFEST_FILE, read_manifest
+
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def inspect_path(path: str | Path) -> dict:
+    """A JSON-ready report on an export directory or a checkpoint directory."""
+    path = Path(path)
+    if (path / MANIFEST_FILE).is_file():
+        manifest = read_manifest(path)
+        cfg, absorb, dtype = manifest["config_obj"], AbsorbMode(manifest["absorb"]), manifest["dtype"]
+        report = {"kind": "export", "path": str(path), "absorb": absorb.value, "dtype": dtype,
+                  "max_seq_len": manifest["max_seq_len"], "weights_file_bytes": manifest["weights"]["bytes"],
+                  "graphs": {kind: {"inputs": g["inputs"], "outputs": g["outputs"], "op_counts": g.get("op_counts")}
+                             for kind, g in manifest["graphs"].items()}}
+    elif (path / "config.json").is_file():
+        ckpt = Checkpoint(path)
+        cfg, dtype = ckpt.config, "float32"
+        absorb = resolve_absorb(cfg, "auto")
+        report = {"kind": "checkpoint", "path": str(path), "absorb": f"{absorb.value} (what export --absorb auto picks)",
+                  "dtype": "float32 (an export's)", "files_bytes": sum(f.path.stat().st_size for f in ckpt.files)}
+    else:
+        raise InputError(f"{path}: neither an export (no {MANIFEST_FILE}) nor a checkpoint (no config.json)")
+    itemsize = ITEMSIZE[dtype]
+    cache = footprint.cache_bytes_per_token(cfg, itemsize)
+    report.update(
+        model={"model_type": cfg.model_type, "layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
+               "heads": cfg.num_attention_heads, "kv_lora_rank": cfg.kv_lora_rank, "qk_rope_head_dim": cfg.qk_rope_head_dim,
+               "routed_experts": cfg.n_routed_experts, "experts_per_token": cfg.num_experts_per_tok,
+               "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_position_embeddings},
+        parameters=footprint.parameter_counts(cfg),
+        decode_read_bytes=footprint.decode_read_bytes(cfg, absorb, itemsize),
+        cache_bytes_per_token=cache,
+        cache_bytes={kind: {str(ctx): {str(b): per_token * ctx * b for b in footprint.BATCHES} for ctx in footprint.CONTEXTS}
+                     for kind, per_token in cache.items()},
+    )
+    return report
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    raise AssertionError
+
+
+def format_report(r: dict) -> list[str]:
+    m, p = r["model"], r["parameters"]
+    lines = [f"{r['kind']} {r['path']}",
+             f"model      {m['model_type']}: {m['layers']} layers, hidden {m['hidden_size']}, {m['heads']} heads, latent "
+             f"{m['kv_lora_rank']} + rope {m['qk_rope_head_dim']}, {m['routed_experts']} routed experts (top "
+             f"{m['experts_per_token']}), vocab {m['vocab_size']}, context {m['max_position_embeddings']}",
+             f"parameters {p['total'] / 1e9:.3f} B total, {p['active_per_token'] / 1e9:.3f} B active per token "
+             f"(embedding {p['embedding'] / 1e9:.3f} B)",
+             f"precision  {r['dtype']}; decode attention {r['absorb']}"]
+    if r["kind"] == "export":
+        lines.append(f"weights    {_size(r['weights_file_bytes'])} in weights.bin, max_seq_len {r['max_seq_len']}")
+    else:
+        lines.append(f"files      {_size(r['files_bytes'])} of safetensors")
+    read = r["decode_read_bytes"]
+    lines.append(f"weights read per decode token: {_size(sum(read.values()))}")
+    lines += [f"  {group.replace('_', ' '):<18} {_size(n):>10}" for group, n in read.items() if n]
+    lines.append("cache per token (all layers), and for a whole context at batch 1 / 8:")
+    head = "  " + f"{'attention':<22} {'per token':>10} {'vs MLA':>7}" + "".join(f" {f'{c // 1024}k':>21}" for c in footprint.CONTEXTS)
+    lines.append(head)
+    mla = next(iter(r["cache_bytes_per_token"].values()))
+    for kind, per_token in r["cache_bytes_per_token"].items():
+        cells = "".join(f" {_size(r['cache_bytes'][kind][str(c)]['1']):>10}/{_size(r['cache_bytes'][kind][str(c)]['8']):>10}"
+                        for c in footprint.CONTEXTS)
+        lines.append(f"  {kind:<22} {_size(per_token):>10} {per_token / mla:>6.2f}x{cells}")
+    for kind, g in r.get("graphs", {}).items():
+        lines.append(f"{kind} graph:")
+        for direction in ("inputs", "outputs"):
+            specs = g[direction]
+            shown = [s for s in specs if not s["name"].startswith(("past_", "present_"))]
+            caches = len(specs) - len(shown)
+            text = ", ".join(f"{s['name']} {s['dtype']}[{', '.join(map(str, s['shape']))}]" for s in shown)
+            lines.append(f"  {direction:<8} {text}" + (f" + {caches} cache tensors" if caches else ""))
+        if g["op_counts"]:
+            lines.append("  ops      " + ", ".join(f"{op} {n}" for op, n in g["op_counts"].items()))
+    return lines

@@ -1,0 +1,69 @@
+"""`mla-deploy inspect`: its counts against the files and graphs they describe."""
+
+import json
+
+import onnx
+import pytest
+from click.testing import CliRunner
+
+from mla_deploy.checkpoint import Checkpoint
+from mla_deploy.cli import main
+from mla_deploy.footprint import decode_read_bytes, parameter_counts
+from mla_deploy.presets import DEMO_CHECKPOINT, preset_config
+from mla_deploy.config import MLAConfig
+
+VARIANT = "v3_lora_group_yarn"
+
+
+def test_export_report_matches_its_graphs_and_weights(exported, checkpoint_dir):
+    out = exported(VARIANT)
+    result = CliRunner().invoke(main, ["inspect", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    r = json.loads(result.stdout)
+    ckpt = Checkpoint(checkpoint_dir(VARIANT)[0])
+    cfg = ckpt.config
+    assert r["parameters"]["total"] == sum(ckpt.tensor(n).size for n in ckpt.names())
+    assert r["cache_bytes_per_token"]["MLA (latent + rope)"] == cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
+    assert r["cache_bytes"]["MLA (latent + rope)"]["4096"]["8"] == r["cache_bytes_per_token"]["MLA (latent + rope)"] * 4096 * 8
+    for kind in ("prefill", "decode"):
+        graph = onnx.load(str(out / f"{kind}.onnx"), load_external_data=False).graph
+        nodes = []
+
+        def walk(g):
+            for node in g.node:
+                nodes.append(node.op_type)
+                for attr in node.attribute:
+                    if attr.type == onnx.AttributeProto.GRAPH:
+                        walk(attr.g)
+
+        walk(graph)
+        counts = r["graphs"][kind]["op_counts"]
+        assert sum(counts.values()) == len(nodes) and counts["MatMul"] == nodes.count("MatMul")
+        assert [s["name"] for s in r["graphs"][kind]["inputs"]] == [i.name for i in graph.input]
+
+
+def test_deepseek_v2_lite_counts_are_its_published_ones():
+    """15.7 B parameters, 2.4 B activated (DeepSeek-V2-Lite's model card), from the full-size preset's config."""
+    cfg = MLAConfig.from_hf_dict(preset_config("v2lite"))
+    p = parameter_counts(cfg)
+    assert p["total"] / 1e9 == pytest.approx(15.7, abs=0.05) and p["active_per_token"] / 1e9 == pytest.approx(2.4, abs=0.06)
+    # per token and layer: 512 latent + 64 rope floats, against 16 heads x (192 + 128) for MHA
+    from mla_deploy.footprint import cache_bytes_per_token
+
+    cache = cache_bytes_per_token(cfg)
+    assert cache["MHA (16 KV heads)"] / cache["MLA (latent + rope)"] == pytest.approx(16 * 320 / 576)
+    assert cache["MQA (1 KV head)"] == 27 * 320 * 4
+
+
+def test_checkpoint_report_in_text(tmp_path):
+    result = CliRunner().invoke(main, ["inspect", str(DEMO_CHECKPOINT)])
+    assert result.exit_code == 0 and result.stderr == ""
+    assert "checkpoint" in result.stdout and "weights read per decode token" in result.stdout
+    cfg = Checkpoint(DEMO_CHECKPOINT).config
+    total = sum(decode_read_bytes(cfg, None).values())
+    assert total > 0 and "MLA (latent + rope)" in result.stdout
+
+
+def test_neither_export_nor_checkpoint_is_named(tmp_path):
+    result = CliRunner().invoke(main, ["inspect", str(tmp_path)])
+    assert result.exit_code == 1 and "neither an export" in result.stderr and result.stdout == ""
