@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
-import time
+from pathlib import Path
 
-import numpy as np
+import side_by_side
 
 OPTIONS = {"prepack": True, "mapped": False}
 
@@ -47,44 +46,11 @@ def memory(directory: str, prepack: bool, threads: int) -> dict:
     return json.loads(done.stdout.splitlines()[-1])
 
 
-def speed(directory: str, threads: int, rounds: int = 5) -> dict[str, dict[str, float]]:
-    from mla_deploy.runtime import ExportedModel, Generator, RuntimeOptions
+def speed(directory: str, threads: int) -> dict[str, dict[str, float]]:
+    from mla_deploy.runtime import ExportedModel, RuntimeOptions
 
-    gens = {name: Generator(ExportedModel(directory, RuntimeOptions(prepack=p, threads=threads)), stop_token_ids=())
-            for name, p in OPTIONS.items()}
-    rng = np.random.default_rng(0)
-    vocab = next(iter(gens.values())).model.config.vocab_size
-    prompt = rng.integers(0, vocab, 512).tolist()
-    states = {}
-    for name, gen in gens.items():  # decode states with real data in every cache slot
-        for ctx in (128, 4096):
-            state = gen.new_state([np.zeros(1, np.int64)], context=ctx)
-            state.caches.ensure(ctx + 64)
-            for arr in state.caches.arrays.values():
-                arr[:] = rng.standard_normal(arr.shape, dtype=np.float32)
-            states[name, ctx] = state
-    times: dict[tuple, list[float]] = {}
-
-    def timed(key, fn):
-        t0 = time.perf_counter()
-        fn()
-        times.setdefault(key, []).append(time.perf_counter() - t0)
-
-    for name, gen in gens.items():  # warm-up: the first calls after loading are slow
-        for _ in range(3):
-            gen.prefill(gen.new_state([np.asarray(prompt)]), [prompt])
-            for ctx in (128, 4096):
-                gen.decode_step(states[name, ctx], np.array([7]))
-    for _ in range(rounds):
-        for name, gen in gens.items():
-            timed((name, "prefill 512"), lambda: gen.prefill(gen.new_state([np.asarray(prompt)]), [prompt]))
-            for ctx in (128, 4096):
-                for _ in range(4):
-                    timed((name, f"decode ctx {ctx}"), lambda: gen.decode_step(states[name, ctx], np.array([7])))
-    out: dict[str, dict[str, float]] = {}
-    for (name, point), ts in times.items():
-        out.setdefault(point, {})[name] = statistics.median(ts) * 1e3
-    return out
+    return side_by_side.speed({name: ExportedModel(directory, RuntimeOptions(prepack=p, threads=threads))
+                               for name, p in OPTIONS.items()})
 
 
 def main() -> None:
@@ -92,7 +58,7 @@ def main() -> None:
     parser.add_argument("export_dir")
     parser.add_argument("--threads", type=int, default=0)
     args = parser.parse_args()
-    weights = (__import__("pathlib").Path(args.export_dir) / "weights.bin").stat().st_size
+    weights = (Path(args.export_dir) / "weights.bin").stat().st_size
     print(f"weights.bin {weights / 1e9:.2f} GB")
     print("| option | load s | after load PSS / RSS / anon GB | after prefill 512 | after 8 decode steps | PSS / weights |")
     print("|---|---|---|---|---|---|")

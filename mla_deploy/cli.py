@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 import warnings
@@ -40,6 +41,10 @@ class _Cli(click.Group):
         sys.exit(code)
 
 
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt
+
+
 def _progress(start=[None]):  # noqa: B006 - one clock per process
     start[0] = start[0] or time.perf_counter()
     return lambda msg: click.echo(f"[{time.perf_counter() - start[0]:7.1f}s] {msg}", err=True)
@@ -52,6 +57,8 @@ def _progress(start=[None]):  # noqa: B006 - one clock per process
 def main(ctx, debug):
     """Export MLA (DeepSeek-V2/V3) checkpoints to ONNX and run them with onnxruntime."""
     ctx.obj = {"debug": debug}
+    # `kill` (SIGTERM) unwinds like Ctrl-C, so an export or preset interrupted mid-write removes its partial directory
+    signal.signal(signal.SIGTERM, _interrupted)
     if not debug:  # library warnings (a provider fallback, say) as one readable line each
         warnings.showwarning = lambda message, *_: click.echo(f"warning: {message}", err=True)
 
@@ -102,16 +109,20 @@ def export(checkpoint, out, absorb, dtype, max_seq_len, no_verify, steps, force)
 @click.option("--threads", type=click.IntRange(min=0), default=0, show_default=True,
               help="onnxruntime intra-op threads; 0 is one per physical core.")
 @click.option("--check-weights", is_flag=True, help="Hash every block of weights.bin before loading (default: a sample).")
+@click.option("--prepack", is_flag=True,
+              help="Let onnxruntime prepack the MatMul weights: faster steps, but each graph's session holds its own "
+                   "copy of the weights and loading takes longer (default: both read the one memory-mapped weights.bin).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, provider,
-        threads, check_weights, as_json):
+        threads, check_weights, prepack, as_json):
     """Generate from EXPORT_DIR, streaming the text as it is produced."""
     from .runtime import ExportedModel, RuntimeOptions, SamplingParams
     from .runtime.complete import complete
 
     ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
     sampling = SamplingParams(temperature, top_k, top_p, repetition_penalty, seed).validate()
-    options = RuntimeOptions(provider=provider, threads=threads, check_weights="full" if check_weights else "sampled")
+    options = RuntimeOptions(provider=provider, threads=threads, check_weights="full" if check_weights else "sampled",
+                             prepack=prepack)
     model = ExportedModel(export_dir, options)
     memory = model.load_memory
     on_text = None if as_json else (lambda s: click.echo(s, nl=False))

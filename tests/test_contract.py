@@ -231,6 +231,16 @@ def test_verify_exits_1_on_a_wrong_export(wrong_demo_export):
     assert result.stdout.splitlines()[-1].startswith("FAIL")
 
 
+def test_verify_reports_every_step_of_a_right_export_and_passes(exported):
+    """Defaults: three prompts of 13, 7 and 3 tokens, 8 decode steps, tolerance 1e-4 x the logit scale."""
+    report = verify_export(exported(VARIANT))
+    assert report.passed and len(report.decode_max_abs) == 8 and report.token_agreement == 1.0
+    assert report.lines[0].startswith("prefill  batch 3, lengths [13, 7, 3]") and report.rtol == 1e-4
+    assert [line.split(":")[0] for line in report.lines[1:9]] == [f"decode   step {s:>3}" for s in range(1, 9)]
+    assert report.lines[9] == "tokens   runtime greedy vs torch greedy: 24/24 agree"
+    assert 0 < max(report.decode_max_abs) <= report.tolerance == 1e-4 * max(1.0, report.logit_scale)
+
+
 def test_eval_exits_1_on_a_wrong_export(wrong_demo_export, tmp_path):
     text = tmp_path / "text.txt"
     text.write_text((DEMO_CHECKPOINT / "heldout.txt").read_text()[:3000])

@@ -222,3 +222,20 @@ def test_bench_does_not_import_the_command_line():
     done = subprocess.run([sys.executable, "-c", "import sys, mla_deploy.bench.run; print('mla_deploy.cli' in sys.modules)"],
                           capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
+
+
+def test_killed_preset_leaves_no_partial_directory(tmp_path):
+    """SIGTERM unwinds like Ctrl-C: the half-written checkpoint directory is removed, exit 130."""
+    import signal
+    import time
+
+    out = tmp_path / "ckpt"
+    proc = subprocess.Popen([sys.executable, "-m", "mla_deploy.cli", "preset", "v2lite", "--layers", "1", "-o", str(out)],
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".ckpt.partial-*/*.safetensors")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list(tmp_path.glob(".ckpt.partial-*")), "the preset never started writing"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 130 and "interrupted" in proc.stderr.read()
+    assert list(tmp_path.iterdir()) == []

@@ -69,7 +69,7 @@ def machine_info(threads: int) -> dict:
 
     return {"cpu": cpu, "logical_cores": os.cpu_count(), "threads": threads,
             "memory_gb": round(psutil.virtual_memory().total / 2**30, 1), "python": platform.python_version(),
-            "onnxruntime": onnxruntime.__version__, "mla_deploy": __version__}
+            "onnxruntime": onnxruntime.__version__, "mla_deploy": __version__, "onnx_prepacked_weights": True}
 
 
 def prepare(cfg: BenchConfig, progress: Callable[[str], None]) -> tuple[Path, dict[str, Path]]:

@@ -1,0 +1,43 @@
+"""Two exports of the same checkpoint, decode and prefill speed side by side in one process.
+
+    .venv/bin/python benchmarks/compare_exports.py BASELINE_DIR CANDIDATE_DIR [--prepack] [--threads N]
+
+Both are driven by this version's runtime with the same options, alternately point by point
+(benchmarks/side_by_side.py), and the ratio candidate / baseline printed per point. Used to compare
+the graphs of the onnxscript builder with those of the hand-written builder it replaced (commit
+0e5d9ad): export with that commit's code from a git worktree, then give its directory a version-2
+manifest (block digests, which that version did not write) with
+
+    python -c "import json,sys; from mla_deploy import integrity; d=sys.argv[1]; m=json.load(open(d+'/manifest.json')); \\
+m['manifest_version']=2; m['weights'].update(bytes=__import__('os').path.getsize(d+'/weights.bin'), \\
+block_bytes=integrity.BLOCK_BYTES, digest=integrity.DIGEST, block_digests=integrity.block_digests(__import__('pathlib').Path(d+'/weights.bin'))); \\
+json.dump(m, open(d+'/manifest.json','w'))" OLD_EXPORT
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import side_by_side
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("baseline")
+    parser.add_argument("candidate")
+    parser.add_argument("--prepack", action="store_true", help="onnxruntime prepacking on (copies the weights per session)")
+    parser.add_argument("--threads", type=int, default=0)
+    args = parser.parse_args()
+    from mla_deploy.runtime import ExportedModel, RuntimeOptions
+
+    options = RuntimeOptions(prepack=args.prepack, threads=args.threads)
+    models = {"baseline": ExportedModel(args.baseline, options), "candidate": ExportedModel(args.candidate, options)}
+    print(f"prepack {'on' if args.prepack else 'off'}; baseline {args.baseline}, candidate {args.candidate}")
+    print("| point | baseline ms | candidate ms | candidate / baseline |")
+    print("|---|---|---|---|")
+    for point, by in side_by_side.speed(models).items():
+        print(f"| {point} | {by['baseline']:.1f} | {by['candidate']:.1f} | {by['candidate'] / by['baseline']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

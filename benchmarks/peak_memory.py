@@ -1,0 +1,52 @@
+"""Run a command and report its peak memory: RSS (the kernel's ru_maxrss) and, sampled every 0.1 s from
+/proc/PID/smaps_rollup, peak PSS and peak anonymous memory, with the wall time.
+
+    .venv/bin/python benchmarks/peak_memory.py -- .venv/bin/mla-deploy verify OUT --steps 4
+
+RSS counts every resident page of a memory-mapped file once per mapping (both graphs' sessions map
+weights.bin) and cannot tell page cache the kernel may drop from memory the process owns; anonymous
+memory is what the process itself holds. The README's export figures are ru_maxrss (nothing is mapped there).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+
+def rollup(pid: int) -> dict[str, int]:
+    values = {}
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("Rss", "Pss", "Anonymous"):
+                    values[key] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    return values
+
+
+def main() -> int:
+    command = sys.argv[sys.argv.index("--") + 1:] if "--" in sys.argv else sys.argv[1:]
+    started = time.perf_counter()
+    proc = subprocess.Popen(command)
+    peak = {"Rss": 0, "Pss": 0, "Anonymous": 0}
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        for key, value in rollup(proc.pid).items():
+            peak[key] = max(peak[key], value)
+        time.sleep(0.1)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    print(f"exit {proc.returncode}, {time.perf_counter() - started:.1f} s; peak RSS {usage.ru_maxrss / 2**20:.2f} GiB "
+          f"(ru_maxrss), sampled peaks: PSS {peak['Pss'] / 2**30:.2f} GiB, anonymous {peak['Anonymous'] / 2**30:.2f} GiB",
+          file=sys.stderr)
+    return proc.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
