@@ -49,7 +49,7 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
                   rtol: float = DEFAULT_RTOL, lengths: tuple[int, ...] = (13, 7, 3), seed: int = 0) -> VerifyReport:
     model = ExportedModel(export_dir, RuntimeOptions())
     manifest = model.manifest
-    source = Path(checkpoint_dir or manifest["source"].get("path", ""))
+    source = Path(checkpoint_dir or manifest["source"]["path"])
     ckpt = Checkpoint(source)
     if ckpt.content_hash() != manifest["source"]["sha256"]:
         raise ExportError(f"{source}: checkpoint differs from the one {export_dir} was exported from (sha256 mismatch)")

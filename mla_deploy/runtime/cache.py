@@ -53,13 +53,3 @@ class CacheBuffers:
         for past, present in io_spec.cache_pairs(self.cfg.num_hidden_layers):
             binding.bind_ortvalue_input(past, self.values[past])
             binding.bind_ortvalue_output(present, self.values[past])
-
-    def layer(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        """(latent, rope) of layer i as host arrays [batch, capacity, ·] (a copy on CUDA)."""
-        names = (io_spec.past_latent(i), io_spec.past_rope(i))
-        if self.device == "cpu":
-            return tuple(self.arrays[n] for n in names)
-        return tuple(self.values[n].numpy() for n in names)
-
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays.values())

@@ -1,0 +1,73 @@
+"""Block-wise symmetric weight quantization in onnxruntime's MatMulNBits layout: pure functions over tensors.
+
+A MatMul weight W [K, N] (stored [in, out], as every graph weight) is cut along K into blocks of `block`
+values per output column n. Block j of column n gets one scale
+
+    s[n, j] = max |W[jB : (j+1)B, n]| / qmax,      qmax = 2^(bits-1) - 1   (7 for int4, 127 for int8)
+
+and codes q = round(W / s) in [-qmax, qmax] (ties to even), stored unsigned as q + 2^(bits-1), MatMulNBits'
+default zero point, so no zero-point tensor is needed. Codes are packed along K low bits first: two int4
+codes per byte. A K that is not a multiple of the block is zero-padded (padding codes dequantize to 0).
+Dequantized: W'[k, n] = (code - 2^(bits-1)) · s[n, k // B]; every |W - W'| <= s / 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+BITS = (4, 8)
+BLOCKS = (16, 32, 64, 128)
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    codes: np.ndarray  # uint8 [N, k_blocks, block·bits/8]: MatMulNBits' B
+    scales: np.ndarray  # float32 [N, k_blocks]
+    bits: int
+    block: int
+    k: int  # rows of the float weight before padding to whole blocks
+
+    @property
+    def n(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes
+
+
+def quantize(w: np.ndarray, bits: int, block: int) -> QuantizedWeight:
+    """W [K, N] (float) -> codes and scales; the arithmetic in float64, scales stored as float32."""
+    if bits not in BITS:
+        raise ValueError(f"bits={bits}: expected one of {BITS}")
+    if block not in BLOCKS:
+        raise ValueError(f"block={block}: expected one of {BLOCKS}")
+    k, n = w.shape
+    k_blocks = -(-k // block)
+    padded = np.zeros((k_blocks * block, n), np.float64)
+    padded[:k] = w
+    blocks = padded.T.reshape(n, k_blocks, block)  # [K_pad, N] -> [N, k_blocks, B]
+    qmax = 2 ** (bits - 1) - 1
+    scales = (np.abs(blocks).max(axis=-1) / qmax).astype(np.float32)  # [N, k_blocks]
+    safe = np.where(scales == 0, 1.0, scales.astype(np.float64))[..., None]  # an all-zero block codes as zero
+    q = np.clip(np.rint(blocks / safe), -qmax, qmax).astype(np.int16)  # [N, k_blocks, B]
+    unsigned = (q + 2 ** (bits - 1)).astype(np.uint8)
+    if bits == 4:
+        unsigned = unsigned[..., 0::2] | (unsigned[..., 1::2] << 4)  # [N, k_blocks, B/2]: low nibble first
+    return QuantizedWeight(np.ascontiguousarray(unsigned), scales, bits, block, k)
+
+
+def unpack_codes(qw: QuantizedWeight) -> np.ndarray:
+    """Signed codes [N, k_blocks, B] (int16) from the packed bytes."""
+    codes = qw.codes.astype(np.int16)
+    if qw.bits == 4:
+        codes = np.stack([codes & 0xF, codes >> 4], axis=-1).reshape(qw.n, -1, qw.block)  # [N, k_blocks, B/2, 2] -> [N, k_blocks, B]
+    return codes - 2 ** (qw.bits - 1)
+
+
+def dequantize(qw: QuantizedWeight) -> np.ndarray:
+    """The float32 weight [K, N] the quantized one stands for: what an exact export is checked against."""
+    values = unpack_codes(qw) * qw.scales[..., None]  # [N, k_blocks, B]
+    return np.ascontiguousarray(values.reshape(qw.n, -1)[:, : qw.k].T).astype(np.float32)  # [N, K_pad] -> [K, N]
