@@ -102,3 +102,23 @@ def test_decompressed_kv_baseline_computes_the_same_model(checkpoint_dir, tmp_pa
         assert np.abs(out[io_spec.LOGITS] - ref.numpy()).max() < 1e-4
         for i in range(cfg.num_hidden_layers):
             feed[io_spec.past_key(i)], feed[io_spec.past_value(i)] = out[io_spec.present_key(i)], out[io_spec.present_value(i)]
+
+
+def test_warm_up_runs_until_two_calls_agree(monkeypatch):
+    from mla_deploy.bench import engines
+
+    durations = iter([5.0, 2.0, 1.5, 1.0, 0.95, 0.9, 0.9, 0.9, 0.9])  # seconds each call takes
+    clock = {"now": 0.0, "pending": 0.0}
+
+    def fn():
+        clock["pending"] = next(durations)
+
+    def perf_counter():
+        clock["now"] += clock["pending"]
+        clock["pending"] = 0.0
+        return clock["now"]
+
+    monkeypatch.setattr(engines.time, "perf_counter", perf_counter)
+    assert engines._warm_up(fn) == 5  # 1.0 -> 0.95 is the first change under 10 %
+    slow = iter([10 * 0.7**i for i in range(20)])  # 30 % faster each call, never steady: stops at the cap
+    assert engines._warm_up(lambda: clock.update(pending=next(slow))) == engines.WARMUP_MAX

@@ -23,8 +23,26 @@ from .. import footprint
 BUDGET_S = 20.0  # per measured point: slow engines stop early, after at least two timed steps
 
 
+WARMUP_MAX = 8  # calls
+WARMUP_STEADY = 0.10  # relative change between two consecutive warm-up calls that counts as steady
+
+
+def _warm_up(fn) -> int:
+    """Call fn until two consecutive calls differ by less than WARMUP_STEADY (the first calls after loading pay
+    page faults and thread-pool start-up: 2x slow in compare_mobius.py after one call), at most WARMUP_MAX."""
+    last = None
+    for calls in range(1, WARMUP_MAX + 1):
+        t0 = time.perf_counter()
+        fn()
+        now = time.perf_counter() - t0
+        if last is not None and abs(now - last) <= WARMUP_STEADY * last:
+            return calls
+        last = now
+    return WARMUP_MAX
+
+
 def _median_ms(fn, steps: int) -> float:
-    fn()  # warm-up
+    _warm_up(fn)
     times = []
     while len(times) < steps and (len(times) < 2 or sum(times) / 1e3 < BUDGET_S):
         t0 = time.perf_counter()
