@@ -24,18 +24,31 @@ class EvalReport:
     windows: int
     export_loss: float
     torch_loss: float
+    quantization: dict | None = None  # the export's; then the difference is its quality cost, not an error
+
+    TOLERANCE = 1e-4  # |Δ loss| a float export may differ from its source by
 
     @property
     def difference(self) -> float:
         return abs(self.export_loss - self.torch_loss)
 
+    @property
+    def passed(self) -> bool:
+        return self.quantization is not None or self.difference <= self.TOLERANCE
+
     def lines(self) -> list[str]:
-        return [
+        lines = [
             f"scored {self.tokens} tokens in {self.windows} windows",
             f"onnx export : loss {self.export_loss:.4f}  perplexity {math.exp(self.export_loss):.3f}",
             f"torch source: loss {self.torch_loss:.4f}  perplexity {math.exp(self.torch_loss):.3f}",
             f"|Δ loss| {self.difference:.2e}",
         ]
+        if self.quantization is not None:
+            q = self.quantization
+            lines.append(f"quantized int{q['bits']}, block {q['block']}, accuracy_level {q['accuracy_level']} against the "
+                         f"float source: loss {self.export_loss - self.torch_loss:+.4f} nats/token, perplexity "
+                         f"x{math.exp(self.export_loss - self.torch_loss):.4f}")
+        return lines
 
 
 class _Progress:
@@ -79,4 +92,5 @@ def evaluate(export_dir: str | Path, text_file: str | Path, window: int = 256,
                              torch.zeros(1, dtype=torch.long), torch.ones(1, window), form=AttentionForm.NAIVE)
         nll.append(log_softmax_nll(logits.numpy()[0], w[1:]))
         torch_progress(done)
-    return EvalReport(int(batch.shape[0] * window), int(batch.shape[0]), export_loss, float(np.mean(nll)))
+    return EvalReport(int(batch.shape[0] * window), int(batch.shape[0]), export_loss, float(np.mean(nll)),
+                      model.manifest.get("quantization"))

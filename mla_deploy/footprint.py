@@ -27,33 +27,39 @@ def parameter_counts(cfg: MLAConfig) -> dict[str, int]:
     return {"total": total, "active_per_token": total - lookup_only - idle * expert, "embedding": embedding}
 
 
-def decode_read_bytes(cfg: MLAConfig, absorb: AbsorbMode | None, itemsize: int = F32,
-                      active_experts: int | None = None) -> dict[str, int]:
+def decode_read_bytes(cfg: MLAConfig, absorb: AbsorbMode | None, itemsize: float = F32,
+                      active_experts: int | None = None, quantized_itemsize: float | None = None) -> dict[str, int]:
     """Weight bytes one decode token reads, by group: attention in the absorbed form `absorb` (None: the naive form,
-    decompressing the cache), `active_experts` routed experts per MoE layer (default: num_experts_per_tok)."""
+    decompressing the cache), `active_experts` routed experts per MoE layer (default: num_experts_per_tok).
+    `quantized_itemsize`: bytes per weight of what a quantized export stores as codes (export.quantize: every
+    linear weight but kv_b and the routers); the rest stays at `itemsize`."""
     d, h = cfg.hidden_size, cfg.num_attention_heads
+    dn, dr, dc, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
     k = cfg.num_experts_per_tok if active_experts is None else active_experts
+    q_size = itemsize if quantized_itemsize is None else quantized_itemsize
     q_in = cfg.q_lora_rank or d
-    groups = dict.fromkeys(("lm_head", "attention", "dense_mlp", "shared_experts", "routed_experts", "routers_and_norms"), 0)
-    groups["lm_head"] = cfg.vocab_size * d * itemsize
+    groups = dict.fromkeys(("lm_head", "attention", "dense_mlp", "shared_experts", "routed_experts", "routers_and_norms"), 0.0)
+    groups["lm_head"] = cfg.vocab_size * d * (itemsize if cfg.tie_word_embeddings else q_size)
     groups["routers_and_norms"] = d * itemsize  # the final norm
     for layer in range(cfg.num_hidden_layers):
-        attn = (d * q_in if cfg.q_lora_rank else 0) + d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-        if absorb is None:  # naive: full query, kv_b, o_proj
-            attn += q_in * h * cfg.qk_head_dim + cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim) + h * cfg.v_head_dim * d
-            groups["attention"] += attn * itemsize
-        else:
-            groups["attention"] += attn * itemsize + absorbed_weight_bytes(cfg, absorb, itemsize)
-        norms = 2 * d + cfg.kv_lora_rank + (cfg.q_lora_rank or 0)
+        projections = (d * q_in if cfg.q_lora_rank else 0) + d * (dc + dr) + q_in * h * (dn + dr) + h * dv * d  # q_a, kv_a, q, o
+        if absorb is None:  # naive: kv_b decompresses the cache
+            from_kv_b = dc * h * (dn + dv)
+        elif absorb == AbsorbMode.FACTORED:  # per-head W^UK, W^UV
+            from_kv_b = h * dn * dc + h * dc * dv
+        else:  # fused products replace q's nope rows and o (never quantized)
+            from_kv_b, projections = absorbed_weight_bytes(cfg, absorb, 1) - q_in * h * dr, projections - q_in * h * dn - h * dv * d
+        groups["attention"] += projections * q_size + from_kv_b * itemsize
+        norms = 2 * d + dc + (cfg.q_lora_rank or 0)
         if cfg.is_moe_layer(layer):
-            expert = 3 * d * cfg.moe_intermediate_size * itemsize
+            expert = 3 * d * cfg.moe_intermediate_size * q_size
             groups["routed_experts"] += k * expert
             groups["shared_experts"] += cfg.n_shared_experts * expert
             norms += cfg.n_routed_experts * d  # the router
         else:
-            groups["dense_mlp"] += 3 * d * cfg.intermediate_size * itemsize
+            groups["dense_mlp"] += 3 * d * cfg.intermediate_size * q_size
         groups["routers_and_norms"] += norms * itemsize
-    return groups
+    return {name: round(n) for name, n in groups.items()}
 
 
 def cache_bytes_per_token(cfg: MLAConfig, itemsize: int = F32) -> dict[str, int]:

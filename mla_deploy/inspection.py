@@ -11,6 +11,7 @@ from . import footprint
 from .checkpoint import Checkpoint
 from .errors import InputError
 from .export.absorb import AbsorbMode, resolve_absorb
+from .export.quantize import Quantization
 from .manifest import MANIFEST_FILE, read_manifest
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -22,13 +23,14 @@ def inspect_path(path: str | Path) -> dict:
     if (path / MANIFEST_FILE).is_file():
         manifest = read_manifest(path)
         cfg, absorb, dtype = manifest["config_obj"], AbsorbMode(manifest["absorb"]), manifest["dtype"]
-        report = {"kind": "export", "path": str(path), "absorb": absorb.value, "dtype": dtype,
+        quantization = manifest.get("quantization")
+        report = {"kind": "export", "path": str(path), "absorb": absorb.value, "dtype": dtype, "quantization": quantization,
                   "max_seq_len": manifest["max_seq_len"], "weights_file_bytes": manifest["weights"]["bytes"],
                   "graphs": {kind: {"inputs": g["inputs"], "outputs": g["outputs"], "op_counts": g.get("op_counts")}
                              for kind, g in manifest["graphs"].items()}}
     elif (path / "config.json").is_file():
         ckpt = Checkpoint(path)
-        cfg, dtype = ckpt.config, "float32"
+        cfg, dtype, quantization = ckpt.config, "float32", None
         absorb = resolve_absorb(cfg, "auto")
         report = {"kind": "checkpoint", "path": str(path), "absorb": f"{absorb.value} (what export --absorb auto picks)",
                   "dtype": "float32 (an export's)", "files_bytes": sum(f.path.stat().st_size for f in ckpt.files)}
@@ -42,7 +44,9 @@ def inspect_path(path: str | Path) -> dict:
                "routed_experts": cfg.n_routed_experts, "experts_per_token": cfg.num_experts_per_tok,
                "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_position_embeddings},
         parameters=footprint.parameter_counts(cfg),
-        decode_read_bytes=footprint.decode_read_bytes(cfg, absorb, itemsize),
+        decode_read_bytes=footprint.decode_read_bytes(
+            cfg, absorb, itemsize, quantized_itemsize=Quantization(quantization["bits"], quantization["block"]).bytes_per_weight()
+            if quantization else None),
         cache_bytes_per_token=cache,
         cache_bytes={kind: {str(ctx): {str(b): per_token * ctx * b for b in footprint.BATCHES} for ctx in footprint.CONTEXTS}
                      for kind, per_token in cache.items()},
@@ -67,6 +71,10 @@ def format_report(r: dict) -> list[str]:
              f"parameters {p['total'] / 1e9:.3f} B total, {p['active_per_token'] / 1e9:.3f} B active per token "
              f"(embedding {p['embedding'] / 1e9:.3f} B)",
              f"precision  {r['dtype']}; decode attention {r['absorb']}"]
+    q = r.get("quantization")
+    if q:
+        lines.append(f"quantized  int{q['bits']} weights ({q['quantized_weights']} tensors), blocks of {q['block']}, "
+                     f"accuracy_level {q['accuracy_level']} ({q['method']}); float: {q['float']}")
     if r["kind"] == "export":
         lines.append(f"weights    {_size(r['weights_file_bytes'])} in weights.bin, max_seq_len {r['max_seq_len']}")
     else:

@@ -6,6 +6,11 @@ tokens through the decode graph one step at a time; the torch source takes exact
 decoder layer at a time (modeling.layerwise: one layer's weights in memory, so any checkpoint that
 fits on disk verifies). Every step's logits are compared, and the source's greedy choice at each
 step must be the token the runtime generated. Tolerance: max |Δlogit| <= rtol · max(1, max |logit|).
+
+A quantized export is compared with the checkpoint's weights dequantized (export.quantize), exactly: its
+sessions run unpacked, where MatMulNBits dequantizes and multiplies in float. How far the deployed kernel
+(prepacked, int8 activations at accuracy_level 4) moves the logits is reported beside it; whether that
+costs quality is measured against the float model by `mla-deploy eval`.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 from . import io_spec
 from .checkpoint import Checkpoint
 from .errors import ExportError
+from .export.quantize import DequantizedCheckpoint, Quantization
 from .modeling.layerwise import layerwise_logits
 from .runtime import ExportedModel, Generator, RuntimeOptions
 from .runtime.feeds import prefill_feed
@@ -47,13 +53,18 @@ class VerifyReport:
 
 def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = None, steps: int = 8,
                   rtol: float = DEFAULT_RTOL, lengths: tuple[int, ...] = (13, 7, 3), seed: int = 0) -> VerifyReport:
-    model = ExportedModel(export_dir, RuntimeOptions())
+    # Unpacked, MatMulNBits dequantizes and multiplies in float whatever its accuracy_level: the check is exact.
+    model = ExportedModel(export_dir, RuntimeOptions(prepack=False))
     manifest = model.manifest
     source = Path(checkpoint_dir or manifest["source"]["path"])
     ckpt = Checkpoint(source)
     if ckpt.content_hash() != manifest["source"]["sha256"]:
         raise ExportError(f"{source}: checkpoint differs from the one {export_dir} was exported from (sha256 mismatch)")
     cfg = ckpt.config
+    source = ckpt
+    if manifest.get("quantization"):  # compared with the weights it stands for: the checkpoint's, dequantized
+        q = manifest["quantization"]
+        source = DequantizedCheckpoint(ckpt, Quantization(q["bits"], q["block"], q["accuracy_level"]))
     lengths = tuple(min(n, model.max_seq_len - steps - 1) for n in lengths)
     if min(lengths) < 1:
         raise ExportError(f"--steps {steps}: too many for the export's maximum length {model.max_seq_len}")
@@ -86,7 +97,7 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
 
     # the torch source on the same inputs, one layer at a time
     ref_prefill, ref_steps = (t.numpy() for t in layerwise_logits(
-        ckpt, torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(lens), torch.from_numpy(tokens)))
+        source, torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(lens), torch.from_numpy(tokens)))
     valid = np.arange(longest)[None, :] < lens[:, None]
     prefill_diff = float(np.abs(prefill_logits - ref_prefill)[valid].max())
     report = VerifyReport(prefill_diff, [], 0.0, float(np.abs(ref_prefill[valid]).max()), rtol)
@@ -103,6 +114,11 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
     agree = int((chosen == tokens).sum())
     report.token_agreement = agree / (b * steps)
     report.lines.append(f"tokens   runtime greedy vs torch greedy: {agree}/{b * steps} agree")
+    if manifest.get("quantization"):  # as deployed: prepacked, with int8 activations at accuracy_level 4
+        deployed = ExportedModel(export_dir, RuntimeOptions(prepack=True)).run(io_spec.PREFILL, prefill_feed(cfg, ids, capacity))
+        drift = float(np.abs(deployed[io_spec.LOGITS] - prefill_logits)[valid].max())
+        report.lines.append(f"deployed prefill with prepacked MatMulNBits (accuracy_level {manifest['quantization']['accuracy_level']}): "
+                            f"max |Δlogit| {drift:.3e} from the exact run (quality against the float model: mla-deploy eval)")
     report.lines.append(f"{'PASS' if report.passed else 'FAIL'}: tolerance {report.tolerance:.3e} "
                         f"(rtol {rtol:g} x logit scale {max(1.0, report.logit_scale):.2f})")
     return report

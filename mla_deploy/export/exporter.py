@@ -26,11 +26,15 @@ from ..errors import ExportError
 from ..manifest import MANIFEST_FILE, MANIFEST_VERSION, TOKENIZER_FILES, WEIGHTS_FILE, file_sha256
 from .absorb import AbsorbMode, absorbed_weight_bytes, resolve_absorb
 from .graphs import build_graph, op_counts
+from .quantize import Quantization, quantized_hf_names
 from .layers import OPSET
 from ..progress import progress_bar
 from .weights import WeightsFile
 
 Progress = Callable[[str], None]
+
+
+QUANTIZE_BITS = {"int4": 4, "int8": 8}
 
 
 @dataclass
@@ -39,6 +43,19 @@ class ExportOptions:
     dtype: str = "float32"
     max_seq_len: int | None = None  # default: the config's max_position_embeddings
     force: bool = False
+    quantize: str | None = None  # "int4" or "int8": weight-only, block-wise (export.quantize)
+    block_size: int = 32
+    accuracy_level: int = 4  # MatMulNBits: 4 = int8 activations inside the kernel, 0 = float (exact)
+
+    def quantization(self) -> Quantization | None:
+        if self.quantize is None:
+            return None
+        if self.quantize not in QUANTIZE_BITS:
+            raise ExportError(f"--quantize {self.quantize}: expected one of {', '.join(QUANTIZE_BITS)}")
+        try:
+            return Quantization(QUANTIZE_BITS[self.quantize], self.block_size, self.accuracy_level)
+        except ValueError as e:
+            raise ExportError(f"--quantize {self.quantize}: {e}") from None
 
 
 @dataclass
@@ -66,6 +83,10 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
     if not 1 <= max_seq_len <= cfg.max_position_embeddings:
         raise ExportError(f"--max-seq-len {max_seq_len}: must be between 1 and max_position_embeddings={cfg.max_position_embeddings}")
     mode = resolve_absorb(cfg, options.absorb)
+    quantization = options.quantization()
+    if quantization is not None and mode == AbsorbMode.FUSED:
+        raise ExportError(f"--quantize with the fused absorbed form{' (what --absorb auto picks here)' if options.absorb == 'auto' else ''}: "
+                          "the fused W^Q·W^UK and W^UV·W^O products are not quantized yet; use --absorb factored")
     if AbsorbMode(options.absorb) == AbsorbMode.AUTO:
         fused, factored = (absorbed_weight_bytes(cfg, m) / 1e6 for m in (AbsorbMode.FUSED, AbsorbMode.FACTORED))
         progress(f"absorb auto -> {mode.value}: attention weights read per decode token and layer, computed from the "
@@ -73,7 +94,8 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
 
     progress("hashing source weights")
     source_hash = ckpt.content_hash()
-    export_id = hashlib.sha256(f"{source_hash}|{mode.value}|{options.dtype}|{max_seq_len}|{__version__}".encode()).hexdigest()[:32]
+    recipe = f"{source_hash}|{mode.value}|{options.dtype}|{max_seq_len}|{quantization}|{__version__}"
+    export_id = hashlib.sha256(recipe.encode()).hexdigest()[:32]
     metadata = {"producer": "mla-deploy", "mla_deploy_version": __version__, "export_id": export_id}
 
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
@@ -87,9 +109,12 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
                                                      else " (naive attention)") + ", writing its weights")
                 with progress_bar(cfg.num_hidden_layers, f"{kind} layers", "layer") as advance:
                     graphs[kind] = build_graph(kind, cfg, ckpt.tensor, max_seq_len, mode, weights, metadata,
-                                               on_layer=lambda i: advance(1))
+                                               on_layer=lambda i: advance(1), quantization=quantization)
         progress(f"wrote weights ({weights.nbytes / 1e9:.2f} GB)")
         manifest = _manifest(cfg, mode, options, max_seq_len, source_hash, export_id, ckpt)
+        manifest["quantization"] = None if quantization is None else {
+            **quantization.to_dict(), "quantized_weights": len(quantized_hf_names(cfg)),
+            "float": "embedding, kv_b_proj, routers, norms, rope tables, per-head W^UK / W^UV" + (", tied head" if cfg.tie_word_embeddings else "")}
         manifest["weights"].update(bytes=(tmp / WEIGHTS_FILE).stat().st_size, block_bytes=integrity.BLOCK_BYTES,
                                    digest=integrity.DIGEST, block_digests=integrity.block_digests(tmp / WEIGHTS_FILE))
         for kind, model in graphs.items():

@@ -15,6 +15,7 @@ from .. import io_spec
 from ..config import MLAConfig
 from . import layers
 from .absorb import AbsorbMode
+from .quantize import Quantization
 from .weights import WeightsFile
 
 # (op, layer attention, normed hidden [b, T, d], cos, sin) -> attention output [b, T, d]
@@ -46,14 +47,15 @@ def decoder(g: layers.Graph, cfg: MLAConfig, t: layers.Tensors, max_seq_len: int
         x = op.GatherElements(x, index, axis=1)  # [b, n, d]
     x = layers.RMSNorm(g, "final_norm", "model.norm.weight", t, eps)(op, x)
     head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-    return layers.linear(g, op, x, "lm_head", lambda: t(head).T)  # [b, n, vocab]
+    return layers.linear(g, op, x, "lm_head", lambda: t(head).T,
+                         quantizable=not cfg.tie_word_embeddings)  # [b, n, vocab]; a tied head is the float embedding
 
 
 def build_graph(kind: str, cfg: MLAConfig, t: layers.Tensors, max_seq_len: int, absorb: AbsorbMode,
-                weights: WeightsFile, metadata: dict[str, str],
-                on_layer: Callable[[int], None] = lambda i: None) -> ir.Model:
+                weights: WeightsFile, metadata: dict[str, str], on_layer: Callable[[int], None] = lambda i: None,
+                quantization: Quantization | None = None) -> ir.Model:
     """prefill or decode over the io_spec contract; `weights` is the file both graphs' initializers live in."""
-    g = layers.Graph(kind, weights)
+    g = layers.Graph(kind, weights, quantization)
     op = g.op
     specs_in, specs_out = io_spec.graph_io(kind, cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
                                            cfg.vocab_size)

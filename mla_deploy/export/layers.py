@@ -30,6 +30,7 @@ from .. import rope as rope_math
 from ..config import MLAConfig
 from . import absorb
 from .absorb import AbsorbMode
+from .quantize import Quantization, quantize
 from .weights import WeightsFile
 
 OPSET = 24
@@ -42,10 +43,12 @@ FLOAT, BOOL = ir.DataType.FLOAT, ir.DataType.BOOL
 class Graph:
     """One graph under construction: onnxscript's builder, plus weights by name from the shared file."""
 
-    def __init__(self, name: str, weights: WeightsFile):
-        self.builder = GraphBuilder(ir.Graph([], [], nodes=[], opset_imports={"": OPSET}, name=name))
+    def __init__(self, name: str, weights: WeightsFile, quantization: Quantization | None = None):
+        opsets = {"": OPSET, **({"com.microsoft": 1} if quantization else {})}
+        self.builder = GraphBuilder(ir.Graph([], [], nodes=[], opset_imports=opsets, name=name))
         self.op = self.builder.op
         self.weights = weights
+        self.quantization = quantization
         self._values: dict[str, ir.Value] = {}
 
     def weight(self, name: str, make: Callable[[], np.ndarray]) -> ir.Value:
@@ -53,6 +56,21 @@ class Graph:
         if name not in self._values:
             self._values[name] = self.builder.initializer(self.weights.tensor(name, make), name=name, qualify=False)
         return self._values[name]
+
+    def quantized_weight(self, name: str, make: Callable[[], np.ndarray]) -> tuple[ir.Value, ir.Value, int, int]:
+        """MatMulNBits' codes and scales for the float weight `make()` [K, N], quantized once; and K, N."""
+        q = self.quantization
+        made = {}
+
+        def quantized():
+            if "q" not in made:
+                made["q"] = quantize(make(), q.bits, q.block)
+                self.weights.shapes[name] = (made["q"].k, made["q"].n)
+            return made["q"]
+
+        codes = self.weight(f"{name}.codes", lambda: quantized().codes)  # [N, k_blocks, B·bits/8] uint8
+        scales = self.weight(f"{name}.scales", lambda: quantized().scales)  # [N, k_blocks]
+        return (codes, scales, *self.weights.shapes[name])
 
     def input(self, spec: io_spec.TensorSpec) -> ir.Value:
         return self.builder.input(spec.name, ir.DataType.from_numpy(np.dtype(spec.dtype)), list(spec.shape))
@@ -87,9 +105,15 @@ class RMSNorm:
         return op.RMSNormalization(x, weight, axis=-1, epsilon=self.eps)
 
 
-def linear(g: Graph, op, x: ir.Value, name: str, make_w_in_out: Callable[[], np.ndarray]) -> ir.Value:
-    """x @ W with W stored [in, out]."""
-    return op.MatMul(x, g.weight(name, make_w_in_out))
+def linear(g: Graph, op, x: ir.Value, name: str, make_w_in_out: Callable[[], np.ndarray], quantizable: bool = True) -> ir.Value:
+    """x @ W with W stored [in, out]; through MatMulNBits when the export quantizes. Only weights that are a column
+    subset or permutation of an HF linear weight's transpose are `quantizable` (export.quantize.DequantizedCheckpoint)."""
+    q = g.quantization
+    if q is None or not quantizable:
+        return op.MatMul(x, g.weight(name, make_w_in_out))
+    codes, scales, k, n = g.quantized_weight(name, make_w_in_out)
+    return op.MatMulNBits(x, codes, scales, K=k, N=n, bits=q.bits, block_size=q.block, accuracy_level=q.accuracy_level,
+                          _domain="com.microsoft")
 
 
 class SwiGLU:
@@ -182,7 +206,8 @@ class MLAttention:
         latent, k_pe = self.latent_and_rope(op, x, cos, sin)
         cache_latent, cache_rope = self.write_cache(op, latent, k_pe, past_latent, past_rope, write_indices)
 
-        kv = linear(g, op, cache_latent, f"{self.name}.kv_b", lambda: t(self.hf + "kv_b_proj.weight").T)  # [b, cap, h·(d_nope+d_v)]
+        kv = linear(g, op, cache_latent, f"{self.name}.kv_b", lambda: t(self.hf + "kv_b_proj.weight").T,
+                    quantizable=False)  # [b, cap, h·(d_nope+d_v)]
         kv = op.Transpose(op.Reshape(kv, [0, 0, h, dn + dv]), perm=[0, 2, 1, 3])  # -> [b, cap, h, ·] -> [b, h, cap, d_nope+d_v]
         k_nope, v = op.Split(kv, [dn, dv], axis=-1, _outputs=2)
         scores = op.Add(
@@ -203,7 +228,8 @@ class MLAttention:
         kv_b = self._hf("kv_b_proj.weight")
         q_in, q_weight = self.query_input(op, x)
         if mode == AbsorbMode.FUSED:
-            q_latent = linear(g, op, q_in, f"{self.name}.q_uk", lambda: absorb.fused_query_absorb(cfg, q_weight(), kv_b()))
+            q_latent = linear(g, op, q_in, f"{self.name}.q_uk", lambda: absorb.fused_query_absorb(cfg, q_weight(), kv_b()),
+                              quantizable=False)
             q_latent = op.Reshape(q_latent, [0, h, dc])  # [b, 1, h·d_c] -> [b, h, d_c]
         else:
             q_nope = linear(g, op, q_in, f"{self.name}.q_nope", lambda: absorb.query_nope_weight(cfg, q_weight()))
@@ -227,7 +253,8 @@ class MLAttention:
         o_weight = self._hf("o_proj.weight")
         if mode == AbsorbMode.FUSED:
             o = op.Reshape(o_latent, [0, 1, h * dc])  # [b, h, d_c] -> [b, 1, h·d_c]
-            out = linear(g, op, o, f"{self.name}.uv_o", lambda: absorb.fused_output_absorb(cfg, o_weight(), kv_b()))
+            out = linear(g, op, o, f"{self.name}.uv_o", lambda: absorb.fused_output_absorb(cfg, o_weight(), kv_b()),
+                         quantizable=False)
         else:
             o_latent = op.Transpose(o_latent, perm=[1, 0, 2])  # [b, h, d_c] -> [h, b, d_c]
             o = op.MatMul(o_latent, g.weight(f"{self.name}.uv", lambda: absorb.factored_uv(cfg, kv_b())))  # [h, b, d_v]
@@ -245,7 +272,7 @@ class Router:
 
     def __call__(self, op, x2: ir.Value) -> tuple[ir.Value, ir.Value]:
         cfg, g, t, hf = self.cfg, self.g, self.t, self.hf
-        logits = linear(g, op, x2, f"{self.name}.router", lambda: t(hf + "gate.weight").T)  # [N, E]
+        logits = linear(g, op, x2, f"{self.name}.router", lambda: t(hf + "gate.weight").T, quantizable=False)  # [N, E]
         k = [cfg.num_experts_per_tok]
         if cfg.scoring_func == "sigmoid":
             scores = op.Sigmoid(logits)

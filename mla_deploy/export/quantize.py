@@ -13,12 +13,70 @@ Dequantized: W'[k, n] = (code - 2^(bits-1)) · s[n, k // B]; every |W - W'| <= s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from ..checkpoint import Checkpoint, expected_tensors
+from ..config import MLAConfig
+
 BITS = (4, 8)
 BLOCKS = (16, 32, 64, 128)
+ACCURACY_LEVELS = (0, 4)  # 0: float activations (exact against the dequantized weights); 4: int8 activations
+# HF linear weights left in float: kv_b (prefill decompresses with it, decode splits it into the small per-head W^UK /
+# W^UV, so one float copy keeps both graphs on the same weights), the routers (tiny, and they choose the experts).
+FLOAT_LINEARS = ("self_attn.kv_b_proj.weight", "mlp.gate.weight")
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """What `export --quantize` asked for: every quantizable MatMul weight as MatMulNBits codes."""
+
+    bits: int
+    block: int = 32
+    accuracy_level: int = 4
+
+    def __post_init__(self):
+        if self.bits not in BITS:
+            raise ValueError(f"bits={self.bits}: expected one of {BITS}")
+        if self.block not in BLOCKS:
+            raise ValueError(f"block={self.block}: expected one of {BLOCKS}")
+        if self.accuracy_level not in ACCURACY_LEVELS:
+            raise ValueError(f"accuracy_level={self.accuracy_level}: expected one of {ACCURACY_LEVELS}")
+
+    def to_dict(self) -> dict:
+        return {"method": "MatMulNBits, block-wise symmetric", **asdict(self)}
+
+    def bytes_per_weight(self) -> float:
+        """Codes plus one float32 scale per block."""
+        return self.bits / 8 + 4 / self.block
+
+
+def quantized_hf_names(cfg: MLAConfig) -> list[str]:
+    """The HF weights a quantized export stores as codes: every linear weight but FLOAT_LINEARS, the embedding
+    (a lookup) and, when tied, the head (it is the embedding)."""
+    return [name for name, shape in expected_tensors(cfg).items()
+            if len(shape) == 2 and name != "model.embed_tokens.weight" and not name.endswith(FLOAT_LINEARS)]
+
+
+class DequantizedCheckpoint:
+    """A checkpoint whose quantized weights read as their dequantized values: the source a quantized export is
+    compared with exactly. Every graph weight made from an HF weight W [out, in] is a column subset or
+    permutation of Wᵀ, and the blocks run along `in` per column, so quantizing W row by row is the same."""
+
+    def __init__(self, ckpt: Checkpoint, quantization: Quantization):
+        self.ckpt, self.quantization, self.config = ckpt, quantization, ckpt.config
+        self._quantized = set(quantized_hf_names(ckpt.config))
+
+    def names(self) -> list[str]:
+        return self.ckpt.names()
+
+    def tensor(self, name: str) -> np.ndarray:
+        w = self.ckpt.tensor(name)
+        if name not in self._quantized:
+            return w
+        q = self.quantization
+        return np.ascontiguousarray(dequantize(quantize(w.T, q.bits, q.block)).T)
 
 
 @dataclass(frozen=True)

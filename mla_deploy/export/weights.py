@@ -25,19 +25,22 @@ class WeightsFile:
         self.path = Path(path)
         self._file = open(self.path, "wb")
         self._tensors: dict[str, ir.ExternalTensor] = {}
+        self.shapes: dict[str, tuple[int, int]] = {}  # float [K, N] of each quantized weight, for MatMulNBits' K and N
         self.nbytes = 0
 
     def tensor(self, name: str, make: Callable[[], np.ndarray]) -> ir.ExternalTensor:
         """The tensor called `name`, written on first use; `make` is not called again for a known name."""
         if name in self._tensors:
             return self._tensors[name]
-        array = np.asarray(make(), dtype=np.float32)
+        array = np.asarray(make())
+        if array.dtype != np.uint8:  # quantized codes stay bytes; every float weight is stored float32
+            array = array.astype(np.float32, copy=False)
         f = self._file
         f.write(b"\0" * (-f.tell() % ALIGN))
         offset = f.tell()
         _write_rows(f, array)
         self.nbytes = f.tell()
-        external = ir.ExternalTensor(self.path.name, offset, array.nbytes, ir.DataType.FLOAT,
+        external = ir.ExternalTensor(self.path.name, offset, array.nbytes, ir.DataType.from_numpy(array.dtype),
                                      shape=ir.Shape(array.shape), name=name, base_dir=self.path.parent)
         self._tensors[name] = external
         return external
@@ -54,7 +57,7 @@ class WeightsFile:
 
 
 def _write_rows(f, array: np.ndarray, block_bytes: int = 1 << 24) -> None:
-    """float32 little-endian, ONNX's external layout. A transposed view is laid out block by block of rows, so
+    """Little-endian, ONNX's external layout. A transposed view is laid out block by block of rows, so
     writing W^T costs one block of memory beyond W, not a second copy of W."""
     if array.flags.c_contiguous or array.ndim < 2:
         f.write(np.ascontiguousarray(array).data)

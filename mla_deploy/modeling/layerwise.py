@@ -38,7 +38,8 @@ def layerwise_logits(ckpt: Checkpoint, ids: torch.Tensor, kv_mask: torch.Tensor,
                      decode_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill logits [b, T, vocab] of right-padded prompts `ids` [b, T] (`lengths` [b] real tokens each), then the
     logits [b, steps, vocab] of decoding `decode_tokens` [b, steps] one at a time at slots lengths + step.
-    `kv_mask` [b, capacity >= T + steps] as the graphs take it."""
+    `kv_mask` [b, capacity >= T + steps] as the graphs take it. `ckpt` may be any reader with `config`, `names()`
+    and `tensor(name)`: verification of a quantized export passes export.quantize.DequantizedCheckpoint."""
     cfg = ckpt.config
     b, t = ids.shape
     steps = decode_tokens.shape[1]

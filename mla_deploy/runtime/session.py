@@ -43,9 +43,10 @@ class RuntimeOptions:
     optimization: str = "all"  # onnxruntime graph optimization level: disable, basic, extended, all
     log_severity: int = 3  # onnxruntime's own log: 0 verbose .. 3 errors only
     check_weights: str = "sampled"  # "full": hash every block of weights.bin at load (mla_deploy.integrity)
-    # onnxruntime's prepacking copies every MatMul weight into a per-session packed buffer: off, both sessions
-    # read the one memory-mapped weights.bin (README, "One copy of the weights").
-    prepack: bool = False
+    # onnxruntime's prepacking copies every MatMul weight into a per-session packed buffer. None (auto): off for a
+    # float export, so both sessions read the one memory-mapped weights.bin (README, "One copy of the weights");
+    # on for a quantized one, whose MatMulNBits runs ~60x slower unpacked (it dequantizes on every call).
+    prepack: bool | None = None
 
 
 _LEVELS = {
@@ -70,6 +71,7 @@ class ExportedModel:
         self.max_seq_len: int = int(self.manifest["max_seq_len"])
         self.providers = resolve_providers(self.options.provider, self.options.strict_provider)
         self.device = "cuda" if self.providers[0] == PROVIDERS["cuda"] else "cpu"
+        self.prepack = bool(self.manifest.get("quantization")) if self.options.prepack is None else self.options.prepack
         started = time.perf_counter()
         self.sessions = {kind: self._session(kind) for kind in graphs}
         self.load_seconds = time.perf_counter() - started
@@ -90,7 +92,7 @@ class ExportedModel:
         so.log_severity_level = self.options.log_severity
         so.graph_optimization_level = _LEVELS[self.options.optimization]
         so.intra_op_num_threads = self.options.threads
-        if not self.options.prepack:
+        if not self.prepack:
             so.add_session_config_entry("session.disable_prepacking", "1")
         try:
             session = ort.InferenceSession(str(path), so, providers=self.providers)
