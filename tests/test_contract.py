@@ -13,6 +13,7 @@ from mla_deploy import io_spec
 from mla_deploy.checkpoint import Checkpoint
 from mla_deploy.cli import main
 from mla_deploy.presets import DEMO_CHECKPOINT
+from mla_deploy.errors import ExportError
 from mla_deploy.export import ExportOptions, export
 from mla_deploy.export.absorb import AbsorbMode, resolve_absorb
 from mla_deploy.modeling import AttentionForm, load_model, new_caches
@@ -238,7 +239,40 @@ def test_verify_reports_every_step_of_a_right_export_and_passes(exported):
     assert report.lines[0].startswith("prefill  batch 3, lengths [13, 7, 3]") and report.rtol == 1e-4
     assert [line.split(":")[0] for line in report.lines[1:9]] == [f"decode   step {s:>3}" for s in range(1, 9)]
     assert report.lines[9] == "tokens   runtime greedy vs torch greedy: 24/24 agree"
+    assert report.lines[10] == f"PASS: tolerance {report.tolerance:.3e} (rtol 0.0001 x logit scale {report.logit_scale:.2f})"
     assert 0 < max(report.decode_max_abs) <= report.tolerance == 1e-4 * max(1.0, report.logit_scale)
+
+
+def test_verify_of_a_short_export_clips_the_prompts_and_states_its_tolerance(tmp_path):
+    """max_seq_len 16, 4 steps: prompts clipped to 16 - 4 - 1 = 11 tokens. Random weights of std 0.02 give logits
+    far below 1, so the tolerance is rtol x 1 (the floor), and the report says so."""
+    from mla_deploy.presets import preset_config, write_random_checkpoint
+
+    ckpt = write_random_checkpoint(preset_config("tiny-v3"), tmp_path / "ckpt", seed=0)
+    export(ckpt, tmp_path / "out", ExportOptions(max_seq_len=16))
+    report = verify_export(tmp_path / "out", steps=4)
+    again = verify_export(tmp_path / "out", steps=4)
+    assert report.lines == again.lines  # seeded prompts: the same report every time
+    assert report.lines[0].startswith("prefill  batch 3, lengths [11, 7, 3]")
+    assert report.logit_scale < 1 and report.tolerance == 1e-4
+    assert report.lines[-1] == "PASS: tolerance 1.000e-04 (rtol 0.0001 x logit scale 1.00)"
+    with pytest.raises(ExportError, match="--steps 15: too many for the export's maximum length 16"):
+        verify_export(tmp_path / "out", steps=15)
+
+
+def test_verify_refuses_another_checkpoint_and_a_short_generation(exported, checkpoint_dir, monkeypatch):
+    with pytest.raises(ExportError, match="checkpoint differs from the one .* was exported from"):
+        verify_export(exported(VARIANT), checkpoint_dir("v2_group_limited")[0])
+    generate = Generator.generate
+
+    def short(self, rows, steps):
+        result = generate(self, rows, steps)
+        result.token_ids[1] = result.token_ids[1][:-1]
+        return result
+
+    monkeypatch.setattr(Generator, "generate", short)
+    with pytest.raises(ExportError, match=r"the runtime generated \[8, 7, 8\] tokens per row, expected 8"):
+        verify_export(exported(VARIANT))
 
 
 def test_eval_exits_1_on_a_wrong_export(wrong_demo_export, tmp_path):
