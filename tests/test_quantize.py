@@ -85,3 +85,10 @@ def test_unsupported_bits_and_blocks_are_refused():
         quantize(w, 3, 32)
     with pytest.raises(ValueError, match="block=24"):
         quantize(w, 4, 24)
+
+
+def test_chunked_columns_quantize_as_one():
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((100, 37)).astype(np.float32)
+    whole, chunked = quantize(w, 4, 32), quantize(w, 4, 32, chunk_bytes=8 * 4 * 32 * 3)  # 3 columns per chunk
+    assert (whole.codes == chunked.codes).all() and (whole.scales == chunked.scales).all()

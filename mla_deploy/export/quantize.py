@@ -96,25 +96,38 @@ class QuantizedWeight:
         return self.codes.nbytes + self.scales.nbytes
 
 
-def quantize(w: np.ndarray, bits: int, block: int) -> QuantizedWeight:
-    """W [K, N] (float) -> codes and scales; the arithmetic in float64, scales stored as float32."""
+def quantize(w: np.ndarray, bits: int, block: int, chunk_bytes: int = 1 << 26) -> QuantizedWeight:
+    """W [K, N] (float) -> codes and scales; the arithmetic in float64, scales stored as float32. Columns are
+    quantized a chunk at a time (`chunk_bytes` of float64 work), so a vocabulary-sized head costs its codes, not
+    several float64 copies of itself."""
     if bits not in BITS:
         raise ValueError(f"bits={bits}: expected one of {BITS}")
     if block not in BLOCKS:
         raise ValueError(f"block={block}: expected one of {BLOCKS}")
     k, n = w.shape
     k_blocks = -(-k // block)
+    codes = np.empty((n, k_blocks, block * bits // 8), np.uint8)
+    scales = np.empty((n, k_blocks), np.float32)
+    step = max(1, chunk_bytes // (8 * k_blocks * block))
+    for start in range(0, n, step):
+        cols = slice(start, min(start + step, n))
+        codes[cols], scales[cols] = _quantize_columns(w[:, cols], bits, block, k_blocks)
+    return QuantizedWeight(codes, scales, bits, block, k)
+
+
+def _quantize_columns(w: np.ndarray, bits: int, block: int, k_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+    k, n = w.shape
     padded = np.zeros((k_blocks * block, n), np.float64)
     padded[:k] = w
-    blocks = padded.T.reshape(n, k_blocks, block)  # [K_pad, N] -> [N, k_blocks, B]
+    blocks = padded.T.reshape(n, k_blocks, block)  # [K_pad, n] -> [n, k_blocks, B]
     qmax = 2 ** (bits - 1) - 1
-    scales = (np.abs(blocks).max(axis=-1) / qmax).astype(np.float32)  # [N, k_blocks]
+    scales = (np.abs(blocks).max(axis=-1) / qmax).astype(np.float32)  # [n, k_blocks]
     safe = np.where(scales == 0, 1.0, scales.astype(np.float64))[..., None]  # an all-zero block codes as zero
-    q = np.clip(np.rint(blocks / safe), -qmax, qmax).astype(np.int16)  # [N, k_blocks, B]
+    q = np.clip(np.rint(blocks / safe), -qmax, qmax).astype(np.int16)  # [n, k_blocks, B]
     unsigned = (q + 2 ** (bits - 1)).astype(np.uint8)
     if bits == 4:
-        unsigned = unsigned[..., 0::2] | (unsigned[..., 1::2] << 4)  # [N, k_blocks, B/2]: low nibble first
-    return QuantizedWeight(np.ascontiguousarray(unsigned), scales, bits, block, k)
+        unsigned = unsigned[..., 0::2] | (unsigned[..., 1::2] << 4)  # [n, k_blocks, B/2]: low nibble first
+    return unsigned, scales
 
 
 def unpack_codes(qw: QuantizedWeight) -> np.ndarray:
