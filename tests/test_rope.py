@@ -8,20 +8,24 @@ from mla_deploy.config import MLAConfig
 from mla_deploy.presets import preset_config
 
 
-def yarn_config(**scaling) -> dict:
-    raw = {**preset_config("tiny-v3"), "max_position_embeddings": 256}
+def yarn_config(top: dict | None = None, **scaling) -> dict:
+    raw = {**preset_config("tiny-v3"), "max_position_embeddings": 256, **(top or {})}
     raw.pop("rope_parameters", None)
     raw["rope_scaling"] = {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, **scaling}
     return raw
 
 
-@pytest.mark.parametrize("scaling", [{}, {"mscale": 0.707, "mscale_all_dim": 0.707}, {"mscale": 1.0, "mscale_all_dim": 0.5},
-                                     {"beta_fast": 16, "beta_slow": 2}])
-def test_yarn_frequencies_and_attention_factor_match_transformers(scaling):
+@pytest.mark.parametrize("top, scaling", [
+    ({}, {}), ({}, {"mscale": 0.707, "mscale_all_dim": 0.707}), ({}, {"mscale": 1.0, "mscale_all_dim": 0.5}),
+    ({}, {"beta_fast": 16, "beta_slow": 2}),
+    ({"rope_theta": 10.0, "max_position_embeddings": 65536}, {"original_max_position_embeddings": 4096}),  # ramp clipped at d_r - 1
+    ({"rope_theta": 500000.0}, {"factor": 2.0, "beta_fast": 64}),
+])
+def test_yarn_frequencies_and_attention_factor_match_transformers(top, scaling):
     from transformers import DeepseekV3Config
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    raw = yarn_config(**scaling)
+    raw = yarn_config(top, **scaling)
     hf = DeepseekV3Config(**raw)
     inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
     cfg = MLAConfig.from_hf_dict(raw)
@@ -34,3 +38,4 @@ def test_without_mscale_fields_the_attention_factor_is_mscale_of_the_factor_alon
     assert rope.attention_factor(cfg) == pytest.approx(0.1 * np.log(8.0) + 1.0, rel=1e-12)
     assert rope.softmax_scale(cfg) == pytest.approx(cfg.qk_head_dim ** -0.5, rel=1e-12)  # no mscale_all_dim: unscaled
     assert rope.yarn_mscale(0.5, 3.0) == 1.0 and rope.yarn_mscale(1.0, 3.0) == 1.0  # no scaling at factor <= 1
+    assert rope.yarn_mscale(2.0, 3.0) == pytest.approx(0.3 * np.log(2.0) + 1.0, rel=1e-12)
