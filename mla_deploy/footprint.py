@@ -28,18 +28,19 @@ def parameter_counts(cfg: MLAConfig) -> dict[str, int]:
 
 
 def decode_read_bytes(cfg: MLAConfig, absorb: AbsorbMode | None, itemsize: float = F32,
-                      active_experts: int | None = None, quantized_itemsize: float | None = None) -> dict[str, int]:
+                      active_experts: int | None = None, quantized_itemsize: float | None = None,
+                      head_itemsize: float | None = None) -> dict[str, int]:
     """Weight bytes one decode token reads, by group: attention in the absorbed form `absorb` (None: the naive form,
     decompressing the cache), `active_experts` routed experts per MoE layer (default: num_experts_per_tok).
     `quantized_itemsize`: bytes per weight of what a quantized export stores as codes (export.quantize: every
-    linear weight but kv_b and the routers); the rest stays at `itemsize`."""
+    linear weight but kv_b and the routers; the head at `head_itemsize`); the rest stays at `itemsize`."""
     d, h = cfg.hidden_size, cfg.num_attention_heads
     dn, dr, dc, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
     k = cfg.num_experts_per_tok if active_experts is None else active_experts
     q_size = itemsize if quantized_itemsize is None else quantized_itemsize
     q_in = cfg.q_lora_rank or d
     groups = dict.fromkeys(("lm_head", "attention", "dense_mlp", "shared_experts", "routed_experts", "routers_and_norms"), 0.0)
-    groups["lm_head"] = cfg.vocab_size * d * (itemsize if cfg.tie_word_embeddings else q_size)
+    groups["lm_head"] = cfg.vocab_size * d * (q_size if head_itemsize is None else head_itemsize)
     groups["routers_and_norms"] = d * itemsize  # the final norm
     for layer in range(cfg.num_hidden_layers):
         projections = (d * q_in if cfg.q_lora_rank else 0) + d * (dc + dr) + q_in * h * (dn + dr) + h * dv * d  # q_a, kv_a, q, o

@@ -44,14 +44,19 @@ def inspect_path(path: str | Path) -> dict:
                "routed_experts": cfg.n_routed_experts, "experts_per_token": cfg.num_experts_per_tok,
                "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_position_embeddings},
         parameters=footprint.parameter_counts(cfg),
-        decode_read_bytes=footprint.decode_read_bytes(
-            cfg, absorb, itemsize, quantized_itemsize=Quantization(quantization["bits"], quantization["block"]).bytes_per_weight()
-            if quantization else None),
+        decode_read_bytes=footprint.decode_read_bytes(cfg, absorb, itemsize, **_quantized_sizes(quantization)),
         cache_bytes_per_token=cache,
         cache_bytes={kind: {str(ctx): {str(b): per_token * ctx * b for b in footprint.BATCHES} for ctx in footprint.CONTEXTS}
                      for kind, per_token in cache.items()},
     )
     return report
+
+
+def _quantized_sizes(q: dict | None) -> dict[str, float]:
+    if not q:
+        return {}
+    spec = Quantization(q["bits"], q["block"], q["accuracy_level"], q["head_bits"])
+    return {"quantized_itemsize": spec.bytes_per_weight(), "head_itemsize": spec.bytes_per_weight(spec.head_bits)}
 
 
 def _size(n: float) -> str:
@@ -73,7 +78,7 @@ def format_report(r: dict) -> list[str]:
              f"precision  {r['dtype']}; decode attention {r['absorb']}"]
     q = r.get("quantization")
     if q:
-        lines.append(f"quantized  int{q['bits']} weights ({q['quantized_weights']} tensors), blocks of {q['block']}, "
+        lines.append(f"quantized  int{q['bits']} weights, int{q['head_bits']} embedding and head ({q['quantized_weights']} tensors), blocks of {q['block']}, "
                      f"accuracy_level {q['accuracy_level']} ({q['method']}); float: {q['float']}")
     if r["kind"] == "export":
         lines.append(f"weights    {_size(r['weights_file_bytes'])} in weights.bin, max_seq_len {r['max_seq_len']}")

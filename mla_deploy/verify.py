@@ -64,7 +64,7 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
     source = ckpt
     if manifest.get("quantization"):  # compared with the weights it stands for: the checkpoint's, dequantized
         q = manifest["quantization"]
-        source = DequantizedCheckpoint(ckpt, Quantization(q["bits"], q["block"], q["accuracy_level"]))
+        source = DequantizedCheckpoint(ckpt, Quantization(q["bits"], q["block"], q["accuracy_level"], q["head_bits"]))
     lengths = tuple(min(n, model.max_seq_len - steps - 1) for n in lengths)
     if min(lengths) < 1:
         raise ExportError(f"--steps {steps}: too many for the export's maximum length {model.max_seq_len}")

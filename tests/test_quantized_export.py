@@ -61,8 +61,8 @@ def test_every_quantizable_weight_runs_through_matmulnbits(checkpoint_dir, quant
     cfg = Checkpoint(checkpoint_dir(variant)[0]).config
     assert manifest["quantization"]["bits"] == int(bits[3:]) and manifest["quantization"]["block"] == block
     assert manifest["quantization"]["quantized_weights"] == len(quantized_hf_names(cfg))
-    assert "model.embed_tokens.weight" not in quantized_hf_names(cfg)
-    assert ("lm_head.weight" in quantized_hf_names(cfg)) != cfg.tie_word_embeddings
+    assert "model.embed_tokens.weight" in quantized_hf_names(cfg)
+    assert ("lm_head.weight" in quantized_hf_names(cfg)) != cfg.tie_word_embeddings  # tied: it is the embedding
     for kind in ("prefill", "decode"):
         graph = onnx.load(str(out / f"{kind}.onnx"), load_external_data=False).graph
         nodes = []
@@ -79,11 +79,13 @@ def test_every_quantizable_weight_runs_through_matmulnbits(checkpoint_dir, quant
         assert nbits and all(n.domain == "com.microsoft" for n in nbits)
         float_weights = {i for n in nodes if n.op_type == "MatMul" for i in n.input[1:]}
         initializers = {i.name for i in graph.initializer}
-        # the float MatMul weights left are exactly kv_b (prefill), the routers, the per-head W^UK / W^UV and a tied head
+        # the float MatMul weights left are exactly kv_b (prefill), the routers and the per-head W^UK / W^UV
         left = sorted(w.split(".")[-1] for w in float_weights & initializers)
-        allowed = {"kv_b", "router", "uk", "uv", "lm_head"}
-        assert set(left) <= allowed, left
-        assert ("lm_head" in left) == cfg.tie_word_embeddings
+        assert set(left) <= {"kv_b", "router", "uk", "uv"}, left
+        gathers = [n for n in nodes if n.op_type in ("Gather", "GatherBlockQuantized") and n.input[0].startswith("embed")]
+        assert [n.op_type for n in gathers] == ["GatherBlockQuantized"]
+        head = [n for n in nbits if n.output[0] in {o.name for o in graph.output} or "embed" in n.input[1]]
+        assert (head[-1].input[1] == "embed.codes") == cfg.tie_word_embeddings  # a tied head reads the embedding's codes
 
 
 def test_quantized_weights_are_smaller_and_prepacked_at_run_time(checkpoint_dir, quantized, exported):

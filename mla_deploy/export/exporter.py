@@ -114,7 +114,7 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
         manifest = _manifest(cfg, mode, options, max_seq_len, source_hash, export_id, ckpt)
         manifest["quantization"] = None if quantization is None else {
             **quantization.to_dict(), "quantized_weights": len(quantized_hf_names(cfg)),
-            "float": "embedding, kv_b_proj, routers, norms, rope tables, per-head W^UK / W^UV" + (", tied head" if cfg.tie_word_embeddings else "")}
+            "float": "kv_b_proj, routers, norms, rope tables, per-head W^UK / W^UV"}
         manifest["weights"].update(bytes=(tmp / WEIGHTS_FILE).stat().st_size, block_bytes=integrity.BLOCK_BYTES,
                                    digest=integrity.DIGEST, block_digests=integrity.block_digests(tmp / WEIGHTS_FILE))
         for kind, model in graphs.items():

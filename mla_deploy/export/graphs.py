@@ -27,8 +27,7 @@ def decoder(g: layers.Graph, cfg: MLAConfig, t: layers.Tensors, max_seq_len: int
             on_layer: Callable[[int], None] = lambda i: None) -> ir.Value:
     """input_ids, position_ids -> logits [b, n, vocab]; on_layer(i) after each layer (weights written)."""
     op, eps = g.op, cfg.rms_norm_eps
-    embed = g.weight("embed", lambda: t("model.embed_tokens.weight"))
-    x = op.Gather(embed, inputs[io_spec.INPUT_IDS], axis=0)  # [b, T, d]
+    x = g.embedding(inputs[io_spec.INPUT_IDS], lambda: t("model.embed_tokens.weight"))  # [b, T, d]
     cos, sin = layers.rope_lookup(g, cfg, inputs[io_spec.POSITION_IDS], max_seq_len)  # [b, T, d_r/2]
     for i in range(cfg.num_hidden_layers):
         hf = f"model.layers.{i}."
@@ -46,9 +45,10 @@ def decoder(g: layers.Graph, cfg: MLAConfig, t: layers.Tensors, max_seq_len: int
         index = op.Expand(op.Unsqueeze(logits_positions, [-1]), [1, 1, cfg.hidden_size])  # [b, n] -> [b, n, 1] -> [b, n, d]
         x = op.GatherElements(x, index, axis=1)  # [b, n, d]
     x = layers.RMSNorm(g, "final_norm", "model.norm.weight", t, eps)(op, x)
+    if cfg.tie_word_embeddings and g.quantization:  # the head multiplies by the embedding's own codes
+        return layers.linear(g, op, x, "embed", lambda: t("model.embed_tokens.weight").T, head=True)  # [b, n, vocab]
     head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-    return layers.linear(g, op, x, "lm_head", lambda: t(head).T,
-                         quantizable=not cfg.tie_word_embeddings)  # [b, n, vocab]; a tied head is the float embedding
+    return layers.linear(g, op, x, "lm_head", lambda: t(head).T, head=True)  # [b, n, vocab]
 
 
 def build_graph(kind: str, cfg: MLAConfig, t: layers.Tensors, max_seq_len: int, absorb: AbsorbMode,

@@ -57,20 +57,38 @@ class Graph:
             self._values[name] = self.builder.initializer(self.weights.tensor(name, make), name=name, qualify=False)
         return self._values[name]
 
-    def quantized_weight(self, name: str, make: Callable[[], np.ndarray]) -> tuple[ir.Value, ir.Value, int, int]:
+    def quantized_weight(self, name: str, make: Callable[[], np.ndarray], bits: int) -> tuple[ir.Value, ir.Value, int, int]:
         """MatMulNBits' codes and scales for the float weight `make()` [K, N], quantized once; and K, N."""
         q = self.quantization
         made = {}
 
         def quantized():
             if "q" not in made:
-                made["q"] = quantize(make(), q.bits, q.block)
+                made["q"] = quantize(make(), bits, q.block)
                 self.weights.shapes[name] = (made["q"].k, made["q"].n)
             return made["q"]
 
         codes = self.weight(f"{name}.codes", lambda: quantized().codes)  # [N, k_blocks, B·bits/8] uint8
         scales = self.weight(f"{name}.scales", lambda: quantized().scales)  # [N, k_blocks]
         return (codes, scales, *self.weights.shapes[name])
+
+    def weight_view(self, name: str, of: str, shape: tuple[int, ...]) -> ir.Value:
+        """The written weight `of` reshaped to `shape` as the initializer `name`: the same bytes in weights.bin."""
+        if name not in self._values:
+            self._values[name] = self.builder.initializer(self.weights.view(name, of, shape), name=name, qualify=False)
+        return self._values[name]
+
+    def embedding(self, ids: ir.Value, make_vocab_by_d: Callable[[], np.ndarray]) -> ir.Value:
+        """ids [b, T] -> rows [b, T, d] of the embedding; quantized, GatherBlockQuantized over the codes a tied head's
+        MatMulNBits reads too (the quantized weight `embed` is Eᵀ [d, V]: one code row per token, blocks along d)."""
+        q = self.quantization
+        if q is None:
+            return self.op.Gather(self.weight("embed", make_vocab_by_d), ids, axis=0)
+        bits = q.head_bits
+        codes, scales, d, vocab = self.quantized_weight("embed", lambda: make_vocab_by_d().T, bits)
+        rows = self.weight_view("embed.rows", "embed.codes", (vocab, (d + -d % q.block) * bits // 8))  # [V, k_blocks·blob]
+        return self.op.GatherBlockQuantized(rows, ids, scales, gather_axis=0, quantize_axis=1, block_size=q.block,
+                                            bits=bits, _domain="com.microsoft")  # [b, T, d]
 
     def input(self, spec: io_spec.TensorSpec) -> ir.Value:
         return self.builder.input(spec.name, ir.DataType.from_numpy(np.dtype(spec.dtype)), list(spec.shape))
@@ -105,14 +123,17 @@ class RMSNorm:
         return op.RMSNormalization(x, weight, axis=-1, epsilon=self.eps)
 
 
-def linear(g: Graph, op, x: ir.Value, name: str, make_w_in_out: Callable[[], np.ndarray], quantizable: bool = True) -> ir.Value:
-    """x @ W with W stored [in, out]; through MatMulNBits when the export quantizes. Only weights that are a column
-    subset or permutation of an HF linear weight's transpose are `quantizable` (export.quantize.DequantizedCheckpoint)."""
+def linear(g: Graph, op, x: ir.Value, name: str, make_w_in_out: Callable[[], np.ndarray], quantizable: bool = True,
+           head: bool = False) -> ir.Value:
+    """x @ W with W stored [in, out]; through MatMulNBits when the export quantizes (the vocabulary `head` at
+    head_bits). Only weights that are a column subset or permutation of an HF weight's transpose are `quantizable`
+    (export.quantize.DequantizedCheckpoint)."""
     q = g.quantization
     if q is None or not quantizable:
         return op.MatMul(x, g.weight(name, make_w_in_out))
-    codes, scales, k, n = g.quantized_weight(name, make_w_in_out)
-    return op.MatMulNBits(x, codes, scales, K=k, N=n, bits=q.bits, block_size=q.block, accuracy_level=q.accuracy_level,
+    bits = q.head_bits if head else q.bits
+    codes, scales, k, n = g.quantized_weight(name, make_w_in_out, bits)
+    return op.MatMulNBits(x, codes, scales, K=k, N=n, bits=bits, block_size=q.block, accuracy_level=q.accuracy_level,
                           _domain="com.microsoft")
 
 

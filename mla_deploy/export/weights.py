@@ -45,6 +45,14 @@ class WeightsFile:
         self._tensors[name] = external
         return external
 
+    def view(self, name: str, of: str, shape: tuple[int, ...]) -> ir.ExternalTensor:
+        """The bytes of the written tensor `of` under another name and shape (no copy in the file)."""
+        if name not in self._tensors:
+            base = self._tensors[of]
+            self._tensors[name] = ir.ExternalTensor(base.location, base.offset, base.length, base.dtype,
+                                                    shape=ir.Shape(shape), name=name, base_dir=self.path.parent)
+        return self._tensors[name]
+
     def __enter__(self) -> "WeightsFile":
         return self
 
