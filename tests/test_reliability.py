@@ -431,3 +431,16 @@ def test_cli_provider_fallback_is_one_warning_line(exported):
     warned = [line for line in result.output.splitlines() if "CUDAExecutionProvider" in line]
     assert len(warned) == 1 and warned[0].startswith("warning: ") and "falling back to CPU" in warned[0]
     assert json.loads(result.output.strip().splitlines()[-1])["token_ids"]
+
+
+def test_timings_count_every_step_on_a_known_clock(model, monkeypatch):
+    """prefill_ms, decode_ms and decode tokens/s from the Generator's own clock reads: with a clock that advances
+    exactly 10 ms per read, each prefill and decode step measures 10 ms."""
+    from mla_deploy.runtime import generator as generator_module
+
+    ticks = iter(range(0, 10**6, 10))
+    monkeypatch.setattr(generator_module.time, "perf_counter", lambda: next(ticks) / 1e3)
+    result = Generator(model, stop_token_ids=(), chunk_size=64).generate([[5, 6, 7], [8, 9]], max_new_tokens=5)
+    steps = 4  # the first token comes from the prefill's logits
+    assert result.prefill_ms == pytest.approx(10.0) and result.decode_ms == pytest.approx(10.0 * steps)
+    assert result.decode_tokens == 2 * steps and result.decode_tokens_per_s == pytest.approx(2 * steps / (10.0 * steps / 1e3))
