@@ -8,8 +8,8 @@ from mla_deploy.config import MLAConfig
 from mla_deploy.presets import preset_config
 
 
-def yarn_config(top: dict | None = None, **scaling) -> dict:
-    raw = {**preset_config("tiny-v3"), "max_position_embeddings": 256, **(top or {})}
+def yarn_config(top: dict | None = None, preset: str = "tiny-v3", **scaling) -> dict:
+    raw = {**preset_config(preset), "max_position_embeddings": 256, **(top or {})}
     raw.pop("rope_parameters", None)
     raw["rope_scaling"] = {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, **scaling}
     return raw
@@ -18,15 +18,21 @@ def yarn_config(top: dict | None = None, **scaling) -> dict:
 @pytest.mark.parametrize("top, scaling", [
     ({}, {}), ({}, {"mscale": 0.707, "mscale_all_dim": 0.707}), ({}, {"mscale": 1.0, "mscale_all_dim": 0.5}),
     ({}, {"beta_fast": 16, "beta_slow": 2}),
-    ({"rope_theta": 10.0, "max_position_embeddings": 65536}, {"original_max_position_embeddings": 4096}),  # ramp clipped at d_r - 1
     ({"rope_theta": 500000.0}, {"factor": 2.0, "beta_fast": 64}),
+    # DeepSeek-V2-Lite's own rope (d_r 64, factor 40, original 4096): the ramp spans dims 10..23
+    ({"preset": "v2lite", "max_position_embeddings": 163840},
+     {"factor": 40, "original_max_position_embeddings": 4096, "mscale": 0.707, "mscale_all_dim": 0.707}),
+    # a ramp from dim 0 that the clip at d_r - 1 cuts short
+    ({"preset": "v2lite", "rope_theta": 10.0, "max_position_embeddings": 163840},
+     {"factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 1024, "beta_slow": 1}),
 ])
 def test_yarn_frequencies_and_attention_factor_match_transformers(top, scaling):
-    from transformers import DeepseekV3Config
+    from transformers import DeepseekV2Config
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    raw = yarn_config(top, **scaling)
-    hf = DeepseekV3Config(**raw)
+    top = dict(top)
+    raw = yarn_config(top, top.pop("preset", "tiny-v3"), **scaling)
+    hf = DeepseekV2Config(**raw)
     inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
     cfg = MLAConfig.from_hf_dict(raw)
     np.testing.assert_allclose(rope.inv_freq(cfg), inv_freq.numpy(), rtol=1e-6)
