@@ -23,7 +23,7 @@ BLOCK = 256  # slots added per growth step
 class CacheBuffers:
     """The per-layer caches of one generation (one batch of rows), owned by the caller's thread."""
 
-    def __init__(self, cfg: MLAConfig, batch: int, capacity: int, max_capacity: int, device: str = "cpu"):
+    def __init__(self, cfg: MLAConfig, batch: int, capacity: int, max_capacity: int, device: str):
         self.cfg, self.batch, self.device, self.max_capacity = cfg, batch, device, max_capacity
         self.capacity = 0
         self.arrays: dict[str, np.ndarray] = {}
