@@ -444,3 +444,28 @@ def test_timings_count_every_step_on_a_known_clock(model, monkeypatch):
     steps = 4  # the first token comes from the prefill's logits
     assert result.prefill_ms == pytest.approx(10.0) and result.decode_ms == pytest.approx(10.0 * steps)
     assert result.decode_tokens == 2 * steps and result.decode_tokens_per_s == pytest.approx(2 * steps / (10.0 * steps / 1e3))
+
+
+def test_cache_buffers_grow_in_blocks_and_refuse_beyond_the_export(model):
+    from mla_deploy.runtime.cache import BLOCK, CacheBuffers
+
+    caches = CacheBuffers(model.config, 2, 5, 3 * BLOCK, "cpu")
+    assert caches.capacity == BLOCK  # rounded up to a block
+    latent = caches.arrays[io_spec.past_latent(0)]
+    assert caches.ensure(BLOCK) is False and caches.arrays[io_spec.past_latent(0)] is latent  # enough: nothing reallocated
+    latent[:, :5] = 7.0
+    assert caches.ensure(BLOCK + 1) is True and caches.capacity == 2 * BLOCK  # one more block, contents kept
+    assert (caches.arrays[io_spec.past_latent(0)][:, :5] == 7.0).all()
+    assert caches.ensure(3 * BLOCK) is True and caches.capacity == 3 * BLOCK
+    with pytest.raises(InputError, match=f"sequence needs {3 * BLOCK + 1} cache slots, the export's maximum length is {3 * BLOCK}"):
+        caches.ensure(3 * BLOCK + 1)
+
+
+def test_decode_binding_is_reused_until_the_cache_grows(model):
+    gen = Generator(model, stop_token_ids=())
+    state = gen.new_state([np.array([5, 6, 7])])
+    gen.prefill(state, [[5, 6, 7]])
+    gen.decode_step(state, np.array([8]))
+    binding = state.decode_binding
+    gen.decode_step(state, np.array([9]))
+    assert state.decode_binding is binding  # the same capacity: bound once, not per step
