@@ -15,35 +15,25 @@ import subprocess
 import sys
 import time
 
-
-def rollup(pid: int) -> dict[str, int]:
-    values = {}
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                if key in ("Rss", "Pss", "Anonymous"):
-                    values[key] = int(rest.split()[0]) * 1024
-    except OSError:
-        pass
-    return values
+from mla_deploy.runtime.memory import resident_memory
 
 
 def main() -> int:
     command = sys.argv[sys.argv.index("--") + 1:] if "--" in sys.argv else sys.argv[1:]
     started = time.perf_counter()
     proc = subprocess.Popen(command)
-    peak = {"Rss": 0, "Pss": 0, "Anonymous": 0}
+    peak = {"pss": 0, "anonymous": 0}
     while True:
         pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
         if pid:
             break
-        for key, value in rollup(proc.pid).items():
-            peak[key] = max(peak[key], value)
+        memory = resident_memory(proc.pid)
+        if memory is not None:
+            peak = {key: max(value, getattr(memory, key)) for key, value in peak.items()}
         time.sleep(0.1)
     proc.returncode = os.waitstatus_to_exitcode(status)
     print(f"exit {proc.returncode}, {time.perf_counter() - started:.1f} s; peak RSS {usage.ru_maxrss / 2**20:.2f} GiB "
-          f"(ru_maxrss), sampled peaks: PSS {peak['Pss'] / 2**30:.2f} GiB, anonymous {peak['Anonymous'] / 2**30:.2f} GiB",
+          f"(ru_maxrss), sampled peaks: PSS {peak['pss'] / 2**30:.2f} GiB, anonymous {peak['anonymous'] / 2**30:.2f} GiB",
           file=sys.stderr)
     return proc.returncode
 

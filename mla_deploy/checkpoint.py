@@ -60,6 +60,11 @@ def expected_tensors(cfg: MLAConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def parameter_count(cfg: MLAConfig) -> int:
+    """Elements of every tensor a checkpoint for `cfg` holds."""
+    return sum(int(np.prod(shape)) for shape in expected_tensors(cfg).values())
+
+
 def _swiglu(prefix: str, d: int, inter: int) -> dict[str, tuple[int, ...]]:
     return {prefix + "gate_proj.weight": (inter, d), prefix + "up_proj.weight": (inter, d), prefix + "down_proj.weight": (d, inter)}
 

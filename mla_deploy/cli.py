@@ -139,7 +139,10 @@ def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_
         result["load"] = {"seconds": round(model.load_seconds, 3), "memory": memory.to_dict() if memory else None}
         click.echo(json.dumps(result))
         return
-    click.echo() if "text" in result else click.echo(" ".join(map(str, result["token_ids"])))
+    if "text" in result:
+        click.echo()  # the text streamed already; end its line
+    else:
+        click.echo(" ".join(map(str, result["token_ids"])))
     click.echo(f"[{len(result['token_ids'])} tokens, prefill {result['prefill_ms']:.1f} ms, decode "
                f"{result['decode_tokens_per_s']:.1f} tok/s; loaded in {model.load_seconds:.1f} s"
                + (f", {memory.describe()}" if memory else "") + "]", err=True)

@@ -5,9 +5,7 @@ MHA, GQA and MQA. Torch-free; `inspect` prints it and the benchmarks use it for 
 
 from __future__ import annotations
 
-import numpy as np
-
-from .checkpoint import expected_tensors
+from .checkpoint import parameter_count
 from .config import MLAConfig
 from .export.absorb import AbsorbMode, absorbed_weight_bytes
 
@@ -19,7 +17,7 @@ BATCHES = (1, 8)
 def parameter_counts(cfg: MLAConfig) -> dict[str, int]:
     """total: every weight; active: the weights multiplied for one token (the embedding row is a lookup, and
     only num_experts_per_tok of each MoE layer's routed experts run), as DeepSeek counts "activated" parameters."""
-    total = sum(int(np.prod(s)) for s in expected_tensors(cfg).values())
+    total = parameter_count(cfg)
     expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
     idle = sum(cfg.n_routed_experts - cfg.num_experts_per_tok for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
     embedding = cfg.vocab_size * cfg.hidden_size

@@ -55,7 +55,7 @@ def inspect_path(path: str | Path) -> dict:
 def _quantized_sizes(q: dict | None) -> dict[str, float]:
     if not q:
         return {}
-    spec = Quantization(q["bits"], q["block"], q["accuracy_level"], q["head_bits"])
+    spec = Quantization.from_dict(q)
     return {"quantized_itemsize": spec.bytes_per_weight(), "head_itemsize": spec.bytes_per_weight(spec.head_bits)}
 
 

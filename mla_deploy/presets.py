@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import expected_tensors
+from .checkpoint import expected_tensors, parameter_count
 from .config import MLAConfig
 from .errors import ConfigError
 from .progress import progress_bar
@@ -58,7 +58,7 @@ def preset_config(name: str, layers: int | None = None) -> dict:
 
 def checkpoint_bytes(cfg: MLAConfig, itemsize: int = 4) -> int:
     """Bytes of every tensor a checkpoint for `cfg` holds, at `itemsize` bytes per element."""
-    return sum(int(np.prod(shape)) for shape in expected_tensors(cfg).values()) * itemsize
+    return parameter_count(cfg) * itemsize
 
 
 def build_preset(name: str, out: str | Path, seed: int = 0, layers: int | None = None) -> Path:
@@ -81,11 +81,12 @@ def write_random_checkpoint(raw: dict, out: str | Path, seed: int = 0, source: s
     shapes = expected_tensors(cfg)
     shards = _shards(shapes, itemsize)
     std = raw.get("initializer_range", 0.02)
+    total = checkpoint_bytes(cfg, itemsize)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        with progress_bar(checkpoint_bytes(cfg, itemsize), source, "B") as advance:
+        with progress_bar(total, source, "B") as advance:
             for file, names in shards.items():
                 with SafetensorsWriter(tmp / file, {n: (stored, shapes[n]) for n in names}) as writer:
                     for name in writer.names:
@@ -93,7 +94,7 @@ def write_random_checkpoint(raw: dict, out: str | Path, seed: int = 0, source: s
                         advance(int(np.prod(shapes[name])) * itemsize)
         if len(shards) > 1:
             weight_map = {n: file for file, names in shards.items() for n in names}
-            index = {"metadata": {"total_size": checkpoint_bytes(cfg, itemsize)}, "weight_map": weight_map}
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         (tmp / "config.json").write_text(config_text)
     except BaseException:

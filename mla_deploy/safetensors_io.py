@@ -114,10 +114,8 @@ def float32_to_bf16(values: np.ndarray) -> np.ndarray:
     return (rounded >> 16).astype(np.uint16)
 
 
-def safetensors_dtype(dtype: str | np.dtype) -> str:
-    """'bfloat16' or a numpy dtype -> the header's dtype name (BF16, F32, ...)."""
-    if dtype == "bfloat16":
-        return "BF16"
+def safetensors_dtype(dtype: np.dtype) -> str:
+    """A numpy dtype -> the header's dtype name (F32, I64, ...)."""
     names = {np.dtype(v): k for k, v in _NUMPY_DTYPES.items()}
     return names[np.dtype(dtype)]
 

@@ -61,10 +61,9 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
     if ckpt.content_hash() != manifest["source"]["sha256"]:
         raise ExportError(f"{source}: checkpoint differs from the one {export_dir} was exported from (sha256 mismatch)")
     cfg = ckpt.config
-    source = ckpt
-    if manifest.get("quantization"):  # compared with the weights it stands for: the checkpoint's, dequantized
-        q = manifest["quantization"]
-        source = DequantizedCheckpoint(ckpt, Quantization(q["bits"], q["block"], q["accuracy_level"], q["head_bits"]))
+    quantization = manifest.get("quantization")
+    # a quantized export is compared with the weights it stands for: the checkpoint's, dequantized
+    reference = DequantizedCheckpoint(ckpt, Quantization.from_dict(quantization)) if quantization else ckpt
     lengths = tuple(min(n, model.max_seq_len - steps - 1) for n in lengths)
     if min(lengths) < 1:
         raise ExportError(f"--steps {steps}: too many for the export's maximum length {model.max_seq_len}")
@@ -83,9 +82,9 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
     tokens = np.array(generated, np.int64)  # [b, steps]
 
     # the graphs: prefill scores every position; decode steps are fed the generated tokens
-    feed = prefill_feed(cfg, ids, capacity)
-    mask = feed[io_spec.ATTENTION_MASK]
-    out = model.run(io_spec.PREFILL, feed)
+    prefill = prefill_feed(cfg, ids, capacity)
+    mask = prefill[io_spec.ATTENTION_MASK]
+    out = model.run(io_spec.PREFILL, prefill)
     prefill_logits, step_logits = out[io_spec.LOGITS], []
     for step in range(steps):
         slot = lens + step
@@ -97,7 +96,7 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
 
     # the torch source on the same inputs, one layer at a time
     ref_prefill, ref_steps = (t.numpy() for t in layerwise_logits(
-        source, torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(lens), torch.from_numpy(tokens)))
+        reference, torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(lens), torch.from_numpy(tokens)))
     valid = np.arange(longest)[None, :] < lens[:, None]
     prefill_diff = float(np.abs(prefill_logits - ref_prefill)[valid].max())
     report = VerifyReport(prefill_diff, [], 0.0, float(np.abs(ref_prefill[valid]).max()), rtol)
@@ -114,10 +113,10 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
     agree = int((chosen == tokens).sum())
     report.token_agreement = agree / (b * steps)
     report.lines.append(f"tokens   runtime greedy vs torch greedy: {agree}/{b * steps} agree")
-    if manifest.get("quantization"):  # as deployed: prepacked, with int8 activations at accuracy_level 4
-        deployed = ExportedModel(export_dir, RuntimeOptions(prepack=True)).run(io_spec.PREFILL, prefill_feed(cfg, ids, capacity))
+    if quantization:  # as deployed: prepacked, with int8 activations at accuracy_level 4
+        deployed = ExportedModel(export_dir, RuntimeOptions(prepack=True)).run(io_spec.PREFILL, prefill)
         drift = float(np.abs(deployed[io_spec.LOGITS] - prefill_logits)[valid].max())
-        report.lines.append(f"deployed prefill with prepacked MatMulNBits (accuracy_level {manifest['quantization']['accuracy_level']}): "
+        report.lines.append(f"deployed prefill with prepacked MatMulNBits (accuracy_level {quantization['accuracy_level']}): "
                             f"max |Δlogit| {drift:.3e} from the exact run (quality against the float model: mla-deploy eval)")
     report.lines.append(f"{'PASS' if report.passed else 'FAIL'}: tolerance {report.tolerance:.3e} "
                         f"(rtol {rtol:g} x logit scale {max(1.0, report.logit_scale):.2f})")

@@ -25,10 +25,10 @@ from ..checkpoint import Checkpoint
 from ..errors import ExportError
 from ..manifest import MANIFEST_FILE, MANIFEST_VERSION, TOKENIZER_FILES, WEIGHTS_FILE, file_sha256
 from .absorb import AbsorbMode, absorbed_weight_bytes, resolve_absorb
-from .graphs import build_graph, op_counts
-from .quantize import Quantization, quantized_hf_names
-from .layers import OPSET
 from ..progress import progress_bar
+from .graphs import build_graph, op_counts
+from .layers import OPSET
+from .quantize import Quantization, quantized_hf_names
 from .weights import WeightsFile
 
 Progress = Callable[[str], None]
@@ -115,7 +115,7 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
         manifest["quantization"] = None if quantization is None else {
             **quantization.to_dict(), "quantized_weights": len(quantized_hf_names(cfg)),
             "float": "kv_b_proj, routers, norms, rope tables, per-head W^UK / W^UV"}
-        manifest["weights"].update(bytes=(tmp / WEIGHTS_FILE).stat().st_size, block_bytes=integrity.BLOCK_BYTES,
+        manifest["weights"].update(bytes=weights.nbytes, block_bytes=integrity.BLOCK_BYTES,
                                    digest=integrity.DIGEST, block_digests=integrity.block_digests(tmp / WEIGHTS_FILE))
         for kind, model in graphs.items():
             progress(f"saving and checking {kind}.onnx")

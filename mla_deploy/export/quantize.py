@@ -44,15 +44,17 @@ class Quantization:
     def __post_init__(self):
         if self.head_bits not in BITS:
             raise ValueError(f"head_bits={self.head_bits}: expected one of {BITS}")
-        if self.bits not in BITS:
-            raise ValueError(f"bits={self.bits}: expected one of {BITS}")
-        if self.block not in BLOCKS:
-            raise ValueError(f"block={self.block}: expected one of {BLOCKS}")
+        _check(self.bits, self.block)
         if self.accuracy_level not in ACCURACY_LEVELS:
             raise ValueError(f"accuracy_level={self.accuracy_level}: expected one of {ACCURACY_LEVELS}")
 
     def to_dict(self) -> dict:
         return {"method": "MatMulNBits, block-wise symmetric", **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, recorded: dict) -> "Quantization":
+        """The spec an export's manifest records (`to_dict` plus what the exporter adds)."""
+        return cls(recorded["bits"], recorded["block"], recorded["accuracy_level"], recorded["head_bits"])
 
     def bytes_per_weight(self, bits: int | None = None) -> float:
         """Codes plus one float32 scale per block."""
@@ -100,19 +102,12 @@ class QuantizedWeight:
     def n(self) -> int:
         return self.codes.shape[0]
 
-    @property
-    def nbytes(self) -> int:
-        return self.codes.nbytes + self.scales.nbytes
-
 
 def quantize(w: np.ndarray, bits: int, block: int, chunk_bytes: int = 1 << 26) -> QuantizedWeight:
     """W [K, N] (float) -> codes and scales; the arithmetic in float64, scales stored as float32. Columns are
     quantized a chunk at a time (`chunk_bytes` of float64 work), so a vocabulary-sized head costs its codes, not
     several float64 copies of itself."""
-    if bits not in BITS:
-        raise ValueError(f"bits={bits}: expected one of {BITS}")
-    if block not in BLOCKS:
-        raise ValueError(f"block={block}: expected one of {BLOCKS}")
+    _check(bits, block)
     k, n = w.shape
     k_blocks = -(-k // block)
     codes = np.empty((n, k_blocks, block * bits // 8), np.uint8)
@@ -122,6 +117,13 @@ def quantize(w: np.ndarray, bits: int, block: int, chunk_bytes: int = 1 << 26) -
         cols = slice(start, min(start + step, n))
         codes[cols], scales[cols] = _quantize_columns(w[:, cols], bits, block, k_blocks)
     return QuantizedWeight(codes, scales, bits, block, k)
+
+
+def _check(bits: int, block: int) -> None:
+    if bits not in BITS:
+        raise ValueError(f"bits={bits}: expected one of {BITS}")
+    if block not in BLOCKS:
+        raise ValueError(f"block={block}: expected one of {BLOCKS}")
 
 
 def _quantize_columns(w: np.ndarray, bits: int, block: int, k_blocks: int) -> tuple[np.ndarray, np.ndarray]:

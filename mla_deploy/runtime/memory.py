@@ -1,4 +1,4 @@
-"""This process's resident memory, read from /proc/self/smaps_rollup (Linux; None elsewhere).
+"""A process's resident memory, read from /proc/PID/smaps_rollup (Linux; None elsewhere).
 
 PSS is the figure that says whether the weights are resident once: a page of weights.bin that both
 sessions map counts once in PSS (half per mapping) but twice in RSS, and a page shared with another
@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-_ROLLUP = Path("/proc/self/smaps_rollup")
 _FIELDS = {"Rss": "rss", "Pss": "pss", "Anonymous": "anonymous", "Pss_File": "file"}
 
 
@@ -29,9 +28,10 @@ class ResidentMemory:
                 f"{self.file / 1e9:.2f} GB mapped from files, {self.anonymous / 1e9:.2f} GB anonymous")
 
 
-def resident_memory() -> ResidentMemory | None:
+def resident_memory(pid: int | str = "self") -> ResidentMemory | None:
+    """Of this process, or of process `pid`; None where /proc/PID/smaps_rollup cannot be read."""
     try:
-        text = _ROLLUP.read_text()
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
     except OSError:
         return None
     values = {}
