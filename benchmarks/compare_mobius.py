@@ -24,7 +24,7 @@ import torch
 
 from mla_deploy import io_spec
 from mla_deploy.modeling import load_model, new_caches
-from mla_deploy.runtime import ExportedModel, Generator, RuntimeOptions
+from mla_deploy.runtime import ExportedModel, Generator, RuntimeOptions, SamplingParams
 from mla_deploy.runtime.feeds import prefill_feed
 
 
@@ -61,7 +61,7 @@ def main(mobius_path: str, export_dir: str, checkpoint: str, contexts=(128, 1024
     ours = ExportedModel(export_dir, RuntimeOptions(threads=2), graphs=("decode",))
     cfg = ours.config
     mob = mobius_session(mobius_path)
-    gen = Generator(ours, stop_token_ids=())
+    gen = Generator(ours, SamplingParams(), stop_token_ids=())
     rng = np.random.default_rng(0)
     print(f"{'ctx':>6} {'mla-deploy ms':>14} {'mobius-onnx ms':>15} {'ratio':>6}")
     for ctx in contexts:

@@ -24,11 +24,11 @@ OPTIONS = {"prepack": True, "mapped": False}
 
 CHILD = """
 import json, numpy as np, sys
-from mla_deploy.runtime import ExportedModel, Generator, RuntimeOptions
+from mla_deploy.runtime import ExportedModel, Generator, RuntimeOptions, SamplingParams
 from mla_deploy.runtime.memory import resident_memory
 model = ExportedModel(sys.argv[1], RuntimeOptions(prepack=sys.argv[2] == "True", threads=int(sys.argv[3])))
 out = {"load_s": model.load_seconds, "loaded": model.load_memory.to_dict()}
-gen = Generator(model, stop_token_ids=())
+gen = Generator(model, SamplingParams(), stop_token_ids=())
 prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, 512).tolist()
 state = gen.new_state([np.asarray(prompt)])
 gen.prefill(state, [prompt])

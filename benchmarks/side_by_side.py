@@ -15,9 +15,9 @@ POINTS = ("prefill 512", "decode ctx 128", "decode ctx 4096")
 
 def speed(models: dict, rounds: int = 5, warmup: int = 3) -> dict[str, dict[str, float]]:
     """{label: ExportedModel} -> {point: {label: median ms}}."""
-    from mla_deploy.runtime import Generator
+    from mla_deploy.runtime import Generator, SamplingParams
 
-    gens = {label: Generator(model, stop_token_ids=()) for label, model in models.items()}
+    gens = {label: Generator(model, SamplingParams(), stop_token_ids=()) for label, model in models.items()}
     rng = np.random.default_rng(0)
     vocab = next(iter(models.values())).config.vocab_size
     prompt = rng.integers(0, vocab, 512).tolist()

@@ -107,10 +107,11 @@ def export(checkpoint, out, absorb, dtype, max_seq_len, no_verify, steps, quanti
 @click.option("--prompt", default=None, help="Prompt text (needs the export's tokenizer).")
 @click.option("--prompt-ids", default=None, help="Prompt as comma-separated token ids, e.g. 1,2,3.")
 @click.option("-n", "--max-new-tokens", type=int, default=64, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
-@click.option("--top-k", type=int, default=0, show_default=True, help="Sample from the k likeliest tokens; 0 is off.")
-@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass; 1 is off.")
-@click.option("--repetition-penalty", type=float, default=1.0, show_default=True, help="1 is off; > 1 discourages repeats.")
+@click.option("--temperature", type=float, default=None, help="0 is greedy. Default for this and the next three: the "
+              "export's generation_config.json, else greedy with no filters.")
+@click.option("--top-k", type=int, default=None, help="Sample from the k likeliest tokens; 0 is off.")
+@click.option("--top-p", type=float, default=None, help="Nucleus sampling mass; 1 is off.")
+@click.option("--repetition-penalty", type=float, default=None, help="1 is off; > 1 discourages repeats.")
 @click.option("--seed", type=int, default=None, help="Seed for sampling (reproducible runs).")
 @click.option("--provider", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--threads", type=click.IntRange(min=0), default=0, show_default=True,
@@ -128,10 +129,12 @@ def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_
     from .runtime.complete import complete
 
     ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
-    sampling = SamplingParams(temperature, top_k, top_p, repetition_penalty, seed).validate()
+    given = dict(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty, seed=seed)
+    SamplingParams(**{k: v for k, v in given.items() if v is not None}).validate()  # bad flags fail before loading
     options = RuntimeOptions(provider=provider, threads=threads, check_weights="full" if check_weights else "sampled",
                              prepack=prepack)
     model = ExportedModel(export_dir, options)
+    sampling = model.generation.override(**given)
     memory = model.load_memory
     on_text = None if as_json else (lambda s: click.echo(s, nl=False))
     result = complete(model, prompt, ids, max_new_tokens, sampling, on_text)
@@ -229,6 +232,45 @@ def bench(quick, preset, checkpoint, contexts, batches, engines, steps, threads,
     click.echo(table(result))
     json_path, png = save(result, out, "quick" if quick else "results")
     click.echo(f"saved {json_path}" + (f" and {png}" if png else ""))
+
+
+@main.command()
+@click.argument("export_dir", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Interface to bind (0.0.0.0: every interface).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--max-batch", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Cache rows: requests decoded together in one batch.")
+@click.option("--max-queue", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Requests waiting for a row before new ones get 429 with Retry-After.")
+@click.option("--prefill-chunk", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Prompt tokens prefilled per scheduler step, between decode steps of the running requests.")
+@click.option("--api-key", default=None, envvar="MLA_DEPLOY_API_KEY",
+              help="Require Authorization: Bearer KEY on every route but /health (or set MLA_DEPLOY_API_KEY).")
+@click.option("--model-name", default=None, help="The model id clients send (default: the export directory's name).")
+@click.option("--threads", type=click.IntRange(min=0), default=0, show_default=True,
+              help="onnxruntime threads per graph (0: one per physical core).")
+@click.option("--prepack/--no-prepack", default=True, show_default=True,
+              help="Prepacked MatMul weights: faster batched steps, a second copy of the weights per graph.")
+@click.option("--ray-replicas", type=click.IntRange(min=1), default=None,
+              help="Serve N replicas on Ray Serve (the 'ray' extra) instead of one process.")
+def serve(export_dir, host, port, max_batch, max_queue, prefill_chunk, api_key, model_name, threads, prepack,
+          ray_replicas):
+    """Serve EXPORT_DIR over HTTP with OpenAI's completions and chat routes, batching requests continuously."""
+    from .runtime import RuntimeOptions
+
+    options = RuntimeOptions(threads=threads, prepack=prepack)
+    if ray_replicas is not None:
+        from .serve.ray import serve_on_ray
+
+        serve_on_ray(export_dir, ray_replicas, host, port, max_batch, max_queue, api_key, model_name, options)
+        return
+    from .serve.server import build_service
+    from .serve.server import serve as run_server
+
+    service = build_service(export_dir, max_batch, max_queue, api_key, model_name, options, prefill_chunk)
+    click.echo(f"serving {service.model_name!r} on http://{host}:{port}/v1 (max batch {max_batch}, "
+               f"max queue {max_queue}{', API key required' if api_key else ''})", err=True)
+    run_server(service, host, port)
 
 
 @main.command()

@@ -26,7 +26,7 @@ from .checkpoint import Checkpoint
 from .errors import ExportError
 from .export.quantize import DequantizedCheckpoint, Quantization
 from .modeling.layerwise import layerwise_logits
-from .runtime import ExportedModel, Generator, RuntimeOptions
+from .runtime import ExportedModel, Generator, RuntimeOptions, SamplingParams
 from .runtime.feeds import prefill_feed
 
 DEFAULT_RTOL = 1e-4
@@ -76,7 +76,8 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
     lens = np.array(lengths, np.int64)
 
     # the runtime end to end: in-place caches, chunked prefill, greedy sampling
-    generated = Generator(model, chunk_size=max(1, longest // 2), stop_token_ids=()).generate(rows, steps).token_ids
+    greedy = Generator(model, SamplingParams(), chunk_size=max(1, longest // 2), stop_token_ids=())
+    generated = greedy.generate(rows, steps).token_ids
     if any(len(g) != steps for g in generated):
         raise ExportError(f"the runtime generated {[len(g) for g in generated]} tokens per row, expected {steps}")
     tokens = np.array(generated, np.int64)  # [b, steps]

@@ -17,7 +17,7 @@ from mla_deploy.errors import ExportError
 from mla_deploy.export import ExportOptions, export
 from mla_deploy.export.absorb import AbsorbMode, resolve_absorb
 from mla_deploy.modeling import AttentionForm, load_model, new_caches
-from mla_deploy.runtime import ExportedModel, Generator, TextStream, Tokenizer
+from mla_deploy.runtime import ExportedModel, Generator, SamplingParams, TextStream, Tokenizer
 from mla_deploy.runtime.complete import complete
 from mla_deploy.runtime.feeds import empty_caches
 from mla_deploy.verify import verify_export
@@ -299,6 +299,7 @@ def test_complete_streams_the_prompt_then_exactly_the_completion(tmp_path_factor
     out = tmp_path_factory.mktemp("demo-text") / "export"
     export(DEMO_CHECKPOINT, out)
     pieces = []
-    result = complete(ExportedModel(out), prompt="class Stack:\n", max_new_tokens=24, on_text=pieces.append)
+    result = complete(ExportedModel(out), prompt="class Stack:\n", max_new_tokens=24, sampling=SamplingParams(),
+                      on_text=pieces.append)
     assert pieces[0] == "class Stack:\n"
     assert "".join(pieces[1:]) == result["text"] and len(result["token_ids"]) == 24

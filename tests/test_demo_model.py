@@ -9,7 +9,7 @@ import torch
 from mla_deploy.presets import DEMO_CHECKPOINT
 from mla_deploy.evaluate import evaluate
 from mla_deploy.modeling import load_model, new_caches
-from mla_deploy.runtime import ExportedModel, Tokenizer
+from mla_deploy.runtime import ExportedModel, SamplingParams, Tokenizer
 from mla_deploy.runtime.complete import complete
 from mla_deploy.verify import verify_export
 
@@ -61,7 +61,8 @@ def test_model_card_heldout_loss_is_reproduced_by_eval(demo_export):
 
 
 def test_demo_completes_python_like_text(demo_export):
-    out = complete(ExportedModel(demo_export), prompt="import os\n\n\ndef ", max_new_tokens=48)
+    out = complete(ExportedModel(demo_export), prompt="import os\n\n\ndef ", max_new_tokens=48,
+                   sampling=SamplingParams())  # greedy (the export's generation_config.json samples)
     text = out["text"]
     assert len(out["token_ids"]) == 48
     assert re.match(r"\w+\([\w, =*]*\):\n    \S", text), text  # a signature, then an indented body

@@ -60,13 +60,13 @@ class OnnxEngine:
         self.name, self.directory, self.threads = name, directory, threads
 
     def load(self, graphs=("prefill", "decode")):
-        from ..runtime import ExportedModel, Generator, RuntimeOptions
+        from ..runtime import ExportedModel, Generator, RuntimeOptions, SamplingParams
 
         # prepacked weights, as the decompressed-cache baseline's sessions have them: the fastest steps onnxruntime
         # gives, the same for every ONNX engine (`run` defaults to one mapped copy instead: README, "One copy")
         self.model = ExportedModel(self.directory, RuntimeOptions(threads=self.threads, prepack=True), graphs=graphs)
         self.cfg: MLAConfig = self.model.config
-        self.gen = Generator(self.model, stop_token_ids=())
+        self.gen = Generator(self.model, SamplingParams(), stop_token_ids=())
         self.absorb = AbsorbMode(self.model.manifest["absorb"])
 
     def prefill_tokens_per_s(self, n: int) -> float:

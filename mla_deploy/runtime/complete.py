@@ -13,9 +13,10 @@ from .text import TextStream, Tokenizer
 
 
 def complete(model: ExportedModel, prompt: str | None = None, prompt_ids: list[int] | None = None,
-             max_new_tokens: int = 64, sampling: SamplingParams = SamplingParams(),
+             max_new_tokens: int = 64, sampling: SamplingParams | None = None,
              on_text: Callable[[str], None] | None = None) -> dict:
-    """Generate from text (needs the export's tokenizer) or ids; `on_text` receives text as it is generated."""
+    """Generate from text (needs the export's tokenizer) or ids; `on_text` receives text as it is generated.
+    sampling defaults to the export's generation_config.json (model.generation)."""
     tokenizer = Tokenizer.from_export(model.directory, model.manifest)
     if (prompt is None) == (prompt_ids is None):
         raise InputError("give exactly one of a text prompt or prompt token ids")

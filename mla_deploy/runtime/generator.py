@@ -58,15 +58,16 @@ class _State:
 class Generator:
     """Generates from an ExportedModel. Holds no per-generation state: one Generator serves many threads."""
 
-    def __init__(self, model: ExportedModel, sampling: SamplingParams = SamplingParams(), chunk_size: int = 512,
+    def __init__(self, model: ExportedModel, sampling: SamplingParams | None = None, chunk_size: int = 512,
                  stop_token_ids: Sequence[int] | None = None):
+        """sampling and stop_token_ids default to the export's generation_config.json (model.generation), whose
+        eos ids default to the model config's."""
         self.model = model
-        self.sampling = sampling.validate()
+        self.sampling = (model.generation.sampling if sampling is None else sampling).validate()
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise InputError(f"chunk_size={chunk_size!r}: must be a positive integer")
         self.chunk_size = chunk_size
-        cfg = model.config
-        self.stop_token_ids = set(cfg.eos_token_id if stop_token_ids is None else stop_token_ids)
+        self.stop_token_ids = set(model.stop_token_ids if stop_token_ids is None else stop_token_ids)
 
     # ---- public ----
     def generate(self, prompts, max_new_tokens: int) -> GenerationResult:

@@ -13,6 +13,7 @@ from .. import integrity, io_spec
 from ..config import MLAConfig
 from ..errors import ExportLoadError, InputError, ProviderError
 from ..manifest import check_files, read_manifest
+from .chat import GenerationDefaults
 from .feeds import check_feed
 from .memory import ResidentMemory, resident_memory
 
@@ -71,6 +72,8 @@ class ExportedModel:
         self.max_seq_len: int = int(self.manifest["max_seq_len"])
         self.providers = resolve_providers(self.options.provider, self.options.strict_provider)
         self.device = "cuda" if self.providers[0] == PROVIDERS["cuda"] else "cpu"
+        self.generation = GenerationDefaults.from_export(self.directory)  # generation_config.json's defaults
+        self.stop_token_ids: tuple[int, ...] = self.generation.eos_token_ids or tuple(self.config.eos_token_id)
         self.prepack = bool(self.manifest.get("quantization")) if self.options.prepack is None else self.options.prepack
         started = time.perf_counter()
         self.sessions = {kind: self._session(kind) for kind in graphs}

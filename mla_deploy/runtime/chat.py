@@ -1,0 +1,123 @@
+"""Chat templates and generation defaults, read from an export the way transformers reads a checkpoint.
+
+- `tokenizer_config.json`'s `chat_template` (a Jinja template) is rendered in a sandboxed, immutable
+  Jinja environment with `messages`, `add_generation_prompt`, `bos_token`, `eos_token`, and the
+  helpers transformers provides (`raise_exception`, `strftime_now`); `tojson` keeps non-ASCII text.
+- `generation_config.json` gives the defaults of `run`, `serve` and the Python API: eos ids (stop ids),
+  and when `do_sample` is true its temperature / top_p / top_k; repetition_penalty either way. A flag
+  or a request field overrides them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from ..errors import ExportLoadError, InputError, read_json
+from .sampling import SamplingParams
+
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    sampling: SamplingParams = SamplingParams()
+    eos_token_ids: tuple[int, ...] = ()  # empty: the model config's
+
+    @classmethod
+    def from_export(cls, directory: str | Path) -> "GenerationDefaults":
+        path = Path(directory) / "generation_config.json"
+        if not path.is_file():
+            return cls()
+        g = read_json(path, ExportLoadError, "generation config")
+        eos = g.get("eos_token_id")
+        eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        params = {}
+        if g.get("do_sample"):
+            params = {k: g[k] for k in ("temperature", "top_p", "top_k") if g.get(k) is not None}
+            params.setdefault("temperature", 1.0)  # transformers' default when sampling
+        if g.get("repetition_penalty") is not None:
+            params["repetition_penalty"] = g["repetition_penalty"]
+        try:
+            sampling = SamplingParams(**params).validate()
+        except InputError as e:
+            raise ExportLoadError(f"{path}: {e}") from None
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in eos):
+            raise ExportLoadError(f"{path}: eos_token_id {g.get('eos_token_id')!r} must be an integer or a list of them")
+        return cls(sampling, eos)
+
+    def override(self, **fields) -> SamplingParams:
+        """These defaults with the fields a caller set (None: not set) replaced, validated."""
+        base = self.sampling
+        merged = {k: getattr(base, k) for k in ("temperature", "top_k", "top_p", "repetition_penalty", "seed")}
+        merged.update({k: v for k, v in fields.items() if v is not None})
+        return SamplingParams(**merged).validate()
+
+
+class ChatTemplate:
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self._template = env.from_string(source)
+        except TemplateError as e:
+            raise ExportLoadError(f"chat_template does not parse: {e}") from None
+        self.bos_token, self.eos_token = bos_token, eos_token
+
+    @classmethod
+    def from_export(cls, directory: str | Path) -> "ChatTemplate | None":
+        path = Path(directory) / "tokenizer_config.json"
+        if not path.is_file():
+            return None
+        cfg = read_json(path, ExportLoadError, "tokenizer config")
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+            template = {t.get("name"): t.get("template") for t in template}.get("default")
+        if not template:
+            return None
+        return cls(template, _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token")))
+
+    def render(self, messages, add_generation_prompt: bool = True) -> str:
+        from jinja2 import TemplateError
+
+        check_messages(messages)
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token, eos_token=self.eos_token)
+        except _TemplateRaised as e:
+            raise InputError(f"chat template refused the messages: {e}") from None
+        except TemplateError as e:
+            raise InputError(f"chat template failed on these messages: {e}") from None
+
+
+def check_messages(messages) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise InputError("messages: expected a non-empty list of {role, content} objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise InputError(f"messages[{i}]: expected an object with role and content")
+        if m.get("role") not in ROLES:
+            raise InputError(f"messages[{i}].role: {m.get('role')!r}, expected one of {', '.join(ROLES)}")
+        if not isinstance(m.get("content"), str):
+            raise InputError(f"messages[{i}].content: expected a string")
+
+
+class _TemplateRaised(Exception):
+    pass
+
+
+def _raise_exception(message):
+    raise _TemplateRaised(message)
+
+
+def _token_text(token) -> str:
+    if isinstance(token, dict):  # AddedToken serialised: {"content": "<s>", ...}
+        return token.get("content", "")
+    return token or ""

@@ -1,0 +1,150 @@
+"""The scheduler on its own thread, for asyncio apps: `submit()` returns an async iterator of events.
+
+    engine = Engine(ExportedModel("out/demo"), max_batch=16)
+    async for event in engine.submit(prompt_ids, max_new_tokens=32, sampling=SamplingParams(seed=0)):
+        ...  # TokenEvent per token, then one Finished
+
+The scheduler thread steps while any request is queued or running and sleeps otherwise. Events cross
+to the submitting event loop with `call_soon_threadsafe`. Leaving the `async for` early (a client that
+went away) cancels the request: its row is freed within one scheduler step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Sequence
+
+from .scheduler import Finished, QueueFull, Request, Scheduler, TokenEvent
+from .sampling import SamplingParams
+from .session import ExportedModel
+
+__all__ = ["Engine", "EngineStats", "Finished", "Histogram", "QueueFull", "TokenEvent"]
+
+
+class Histogram:
+    """Cumulative counts over fixed upper bounds (seconds), with sum and count: Prometheus' histogram."""
+
+    BOUNDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+    def __init__(self):
+        self.counts = [0] * len(self.BOUNDS)  # counts[i]: observations <= BOUNDS[i]
+        self.sum, self.count = 0.0, 0
+
+    def observe(self, seconds: float) -> None:
+        for i, bound in enumerate(self.BOUNDS):
+            if seconds <= bound:
+                self.counts[i] += 1
+        self.sum += seconds
+        self.count += 1
+
+
+@dataclass
+class EngineStats:
+    """What the scheduler cannot see: requests accepted and refused, time to first token and between tokens,
+    as the submitter receives them."""
+    requests: int = 0
+    rejected: int = 0
+    ttft: Histogram = field(default_factory=Histogram)
+    inter_token: Histogram = field(default_factory=Histogram)
+
+
+class Engine:
+    def __init__(self, model: ExportedModel, max_batch: int = 16, max_queue: int = 256, prefill_chunk: int = 256,
+                 prefill_budget: int | None = None):
+        self.model = model
+        self.scheduler = Scheduler(model, max_batch, max_queue, prefill_chunk, prefill_budget)
+        self.stats = EngineStats()
+        self._lock = threading.Condition()
+        self._inbox: list[Request] = []
+        self._closed = False
+        self.error: BaseException | None = None  # set if the scheduler thread died: the engine is unusable
+        self._thread = threading.Thread(target=self._loop, name="mla-deploy-scheduler", daemon=True)
+        self._thread.start()
+
+    # ---- public ----
+    def submit(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams | None = None,
+               stop_token_ids: Sequence[int] | None = None, logprobs: int = 0) -> AsyncIterator[TokenEvent | Finished]:
+        """Queue a request; raises InputError (bad prompt or parameters) or QueueFull before anything runs.
+        sampling and stop_token_ids default to the export's generation_config.json (model.generation).
+        Must be called from the event loop that consumes the returned iterator."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        sampling = self.model.generation.sampling if sampling is None else sampling
+        stops = self.model.stop_token_ids if stop_token_ids is None else stop_token_ids
+        request = Request(list(prompt_ids), max_new_tokens, lambda e: loop.call_soon_threadsafe(queue.put_nowait, e),
+                          sampling.validate(), frozenset(int(t) for t in stops), logprobs)
+        request.prompt_ids = self.scheduler.check(request.prompt_ids, max_new_tokens)
+        with self._lock:
+            if self.error is not None or self._closed:
+                raise RuntimeError("the engine is stopped" + (f" ({self.error!r})" if self.error else ""))
+            if len(self._inbox) + len(self.scheduler.waiting) >= self.scheduler.max_queue:
+                self.stats.rejected += 1
+                raise QueueFull(f"{self.queue_depth} requests are waiting (max_queue {self.scheduler.max_queue})")
+            self._inbox.append(request)
+            self.stats.requests += 1
+            self._lock.notify()
+        return self._events(request, queue)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._inbox) + len(self.scheduler.waiting)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._lock.notify()
+        self._thread.join()
+
+    # ---- internals ----
+    async def _events(self, request: Request, queue: asyncio.Queue) -> AsyncIterator[TokenEvent | Finished]:
+        last, finished = None, False
+        try:
+            while True:
+                event = await queue.get()
+                if isinstance(event, _Failed):
+                    raise RuntimeError(f"the scheduler failed: {event.error!r}")
+                now = time.perf_counter()
+                if isinstance(event, TokenEvent):
+                    if last is None:
+                        self.stats.ttft.observe(now - request.submitted_at)
+                    else:
+                        self.stats.inter_token.observe(now - last)
+                    last = now
+                finished = isinstance(event, Finished)
+                yield event
+                if finished:
+                    return
+        finally:
+            if not finished:  # the consumer left early (a client gone): free the row
+                self.cancel(request)
+
+    def cancel(self, request: Request) -> None:
+        with self._lock:
+            request.cancelled = True
+            self._lock.notify()
+
+    def _loop(self) -> None:
+        scheduler = self.scheduler
+        try:
+            while True:
+                with self._lock:
+                    while not self._closed and not self._inbox and not scheduler.has_work():
+                        self._lock.wait()
+                    if self._closed:
+                        return
+                    for request in self._inbox:
+                        scheduler.add(request)
+                    self._inbox.clear()
+                scheduler.step()
+        except BaseException as e:  # a bug or onnxruntime failure: fail every request instead of hanging them
+            self.error = e
+            for request in list(scheduler.waiting) + scheduler.running + self._inbox:
+                request.emit(_Failed(e))
+
+
+@dataclass
+class _Failed:
+    error: BaseException

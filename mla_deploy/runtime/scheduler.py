@@ -1,0 +1,281 @@
+"""Continuous batching over one batched latent cache: plain Python over the runtime, no HTTP, no threads.
+
+The scheduler owns `max_batch` cache rows (one CacheBuffers of [max_batch, capacity, width] per layer)
+and the two sessions. Each `step()`:
+  1. drops cancelled requests (a client gone frees its row here, within one step);
+  2. admits queued requests into free rows (lowest row first, so the occupied rows stay a prefix);
+  3. prefills admitted prompts chunk by chunk, at most `prefill_budget` tokens per step, so a long
+     prompt is spread over several steps while the running streams keep decoding between them;
+     every chunk is a batch-1 prefill into that row's slice of the cache, `prefill_chunk` tokens from
+     a fixed boundary, so a prompt's numbers do not depend on what else is running;
+  4. decodes one token for every running row in one decode call over rows [0, hi), where hi is one past
+     the highest occupied row. A row that is not decoding (free, or still prefilling) rides along with a
+     pad token written at its own length: its next prefill chunk or first decode overwrites that slot
+     before any query can see it (attention is causal on slots, as in the Generator).
+Rows share the cache capacity, which grows by CacheBuffers.BLOCK slots to the longest row's need and
+never past the export's maximum length; a request that could not fit is refused when submitted.
+
+Each request carries its own SamplingParams and random generator (its seed), stop ids and token budget.
+Events go to the request's `emit` callback from inside `step()`: TokenEvent per token, then Finished.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+import onnxruntime as ort
+
+from .. import io_spec
+from ..errors import InputError, MLADeployError
+from .cache import CacheBuffers
+from .sampling import SamplingParams, sample
+from .session import ExportedModel
+
+
+class QueueFull(MLADeployError):
+    """More requests are waiting than the scheduler's max_queue: try again later."""
+
+
+@dataclass
+class TokenEvent:
+    token: int
+    logprob: float | None = None  # log-probability of `token` under the model (when logprobs were asked for)
+    top_logprobs: list[tuple[int, float]] | None = None  # the k likeliest tokens and their log-probabilities
+
+
+@dataclass
+class Finished:
+    reason: str  # "stop" (a stop id), "length" (max_new_tokens), "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    emit: Callable[[TokenEvent | Finished], None]
+    sampling: SamplingParams = SamplingParams()
+    stop_token_ids: frozenset[int] = frozenset()
+    logprobs: int = 0  # top log-probabilities per token; 0: none
+    id: int = field(default_factory=itertools.count().__next__)
+    # scheduler state
+    row: int | None = None
+    prefilled: int = 0
+    generated: list[int] = field(default_factory=list)
+    pending: int | None = None  # the last sampled token, not yet in the cache
+    history: np.ndarray | None = None
+    rng: np.random.Generator | None = None
+    cancelled: bool = False
+    submitted_at: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    decode_steps: int = 0
+    decoded_rows: int = 0  # sum over decode steps of the rows that produced a token (batch occupancy)
+    prefill_tokens: int = 0
+    generated_tokens: int = 0
+    finished: dict = field(default_factory=lambda: {"stop": 0, "length": 0, "cancelled": 0})
+
+
+class Scheduler:
+    def __init__(self, model: ExportedModel, max_batch: int = 16, max_queue: int = 256, prefill_chunk: int = 256,
+                 prefill_budget: int | None = None):
+        if model.device != "cpu":
+            raise InputError("the scheduler runs on the CPU provider only (its cache rows are numpy views)")
+        for name, value in (("max_batch", max_batch), ("max_queue", max_queue), ("prefill_chunk", prefill_chunk)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InputError(f"{name}={value!r}: must be a positive integer")
+        self.model, self.max_batch, self.max_queue, self.prefill_chunk = model, max_batch, max_queue, prefill_chunk
+        self.prefill_budget = prefill_chunk if prefill_budget is None else prefill_budget
+        if self.prefill_budget < 1:
+            raise InputError(f"prefill_budget={prefill_budget!r}: must be a positive integer")
+        self.caches = CacheBuffers(model.config, max_batch, 1, model.max_seq_len, "cpu")
+        self.lengths = np.zeros(max_batch, np.int64)  # tokens held in each row's cache
+        self.rows: list[Request | None] = [None] * max_batch
+        self.waiting: deque[Request] = deque()
+        self.stats = SchedulerStats()
+        self._decode: _DecodeBinding | None = None
+
+    # ---- requests ----
+    def check(self, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
+        """The prompt as ints, or InputError naming what is wrong (vocabulary, length limit)."""
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+            raise InputError(f"max_new_tokens={max_new_tokens!r}: must be a positive integer")
+        if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
+            raise InputError("prompt: empty; a prompt needs at least one token")
+        vocab, limit = self.model.config.vocab_size, self.model.max_seq_len
+        for i, t in enumerate(prompt_ids):
+            if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise InputError(f"prompt position {i}: token id {t!r} is not in the vocabulary [0, {vocab})")
+        if len(prompt_ids) + max_new_tokens > limit:
+            raise InputError(f"{len(prompt_ids)} prompt tokens + {max_new_tokens} new tokens = "
+                             f"{len(prompt_ids) + max_new_tokens} exceeds the export's maximum length {limit}")
+        return [int(t) for t in prompt_ids]
+
+    def add(self, request: Request) -> None:
+        request.prompt_ids = self.check(request.prompt_ids, request.max_new_tokens)
+        request.sampling.validate()
+        if len(self.waiting) >= self.max_queue:
+            raise QueueFull(f"{len(self.waiting)} requests are waiting (max_queue {self.max_queue})")
+        request.history = np.asarray(request.prompt_ids, np.int64)
+        request.rng = np.random.default_rng(request.sampling.seed)
+        self.waiting.append(request)
+
+    def cancel(self, request: Request) -> None:
+        """Mark a request cancelled; the next step frees its row (or drops it from the queue)."""
+        request.cancelled = True
+
+    @property
+    def running(self) -> list[Request]:
+        return [r for r in self.rows if r is not None]
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(r is not None for r in self.rows)
+
+    # ---- the step ----
+    def step(self) -> None:
+        self.stats.steps += 1
+        self._drop_cancelled()
+        self._admit()
+        self._prefill()
+        decoding = [r for r in self.rows if r is not None and r.pending is not None]
+        if decoding:
+            self._decode_step(decoding)
+
+    def _drop_cancelled(self) -> None:
+        for request in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(request)
+            self._finish(request, "cancelled")
+        for request in self.running:
+            if request.cancelled:
+                self._finish(request, "cancelled")
+
+    def _admit(self) -> None:
+        while self.waiting and None in self.rows:
+            request = self.waiting.popleft()
+            row = self.rows.index(None)
+            self.rows[row], request.row = request, row
+            self.lengths[row] = 0
+
+    def _prefill(self) -> None:
+        budget = self.prefill_budget
+        for request in [r for r in self.rows if r is not None and r.pending is None]:
+            while request.prefilled < len(request.prompt_ids) and budget > 0:
+                # a chunk always starts at a multiple of prefill_chunk: a prompt's chunks do not depend on the load
+                t = min(self.prefill_chunk, len(request.prompt_ids) - request.prefilled)
+                self._prefill_chunk(request, t)
+                budget -= t
+            if budget <= 0:
+                break
+
+    def _prefill_chunk(self, request: Request, t: int) -> None:
+        start, row = request.prefilled, request.row
+        if self.caches.ensure(start + t):
+            self._decode = None
+        session = self.model.sessions[io_spec.PREFILL]
+        ids = np.asarray(request.prompt_ids[start:start + t], np.int64)[None]  # [1, t]
+        binding = session.io_binding()
+        binding.bind_cpu_input(io_spec.INPUT_IDS, ids)
+        binding.bind_cpu_input(io_spec.POSITION_IDS, np.arange(start, start + t, dtype=np.int64)[None])  # [1, t]
+        binding.bind_cpu_input(io_spec.ATTENTION_MASK, np.ones((1, self.caches.capacity), np.int64))
+        binding.bind_cpu_input(io_spec.WRITE_INDICES, np.array([start], np.int64))
+        binding.bind_cpu_input(io_spec.LOGITS_POSITIONS, np.array([[t - 1]], np.int64))
+        binding.bind_output(io_spec.LOGITS, "cpu")
+        views = _bind_cache_rows(binding, self.caches, row, row + 1)  # in place, this row's slice only
+        session.run_with_iobinding(binding)
+        del views
+        request.prefilled += t
+        self.lengths[row] = request.prefilled
+        self.stats.prefill_tokens += t
+        if request.prefilled == len(request.prompt_ids):
+            logits = binding.get_outputs()[0].numpy()[:, 0]  # [1, 1, vocab] -> [1, vocab]
+            self._sample_and_emit(request, logits)
+
+    def _decode_step(self, decoding: list[Request]) -> None:
+        hi = max(r.row for r in decoding) + 1
+        if self.caches.ensure(int(self.lengths[:hi].max()) + 1) or self._decode is None or self._decode.rows != hi:
+            self._decode = _DecodeBinding(self.model, self.caches, hi)
+        d = self._decode
+        d.ids[:] = 0  # pad rows
+        for r in decoding:
+            d.ids[r.row, 0] = r.pending
+        d.pos[:, 0] = self.lengths[:hi]
+        d.write[:] = self.lengths[:hi]
+        self.model.sessions[io_spec.DECODE].run_with_iobinding(d.binding)
+        for r in decoding:
+            self.lengths[r.row] += 1
+        self.stats.decode_steps += 1
+        self.stats.decoded_rows += len(decoding)
+        for r in decoding:
+            self._sample_and_emit(r, d.logits[r.row : r.row + 1, 0])
+
+    def _sample_and_emit(self, request: Request, logits: np.ndarray) -> None:
+        """logits [1, vocab]: sample this request's next token, emit it, and finish the request if it stops."""
+        token = int(sample(logits, request.sampling, request.rng, [request.history])[0])
+        request.generated.append(token)
+        request.history = np.append(request.history, token)
+        self.stats.generated_tokens += 1
+        event = TokenEvent(token)
+        if request.logprobs:
+            event.logprob, event.top_logprobs = _logprobs(logits[0], token, request.logprobs)
+        request.emit(event)
+        if token in request.stop_token_ids:
+            self._finish(request, "stop")
+        elif len(request.generated) >= request.max_new_tokens:
+            self._finish(request, "length")
+        else:
+            request.pending = token
+
+    def _finish(self, request: Request, reason: str) -> None:
+        if request.row is not None:
+            self.rows[request.row] = None
+            self.lengths[request.row] = 0
+            request.row = None
+        request.pending = None
+        self.stats.finished[reason] += 1
+        request.emit(Finished(reason, len(request.prompt_ids), len(request.generated)))
+
+
+def _logprobs(logits: np.ndarray, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    z = logits.astype(np.float64)
+    logp = z - z.max() - np.log(np.exp(z - z.max()).sum())  # log-softmax [vocab]
+    top = np.argsort(-logp, kind="stable")[:k]
+    return float(logp[token]), [(int(i), float(logp[i])) for i in top]
+
+
+def _bind_cache_rows(binding: ort.IOBinding, caches: CacheBuffers, lo: int, hi: int) -> list[ort.OrtValue]:
+    """Bind rows [lo, hi) of every cache as past input and present output (views: written in place).
+    Returns the OrtValues, which must outlive the run."""
+    values = []
+    for past, present in io_spec.cache_pairs(caches.cfg.num_hidden_layers):
+        view = ort.OrtValue.ortvalue_from_numpy(caches.arrays[past][lo:hi])  # [hi - lo, capacity, width], contiguous
+        binding.bind_ortvalue_input(past, view)
+        binding.bind_ortvalue_output(present, view)
+        values.append(view)
+    return values
+
+
+class _DecodeBinding:
+    """The decode call over rows [0, rows): input buffers written in place each step, bound once per shape."""
+
+    def __init__(self, model: ExportedModel, caches: CacheBuffers, rows: int):
+        self.rows, vocab = rows, model.config.vocab_size
+        self.ids, self.pos = np.zeros((rows, 1), np.int64), np.zeros((rows, 1), np.int64)
+        self.write, self.mask = np.zeros(rows, np.int64), np.ones((rows, caches.capacity), np.int64)
+        self.logits = np.zeros((rows, 1, vocab), np.float32)
+        self.binding = model.sessions[io_spec.DECODE].io_binding()
+        self._values = [ort.OrtValue.ortvalue_from_numpy(a) for a in (self.ids, self.pos, self.write, self.mask)]
+        for name, value in zip((io_spec.INPUT_IDS, io_spec.POSITION_IDS, io_spec.WRITE_INDICES, io_spec.ATTENTION_MASK),
+                               self._values):
+            self.binding.bind_ortvalue_input(name, value)
+        self._values += _bind_cache_rows(self.binding, caches, 0, rows)
+        self._values.append(ort.OrtValue.ortvalue_from_numpy(self.logits))
+        self.binding.bind_ortvalue_output(io_spec.LOGITS, self._values[-1])

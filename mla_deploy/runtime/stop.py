@@ -1,0 +1,43 @@
+"""Stop strings over streamed text: the text up to (not including) the first stop string, never a partial one.
+
+A piece of text that could be the start of a stop string is held back until the next piece shows
+whether it is; when the stream ends without a stop, `flush()` releases what was held.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+
+class StopStrings:
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self.held = ""
+        self.stopped = False
+
+    def push(self, text: str) -> str:
+        """New text in; the text that is safe to emit out. After a stop is found, always ''."""
+        if self.stopped:
+            return ""
+        self.held += text
+        found = [i for i in (self.held.find(s) for s in self.stops) if i >= 0]
+        if found:
+            self.stopped = True
+            out, self.held = self.held[: min(found)], ""
+            return out
+        keep = max((_partial_suffix(self.held, s) for s in self.stops), default=0)
+        out = self.held[: len(self.held) - keep]
+        self.held = self.held[len(self.held) - keep:]
+        return out
+
+    def flush(self) -> str:
+        out, self.held = ("" if self.stopped else self.held), ""
+        return out
+
+
+def _partial_suffix(text: str, stop: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `stop`."""
+    for n in range(min(len(text), len(stop) - 1), 0, -1):
+        if text.endswith(stop[:n]):
+            return n
+    return 0

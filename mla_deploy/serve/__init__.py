@@ -1,0 +1,1 @@
+"""HTTP serving (the `serve` extra): OpenAI-compatible routes over runtime.engine. Nothing outside serve/ imports it."""

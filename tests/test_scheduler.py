@@ -1,0 +1,194 @@
+"""Continuous batching (runtime.scheduler / runtime.engine) against the Generator run one request at a time."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from mla_deploy.errors import InputError
+from mla_deploy.presets import DEMO_CHECKPOINT
+from mla_deploy.runtime import ExportedModel, Generator, SamplingParams
+from mla_deploy.runtime.cache import BLOCK
+from mla_deploy.runtime.engine import Engine
+from mla_deploy.runtime.scheduler import Finished, QueueFull, Request, Scheduler, TokenEvent
+
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """The demo model (a real trained one: greedy continuations are not arbitrary) in its factored form."""
+    from mla_deploy.export import ExportOptions, export
+
+    out = tmp_path_factory.mktemp("scheduler") / "export"
+    export(DEMO_CHECKPOINT, out, ExportOptions(absorb="factored", max_seq_len=2 * BLOCK + 64))
+    return ExportedModel(out)
+
+
+def prompts(n, seed=0, lo=1, hi=40):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 4000, rng.integers(lo, hi)).tolist() for _ in range(n)]
+
+
+class Collect:
+    """A request's emit callback: tokens, events per scheduler step, the Finished event."""
+
+    def __init__(self):
+        self.tokens, self.finished, self.events = [], None, []
+
+    def __call__(self, event):
+        self.events.append(event)
+        if isinstance(event, TokenEvent):
+            self.tokens.append(event.token)
+        else:
+            assert self.finished is None, "Finished emitted twice"
+            self.finished = event
+
+
+def submit(scheduler, prompt, n, sampling=SamplingParams(), stops=()):
+    out = Collect()
+    request = Request(prompt, n, out, sampling, frozenset(stops))
+    scheduler.add(request)
+    return request, out
+
+
+def drain(scheduler, limit=10_000):
+    for _ in range(limit):
+        if not scheduler.has_work():
+            return
+        scheduler.step()
+    raise AssertionError("scheduler did not finish")
+
+
+def test_staggered_requests_of_mixed_lengths_equal_each_request_alone(model):
+    """Arrivals while others decode, prompts prefilled in 7-token chunks, more requests than rows."""
+    ps = prompts(10, seed=1)
+    budgets = [5, 17, 9, 30, 2, 12, 25, 8, 19, 4]
+    alone = [Generator(model, SamplingParams(), stop_token_ids=()).generate([p], n).token_ids[0]
+             for p, n in zip(ps, budgets)]
+    scheduler = Scheduler(model, max_batch=4, prefill_chunk=7)
+    outs = []
+    for i, (p, n) in enumerate(zip(ps, budgets)):
+        outs.append(submit(scheduler, p, n)[1])
+        for _ in range(i % 3):  # a few steps between arrivals
+            scheduler.step()
+    drain(scheduler)
+    for out, expected, n, p in zip(outs, alone, budgets, ps):
+        assert out.tokens == expected
+        assert out.finished == Finished("length", len(p), n)
+    assert scheduler.running == [] and not scheduler.waiting
+    assert scheduler.stats.generated_tokens == sum(budgets)
+    assert max(scheduler.stats.decoded_rows / scheduler.stats.decode_steps, 0) > 1  # rows really shared steps
+
+
+def test_rows_past_a_cache_block_grow_the_shared_cache_and_stay_exact(model):
+    long_prompt = prompts(1, seed=2, lo=BLOCK - 5, hi=BLOCK - 4)[0]
+    short = [5, 6, 7]
+    alone = [Generator(model, SamplingParams(), stop_token_ids=()).generate([p], 12).token_ids[0]
+             for p in (short, long_prompt)]
+    scheduler = Scheduler(model, max_batch=2, prefill_chunk=64)
+    a = submit(scheduler, short, 12)[1]
+    b = submit(scheduler, long_prompt, 12)[1]
+    drain(scheduler)
+    assert scheduler.caches.capacity == 2 * BLOCK
+    assert [a.tokens, b.tokens] == alone
+
+
+def test_each_row_samples_with_its_own_parameters_and_seed(model):
+    p = [5, 6, 7, 8]
+    sampled = SamplingParams(temperature=1.0, top_k=50, seed=11)
+    alone_sampled = Generator(model, sampled, stop_token_ids=()).generate([p], 20).token_ids[0]
+    alone_greedy = Generator(model, SamplingParams(), stop_token_ids=()).generate([p], 20).token_ids[0]
+    assert alone_sampled != alone_greedy
+    scheduler = Scheduler(model, max_batch=3)
+    g = submit(scheduler, p, 20)[1]
+    s = submit(scheduler, p, 20, sampled)[1]
+    other = submit(scheduler, p, 20, SamplingParams(temperature=1.0, seed=12))[1]
+    drain(scheduler)
+    assert g.tokens == alone_greedy and s.tokens == alone_sampled and other.tokens != alone_sampled
+
+
+def test_a_stop_id_finishes_only_its_row_and_frees_it(model):
+    p = [5, 6, 7]
+    free = Generator(model, SamplingParams(), stop_token_ids=()).generate([p], 10).token_ids[0]
+    stop = free[3]
+    first = free.index(stop)
+    scheduler = Scheduler(model, max_batch=2)
+    stopped = submit(scheduler, p, 10, stops=[stop])[1]
+    running = submit(scheduler, p, 10)[1]
+    drain(scheduler)
+    assert stopped.tokens == free[: first + 1] and stopped.finished.reason == "stop"
+    assert running.tokens == free and running.finished.reason == "length"
+
+
+def test_a_cancelled_request_frees_its_row_within_one_step(model):
+    scheduler = Scheduler(model, max_batch=1)
+    request, out = submit(scheduler, [5, 6, 7], 50)
+    waiting, waiting_out = submit(scheduler, [8, 9], 3)
+    for _ in range(3):
+        scheduler.step()
+    assert scheduler.rows == [request] and len(out.tokens) == 4  # step 1 prefills and decodes
+    scheduler.cancel(request)
+    scheduler.step()
+    assert out.finished.reason == "cancelled" and len(out.tokens) == 4
+    assert scheduler.rows == [waiting]  # admitted into the freed row in the same step
+    drain(scheduler)
+    assert waiting_out.tokens == Generator(model, SamplingParams(), stop_token_ids=()).generate([[8, 9]], 3).token_ids[0]
+
+
+def test_a_long_prompt_is_prefilled_in_budgeted_chunks_while_running_rows_keep_decoding(model):
+    scheduler = Scheduler(model, max_batch=2, prefill_chunk=16)
+    _, running = submit(scheduler, [5, 6, 7], 60)
+    scheduler.step()  # running's prefill and first token
+    _, late = submit(scheduler, prompts(1, seed=3, lo=150, hi=151)[0], 4)
+    steps_until_first = 0
+    while not late.tokens:
+        before = len(running.tokens)
+        scheduler.step()
+        steps_until_first += 1
+        assert len(running.tokens) == before + 1  # never stalled by the prefill
+    assert steps_until_first == -(-150 // 16)  # one 16-token chunk per step
+
+
+def test_requests_are_checked_on_submission(model):
+    scheduler = Scheduler(model, max_batch=1, max_queue=1)
+    with pytest.raises(InputError, match="exceeds the export's maximum length"):
+        submit(scheduler, [5] * 10, model.max_seq_len)
+    with pytest.raises(InputError, match="not in the vocabulary"):
+        submit(scheduler, [5, model.config.vocab_size], 3)
+    with pytest.raises(InputError, match="temperature"):
+        submit(scheduler, [5], 3, SamplingParams(temperature=-1))
+    submit(scheduler, [5], 3)
+    with pytest.raises(QueueFull, match="max_queue 1"):
+        submit(scheduler, [6], 3)
+
+
+def test_engine_streams_to_asyncio_and_leaving_early_cancels(model):
+    engine = Engine(model, max_batch=2)
+    p = [5, 6, 7]
+    alone = Generator(model, SamplingParams(), stop_token_ids=()).generate([p], 16).token_ids[0]
+
+    async def full():
+        return [e.token async for e in engine.submit(p, 16, SamplingParams(), stop_token_ids=())
+                if isinstance(e, TokenEvent)]
+
+    async def leave_after(n):
+        got = []
+        async for e in engine.submit(p, 500, SamplingParams(), stop_token_ids=()):
+            got.append(e.token)
+            if len(got) == n:
+                break
+        return got
+
+    async def main():
+        return await asyncio.gather(full(), full(), leave_after(3))
+
+    try:
+        a, b, c = asyncio.run(main())
+        assert a == b == alone and c == alone[:3]
+        for _ in range(200):  # the scheduler thread frees the cancelled row on its next step
+            if not engine.scheduler.running:
+                break
+            asyncio.run(asyncio.sleep(0.01))
+        assert engine.scheduler.running == [] and engine.scheduler.stats.finished["cancelled"] == 1
+    finally:
+        engine.close()

@@ -1,0 +1,272 @@
+"""The OpenAI-compatible server on a free localhost port, driven by the official `openai` client and raw HTTP."""
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx2 as httpx  # the HTTP client the openai package itself uses
+import pytest
+
+openai = pytest.importorskip("openai", reason="the serve tests drive the server with the openai client (test extra)")
+pytest.importorskip("fastapi", reason="the server needs the 'serve' extra")
+
+from mla_deploy.presets import DEMO_CHECKPOINT  # noqa: E402
+from mla_deploy.runtime import ExportedModel  # noqa: E402
+from mla_deploy.runtime.engine import Engine  # noqa: E402
+from mla_deploy.serve.app import Service, create_app  # noqa: E402
+
+MODEL = "demo"
+
+
+@pytest.fixture(scope="module")
+def demo_export(tmp_path_factory):
+    from mla_deploy.export import export
+
+    out = tmp_path_factory.mktemp("serve") / "demo"
+    export(DEMO_CHECKPOINT, out)
+    return out
+
+
+@contextmanager
+def running_server(export_dir, **engine_args):
+    """A real uvicorn server on a free port, on a thread; yields (base_url, service)."""
+    import uvicorn
+
+    api_key = engine_args.pop("api_key", None)
+    service = Service(Engine(ExportedModel(export_dir), **engine_args), MODEL, api_key,
+                      max_body_bytes=engine_args.pop("max_body_bytes", 64 * 1024))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", service
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        service.engine.close()
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def server(demo_export):
+    with running_server(demo_export, max_batch=16) as s:
+        yield s
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def greedy(**kw):
+    """Plain greedy: the demo's generation_config.json also sets a repetition penalty, which greedy keeps."""
+    return dict(model=MODEL, temperature=0, extra_body={"repetition_penalty": 1.0}, **kw)
+
+
+def test_completion_streamed_and_not_give_the_same_text_and_usage(client):
+    whole = client.completions.create(prompt="def read(path):\n", max_tokens=24, **greedy())
+    assert whole.object == "text_completion" and whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 24 and whole.usage.total_tokens == whole.usage.prompt_tokens + 24
+    stream = client.completions.create(prompt="def read(path):\n", max_tokens=24, stream=True,
+                                       stream_options={"include_usage": True}, **greedy())
+    chunks = list(stream)
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-2])
+    assert "".join(c.choices[0].text for c in chunks[:-1]) == whole.choices[0].text and whole.choices[0].text
+
+
+def test_prompt_as_token_ids_and_as_text_agree(client):
+    from mla_deploy.runtime import Tokenizer
+
+    ids = Tokenizer(DEMO_CHECKPOINT / "tokenizer.json").encode("import os\n")
+    a = client.completions.create(prompt="import os\n", max_tokens=8, **greedy())
+    b = client.completions.create(prompt=ids, max_tokens=8, **greedy())
+    assert a.choices[0].text == b.choices[0].text and a.usage == b.usage
+
+
+def test_chat_renders_the_template_and_streams_the_same_content(client):
+    messages = [{"role": "system", "content": "Small helpers."}, {"role": "user", "content": "Parse a path"}]
+    chat = client.chat.completions.create(messages=messages, max_tokens=20, **greedy())
+    assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
+    # the demo's template turns messages into comment lines: the same text as a completion of that prompt
+    plain = client.completions.create(prompt="# Small helpers.\n# Parse a path\n", max_tokens=20, **greedy())
+    assert chat.choices[0].message.content == plain.choices[0].text
+    assert chat.usage == plain.usage
+    chunks = list(client.chat.completions.create(messages=messages, max_tokens=20, stream=True, **greedy()))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == chat.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_generation_config_defaults_apply_and_a_seed_reproduces(client):
+    a = client.completions.create(model=MODEL, prompt="def ", max_tokens=24, seed=5)
+    b = client.completions.create(model=MODEL, prompt="def ", max_tokens=24, seed=5)
+    c = client.completions.create(model=MODEL, prompt="def ", max_tokens=24, seed=6)
+    g = client.completions.create(prompt="def ", max_tokens=24, **greedy())
+    assert a.choices[0].text == b.choices[0].text
+    assert len({a.choices[0].text, c.choices[0].text, g.choices[0].text}) == 3  # demo default: sampling
+
+
+def test_stop_strings_cut_the_text_before_the_stop(client):
+    full = client.completions.create(prompt="class Stack:\n", max_tokens=40, **greedy()).choices[0].text
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert stop.strip()
+    cut = client.completions.create(prompt="class Stack:\n", max_tokens=40, stop=[stop], **greedy())
+    assert cut.choices[0].text == full[: full.index(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(prompt="class Stack:\n", max_tokens=40, stop=stop, stream=True, **greedy())
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks) == cut.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_logprobs_are_the_models_top_k(client):
+    r = client.completions.create(prompt="import ", max_tokens=6, logprobs=3, **greedy())
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) <= 3 and logprob <= 0
+        assert logprob == pytest.approx(max(top.values()))  # greedy picks the likeliest
+    assert "".join(lp.tokens) == r.choices[0].text
+
+
+def test_models_health_and_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server[0] + "/health").json() == {"status": "ok"}
+    before = _metrics(server[0])
+    client.completions.create(prompt="x = ", max_tokens=5, **greedy())
+    after = _metrics(server[0])
+    assert after["mla_generation_tokens_total"] - before["mla_generation_tokens_total"] == 5
+    assert after['mla_requests_finished_total{reason="length"}'] == before['mla_requests_finished_total{reason="length"}'] + 1
+    assert after["mla_time_to_first_token_seconds_count"] > before["mla_time_to_first_token_seconds_count"]
+    assert after['mla_time_to_first_token_seconds_bucket{le="+Inf"}'] == after["mla_time_to_first_token_seconds_count"]
+
+
+def _metrics(base):
+    text = httpx.get(base + "/metrics").text
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)  # every sample line is "name{labels} number"
+    return samples
+
+
+def test_concurrent_streams_equal_each_prompt_alone(server, client):
+    """16 streaming clients at once (the official async client): no errors, no lost or duplicated tokens, and
+    every greedy stream token for token what the same prompt gives alone."""
+    prompts = [f"def f{i}(x):\n    return x{'+' * (i % 3)}" for i in range(16)]
+    alone = [client.completions.create(prompt=p, max_tokens=24, **greedy()).choices[0].text for p in prompts]
+
+    async def stream(aclient, p):
+        text, finish = [], None
+        async for c in await aclient.completions.create(prompt=p, max_tokens=24, stream=True, **greedy()):
+            text.append(c.choices[0].text)
+            finish = c.choices[0].finish_reason or finish
+        return "".join(text), finish
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=server[0] + "/v1", api_key="x", max_retries=0, timeout=120) as a:
+            return await asyncio.gather(*(stream(a, p) for p in prompts))
+
+    steps_before = server[1].engine.scheduler.stats.decode_steps
+    results = asyncio.run(main())
+    assert [t for t, _ in results] == alone and {f for _, f in results} == {"length"}
+    stats = server[1].engine.scheduler.stats
+    assert stats.decode_steps - steps_before < 16 * 23  # batched: far fewer steps than one request at a time
+
+
+def test_a_client_leaving_mid_stream_frees_its_row(server):
+    base, service = server
+    body = {"model": MODEL, "prompt": "def ", "max_tokens": 500, "stream": True}
+    cancelled = service.engine.scheduler.stats.finished["cancelled"]
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+    deadline = time.monotonic() + 10
+    while service.engine.scheduler.stats.finished["cancelled"] == cancelled:
+        assert time.monotonic() < deadline, "the disconnected stream kept its row"
+        time.sleep(0.02)
+    assert service.engine.scheduler.running == []
+
+
+BAD_REQUESTS = [
+    ("not json", b"{bad", 400, None),
+    ("array body", b"[1, 2]", 400, None),
+    ("no model", {"prompt": "x"}, 400, "model"),
+    ("unknown model", {"model": "gpt-9", "prompt": "x"}, 404, "model"),
+    ("no prompt", {"model": MODEL}, 400, "prompt"),
+    ("prompt of wrong type", {"model": MODEL, "prompt": 5}, 400, "prompt"),
+    ("max_tokens a string", {"model": MODEL, "prompt": "x", "max_tokens": "10"}, 400, "max_tokens"),
+    ("max_tokens zero", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("too long", {"model": MODEL, "prompt": "x", "max_tokens": 5000}, 400, "max_tokens"),
+    ("temperature negative", {"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("top_p zero", {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("top_k a float", {"model": MODEL, "prompt": "x", "top_k": 2.5}, 400, "top_k"),
+    ("n = 2", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+    ("stop of wrong type", {"model": MODEL, "prompt": "x", "stop": [{}]}, 400, "stop"),
+    ("token id outside vocabulary", {"model": MODEL, "prompt": [1, 99999]}, 400, "prompt"),
+    ("stream not a bool", {"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream"),
+    ("logprobs too many", {"model": MODEL, "prompt": "x", "logprobs": 50}, 400, "logprobs"),
+]
+
+
+def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving(server, client):
+    base = server[0]
+    for name, body, status, param in BAD_REQUESTS:
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = httpx.post(base + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == status, (name, r.text)
+        error = r.json()["error"]
+        assert error["message"] and error["type"] and error["param"] == param, name
+    chat = httpx.post(base + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "robot", "content": "x"}]})
+    assert chat.status_code == 400 and "role" in chat.json()["error"]["message"]
+    huge = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "x" * 100_000})
+    assert huge.status_code == 413 and "exceeds the limit" in huge.json()["error"]["message"]
+    route = httpx.get(base + "/v1/nothing")
+    assert route.status_code == 404 and route.json()["error"]["type"] == "not_found_error"
+    with pytest.raises(openai.BadRequestError, match="maximum length of 1024"):
+        client.completions.create(prompt="x", max_tokens=2000, **greedy())
+    assert client.completions.create(prompt="x", max_tokens=3, **greedy()).usage.completion_tokens == 3
+
+
+def test_api_key_guards_every_route_but_health(demo_export):
+    with running_server(demo_export, max_batch=2, api_key="sesame") as (base, _):
+        assert httpx.get(base + "/health").status_code == 200
+        for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions")):
+            r = httpx.request(method, base + path, json={"model": MODEL, "prompt": "x"})
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0).models.list()
+        good = openai.OpenAI(base_url=base + "/v1", api_key="sesame", max_retries=0)
+        assert good.completions.create(prompt="x", max_tokens=2, **greedy()).usage.completion_tokens == 2
+
+
+def test_a_full_queue_answers_429_with_retry_after(demo_export):
+    with running_server(demo_export, max_batch=1, max_queue=1) as (base, service):
+        scheduler = service.engine.scheduler
+        gate, step = threading.Event(), scheduler.step
+        scheduler.step = lambda: (gate.wait(30), step())  # the scheduler thread waits here: nothing is admitted
+        body = {"model": MODEL, "prompt": "def ", "max_tokens": 4}
+        first = []
+        waiter = threading.Thread(target=lambda: first.append(httpx.post(base + "/v1/completions", json=body, timeout=30)))
+        waiter.start()
+        deadline = time.monotonic() + 10
+        while service.engine.queue_depth < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        refused = httpx.post(base + "/v1/completions", json=body)
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["type"] == "rate_limit_error"
+        gate.set()
+        waiter.join(30)
+        assert first[0].status_code == 200 and first[0].json()["usage"]["completion_tokens"] == 4
