@@ -295,6 +295,18 @@ def test_text_stream_never_splits_a_character():
     assert sum(1 for p in pieces if p == "") >= 1  # some byte tokens had to wait for the rest of their character
 
 
+def test_text_stream_pieces_add_up_to_the_whole_decode_for_arbitrary_ids():
+    """Windowed decoding against decoding everything: random ids (broken UTF-8, special tokens) included."""
+    tokenizer = Tokenizer(DEMO_CHECKPOINT / "tokenizer.json")
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        ids = rng.integers(0, 4096, rng.integers(1, 60)).tolist()
+        stream = TextStream(tokenizer)
+        pieces = "".join(stream.push(t) for t in ids)
+        whole = tokenizer.decode(ids)
+        assert whole.startswith(pieces) and (pieces == whole or whole.endswith("\ufffd")), ids
+
+
 def test_complete_streams_the_prompt_then_exactly_the_completion(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo-text") / "export"
     export(DEMO_CHECKPOINT, out)

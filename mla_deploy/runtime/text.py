@@ -32,15 +32,21 @@ class Tokenizer:
 
 
 class TextStream:
-    """Turns a growing list of ids into the new text since the last call (never splitting a multi-byte char)."""
+    """Turns a growing list of ids into the new text since the last call (never splitting a multi-byte char).
+
+    Each push decodes a short window, not the whole sequence (vLLM's incremental detokenization): the text of
+    ids[prefix:read] is already out, so the new text is decode(ids[prefix:]) minus decode(ids[prefix:read]).
+    The window restarts after every emitted piece, so a push costs the same at token 10 and token 10,000."""
 
     def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer, self.ids, self.emitted = tokenizer, [], ""
+        self.tokenizer, self.ids = tokenizer, []
+        self.prefix = self.read = 0  # ids[prefix:read]: context for the next decode; ids[:read]: already emitted
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        text = self.tokenizer.decode(self.ids[self.prefix:])
+        if text.endswith("\ufffd") or len(text) <= len(before):  # an incomplete UTF-8 sequence: wait for the next token
             return ""
-        new, self.emitted = text[len(self.emitted):], text
-        return new
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before):]

@@ -1,0 +1,199 @@
+"""Load on `mla-deploy serve`: the serving goals of the README, measured with the official openai client.
+
+Steps: export the demo (`mla-deploy export -o out/demo`), then
+    .venv/bin/python benchmarks/serve_load.py out/demo [--rounds 4] [--clients 64] [--requests 10000]
+
+It starts the server as a child process (`mla-deploy serve`, a free localhost port) and prints:
+1. correctness under load: `--clients` concurrent streaming clients, `--rounds` rounds, greedy; errors, and
+   streams that differ from the same prompt run alone (each prompt is first run alone, one at a time);
+2. throughput: aggregate decode tokens/s of 16 concurrent clients vs one client at a time (same requests);
+3. time to first token of a short request while 15 long streams run, in decode steps of that load;
+4. the server's RSS after the first 100 requests and after `--requests` (short, non-streaming, 16 at a time);
+5. malformed requests: each answered with an OpenAI error object, and the server still answers after them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx2 as httpx
+import openai
+
+MODEL = "demo"
+
+
+def start_server(export_dir: str, max_batch: int) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    exe = Path(sys.executable).with_name("mla-deploy")
+    proc = subprocess.Popen([str(exe), "serve", export_dir, "--port", str(port), "--max-batch", str(max_batch),
+                             "--max-queue", "4096", "--model-name", MODEL], stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"server did not start: {proc.stderr.read()}")
+        time.sleep(0.1)
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def prompts(n: int) -> list[str]:
+    heads = ["def ", "class ", "import ", "for ", "if ", "return ", "with open(", "try:\n    "]
+    return [f"{heads[i % len(heads)]}{chr(97 + i % 26)}{i}" for i in range(n)]
+
+
+async def stream(client, prompt: str, max_tokens: int) -> tuple[str, int, float | None]:
+    """(text, tokens received, seconds to the first token)."""
+    t0, first, parts = time.perf_counter(), None, []
+    async for c in await client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, stream=True,
+                                                   temperature=0, extra_body={"repetition_penalty": 1.0}):
+        if c.choices and c.choices[0].text:
+            first = first or time.perf_counter() - t0
+            parts.append(c.choices[0].text)
+    return "".join(parts), len(parts), first
+
+
+async def correctness(client, clients: int, rounds: int, tokens: int) -> str:
+    ps = prompts(clients)
+    alone = [await stream(client, p, tokens) for p in ps]
+    errors = mismatched = 0
+    for _ in range(rounds):
+        results = await asyncio.gather(*(stream(client, p, tokens) for p in ps), return_exceptions=True)
+        for r, a in zip(results, alone):
+            if isinstance(r, BaseException):
+                errors += 1
+            elif r[0] != a[0]:
+                mismatched += 1
+    return (f"{clients} concurrent streaming clients x {rounds} rounds, {tokens} tokens each: {errors} errors, "
+            f"{mismatched} of {clients * rounds} streams differ from the prompt run alone")
+
+
+async def throughput(client, tokens: int) -> str:
+    ps = prompts(16)
+    t0 = time.perf_counter()
+    for p in ps:
+        await stream(client, p, tokens)
+    one = 16 * tokens / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    await asyncio.gather(*(stream(client, p, tokens) for p in ps))
+    many = 16 * tokens / (time.perf_counter() - t0)
+    return (f"aggregate tokens/s, 16 requests x {tokens} tokens: one at a time {one:.0f}, 16 concurrent {many:.0f} "
+            f"({many / one:.2f}x)")
+
+
+async def first_token_under_load(client, base: str) -> str:
+    long = [asyncio.create_task(stream(client, p, 600)) for p in prompts(15)]
+    await asyncio.sleep(2.0)  # the 15 are decoding
+    before = _metric(base, "mla_decode_steps_total")
+    t0 = time.perf_counter()
+    _, _, ttft = await stream(client, "def short(", 4)
+    steps = _metric(base, "mla_decode_steps_total") - before
+    elapsed = time.perf_counter() - t0
+    itl = []
+    for _ in range(3):
+        a, b = _metric(base, "mla_decode_steps_total"), time.perf_counter()
+        await asyncio.sleep(0.5)
+        itl.append((time.perf_counter() - b) / max(_metric(base, "mla_decode_steps_total") - a, 1))
+    await asyncio.gather(*long)
+    step = statistics.median(itl)
+    return (f"time to first token of a 3-token prompt while 15 long streams run: {ttft * 1e3:.1f} ms = "
+            f"{ttft / step:.1f} decode steps of that load ({step * 1e3:.1f} ms each); the whole 4-token request "
+            f"{elapsed * 1e3:.0f} ms over {steps:.0f} steps")
+
+
+def _metric(base: str, name: str) -> float:
+    for line in httpx.get(base + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise KeyError(name)
+
+
+async def soak(client, pid: int, requests: int) -> str:
+    ps = prompts(16)
+
+    async def batch(n):
+        for i in range(0, n, 16):
+            await asyncio.gather(*(client.completions.create(model=MODEL, prompt=ps[j % 16], max_tokens=8)
+                                   for j in range(i, min(n, i + 16))))
+
+    await batch(100)
+    first = rss_bytes(pid)
+    t0 = time.perf_counter()
+    await batch(requests - 100)
+    last = rss_bytes(pid)
+    return (f"server RSS after 100 requests {first / 2**20:.1f} MiB, after {requests} {last / 2**20:.1f} MiB "
+            f"({last / first:.3f}x; {requests - 100} requests in {time.perf_counter() - t0:.0f} s)")
+
+
+BAD = [
+    ("bad JSON", b"{not json"), ("wrong type", {"model": MODEL, "prompt": "x", "max_tokens": "ten"}),
+    ("unknown model", {"model": "nope", "prompt": "x"}), ("too long", {"model": MODEL, "prompt": "x", "max_tokens": 99999}),
+    ("bad temperature", {"model": MODEL, "prompt": "x", "temperature": -3}),
+    ("bad top_p", {"model": MODEL, "prompt": "x", "top_p": 7}), ("n = 3", {"model": MODEL, "prompt": "x", "n": 3}),
+]
+
+
+def malformed(base: str) -> str:
+    rows = []
+    for name, body in BAD:
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = httpx.post(base + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+        rows.append(f"{name} -> {r.status_code} {r.json()['error']['message'][:70]!r}")
+    ok = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}).status_code
+    return "\n".join(rows + [f"a good request afterwards -> {ok}"])
+
+
+async def main_async(args, base: str, pid: int) -> None:
+    async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=600,
+                                  http_client=openai.DefaultAsyncHttpxClient(
+                                      limits=httpx.Limits(max_connections=256))) as client:
+        print(await correctness(client, args.clients, args.rounds, args.tokens), flush=True)
+        print(await throughput(client, args.tokens), flush=True)
+        print(await first_token_under_load(client, base), flush=True)
+        print(malformed(base), flush=True)
+        print(await soak(client, pid, args.requests), flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("export_dir")
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--requests", type=int, default=10_000)
+    ap.add_argument("--max-batch", type=int, default=16)
+    args = ap.parse_args()
+    proc, base = start_server(args.export_dir, args.max_batch)
+    try:
+        print(f"server pid {proc.pid}, max batch {args.max_batch}, {os.cpu_count()} CPUs", flush=True)
+        asyncio.run(main_async(args, base, proc.pid))
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
