@@ -48,6 +48,7 @@ class Service:
         self.defaults: GenerationDefaults = model.generation
         self.stop_ids = set(model.stop_token_ids)
         self.status_counts: dict[int, int] = {}
+        self.instance: str | None = None  # set by a Ray Serve replica: sent back as X-MLA-Replica
 
     # ---- requests ----
     def authorize(self, request: Request) -> None:
@@ -160,6 +161,13 @@ class Service:
 
 def create_app(service: Service) -> FastAPI:
     app = FastAPI(title="mla-deploy", docs_url=None, redoc_url=None, openapi_url=None)
+
+    if service.instance is not None:  # a Ray Serve replica: say which one answered
+        @app.middleware("http")
+        async def replica_header(request: Request, call_next):
+            response = await call_next(request)
+            response.headers["X-MLA-Replica"] = service.instance
+            return response
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):

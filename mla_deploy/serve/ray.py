@@ -1,0 +1,64 @@
+"""Scale-out on Ray Serve (the 'ray' extra): N replicas, each one export, one Engine and the same OpenAI routes,
+behind Ray Serve's HTTP proxy, which spreads requests over them.
+
+    mla-deploy serve OUT --ray-replicas 2                     # starts a local Ray instance
+    serve run mla_deploy.serve.ray:app export_dir=OUT replicas=2   # or Ray's own CLI (`app` is an app builder)
+
+Every reply carries `X-MLA-Replica`, the replica that generated it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+from ray import serve
+
+from ..runtime import RuntimeOptions
+from .app import create_app
+from .server import build_service
+
+
+@serve.ingress()
+class Replica:
+    def __init__(self, export_dir: str, max_batch: int, max_queue: int, api_key: str | None, model_name: str | None,
+                 options: RuntimeOptions):
+        self.service = build_service(export_dir, max_batch, max_queue, api_key, model_name, options)
+        self.service.instance = serve.get_replica_context().replica_id.unique_id
+
+    def __serve_build_asgi_app__(self):
+        return create_app(self.service)
+
+
+def deployment(export_dir: str | Path, replicas: int, max_batch: int = 16, max_queue: int = 256,
+               api_key: str | None = None, model_name: str | None = None, options: RuntimeOptions | None = None):
+    """The bound Ray Serve application. Each replica reserves an equal share of the CPUs and runs onnxruntime on
+    that many threads (unless options.threads says otherwise), so replicas do not fight over cores."""
+    cpus = max(1, (os.cpu_count() or 1) // replicas)
+    options = options or RuntimeOptions()
+    if options.threads == 0:
+        options = replace(options, threads=cpus)
+    export_dir = str(Path(export_dir).resolve())
+    name = model_name or Path(export_dir).name
+    return serve.deployment(Replica, name="mla-deploy", num_replicas=replicas,
+                            ray_actor_options={"num_cpus": cpus},
+                            max_ongoing_requests=max_batch + max_queue,  # queueing is the Engine's job, not Ray's
+                            ).bind(export_dir, max_batch, max_queue, api_key, name, options)
+
+
+def app(args: dict):
+    """Application builder for `serve run mla_deploy.serve.ray:app export_dir=OUT replicas=N`."""
+    return deployment(args["export_dir"], int(args.get("replicas", 1)), int(args.get("max_batch", 16)),
+                      int(args.get("max_queue", 256)), args.get("api_key"), args.get("model_name"))
+
+
+def serve_on_ray(export_dir, replicas: int, host: str, port: int, max_batch: int, max_queue: int,
+                 api_key: str | None, model_name: str | None, options: RuntimeOptions) -> None:
+    """Start a local Ray instance (or join RAY_ADDRESS), run the replicas, and block until interrupted."""
+    import ray
+
+    ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(deployment(export_dir, replicas, max_batch, max_queue, api_key, model_name, options),
+              name="mla-deploy", route_prefix="/", blocking=True)

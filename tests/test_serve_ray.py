@@ -1,0 +1,48 @@
+"""Scale-out on Ray Serve: two replicas on a local Ray instance behind Ray's HTTP proxy, driven by the openai client."""
+
+import socket
+import sys
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray Serve is the optional 'ray' extra: pip install 'mla-deploy[serve,ray]'")
+openai = pytest.importorskip("openai", reason="the serve tests drive the server with the openai client (test extra)")
+
+from mla_deploy.presets import DEMO_CHECKPOINT  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_replicas_behind_ray_serve_share_the_requests(tmp_path):
+    from ray import serve
+
+    from mla_deploy.export import export
+    from mla_deploy.serve.ray import deployment
+
+    out = tmp_path / "demo"
+    export(DEMO_CHECKPOINT, out)
+    port = free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(deployment(out, replicas=2, max_batch=4), name="mla-deploy", route_prefix="/")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120)
+        greedy = dict(model="demo", temperature=0, extra_body={"repetition_penalty": 1.0})
+        seen, texts = set(), set()
+        deadline = time.monotonic() + 120
+        while len(seen) < 2:
+            assert time.monotonic() < deadline, f"only replicas {seen} answered"
+            raw = client.completions.with_raw_response.create(prompt="def ", max_tokens=8, **greedy)
+            seen.add(raw.headers["x-mla-replica"])
+            texts.add(raw.parse().choices[0].text)
+        assert len(texts) == 1  # the same export on both: the same greedy text
+        chunks = list(client.completions.create(prompt="def ", max_tokens=8, stream=True, **greedy))
+        assert "".join(c.choices[0].text for c in chunks) in texts
+    finally:
+        serve.shutdown()
+        ray.shutdown()
