@@ -4,7 +4,8 @@ The tensor names and shapes a config implies are computed here (`expected_tensor
 torch loader and the exporter check a checkpoint the same way and report every missing,
 unexpected or misshapen tensor in one error. Experts may be stored per expert (the layout of
 real checkpoints and `save_pretrained`) or packed (`mlp.experts.gate_up_proj` [E, 2I, D] and
-`mlp.experts.down_proj` [E, D, I]); both read as per-expert tensors.
+`mlp.experts.down_proj` [E, D, I]); both read as per-expert tensors. FP8 block-scaled weights (DeepSeek-V3 /
+R1, `quantization_config` fp8) read as float32, dequantized by `mla_deploy.fp8` one block row at a time.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
+from . import fp8
 from .config import MLAConfig
-from .errors import CheckpointError
+from .errors import CheckpointError, read_json
 from .safetensors_io import SafetensorsFile, bf16_to_float32
 
 PICKLE_PATTERNS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
@@ -77,21 +79,39 @@ class Checkpoint:
         if not self.directory.is_dir():
             raise CheckpointError(f"{self.directory}: checkpoint directory does not exist")
         self.config = MLAConfig.from_hf_json(self.directory / "config.json")
+        raw_config = read_json(self.directory / "config.json", CheckpointError, "config.json")
+        self.fp8_block = fp8.block_size(raw_config, str(self.directory / "config.json"))  # None: not an FP8 checkpoint
         self.files = _safetensors_files(self.directory)
         self.notes: list[str] = []
         self._where: dict[str, tuple[SafetensorsFile, str, slice | None]] = {}
+        self._scales: dict[str, tuple[SafetensorsFile, str]] = {}  # FP8 weight name -> its weight_scale_inv
         self._index_tensors()
         self._check_against_config()
+        self._check_fp8()
 
     # ---- reading ----
     def names(self) -> list[str]:
         return list(self._where)
 
     def tensor(self, name: str) -> np.ndarray:
-        """One tensor as float32, in the HF per-expert naming."""
+        """One tensor as float32, in the HF per-expert naming (an FP8 weight dequantized with its block scales)."""
         file, stored, rows = self._where[name]
+        if name in self._scales:
+            return self._fp8_tensor(name)
         arr = file.float32(stored) if rows is None else _packed_rows(file, stored, rows)
         return arr
+
+    def _fp8_tensor(self, name: str) -> np.ndarray:
+        """Dequantized one block row at a time: memory is the float32 result plus one block of codes."""
+        file, stored, _ = self._where[name]
+        scale_file, scale_name = self._scales[name]
+        scale_inv = scale_file.float32(scale_name)
+        shape, step = file.entries[stored][1], self.fp8_block[0]
+        out = np.empty(shape, np.float32)
+        for start in range(0, shape[0], step):
+            codes = file.raw(stored, rows=slice(start, min(start + step, shape[0])))
+            out[start : start + codes.shape[0]] = fp8.dequantize(codes, scale_inv, self.fp8_block, start)
+        return out
 
     def state_dict(self) -> dict[str, np.ndarray]:
         return {name: self.tensor(name) for name in self._where}
@@ -114,6 +134,9 @@ class Checkpoint:
                 layer = _LAYER.match(stored)
                 if layer and int(layer.group(1)) >= self.config.num_hidden_layers:
                     skipped.add(int(layer.group(1)))  # multi-token-prediction layers of V3/R1
+                    continue
+                if stored.endswith(".weight_scale_inv"):
+                    self._scales[stored[: -len("_scale_inv")]] = (file, stored)
                     continue
                 packed = _PACKED.match(stored)
                 if packed:
@@ -160,6 +183,32 @@ class Checkpoint:
                     shown = items[:20] + ([f"... and {len(items) - 20} more"] if len(items) > 20 else [])
                     parts.append(f"{title} ({len(items)}): " + "; ".join(shown))
             raise CheckpointError(f"{self.directory}: checkpoint does not match config.json: " + " | ".join(parts))
+
+
+    def _check_fp8(self) -> None:
+        """Every float8 weight has its block scales of the right grid, and every scale belongs to a float8 weight."""
+        where = str(self.directory)
+        fp8_weights = [n for n, (f, stored, _) in self._where.items() if f.entries[stored][0] == "F8_E4M3"]
+        if fp8_weights and self.fp8_block is None:
+            raise CheckpointError(f"{where}: {fp8_weights[0]} is float8_e4m3fn but config.json has no FP8 "
+                                  "quantization_config (quant_method fp8, weight_block_size)")
+        for name in fp8_weights:
+            file, stored, rows = self._where[name]
+            if rows is not None:
+                raise CheckpointError(f"{where}: {stored}: packed float8 experts are not supported (store one "
+                                      "weight per expert, as DeepSeek-V3 publishes them)")
+            if name not in self._scales:
+                raise CheckpointError(f"{where}: {name} is float8_e4m3fn but {name}_scale_inv is missing")
+            want = fp8.scale_shape(file.entries[stored][1], self.fp8_block)
+            scale_file, scale_name = self._scales[name]
+            got = scale_file.entries[scale_name][1]
+            if tuple(got) != want:
+                raise CheckpointError(f"{where}: {scale_name} has shape {list(got)}, expected {list(want)} (weight "
+                                      f"{list(file.entries[stored][1])} in blocks of {list(self.fp8_block)})")
+        orphans = sorted(set(self._scales) - set(fp8_weights))
+        if orphans:
+            raise CheckpointError(f"{where}: {orphans[0]}_scale_inv has no float8_e4m3fn weight to scale")
+        self._scales = {n: self._scales[n] for n in fp8_weights}
 
 
 def _packed_rows(file: SafetensorsFile, stored: str, rows) -> np.ndarray:

@@ -25,7 +25,8 @@ _NUMPY_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
 }
-_ITEMSIZE = {**{k: np.dtype(v).itemsize for k, v in _NUMPY_DTYPES.items()}, "BF16": 2}
+_ITEMSIZE = {**{k: np.dtype(v).itemsize for k, v in _NUMPY_DTYPES.items()}, "BF16": 2, "F8_E4M3": 1}
+_BITS = {"BF16": np.uint16, "F8_E4M3": np.uint8}  # stored as raw bits: decoded by bf16_to_float32 / fp8
 _MAX_HEADER = 100 * 1024 * 1024
 _BLOCK_ELEMENTS = 1 << 22  # bfloat16 is widened this many elements at a time
 
@@ -68,14 +69,14 @@ class SafetensorsFile:
             self.entries[name] = (dtype, shape, begin, end)
 
     def raw(self, name: str, index: int | None = None, rows: slice | None = None) -> np.ndarray:
-        """The tensor in its stored dtype (bfloat16 as uint16 bits), read into memory.
+        """The tensor in its stored dtype (bfloat16 as uint16 bits, float8_e4m3fn as uint8 codes), read into memory.
 
         `index` reads one slice along the first axis (`t[index]`), `rows` a range of rows of what remains
         (`t[index, rows]`, or `t[rows]`): one expert of a packed expert tensor, or a block of a large one,
         without reading the rest.
         """
         dtype, shape, begin, _ = self.entries[name]
-        np_dtype = np.uint16 if dtype == "BF16" else _NUMPY_DTYPES[dtype]
+        np_dtype = _BITS.get(dtype) or _NUMPY_DTYPES[dtype]
         first = 0
         if index is not None:
             first, shape = index * int(np.prod(shape[1:], dtype=np.int64)), shape[1:]
@@ -90,6 +91,10 @@ class SafetensorsFile:
     def float32(self, name: str) -> np.ndarray:
         """The tensor as float32 (bfloat16 widened exactly, block by block: memory is the result plus one block)."""
         dtype, shape = self.entries[name][:2]
+        if dtype == "F8_E4M3":  # the codes' values; block scales are the checkpoint's business (mla_deploy.fp8)
+            from .fp8 import e4m3_to_float32
+
+            return e4m3_to_float32(self.raw(name))
         if dtype != "BF16":
             return self.raw(name).astype(np.float32, copy=False)
         if len(shape) < 2:
