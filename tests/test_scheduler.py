@@ -192,3 +192,24 @@ def test_engine_streams_to_asyncio_and_leaving_early_cancels(model):
         assert engine.scheduler.running == [] and engine.scheduler.stats.finished["cancelled"] == 1
     finally:
         engine.close()
+
+
+def test_an_engine_outlives_the_event_loops_of_its_callers(model):
+    """asyncio.run per call, as a script does: a request abandoned with its loop must not kill the scheduler."""
+    engine = Engine(model, max_batch=2)
+
+    async def first_token():
+        async for e in engine.submit([5, 6, 7], 200, SamplingParams(), stop_token_ids=()):
+            return e.token  # leaves the stream open: the loop closes while the request still runs
+
+    async def whole():
+        return [e.token async for e in engine.submit([5, 6, 7], 8, SamplingParams(), stop_token_ids=())
+                if isinstance(e, TokenEvent)]
+
+    try:
+        for _ in range(3):
+            asyncio.run(first_token())
+        assert asyncio.run(asyncio.wait_for(whole(), 60)) == Generator(model, SamplingParams(), stop_token_ids=()).generate([[5, 6, 7]], 8).token_ids[0]
+        assert engine.error is None
+    finally:
+        engine.close()

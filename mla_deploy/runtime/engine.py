@@ -74,8 +74,14 @@ class Engine:
         queue: asyncio.Queue = asyncio.Queue()
         sampling = self.model.generation.sampling if sampling is None else sampling
         stops = self.model.stop_token_ids if stop_token_ids is None else stop_token_ids
-        request = Request(list(prompt_ids), max_new_tokens, lambda e: loop.call_soon_threadsafe(queue.put_nowait, e),
-                          sampling.validate(), frozenset(int(t) for t in stops), logprobs)
+        def emit(event) -> None:  # runs on the scheduler thread
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, event)
+            except RuntimeError:  # the submitter's event loop is closed: nobody is listening any more
+                request.cancelled = True
+
+        request = Request(list(prompt_ids), max_new_tokens, emit, sampling.validate(),
+                          frozenset(int(t) for t in stops), logprobs)
         request.prompt_ids = self.scheduler.check(request.prompt_ids, max_new_tokens)
         with self._lock:
             if self.error is not None or self._closed:
