@@ -132,6 +132,9 @@ BLOCKED_RUN = ("import sys\n"
     ("torch", ["eval", "{export}", "--text", "{text}"], "export"),
     ("psutil", ["bench", "--quick", "--workdir", "{tmp}/work"], "bench"),
     ("matplotlib,psutil", ["bench", "--quick", "--workdir", "{tmp}/work"], "bench"),
+    ("fastapi", ["serve", "{export}", "--port", "0"], "serve"),
+    ("uvicorn", ["serve", "{export}", "--port", "0"], "serve"),
+    ("ray", ["serve", "{export}", "--ray-replicas", "2"], "ray"),
 ])
 def test_a_missing_extra_is_one_line_naming_the_install(demo_export, tmp_path, blocked, args, extra):
     text = DEMO_CHECKPOINT / "heldout.txt"

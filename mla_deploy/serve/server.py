@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import uvicorn
+
 from ..runtime import ExportedModel, RuntimeOptions
 from ..runtime.engine import Engine
 from .app import Service, create_app
@@ -18,8 +20,6 @@ def build_service(export_dir: str | Path, max_batch: int = 16, max_queue: int = 
 
 
 def serve(service: Service, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning") -> None:
-    import uvicorn
-
     try:
         uvicorn.run(create_app(service), host=host, port=port, log_level=log_level, access_log=False,
                     timeout_graceful_shutdown=5)
