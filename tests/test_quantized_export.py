@@ -17,7 +17,8 @@ from mla_deploy.export import ExportOptions, export
 from mla_deploy.export import quantize as quantize_module
 from mla_deploy.export.quantize import quantized_hf_names
 from mla_deploy.presets import DEMO_CHECKPOINT
-from mla_deploy.runtime import ExportedModel
+from mla_deploy.runtime import ExportedModel, RuntimeOptions
+from mla_deploy.runtime.feeds import prefill_feed
 from mla_deploy.verify import verify_export
 
 CASES = [("v3_lora_group_yarn", "int4", 16), ("v2_nolora_greedy_yarn", "int8", 32), ("v3_dense_tied", "int4", 32)]
@@ -126,3 +127,28 @@ def test_dequantized_checkpoint_changes_only_quantized_weights(checkpoint_dir):
     for name in ckpt.names():
         same = np.array_equal(dq.tensor(name), ckpt.tensor(name))
         assert same == (name not in names), name
+
+
+@pytest.mark.parametrize("variant, bits, block", [("v3_lora_group_yarn", "int4", 16), ("v2_group_limited", "int8", 32)])
+def test_qmoe_and_if_branches_compute_the_same_experts(tmp_path, variant, bits, block):
+    """QMoE (one op per layer, fed the router's choice and weights) against one If + MatMulNBits per expert: both
+    exact against the dequantized source, the same logits, and the op counts say which ran."""
+    from tiny import build_hf_model, save_hf_model
+
+    src = tmp_path / "ckpt"
+    save_hf_model(build_hf_model(variant, moe_intermediate_size=32), src)  # whole blocks: QMoE's rule
+    logits = {}
+    for experts in ("qmoe", "branches"):
+        out = tmp_path / experts
+        export(src, out, ExportOptions(absorb="factored", quantize=bits, block_size=block, experts=experts))
+        report = verify_export(out, src, steps=4)
+        assert report.passed, report.lines
+        counts = json.loads((out / "manifest.json").read_text())["graphs"]["decode"]["op_counts"]
+        moe_layers = Checkpoint(src).config.num_hidden_layers - Checkpoint(src).config.first_k_dense_replace
+        assert counts.get("com.microsoft::QMoE", 0) == (moe_layers if experts == "qmoe" else 0)
+        assert counts.get("If", 0) == (0 if experts == "qmoe" else 8 * moe_layers)
+        model = ExportedModel(out, RuntimeOptions(prepack=False))  # float activations: comparable to 1e-4
+        ids = np.random.default_rng(0).integers(3, model.config.vocab_size, (2, 12))
+        logits[experts] = model.run("prefill", prefill_feed(model.config, ids))["logits"]
+    scale = max(1.0, np.abs(logits["branches"]).max())
+    assert np.abs(logits["qmoe"] - logits["branches"]).max() <= 1e-4 * scale

@@ -46,6 +46,7 @@ class ExportOptions:
     quantize: str | None = None  # "int4" or "int8": weight-only, block-wise (export.quantize)
     block_size: int = 32
     accuracy_level: int = 4  # MatMulNBits: 4 = int8 activations inside the kernel, 0 = float (exact)
+    experts: str = "qmoe"  # quantized routed experts: one QMoE per layer, or "branches" (If + MatMulNBits per expert)
 
     def quantization(self) -> Quantization | None:
         if self.quantize is None:
@@ -53,7 +54,8 @@ class ExportOptions:
         if self.quantize not in QUANTIZE_BITS:
             raise ExportError(f"--quantize {self.quantize}: expected one of {', '.join(QUANTIZE_BITS)}")
         try:
-            return Quantization(QUANTIZE_BITS[self.quantize], self.block_size, self.accuracy_level)
+            return Quantization(QUANTIZE_BITS[self.quantize], self.block_size, self.accuracy_level,
+                                experts=self.experts)
         except ValueError as e:
             raise ExportError(f"--quantize {self.quantize}: {e}") from None
 

@@ -10,9 +10,10 @@ Attention is plain MatMul-Softmax-MatMul: measured 4-8x faster on CPU than the f
 GroupQueryAttention ops for 576-wide absorbed heads. Caches are written with TensorScatter straight
 into the graph outputs, so with IO binding the runtime's buffers are updated in place.
 
-MoE runs only the experts some token chose: one `If` per routed expert, whose branch gathers that
-expert's tokens, runs its SwiGLU on them and scatter-adds the weighted result. An expert nobody
-chose costs one skipped branch and reads none of its weights.
+MoE runs only the experts some token chose. Float exports: one `If` per routed expert, whose branch gathers
+that expert's tokens, runs its SwiGLU on them and scatter-adds the weighted result; an expert nobody chose
+costs one skipped branch and reads none of its weights. Quantized exports: one com.microsoft QMoE per layer
+over block-quantized experts, fed the router's own choice and weights (measured faster: README).
 """
 
 from __future__ import annotations
@@ -343,18 +344,69 @@ class MoE:
         onehot = op.Cast(op.Equal(op.Unsqueeze(idx, [-1]), op.Range(0, cfg.n_routed_experts, 1)), to=FLOAT)  # [N, k, E]
         dispatch = op.ReduceSum(op.Mul(onehot, op.Unsqueeze(weights, [-1])), [1], keepdims=0)  # [N, E]
         chosen = op.ReduceMax(onehot, [1], keepdims=0)  # [N, E] 1.0 where the token chose the expert
-        active = op.Greater(op.ReduceSum(chosen, [0], keepdims=0), 0.0)  # [E]
-        flags = op.Split(active, axis=0, num_outputs=cfg.n_routed_experts, _outputs=cfg.n_routed_experts)
-        flags = flags if isinstance(flags, (list, tuple)) else [flags]
+        shared = None
         if cfg.n_shared_experts:
             shared = SwiGLU(g, f"{self.name}.shared", hf + "shared_experts.", t,
-                            cfg.moe_intermediate_size * cfg.n_shared_experts)
-            out = shared(op, x2)
+                            cfg.moe_intermediate_size * cfg.n_shared_experts)(op, x2)
+        if self.uses_qmoe():
+            routed = self._qmoe(op, x2, chosen, dispatch)
+            out = routed if shared is None else op.Add(shared, routed)
         else:
-            out = op.Mul(x2, 0.0)
-        for e, flag in enumerate(flags):
-            out = self._expert(op, e, flag, x2, chosen, dispatch, out)
+            active = op.Greater(op.ReduceSum(chosen, [0], keepdims=0), 0.0)  # [E]
+            flags = op.Split(active, axis=0, num_outputs=cfg.n_routed_experts, _outputs=cfg.n_routed_experts)
+            flags = flags if isinstance(flags, (list, tuple)) else [flags]
+            out = op.Mul(x2, 0.0) if shared is None else shared
+            for e, flag in enumerate(flags):
+                out = self._expert(op, e, flag, x2, chosen, dispatch, out)
         return op.Reshape(out, shape)  # [N, d] -> [b, T, d]
+
+    def uses_qmoe(self) -> bool:
+        """QMoE when the export is quantized and asks for it, and both matrices' K is whole blocks (QMoE's rule)."""
+        q, cfg = self.g.quantization, self.cfg
+        return (q is not None and q.experts == "qmoe"
+                and cfg.hidden_size % q.block == 0 and cfg.moe_intermediate_size % q.block == 0)
+
+    def _qmoe(self, op, x2, chosen, dispatch) -> ir.Value:
+        """All routed experts in one com.microsoft QMoE: it selects by `router_probs` (the router's choice, 1.0 on
+        the k chosen experts, 0.0 elsewhere) and mixes by `router_weights` (the router's weights, already scaled),
+        so DeepSeek's own routing (groups, V3's selection-only bias) decides, not the op's softmax. SwiGLU with
+        alpha 1 and beta 0 is silu(gate) · up; fc1 rows interleave gate and up (swiglu_fusion 1)."""
+        cfg, g, q, t, hf = self.cfg, self.g, self.g.quantization, self.t, self.hf
+        inter, d = cfg.moe_intermediate_size, cfg.hidden_size
+        made: dict[str, list] = {}
+
+        def experts(kind: str) -> list:
+            """Per expert, its gate/up (kind "fc1", [d, 2I] with gate and up columns interleaved) or down ("fc2",
+            [I, d]) weight quantized: computed once for codes and scales."""
+            if kind not in made:
+                made[kind] = []
+                for e in range(cfg.n_routed_experts):
+                    w = f"{hf}experts.{e}."
+                    if kind == "fc1":
+                        gate, up = t(w + "gate_proj.weight"), t(w + "up_proj.weight")  # [I, d] each
+                        weight = np.stack([gate.T, up.T], axis=2).reshape(d, 2 * inter)  # [d, I, 2] -> [d, 2I]
+                    else:
+                        weight = t(w + "down_proj.weight").T  # [I, d]
+                    made[kind].append(quantize(weight, q.bits, q.block))
+            return made[kind]
+
+        def codes(kind: str) -> np.ndarray:  # [E, N, K·bits/8]: MatMulNBits' [N, k_blocks, blob] per expert, flattened
+            return np.stack([e.codes.reshape(e.n, -1) for e in experts(kind)])
+
+        def scales(kind: str) -> np.ndarray:  # [E, N, k_blocks]
+            scale = np.stack([e.scales for e in experts(kind)])
+            made.pop(kind)  # codes were written first: the quantized experts can go
+            return scale
+
+        fc1 = g.weight(f"{self.name}.experts.fc1.codes", lambda: codes("fc1"))  # [E, 2I, d·bits/8]
+        fc1_scales = g.weight(f"{self.name}.experts.fc1.scales", lambda: scales("fc1"))  # [E, 2I, d/block]
+        fc2 = g.weight(f"{self.name}.experts.fc2.codes", lambda: codes("fc2"))  # [E, d, I·bits/8]
+        fc2_scales = g.weight(f"{self.name}.experts.fc2.scales", lambda: scales("fc2"))  # [E, d, I/block]
+        return op.QMoE(x2, chosen, fc1, fc1_scales, None, fc2, fc2_scales, None, None, None, None, None, None, None,
+                       dispatch, k=cfg.num_experts_per_tok, activation_type="swiglu", swiglu_fusion=1,
+                       activation_alpha=1.0, activation_beta=0.0, normalize_routing_weights=0,
+                       expert_weight_bits=q.bits, block_size=q.block, accuracy_level=q.accuracy_level,
+                       _domain="com.microsoft")  # [N, d]
 
     def _expert(self, op, e: int, flag, x2, chosen, dispatch, acc) -> ir.Value:
         """acc + weight · expert_e(x) on the rows that chose expert e, inside If(expert e chosen by any row)."""
