@@ -129,6 +129,19 @@ def test_stop_strings_cut_the_text_before_the_stop(client):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_a_stop_token_id_ends_the_text_without_its_own_text(server, client):
+    from mla_deploy.runtime import Generator, SamplingParams, Tokenizer
+
+    tokenizer = Tokenizer(DEMO_CHECKPOINT / "tokenizer.json")
+    prompt = tokenizer.encode("class Stack:\n")
+    ids = Generator(server[1].engine.model, SamplingParams(), stop_token_ids=()).generate([prompt], 30).token_ids[0]
+    stop = ids[6]
+    first = ids.index(stop)
+    cut = client.completions.create(prompt=prompt, max_tokens=30, stop=[stop], **greedy())
+    assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == first + 1
+    assert cut.choices[0].text == tokenizer.decode(ids[:first])
+
+
 def test_logprobs_are_the_models_top_k(client):
     r = client.completions.create(prompt="import ", max_tokens=6, logprobs=3, **greedy())
     lp = r.choices[0].logprobs

