@@ -251,14 +251,16 @@ def bench(quick, preset, checkpoint, contexts, batches, engines, steps, threads,
               help="onnxruntime threads per graph (0: one per physical core).")
 @click.option("--prepack/--no-prepack", default=True, show_default=True,
               help="Prepacked MatMul weights: faster batched steps, a second copy of the weights per graph.")
+@click.option("--spin/--no-spin", default=False, show_default=True,
+              help="Let onnxruntime's threads spin between ops (fastest alone; steals the HTTP loop's CPU).")
 @click.option("--ray-replicas", type=click.IntRange(min=1), default=None,
               help="Serve N replicas on Ray Serve (the 'ray' extra) instead of one process.")
-def serve(export_dir, host, port, max_batch, max_queue, prefill_chunk, api_key, model_name, threads, prepack,
+def serve(export_dir, host, port, max_batch, max_queue, prefill_chunk, api_key, model_name, threads, prepack, spin,
           ray_replicas):
     """Serve EXPORT_DIR over HTTP with OpenAI's completions and chat routes, batching requests continuously."""
     from .runtime import RuntimeOptions
 
-    options = RuntimeOptions(threads=threads, prepack=prepack)
+    options = RuntimeOptions(threads=threads, prepack=prepack, spin=spin)
     if ray_replicas is not None:
         from .serve.ray import serve_on_ray
 

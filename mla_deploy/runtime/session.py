@@ -48,6 +48,9 @@ class RuntimeOptions:
     # float export, so both sessions read the one memory-mapped weights.bin (README, "One copy of the weights");
     # on for a quantized one, whose MatMulNBits runs ~60x slower unpacked (it dequantizes on every call).
     prepack: bool | None = None
+    # onnxruntime's intra-op threads spin between ops waiting for work: fastest for one caller, but in a server they
+    # take the cores the HTTP event loop needs (README, "Serving"). serve turns it off.
+    spin: bool = True
 
 
 _LEVELS = {
@@ -97,6 +100,8 @@ class ExportedModel:
         so.intra_op_num_threads = self.options.threads
         if not self.prepack:
             so.add_session_config_entry("session.disable_prepacking", "1")
+        if not self.options.spin:
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         try:
             session = ort.InferenceSession(str(path), so, providers=self.providers)
         except Exception as e:  # onnxruntime raises its own exception types for corrupt models and data
