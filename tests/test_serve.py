@@ -268,7 +268,7 @@ def test_a_full_queue_answers_429_with_retry_after(demo_export):
     with running_server(demo_export, max_batch=1, max_queue=1) as (base, service):
         scheduler = service.engine.scheduler
         gate, step = threading.Event(), scheduler.step
-        scheduler.step = lambda: (gate.wait(30), step())  # the scheduler thread waits here: nothing is admitted
+        scheduler.step = lambda **kw: (gate.wait(30), step(**kw))  # the scheduler thread waits here: nothing is admitted
         body = {"model": MODEL, "prompt": "def ", "max_tokens": 4}
         first = []
         waiter = threading.Thread(target=lambda: first.append(httpx.post(base + "/v1/completions", json=body, timeout=30)))

@@ -59,6 +59,7 @@ class Engine:
         self.stats = EngineStats()
         self._lock = threading.Condition()
         self._inbox: list[Request] = []
+        self._outbox: dict[asyncio.AbstractEventLoop, list] = {}  # events of the current phase, by event loop
         self._closed = False
         self.error: BaseException | None = None  # set if the scheduler thread died: the engine is unusable
         self._thread = threading.Thread(target=self._loop, name="mla-deploy-scheduler", daemon=True)
@@ -74,11 +75,8 @@ class Engine:
         queue: asyncio.Queue = asyncio.Queue()
         sampling = self.model.generation.sampling if sampling is None else sampling
         stops = self.model.stop_token_ids if stop_token_ids is None else stop_token_ids
-        def emit(event) -> None:  # runs on the scheduler thread
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, event)
-            except RuntimeError:  # the submitter's event loop is closed: nobody is listening any more
-                request.cancelled = True
+        def emit(event) -> None:  # runs on the scheduler thread: collected, handed over once per phase (_hand_over)
+            self._outbox.setdefault(loop, []).append((request, queue, event))
 
         request = Request(list(prompt_ids), max_new_tokens, emit, sampling.validate(),
                           frozenset(int(t) for t in stops), logprobs)
@@ -93,6 +91,16 @@ class Engine:
             self.stats.requests += 1
             self._lock.notify()
         return self._events(request, queue)
+
+    def _hand_over(self) -> None:
+        """One call_soon_threadsafe per event loop per phase, not per event: 16 streams wake the loop once a step."""
+        outbox, self._outbox = self._outbox, {}
+        for loop, events in outbox.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, events)
+            except RuntimeError:  # the submitters' event loop is closed: nobody is listening any more
+                for request, _, _ in events:
+                    request.cancelled = True
 
     @property
     def queue_depth(self) -> int:
@@ -144,11 +152,17 @@ class Engine:
                     for request in self._inbox:
                         scheduler.add(request)
                     self._inbox.clear()
-                scheduler.step()
+                scheduler.step(after_phase=self._hand_over)
         except BaseException as e:  # a bug or onnxruntime failure: fail every request instead of hanging them
             self.error = e
             for request in list(scheduler.waiting) + scheduler.running + self._inbox:
                 request.emit(_Failed(e))
+            self._hand_over()
+
+
+def _deliver(events: list) -> None:
+    for _, queue, event in events:
+        queue.put_nowait(event)
 
 
 @dataclass

@@ -141,14 +141,18 @@ class Scheduler:
         return bool(self.waiting) or any(r is not None for r in self.rows)
 
     # ---- the step ----
-    def step(self) -> None:
+    def step(self, after_phase: Callable[[], None] = lambda: None) -> None:
+        """One scheduling step; `after_phase()` runs after the prefills and after the decode (an Engine hands the
+        events of each phase over to its event loops there, so a first token does not wait for the decode)."""
         self.stats.steps += 1
         self._drop_cancelled()
         self._admit()
         self._prefill()
+        after_phase()
         decoding = [r for r in self.rows if r is not None and r.pending is not None]
         if decoding:
             self._decode_step(decoding)
+        after_phase()
 
     def _drop_cancelled(self) -> None:
         for request in [r for r in self.waiting if r.cancelled]:
