@@ -148,7 +148,7 @@ def our_exports(work: Path, checkpoint: Path) -> dict[str, Path]:
 def llama_bench(bins: Path, gguf: Path, threads: int, contexts: list[int]) -> dict:
     """prefill 512 tok/s and decode tok/s per context, from llama-bench's JSON."""
     result = {}
-    common = ["-m", gguf, "-t", threads, "-fa", "1", "-r", "3", "-o", "json"]
+    common = ["-m", gguf, "-t", threads, "-fa", "1", "-r", "2", "-o", "json"]
     out = run([bins / "llama-bench", *common, "-p", "512", "-n", "0"], capture_output=True, text=True).stdout
     result["prefill_512"] = json.loads(out)[0]["avg_ts"]
     for ctx in contexts:
