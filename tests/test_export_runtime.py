@@ -15,6 +15,7 @@ from mla_deploy.cli import main
 from mla_deploy.errors import ExportError, ExportLoadError, InputError
 from mla_deploy.export import ExportOptions, export
 from mla_deploy.runtime import ExportedModel, Generator, RuntimeOptions
+from mla_deploy.runtime.feeds import prefill_feed
 from mla_deploy.modeling import load_model
 from mla_deploy.verify import verify_export
 from reference import torch_greedy
@@ -111,6 +112,28 @@ def test_moe_runs_one_branch_per_expert(checkpoint_dir, exported):
     assert len(ifs) == moe_layers * hf.config.n_routed_experts
     top_level_expert_matmuls = [n for n in graph.node if n.op_type == "MatMul" and any(".experts." in i for i in n.input)]
     assert top_level_expert_matmuls == []  # routed experts run only inside their If branch
+
+
+def test_dense_experts_equal_the_branches(checkpoint_dir, exported, variant, tmp_path):
+    """Few experts per chosen one (8 and 2 or 3 here): auto runs every expert densely. Exact against the torch
+    source, and the same logits as one If per expert."""
+    src, hf = checkpoint_dir(variant)
+    out = tmp_path / "dense"
+    result = export(src, out, ExportOptions(absorb="factored"))
+    if hf.config.n_routed_experts is None or hf.config.first_k_dense_replace >= hf.config.num_hidden_layers:
+        assert result.manifest["experts"] in (None, "dense")
+        return
+    assert result.manifest["experts"] == "dense"
+    counts = result.manifest["graphs"]["decode"]["op_counts"]
+    assert "If" not in counts
+    report = verify_export(out, src, steps=4)
+    assert report.passed, report.lines
+    ids = np.random.default_rng(1).integers(3, hf.config.vocab_size, (2, 10))
+    logits = {}
+    for name, directory in (("dense", out), ("branches", exported(variant, "factored"))):
+        model = ExportedModel(directory)
+        logits[name] = model.run("prefill", prefill_feed(model.config, ids))["logits"]
+    assert np.abs(logits["dense"] - logits["branches"]).max() <= 1e-4 * max(1.0, np.abs(logits["branches"]).max())
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 9])

@@ -152,3 +152,18 @@ def test_qmoe_and_if_branches_compute_the_same_experts(tmp_path, variant, bits, 
         logits[experts] = model.run("prefill", prefill_feed(model.config, ids))["logits"]
     scale = max(1.0, np.abs(logits["branches"]).max())
     assert np.abs(logits["qmoe"] - logits["branches"]).max() <= 1e-4 * scale
+
+
+def test_expert_choices_are_checked_and_auto_follows_the_config():
+    from mla_deploy.config import MLAConfig
+    from mla_deploy.export.experts import resolve_experts
+
+    demo = Checkpoint(DEMO_CHECKPOINT).config  # 8 experts, top 2
+    v2lite = MLAConfig.from_hf_json(DEMO_CHECKPOINT.parent / "presets" / "v2lite.json")  # 64 experts, top 6
+    assert resolve_experts(demo, "auto", quantized=False) == "dense"
+    assert resolve_experts(v2lite, "auto", quantized=False) == "branches"
+    assert resolve_experts(v2lite, "auto", quantized=True) == resolve_experts(demo, "auto", quantized=True) == "qmoe"
+    for requested, quantized, message in (("qmoe", False, "needs --quantize"), ("dense", True, "for float exports"),
+                                          ("fast", False, "expected one of auto, qmoe, dense, branches")):
+        with pytest.raises(ExportError, match=message):
+            resolve_experts(demo, requested, quantized)

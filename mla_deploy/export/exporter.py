@@ -25,6 +25,7 @@ from ..checkpoint import Checkpoint
 from ..errors import ExportError
 from ..manifest import MANIFEST_FILE, MANIFEST_VERSION, TOKENIZER_FILES, WEIGHTS_FILE, file_sha256
 from .absorb import AbsorbMode, absorbed_weight_bytes, resolve_absorb
+from .experts import resolve_experts
 from ..progress import progress_bar
 from .graphs import build_graph, op_counts
 from .layers import OPSET
@@ -46,7 +47,7 @@ class ExportOptions:
     quantize: str | None = None  # "int4" or "int8": weight-only, block-wise (export.quantize)
     block_size: int = 32
     accuracy_level: int = 4  # MatMulNBits: 4 = int8 activations inside the kernel, 0 = float (exact)
-    experts: str = "qmoe"  # quantized routed experts: one QMoE per layer, or "branches" (If + MatMulNBits per expert)
+    experts: str = "auto"  # routed experts: auto, qmoe (quantized), dense (float, few experts), branches (export.experts)
 
     def quantization(self) -> Quantization | None:
         if self.quantize is None:
@@ -54,8 +55,7 @@ class ExportOptions:
         if self.quantize not in QUANTIZE_BITS:
             raise ExportError(f"--quantize {self.quantize}: expected one of {', '.join(QUANTIZE_BITS)}")
         try:
-            return Quantization(QUANTIZE_BITS[self.quantize], self.block_size, self.accuracy_level,
-                                experts=self.experts)
+            return Quantization(QUANTIZE_BITS[self.quantize], self.block_size, self.accuracy_level)
         except ValueError as e:
             raise ExportError(f"--quantize {self.quantize}: {e}") from None
 
@@ -94,9 +94,12 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
         progress(f"absorb auto -> {mode.value}: attention weights read per decode token and layer, computed from the "
                  f"config: factored {factored:.2f} MB, fused {fused:.2f} MB (bytes decide, not a timing)")
 
+    experts = resolve_experts(cfg, options.experts, quantization is not None)
+    if cfg.n_routed_experts:
+        progress(f"routed experts: {experts} ({options.experts})")
     progress("hashing source weights")
     source_hash = ckpt.content_hash()
-    recipe = f"{source_hash}|{mode.value}|{options.dtype}|{max_seq_len}|{quantization}|{__version__}"
+    recipe = f"{source_hash}|{mode.value}|{options.dtype}|{max_seq_len}|{quantization}|{experts}|{__version__}"
     export_id = hashlib.sha256(recipe.encode()).hexdigest()[:32]
     metadata = {"producer": "mla-deploy", "mla_deploy_version": __version__, "export_id": export_id}
 
@@ -111,9 +114,11 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
                                                      else " (naive attention)") + ", writing its weights")
                 with progress_bar(cfg.num_hidden_layers, f"{kind} layers", "layer") as advance:
                     graphs[kind] = build_graph(kind, cfg, ckpt.tensor, max_seq_len, mode, weights, metadata,
-                                               on_layer=lambda i: advance(1), quantization=quantization)
+                                               on_layer=lambda i: advance(1), quantization=quantization,
+                                               experts=experts)
         progress(f"wrote weights ({weights.nbytes / 1e9:.2f} GB)")
         manifest = _manifest(cfg, mode, options, max_seq_len, source_hash, export_id, ckpt)
+        manifest["experts"] = experts if cfg.n_routed_experts else None
         manifest["quantization"] = None if quantization is None else {
             **quantization.to_dict(), "quantized_weights": len(quantized_hf_names(cfg)),
             "float": "kv_b_proj, routers, norms, rope tables, per-head W^UK / W^UV"}

@@ -53,9 +53,9 @@ def decoder(g: layers.Graph, cfg: MLAConfig, t: layers.Tensors, max_seq_len: int
 
 def build_graph(kind: str, cfg: MLAConfig, t: layers.Tensors, max_seq_len: int, absorb: AbsorbMode,
                 weights: WeightsFile, metadata: dict[str, str], on_layer: Callable[[int], None] = lambda i: None,
-                quantization: Quantization | None = None) -> ir.Model:
+                quantization: Quantization | None = None, experts: str = "branches") -> ir.Model:
     """prefill or decode over the io_spec contract; `weights` is the file both graphs' initializers live in."""
-    g = layers.Graph(kind, weights, quantization)
+    g = layers.Graph(kind, weights, quantization, experts)
     op = g.op
     specs_in, specs_out = io_spec.graph_io(kind, cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
                                            cfg.vocab_size)

@@ -13,7 +13,8 @@ into the graph outputs, so with IO binding the runtime's buffers are updated in 
 MoE runs only the experts some token chose. Float exports: one `If` per routed expert, whose branch gathers
 that expert's tokens, runs its SwiGLU on them and scatter-adds the weighted result; an expert nobody chose
 costs one skipped branch and reads none of its weights. Quantized exports: one com.microsoft QMoE per layer
-over block-quantized experts, fed the router's own choice and weights (measured faster: README).
+over block-quantized experts, fed the router's own choice and weights. Float layers with few experts per chosen
+one run every expert densely (export.experts; each choice measured: README).
 """
 
 from __future__ import annotations
@@ -44,8 +45,11 @@ FLOAT, BOOL = ir.DataType.FLOAT, ir.DataType.BOOL
 class Graph:
     """One graph under construction: onnxscript's builder, plus weights by name from the shared file."""
 
-    def __init__(self, name: str, weights: WeightsFile, quantization: Quantization | None = None):
+    def __init__(self, name: str, weights: WeightsFile, quantization: Quantization | None = None,
+                 experts: str = "branches"):
+        """`experts`: how MoE layers run their routed experts (export.experts.resolve_experts)."""
         opsets = {"": OPSET, **({"com.microsoft": 1} if quantization else {})}
+        self.experts = experts
         self.builder = GraphBuilder(ir.Graph([], [], nodes=[], opset_imports=opsets, name=name))
         self.op = self.builder.op
         self.weights = weights
@@ -348,8 +352,8 @@ class MoE:
         if cfg.n_shared_experts:
             shared = SwiGLU(g, f"{self.name}.shared", hf + "shared_experts.", t,
                             cfg.moe_intermediate_size * cfg.n_shared_experts)(op, x2)
-        if self.uses_qmoe():
-            routed = self._qmoe(op, x2, chosen, dispatch)
+        if self.uses_qmoe() or self.g.experts == "dense":
+            routed = self._qmoe(op, x2, chosen, dispatch) if self.uses_qmoe() else self._dense(op, x2, dispatch)
             out = routed if shared is None else op.Add(shared, routed)
         else:
             active = op.Greater(op.ReduceSum(chosen, [0], keepdims=0), 0.0)  # [E]
@@ -363,8 +367,30 @@ class MoE:
     def uses_qmoe(self) -> bool:
         """QMoE when the export is quantized and asks for it, and both matrices' K is whole blocks (QMoE's rule)."""
         q, cfg = self.g.quantization, self.cfg
-        return (q is not None and q.experts == "qmoe"
+        return (q is not None and self.g.experts == "qmoe"
                 and cfg.hidden_size % q.block == 0 and cfg.moe_intermediate_size % q.block == 0)
+
+    def _dense(self, op, x2, dispatch) -> ir.Value:
+        """Every routed expert on every token, weighted by `dispatch` (0 for experts a token did not choose): three
+        large ops instead of one If per expert. Reads all experts' weights, so it is chosen only where a layer has
+        few experts per chosen one (export.experts)."""
+        cfg, g, t, hf = self.cfg, self.g, self.t, self.hf
+        n_e, inter, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+
+        def gate_up() -> np.ndarray:  # [d, E·2I]: expert e's gate then up columns at [e·2I, (e+1)·2I)
+            return np.concatenate([absorb.gate_up_weight(t(f"{hf}experts.{e}.gate_proj.weight"),
+                                                         t(f"{hf}experts.{e}.up_proj.weight")) for e in range(n_e)], axis=1)
+
+        def down() -> np.ndarray:  # [E, I, d]
+            return np.stack([t(f"{hf}experts.{e}.down_proj.weight").T for e in range(n_e)])
+
+        gu = op.MatMul(x2, g.weight(f"{self.name}.experts.gate_up", gate_up))  # [N, E·2I]
+        gu = op.Reshape(gu, [0, n_e, 2 * inter])  # [N, E·2I] -> [N, E, 2I]
+        gate, up = op.Split(gu, [inter, inter], axis=-1, _outputs=2)  # [N, E, I] each
+        hidden = op.Transpose(op.Mul(op.Mul(gate, op.Sigmoid(gate)), up), perm=[1, 0, 2])  # silu(gate)·up [E, N, I]
+        y = op.MatMul(hidden, g.weight(f"{self.name}.experts.down", down))  # [E, N, d]
+        weights = op.Unsqueeze(op.Transpose(dispatch, perm=[1, 0]), [-1])  # [N, E] -> [E, N, 1]
+        return op.ReduceSum(op.Mul(y, weights), [0], keepdims=0)  # [N, d]
 
     def _qmoe(self, op, x2, chosen, dispatch) -> ir.Value:
         """All routed experts in one com.microsoft QMoE: it selects by `router_probs` (the router's choice, 1.0 on

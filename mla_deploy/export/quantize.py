@@ -22,8 +22,7 @@ from ..config import MLAConfig
 
 BITS = (4, 8)
 BLOCKS = (16, 32, 64, 128)
-ACCURACY_LEVELS = (0, 4)
-EXPERTS = ("qmoe", "branches")  # 0: float activations (exact against the dequantized weights); 4: int8 activations
+ACCURACY_LEVELS = (0, 4)  # 0: float activations (exact against the dequantized weights); 4: int8 activations
 # HF linear weights left in float: kv_b (prefill decompresses with it, decode splits it into the small per-head W^UK /
 # W^UV, so one float copy keeps both graphs on the same weights), the routers (tiny, and they choose the experts).
 FLOAT_LINEARS = ("self_attn.kv_b_proj.weight", "mlp.gate.weight")
@@ -41,15 +40,10 @@ class Quantization:
     # demo model's int4 export lost 0.0105 nats/token with its tied 4096 x 256 table at 4 bits, 0.0032 at 8 bits
     # (first 20k characters of its held-out text).
     head_bits: int = 8
-    # The routed experts: "qmoe", onnxruntime's QMoE op (all experts of a layer in one kernel, the router's choice
-    # and weights passed in), or "branches", one If + MatMulNBits pair per expert (README, "Quantized exports").
-    experts: str = "qmoe"
 
     def __post_init__(self):
         if self.head_bits not in BITS:
             raise ValueError(f"head_bits={self.head_bits}: expected one of {BITS}")
-        if self.experts not in EXPERTS:
-            raise ValueError(f"experts={self.experts!r}: expected one of {EXPERTS}")
         _check(self.bits, self.block)
         if self.accuracy_level not in ACCURACY_LEVELS:
             raise ValueError(f"accuracy_level={self.accuracy_level}: expected one of {ACCURACY_LEVELS}")
@@ -60,8 +54,7 @@ class Quantization:
     @classmethod
     def from_dict(cls, recorded: dict) -> "Quantization":
         """The spec an export's manifest records (`to_dict` plus what the exporter adds)."""
-        return cls(recorded["bits"], recorded["block"], recorded["accuracy_level"], recorded["head_bits"],
-                   recorded.get("experts", "branches"))  # exports before QMoE ran their experts in If branches
+        return cls(recorded["bits"], recorded["block"], recorded["accuracy_level"], recorded["head_bits"])
 
     def bytes_per_weight(self, bits: int | None = None) -> float:
         """Codes plus one float32 scale per block."""

@@ -218,14 +218,19 @@ class Scheduler:
             self.lengths[r.row] += 1
         self.stats.decode_steps += 1
         self.stats.decoded_rows += len(decoding)
+        plain = [r for r in decoding if _plain_greedy(r.sampling)]  # one argmax for all of them
+        greedy = dict(zip((r.id for r in plain), d.logits[[r.row for r in plain], 0].argmax(-1).tolist()))
         for r in decoding:
-            self._sample_and_emit(r, d.logits[r.row : r.row + 1, 0])
+            self._sample_and_emit(r, d.logits[r.row : r.row + 1, 0], greedy.get(r.id))
 
-    def _sample_and_emit(self, request: Request, logits: np.ndarray) -> None:
-        """logits [1, vocab]: sample this request's next token, emit it, and finish the request if it stops."""
-        token = int(sample(logits, request.sampling, request.rng, [request.history])[0])
+    def _sample_and_emit(self, request: Request, logits: np.ndarray, token: int | None = None) -> None:
+        """logits [1, vocab]: sample this request's next token (unless already chosen), emit it, and finish the
+        request if it stops."""
+        if token is None:
+            token = int(sample(logits, request.sampling, request.rng, [request.history])[0])
         request.generated.append(token)
-        request.history = np.append(request.history, token)
+        if request.sampling.repetition_penalty != 1.0:  # the only reader of the history
+            request.history = np.append(request.history, token)
         self.stats.generated_tokens += 1
         event = TokenEvent(token)
         if request.logprobs:
@@ -246,6 +251,11 @@ class Scheduler:
         request.pending = None
         self.stats.finished[reason] += 1
         request.emit(Finished(reason, len(request.prompt_ids), len(request.generated)))
+
+
+def _plain_greedy(params: SamplingParams) -> bool:
+    """Greedy without a repetition penalty: the argmax of the logits, the same for every such row."""
+    return params.greedy and params.repetition_penalty == 1.0
 
 
 def _logprobs(logits: np.ndarray, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:

@@ -1,0 +1,33 @@
+"""How an export runs its routed experts, chosen from the config and the precision (each choice measured: README).
+
+- "qmoe": quantized exports, one com.microsoft QMoE per MoE layer (faster than one If per expert at batch 1 and 8).
+- "dense": float exports of layers with few experts per chosen one (n_routed_experts <= DENSE_RATIO x
+  num_experts_per_tok, the demo model's 8 and 2): every expert on every token in three large ops. It computes
+  DENSE_RATIO times the chosen experts' work but skips one If per expert, which dominates at such sizes.
+- "branches": otherwise (DeepSeek-V2-Lite's 64 and 6, V3's 256 and 8), one If per expert: an expert no token
+  chose reads none of its weights.
+"""
+
+from __future__ import annotations
+
+from ..config import MLAConfig
+from ..errors import ExportError
+
+CHOICES = ("auto", "qmoe", "dense", "branches")
+DENSE_RATIO = 4
+
+
+def resolve_experts(cfg: MLAConfig, requested: str, quantized: bool) -> str:
+    if requested not in CHOICES:
+        raise ExportError(f"experts={requested!r}: expected one of {', '.join(CHOICES)}")
+    if requested == "qmoe" and not quantized:
+        raise ExportError("experts='qmoe' needs --quantize (QMoE multiplies by quantized experts)")
+    if requested == "dense" and quantized:
+        raise ExportError("experts='dense' is for float exports; a quantized export uses 'qmoe' or 'branches'")
+    if requested != "auto":
+        return requested
+    if quantized:
+        return "qmoe"
+    if cfg.n_routed_experts and cfg.n_routed_experts <= DENSE_RATIO * cfg.num_experts_per_tok:
+        return "dense"
+    return "branches"
