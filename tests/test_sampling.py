@@ -15,7 +15,7 @@ from transformers import (RepetitionPenaltyLogitsProcessor, TemperatureLogitsWar
 from mla_deploy import io_spec
 from mla_deploy.runtime import ExportedModel, Generator, SamplingParams
 from mla_deploy.runtime.feeds import prefill_feed
-from mla_deploy.runtime.sampling import sample
+from mla_deploy.runtime.sampling import apply_repetition_penalty, sample
 
 DRAWS = 40_000
 LOGITS = np.array([2.0, 1.6, 1.5, 0.9, 0.3, -0.2, -0.4, -1.0, 0.05, 1.1, -2.5, 0.7], np.float32)
@@ -114,3 +114,19 @@ def test_generator_samples_the_first_token_from_the_exports_distribution(exporte
     probs = reference_probs(logits, np.array(prompt), params)
     assert (probs > 0).sum() < 20  # top-p really cut into the top 20
     assert_same_distribution(first, probs)
+
+
+def test_a_penalty_of_exactly_two_applies():
+    """penalty == 1 is the only no-op (a mutant skipping 2.0 instead survived the statistical tests)."""
+    logits = np.array([[4.0, -2.0, 1.0]])
+    out = apply_repetition_penalty(logits, [np.array([0, 1])], 2.0)
+    assert out.tolist() == [[2.0, -4.0, 1.0]]
+
+
+def test_top_k_filters_a_single_row():
+    """One row (the batch of one request), top_k below the vocabulary: only the k likeliest can be drawn."""
+    logits = np.array([[0.0, 3.0, 2.9, -1.0, 0.5]])
+    rng = np.random.default_rng(0)
+    drawn = {int(sample(logits, SamplingParams(temperature=5.0, top_k=2), rng, [np.array([], np.int64)])[0])
+             for _ in range(300)}
+    assert drawn == {1, 2}
