@@ -228,7 +228,32 @@ def main() -> int:
         results["pairs"].append(pair)
     (work / "results.json").write_text(json.dumps(results, indent=1))
     print_table(results, contexts)
+    chart(results, contexts, work / "results.png")
     return 0
+
+
+def chart(results: dict, contexts: list[int], path: Path) -> None:
+    """One group of bars per precision pair: ours / llama.cpp for each figure (1.0 = even)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = ["prefill_512", *(f"decode_{c}" for c in contexts), "batch8_128"]
+    pairs = [p for p in results["pairs"] if "ours" in p]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / len(keys)
+    for i, key in enumerate(keys):
+        ratios = [p["ours"][key] / p["theirs"][key] for p in pairs]
+        ax.bar([j + i * width for j in range(len(pairs))], ratios, width, label=key.replace("_", " "))
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([j + width * (len(keys) - 1) / 2 for j in range(len(pairs))],
+                  [f"{p['mla_deploy']} vs {p['llama.cpp']}" for p in pairs])
+    ax.set_ylabel("tokens/s, mla-deploy / llama.cpp")
+    ax.set_title(f"{results['cpu']}, {results['threads']} threads")
+    ax.legend(fontsize=8, ncol=len(keys))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 def print_table(results: dict, contexts: list[int]) -> None:
