@@ -153,7 +153,7 @@ def test_requests_are_checked_on_submission(model):
     scheduler = Scheduler(model, max_batch=1, max_queue=1)
     with pytest.raises(InputError, match="exceeds the export's maximum length"):
         submit(scheduler, [5] * 10, model.max_seq_len)
-    with pytest.raises(InputError, match="not in the vocabulary"):
+    with pytest.raises(InputError, match=r"position 1: token id 4096 is outside the vocabulary \[0, 4096\)"):
         submit(scheduler, [5, model.config.vocab_size], 3)
     with pytest.raises(InputError, match="temperature"):
         submit(scheduler, [5], 3, SamplingParams(temperature=-1))

@@ -48,8 +48,33 @@ class CacheBuffers:
         self.capacity = capacity
         return True
 
-    def bind(self, binding: ort.IOBinding) -> None:
-        """Bind every cache as both the past input and the present output: in-place update."""
+    def bind(self, binding: ort.IOBinding, rows: slice | None = None) -> list[ort.OrtValue]:
+        """Bind every cache as both the past input and the present output: in-place update. `rows` binds only those
+        rows, as numpy views of the buffers (CPU; a scheduler's one row, or its occupied prefix). Returns the bound
+        OrtValues: a view must outlive the run."""
+        values = []
         for past, present in io_spec.cache_pairs(self.cfg.num_hidden_layers):
-            binding.bind_ortvalue_input(past, self.values[past])
-            binding.bind_ortvalue_output(present, self.values[past])
+            value = self.values[past] if rows is None else ort.OrtValue.ortvalue_from_numpy(self.arrays[past][rows])
+            binding.bind_ortvalue_input(past, value)
+            binding.bind_ortvalue_output(present, value)
+            values.append(value)
+        return values
+
+
+class DecodeBinding:
+    """The decode graph bound once per cache shape over rows [0, rows): input buffers written in place each step,
+    logits read from `logits` [rows, 1, vocab] after the run."""
+
+    def __init__(self, session: ort.InferenceSession, caches: CacheBuffers, rows: int, vocab: int):
+        self.rows = rows
+        self.ids, self.pos = np.zeros((rows, 1), np.int64), np.zeros((rows, 1), np.int64)
+        self.write, self.mask = np.zeros(rows, np.int64), np.ones((rows, caches.capacity), np.int64)
+        self.logits = np.zeros((rows, 1, vocab), np.float32)
+        self.binding = session.io_binding()
+        self._values = [ort.OrtValue.ortvalue_from_numpy(a) for a in (self.ids, self.pos, self.write, self.mask)]
+        for name, value in zip((io_spec.INPUT_IDS, io_spec.POSITION_IDS, io_spec.WRITE_INDICES, io_spec.ATTENTION_MASK),
+                               self._values):
+            self.binding.bind_ortvalue_input(name, value)
+        self._values += caches.bind(self.binding, None if rows == caches.batch else slice(0, rows))
+        self._values.append(ort.OrtValue.ortvalue_from_numpy(self.logits))
+        self.binding.bind_ortvalue_output(io_spec.LOGITS, self._values[-1])

@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -50,10 +50,7 @@ class GenerationDefaults:
 
     def override(self, **fields) -> SamplingParams:
         """These defaults with the fields a caller set (None: not set) replaced, validated."""
-        base = self.sampling
-        merged = {k: getattr(base, k) for k in ("temperature", "top_k", "top_p", "repetition_penalty", "seed")}
-        merged.update({k: v for k, v in fields.items() if v is not None})
-        return SamplingParams(**merged).validate()
+        return replace(self.sampling, **{k: v for k, v in fields.items() if v is not None}).validate()
 
 
 class ChatTemplate:

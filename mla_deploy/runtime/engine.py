@@ -149,8 +149,8 @@ class Engine:
                         self._lock.wait()
                     if self._closed:
                         return
-                    for request in self._inbox:
-                        scheduler.add(request)
+                    for request in self._inbox:  # checked in submit(), the queue bounded there
+                        scheduler.enqueue(request)
                     self._inbox.clear()
                 scheduler.step(after_phase=self._hand_over)
         except BaseException as e:  # a bug or onnxruntime failure: fail every request instead of hanging them

@@ -9,16 +9,15 @@ query can see them (causality is on slots). Decode writes row b's token at slot 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Generator as Generator_
 from typing import Sequence
 
 import numpy as np
-import onnxruntime as ort
 
 from .. import io_spec
 from ..errors import InputError
-from .cache import CacheBuffers
+from .cache import CacheBuffers, DecodeBinding
 from .sampling import SamplingParams, sample
 from .session import ExportedModel
 
@@ -48,8 +47,7 @@ class _State:
     lengths: np.ndarray  # [b] tokens held in each row's cache
     history: list[np.ndarray]  # per row: prompt + generated ids (for the repetition penalty)
     rng: np.random.Generator
-    decode_binding: ort.IOBinding | None = None
-    decode_buffers: dict = field(default_factory=dict)
+    decode_binding: DecodeBinding | None = None
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
     decode_steps: int = 0
@@ -109,7 +107,6 @@ class Generator:
         finally:
             state.caches = None  # release the buffers even when the consumer stops early
             state.decode_binding = None
-            state.decode_buffers.clear()
         return GenerationResult(generated, reasons, state.prefill_ms, state.decode_ms, state.decode_steps * b)
 
     def new_state(self, history: list[np.ndarray], context: int | None = None) -> _State:
@@ -122,35 +119,7 @@ class Generator:
 
     def check_prompts(self, prompts, max_new_tokens: int) -> list[list[int]]:
         """Token-id rows, each checked: non-empty, integer, in the vocabulary, within the export's length."""
-        if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-            raise InputError(f"max_new_tokens={max_new_tokens!r}: must be a positive integer")
-        if isinstance(prompts, np.ndarray):
-            prompts = prompts.tolist() if prompts.ndim == 2 else [prompts.tolist()]
-        if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise InputError("prompts: expected a non-empty list of token-id lists")
-        if all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompts):
-            prompts = [prompts]  # one row given as a flat list
-        vocab, limit = self.model.config.vocab_size, self.model.max_seq_len
-        rows = []
-        for r, row in enumerate(prompts):
-            if isinstance(row, np.ndarray):
-                row = row.tolist()
-            if not isinstance(row, (list, tuple)):
-                raise InputError(f"prompt {r}: expected a list of token ids, got {type(row).__name__}")
-            if not row:
-                raise InputError(f"prompt {r}: empty; a prompt needs at least one token")
-            for i, t in enumerate(row):
-                if not isinstance(t, (int, np.integer)) or isinstance(t, bool):
-                    raise InputError(f"prompt {r}, position {i}: token id {t!r} is not an integer")
-                if not 0 <= t < vocab:
-                    raise InputError(f"prompt {r}, position {i}: token id {t} is outside the vocabulary [0, {vocab})")
-            if len(row) + max_new_tokens > limit:
-                raise InputError(
-                    f"prompt {r}: {len(row)} prompt tokens + {max_new_tokens} new tokens = {len(row) + max_new_tokens} "
-                    f"exceeds the export's maximum length {limit}"
-                )
-            rows.append([int(t) for t in row])
-        return rows
+        return check_prompts(prompts, max_new_tokens, self.model.config.vocab_size, self.model.max_seq_len)
 
     # ---- steps ----
     def prefill(self, state: _State, rows: list[list[int]]) -> np.ndarray:
@@ -186,31 +155,47 @@ class Generator:
         """One token per row at slot lengths[b]; caches updated in place. Returns logits [b, vocab]."""
         t0 = time.perf_counter()
         grew = state.caches.ensure(int(state.lengths.max()) + 1)
-        if state.decode_binding is None or grew:
-            self._bind_decode(state)
-        buf = state.decode_buffers
-        buf["ids"][:, 0] = tokens
-        buf["pos"][:, 0] = state.lengths
-        buf["write"][:] = state.lengths
-        session = self.model.sessions[io_spec.DECODE]
-        session.run_with_iobinding(state.decode_binding)
+        if state.decode_binding is None or grew:  # bound once per cache capacity; a step only writes the buffers
+            state.decode_binding = DecodeBinding(self.model.sessions[io_spec.DECODE], state.caches,
+                                                 state.caches.batch, self.model.config.vocab_size)
+        d = state.decode_binding
+        d.ids[:, 0] = tokens
+        d.pos[:, 0] = state.lengths
+        d.write[:] = state.lengths
+        self.model.sessions[io_spec.DECODE].run_with_iobinding(d.binding)
         state.lengths += 1
         state.decode_ms += (time.perf_counter() - t0) * 1e3
         state.decode_steps += 1
-        return buf["logits"][:, 0]
+        return d.logits[:, 0]
 
-    def _bind_decode(self, state: _State) -> None:
-        """Bind decode inputs/outputs once per cache capacity; each step then only writes into these buffers."""
-        b, cap, vocab = state.caches.batch, state.caches.capacity, self.model.config.vocab_size
-        buf = state.decode_buffers
-        buf.update(ids=np.zeros((b, 1), np.int64), pos=np.zeros((b, 1), np.int64), write=np.zeros(b, np.int64),
-                   mask=np.ones((b, cap), np.int64), logits=np.zeros((b, 1, vocab), np.float32))
-        binding = self.model.sessions[io_spec.DECODE].io_binding()
-        for name, key in ((io_spec.INPUT_IDS, "ids"), (io_spec.POSITION_IDS, "pos"), (io_spec.WRITE_INDICES, "write"),
-                          (io_spec.ATTENTION_MASK, "mask")):
-            buf[key + "_value"] = ort.OrtValue.ortvalue_from_numpy(buf[key])
-            binding.bind_ortvalue_input(name, buf[key + "_value"])
-        state.caches.bind(binding)
-        buf["logits_value"] = ort.OrtValue.ortvalue_from_numpy(buf["logits"])
-        binding.bind_ortvalue_output(io_spec.LOGITS, buf["logits_value"])
-        state.decode_binding = binding
+
+def check_prompts(prompts, max_new_tokens: int, vocab: int, limit: int) -> list[list[int]]:
+    """Token-id rows, each checked: non-empty, integer, in the vocabulary, within the export's length."""
+    if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise InputError(f"max_new_tokens={max_new_tokens!r}: must be a positive integer")
+    if isinstance(prompts, np.ndarray):
+        prompts = prompts.tolist() if prompts.ndim == 2 else [prompts.tolist()]
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise InputError("prompts: expected a non-empty list of token-id lists")
+    if all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompts):
+        prompts = [prompts]  # one row given as a flat list
+    rows = []
+    for r, row in enumerate(prompts):
+        if isinstance(row, np.ndarray):
+            row = row.tolist()
+        if not isinstance(row, (list, tuple)):
+            raise InputError(f"prompt {r}: expected a list of token ids, got {type(row).__name__}")
+        if not row:
+            raise InputError(f"prompt {r}: empty; a prompt needs at least one token")
+        for i, t in enumerate(row):
+            if not isinstance(t, (int, np.integer)) or isinstance(t, bool):
+                raise InputError(f"prompt {r}, position {i}: token id {t!r} is not an integer")
+            if not 0 <= t < vocab:
+                raise InputError(f"prompt {r}, position {i}: token id {t} is outside the vocabulary [0, {vocab})")
+        if len(row) + max_new_tokens > limit:
+            raise InputError(
+                f"prompt {r}: {len(row)} prompt tokens + {max_new_tokens} new tokens = {len(row) + max_new_tokens} "
+                f"exceeds the export's maximum length {limit}"
+            )
+        rows.append([int(t) for t in row])
+    return rows

@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
-import onnxruntime as ort
 
 from .. import io_spec
 from ..errors import InputError, MLADeployError
-from .cache import CacheBuffers
+from .cache import CacheBuffers, DecodeBinding
+from .generator import check_prompts
 from .sampling import SamplingParams, sample
 from .session import ExportedModel
 
@@ -102,29 +102,23 @@ class Scheduler:
         self.rows: list[Request | None] = [None] * max_batch
         self.waiting: deque[Request] = deque()
         self.stats = SchedulerStats()
-        self._decode: _DecodeBinding | None = None
+        self._decode: DecodeBinding | None = None
 
     # ---- requests ----
     def check(self, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
-        """The prompt as ints, or InputError naming what is wrong (vocabulary, length limit)."""
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-            raise InputError(f"max_new_tokens={max_new_tokens!r}: must be a positive integer")
-        if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
-            raise InputError("prompt: empty; a prompt needs at least one token")
-        vocab, limit = self.model.config.vocab_size, self.model.max_seq_len
-        for i, t in enumerate(prompt_ids):
-            if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise InputError(f"prompt position {i}: token id {t!r} is not in the vocabulary [0, {vocab})")
-        if len(prompt_ids) + max_new_tokens > limit:
-            raise InputError(f"{len(prompt_ids)} prompt tokens + {max_new_tokens} new tokens = "
-                             f"{len(prompt_ids) + max_new_tokens} exceeds the export's maximum length {limit}")
-        return [int(t) for t in prompt_ids]
+        """The prompt as ints, or InputError naming what is wrong (vocabulary, length limit): the Generator's check."""
+        return check_prompts([prompt_ids], max_new_tokens, self.model.config.vocab_size, self.model.max_seq_len)[0]
 
     def add(self, request: Request) -> None:
+        """Check a request and queue it; QueueFull beyond max_queue."""
         request.prompt_ids = self.check(request.prompt_ids, request.max_new_tokens)
         request.sampling.validate()
         if len(self.waiting) >= self.max_queue:
             raise QueueFull(f"{len(self.waiting)} requests are waiting (max_queue {self.max_queue})")
+        self.enqueue(request)
+
+    def enqueue(self, request: Request) -> None:
+        """Queue a request already checked (an Engine checks on the submitting thread and bounds the queue itself)."""
         request.history = np.asarray(request.prompt_ids, np.int64)
         request.rng = np.random.default_rng(request.sampling.seed)
         self.waiting.append(request)
@@ -193,7 +187,7 @@ class Scheduler:
         binding.bind_cpu_input(io_spec.WRITE_INDICES, np.array([start], np.int64))
         binding.bind_cpu_input(io_spec.LOGITS_POSITIONS, np.array([[t - 1]], np.int64))
         binding.bind_output(io_spec.LOGITS, "cpu")
-        views = _bind_cache_rows(binding, self.caches, row, row + 1)  # in place, this row's slice only
+        views = self.caches.bind(binding, slice(row, row + 1))  # in place, this row's slice only
         session.run_with_iobinding(binding)
         del views
         request.prefilled += t
@@ -206,7 +200,8 @@ class Scheduler:
     def _decode_step(self, decoding: list[Request]) -> None:
         hi = max(r.row for r in decoding) + 1
         if self.caches.ensure(int(self.lengths[:hi].max()) + 1) or self._decode is None or self._decode.rows != hi:
-            self._decode = _DecodeBinding(self.model, self.caches, hi)
+            self._decode = DecodeBinding(self.model.sessions[io_spec.DECODE], self.caches, hi,
+                                         self.model.config.vocab_size)
         d = self._decode
         d.ids[:] = 0  # pad rows
         for r in decoding:
@@ -263,33 +258,3 @@ def _logprobs(logits: np.ndarray, token: int, k: int) -> tuple[float, list[tuple
     logp = z - z.max() - np.log(np.exp(z - z.max()).sum())  # log-softmax [vocab]
     top = np.argsort(-logp, kind="stable")[:k]
     return float(logp[token]), [(int(i), float(logp[i])) for i in top]
-
-
-def _bind_cache_rows(binding: ort.IOBinding, caches: CacheBuffers, lo: int, hi: int) -> list[ort.OrtValue]:
-    """Bind rows [lo, hi) of every cache as past input and present output (views: written in place).
-    Returns the OrtValues, which must outlive the run."""
-    values = []
-    for past, present in io_spec.cache_pairs(caches.cfg.num_hidden_layers):
-        view = ort.OrtValue.ortvalue_from_numpy(caches.arrays[past][lo:hi])  # [hi - lo, capacity, width], contiguous
-        binding.bind_ortvalue_input(past, view)
-        binding.bind_ortvalue_output(present, view)
-        values.append(view)
-    return values
-
-
-class _DecodeBinding:
-    """The decode call over rows [0, rows): input buffers written in place each step, bound once per shape."""
-
-    def __init__(self, model: ExportedModel, caches: CacheBuffers, rows: int):
-        self.rows, vocab = rows, model.config.vocab_size
-        self.ids, self.pos = np.zeros((rows, 1), np.int64), np.zeros((rows, 1), np.int64)
-        self.write, self.mask = np.zeros(rows, np.int64), np.ones((rows, caches.capacity), np.int64)
-        self.logits = np.zeros((rows, 1, vocab), np.float32)
-        self.binding = model.sessions[io_spec.DECODE].io_binding()
-        self._values = [ort.OrtValue.ortvalue_from_numpy(a) for a in (self.ids, self.pos, self.write, self.mask)]
-        for name, value in zip((io_spec.INPUT_IDS, io_spec.POSITION_IDS, io_spec.WRITE_INDICES, io_spec.ATTENTION_MASK),
-                               self._values):
-            self.binding.bind_ortvalue_input(name, value)
-        self._values += _bind_cache_rows(self.binding, caches, 0, rows)
-        self._values.append(ort.OrtValue.ortvalue_from_numpy(self.logits))
-        self.binding.bind_ortvalue_output(io_spec.LOGITS, self._values[-1])

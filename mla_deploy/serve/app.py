@@ -86,12 +86,15 @@ class Service:
         try:
             sampling = self.defaults.override(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
                                               repetition_penalty=req.repetition_penalty, seed=req.seed)
+        except InputError as e:
+            raise bad(str(e)) from None
+        try:
             events = self.engine.submit(ids, max_tokens, sampling, sorted(self.stop_ids | set(req.stop_token_ids)),
                                         logprobs=req.logprobs)
         except QueueFull as e:
             raise APIError(429, f"server busy: {e}; retry shortly", code="queue_full", headers={"Retry-After": "1"})
-        except InputError as e:
-            raise bad(str(e)) from None
+        except InputError as e:  # the length was checked above: what is left is the prompt's ids (vocabulary)
+            raise bad(str(e), "prompt") from None
         except RuntimeError as e:
             raise APIError(503, f"the engine is not running ({e})", headers={"Retry-After": "5"}) from None
         return events, len(ids)
@@ -105,10 +108,7 @@ class Service:
                 text = self.chat_template.render(req.messages, add_generation_prompt=True)
             except InputError as e:
                 raise bad(str(e), "messages") from None
-        elif isinstance(req.prompt, list):
-            vocab = self.engine.model.config.vocab_size
-            if any(not 0 <= t < vocab for t in req.prompt):
-                raise bad(f"prompt: token ids must be in [0, {vocab})", "prompt")
+        elif isinstance(req.prompt, list):  # token ids: the engine checks them against the vocabulary
             return req.prompt
         else:
             text = req.prompt
