@@ -160,10 +160,13 @@ def test_expert_choices_are_checked_and_auto_follows_the_config():
 
     demo = Checkpoint(DEMO_CHECKPOINT).config  # 8 experts, top 2
     v2lite = MLAConfig.from_hf_json(DEMO_CHECKPOINT.parent / "presets" / "v2lite.json")  # 64 experts, top 6
-    assert resolve_experts(demo, "auto", quantized=False) == "dense"
-    assert resolve_experts(v2lite, "auto", quantized=False) == "branches"
-    assert resolve_experts(v2lite, "auto", quantized=True) == resolve_experts(demo, "auto", quantized=True) == "qmoe"
-    for requested, quantized, message in (("qmoe", False, "needs --quantize"), ("dense", True, "for float exports"),
-                                          ("fast", False, "expected one of auto, qmoe, dense, branches")):
+    int4 = quantize_module.Quantization(4, 32)
+    assert resolve_experts(demo, "auto", None) == "dense"
+    assert resolve_experts(v2lite, "auto", None) == "branches"
+    assert resolve_experts(v2lite, "auto", int4) == resolve_experts(demo, "auto", int4) == "qmoe"
+    # QMoE's rule: the expert matrices in whole blocks along K (the demo's 160-wide experts are not whole 64-blocks)
+    assert resolve_experts(demo, "qmoe", quantize_module.Quantization(4, 64)) == "branches"
+    for requested, quantization, message in (("qmoe", None, "needs --quantize"), ("dense", int4, "for float exports"),
+                                             ("fast", None, "expected one of auto, qmoe, dense, branches")):
         with pytest.raises(ExportError, match=message):
-            resolve_experts(demo, requested, quantized)
+            resolve_experts(demo, requested, quantization)

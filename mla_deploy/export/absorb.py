@@ -96,6 +96,12 @@ def gate_up_weight(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return np.concatenate([gate, up], axis=0).T
 
 
+def gate_up_interleaved(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """gate, up [inter, d] -> [d, 2·inter] with columns gate_0, up_0, gate_1, up_1, ...: onnxruntime's fused
+    SwiGLU layout (QMoE's swiglu_fusion=1)."""
+    return np.stack([gate.T, up.T], axis=2).reshape(gate.shape[1], 2 * gate.shape[0])  # [d, inter, 2] -> [d, 2·inter]
+
+
 def absorbed_weight_bytes(cfg: MLAConfig, mode: AbsorbMode, itemsize: int = 4) -> int:
     """Attention weight bytes one decode token reads per layer in an absorbed mode (for --absorb auto)."""
     h, dn, dr, dc, dv = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,

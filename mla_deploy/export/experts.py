@@ -1,6 +1,7 @@
 """How an export runs its routed experts, chosen from the config and the precision (each choice measured: README).
 
-- "qmoe": quantized exports, one com.microsoft QMoE per MoE layer (faster than one If per expert at batch 1 and 8).
+- "qmoe": quantized exports, one com.microsoft QMoE per MoE layer (faster than one If per expert at batch 1 and 8),
+  where the experts' matrices are whole quantization blocks along K (QMoE's rule).
 - "dense": float exports of layers with few experts per chosen one (n_routed_experts <= DENSE_RATIO x
   num_experts_per_tok, the demo model's 8 and 2): every expert on every token in three large ops. It computes
   DENSE_RATIO times the chosen experts' work but skips one If per expert, which dominates at such sizes.
@@ -12,22 +13,26 @@ from __future__ import annotations
 
 from ..config import MLAConfig
 from ..errors import ExportError
+from .quantize import Quantization
 
 CHOICES = ("auto", "qmoe", "dense", "branches")
 DENSE_RATIO = 4
 
 
-def resolve_experts(cfg: MLAConfig, requested: str, quantized: bool) -> str:
+def resolve_experts(cfg: MLAConfig, requested: str, quantization: Quantization | None) -> str:
+    """What the graphs run, as the manifest records it. QMoE needs both expert matrices' K in whole quantization
+    blocks; where they are not, the experts run in branches even if QMoE was asked for."""
     if requested not in CHOICES:
         raise ExportError(f"experts={requested!r}: expected one of {', '.join(CHOICES)}")
-    if requested == "qmoe" and not quantized:
+    if requested == "qmoe" and quantization is None:
         raise ExportError("experts='qmoe' needs --quantize (QMoE multiplies by quantized experts)")
-    if requested == "dense" and quantized:
+    if requested == "dense" and quantization is not None:
         raise ExportError("experts='dense' is for float exports; a quantized export uses 'qmoe' or 'branches'")
+    if requested in ("auto", "qmoe") and quantization is not None:
+        whole_blocks = cfg.hidden_size % quantization.block == 0 and cfg.moe_intermediate_size % quantization.block == 0
+        return "qmoe" if whole_blocks else "branches"
     if requested != "auto":
         return requested
-    if quantized:
-        return "qmoe"
     if cfg.n_routed_experts and cfg.n_routed_experts <= DENSE_RATIO * cfg.num_experts_per_tok:
         return "dense"
     return "branches"

@@ -94,7 +94,7 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
         progress(f"absorb auto -> {mode.value}: attention weights read per decode token and layer, computed from the "
                  f"config: factored {factored:.2f} MB, fused {fused:.2f} MB (bytes decide, not a timing)")
 
-    experts = resolve_experts(cfg, options.experts, quantization is not None)
+    experts = resolve_experts(cfg, options.experts, quantization)
     if cfg.n_routed_experts:
         progress(f"routed experts: {experts} ({options.experts})")
     progress("hashing source weights")

@@ -352,8 +352,8 @@ class MoE:
         if cfg.n_shared_experts:
             shared = SwiGLU(g, f"{self.name}.shared", hf + "shared_experts.", t,
                             cfg.moe_intermediate_size * cfg.n_shared_experts)(op, x2)
-        if self.uses_qmoe() or self.g.experts == "dense":
-            routed = self._qmoe(op, x2, chosen, dispatch) if self.uses_qmoe() else self._dense(op, x2, dispatch)
+        if self.g.experts in ("qmoe", "dense"):
+            routed = self._qmoe(op, x2, chosen, dispatch) if self.g.experts == "qmoe" else self._dense(op, x2, dispatch)
             out = routed if shared is None else op.Add(shared, routed)
         else:
             active = op.Greater(op.ReduceSum(chosen, [0], keepdims=0), 0.0)  # [E]
@@ -363,12 +363,6 @@ class MoE:
             for e, flag in enumerate(flags):
                 out = self._expert(op, e, flag, x2, chosen, dispatch, out)
         return op.Reshape(out, shape)  # [N, d] -> [b, T, d]
-
-    def uses_qmoe(self) -> bool:
-        """QMoE when the export is quantized and asks for it, and both matrices' K is whole blocks (QMoE's rule)."""
-        q, cfg = self.g.quantization, self.cfg
-        return (q is not None and self.g.experts == "qmoe"
-                and cfg.hidden_size % q.block == 0 and cfg.moe_intermediate_size % q.block == 0)
 
     def _dense(self, op, x2, dispatch) -> ir.Value:
         """Every routed expert on every token, weighted by `dispatch` (0 for experts a token did not choose): three
@@ -398,7 +392,6 @@ class MoE:
         so DeepSeek's own routing (groups, V3's selection-only bias) decides, not the op's softmax. SwiGLU with
         alpha 1 and beta 0 is silu(gate) · up; fc1 rows interleave gate and up (swiglu_fusion 1)."""
         cfg, g, q, t, hf = self.cfg, self.g, self.g.quantization, self.t, self.hf
-        inter, d = cfg.moe_intermediate_size, cfg.hidden_size
         made: dict[str, list] = {}
 
         def experts(kind: str) -> list:
@@ -409,8 +402,7 @@ class MoE:
                 for e in range(cfg.n_routed_experts):
                     w = f"{hf}experts.{e}."
                     if kind == "fc1":
-                        gate, up = t(w + "gate_proj.weight"), t(w + "up_proj.weight")  # [I, d] each
-                        weight = np.stack([gate.T, up.T], axis=2).reshape(d, 2 * inter)  # [d, I, 2] -> [d, 2I]
+                        weight = absorb.gate_up_interleaved(t(w + "gate_proj.weight"), t(w + "up_proj.weight"))
                     else:
                         weight = t(w + "down_proj.weight").T  # [I, d]
                     made[kind].append(quantize(weight, q.bits, q.block))
