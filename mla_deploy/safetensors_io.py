@@ -20,6 +20,7 @@ from typing import Iterable
 import numpy as np
 
 from .errors import CheckpointError
+from .fp8 import e4m3_to_float32
 
 _NUMPY_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16,
@@ -92,8 +93,6 @@ class SafetensorsFile:
         """The tensor as float32 (bfloat16 widened exactly, block by block: memory is the result plus one block)."""
         dtype, shape = self.entries[name][:2]
         if dtype == "F8_E4M3":  # the codes' values; block scales are the checkpoint's business (mla_deploy.fp8)
-            from .fp8 import e4m3_to_float32
-
             return e4m3_to_float32(self.raw(name))
         if dtype != "BF16":
             return self.raw(name).astype(np.float32, copy=False)

@@ -220,27 +220,27 @@ def response(req: GenerationRequest, rid: str, text: str, finish_reason: str, us
              logprobs: dict | None = None) -> dict:
     if req.kind == "completion":
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        obj = "text_completion"
     else:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                   "finish_reason": finish_reason}
-        obj = "chat.completion"
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": req.model, "choices": [choice],
-            "usage": use}
+    return {**_envelope(req, rid, "chat.completion"), "choices": [choice], "usage": use}
 
 
 def chunk(req: GenerationRequest, rid: str, text: str | None, finish_reason: str | None = None,
           logprobs: dict | None = None, first: bool = False) -> dict:
     if req.kind == "completion":
         choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
-        obj = "text_completion"
     else:
         delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        obj = "chat.completion.chunk"
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": req.model, "choices": [choice]}
+    return {**_envelope(req, rid, "chat.completion.chunk"), "choices": [choice]}
 
 
 def usage_chunk(req: GenerationRequest, rid: str, use: dict) -> dict:
-    obj = "text_completion" if req.kind == "completion" else "chat.completion.chunk"
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": req.model, "choices": [], "usage": use}
+    return {**_envelope(req, rid, "chat.completion.chunk"), "choices": [], "usage": use}
+
+
+def _envelope(req: GenerationRequest, rid: str, chat_object: str) -> dict:
+    """The fields every reply and chunk starts with; completions' object is always "text_completion"."""
+    obj = "text_completion" if req.kind == "completion" else chat_object
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": req.model}
