@@ -69,7 +69,8 @@ def main(ctx, debug):
 @click.option("--absorb", type=click.Choice(["fused", "factored", "auto"]), default="auto", show_default=True,
               help="The decode graph's absorbed attention: fused W^Q·W^UK and W^UV·W^O matrices, or factored "
                    "per-head W^UK / W^UV; auto picks the one with fewer weight bytes per token (computed from the config).")
-@click.option("--dtype", type=click.Choice(["float32"]), default="float32", show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True,
+              help="Weights and caches (bfloat16 computes in float32 on the CPU: README, Precision).")
 @click.option("--max-seq-len", type=click.IntRange(min=1), default=None, help="Longest sequence (default: the config's).")
 @click.option("--no-verify", is_flag=True, help="Skip checking the export against the torch source.")
 @click.option("--steps", type=click.IntRange(min=1), default=8, show_default=True,

@@ -15,7 +15,7 @@ from .checkpoint import Checkpoint
 from .errors import ExportError, InputError
 from .modeling import AttentionForm, load_model, new_caches
 from .runtime import ExportedModel, Tokenizer
-from .runtime.scoring import export_nll, log_softmax_nll, windows
+from .runtime.scoring import export_scores, log_softmax_nll, windows
 
 
 @dataclass
@@ -24,9 +24,16 @@ class EvalReport:
     windows: int
     export_loss: float
     torch_loss: float
+    top1_agreement: float  # fraction of positions where the export's most likely next token is the source's
     quantization: dict | None = None  # the export's; then the difference is its quality cost, not an error
+    dtype: str = "float32"  # the export's; half precision too is a quality cost
 
-    TOLERANCE = 1e-4  # |Δ loss| a float export may differ from its source by
+    TOLERANCE = 1e-4  # |Δ loss| a float32 export may differ from its source by
+
+    @property
+    def lossy(self) -> bool:
+        """Quantized or half precision: measured against the float source, not held to TOLERANCE."""
+        return self.quantization is not None or self.dtype != "float32"
 
     @property
     def difference(self) -> float:
@@ -34,7 +41,7 @@ class EvalReport:
 
     @property
     def passed(self) -> bool:
-        return self.quantization is not None or self.difference <= self.TOLERANCE
+        return self.lossy or self.difference <= self.TOLERANCE
 
     def lines(self) -> list[str]:
         lines = [
@@ -42,7 +49,11 @@ class EvalReport:
             f"onnx export : loss {self.export_loss:.4f}  perplexity {math.exp(self.export_loss):.3f}",
             f"torch source: loss {self.torch_loss:.4f}  perplexity {math.exp(self.torch_loss):.3f}",
             f"|Δ loss| {self.difference:.2e}",
+            f"top-1 agreement with the torch source: {self.top1_agreement:.2%} of {self.tokens} positions",
         ]
+        if self.dtype != "float32":
+            lines.append(f"{self.dtype} against the float32 source: loss {self.export_loss - self.torch_loss:+.4f} "
+                         f"nats/token, perplexity x{math.exp(self.export_loss - self.torch_loss):.4f}")
         if self.quantization is not None:
             q = self.quantization
             lines.append(f"quantized int{q['bits']}, block {q['block']}, accuracy_level {q['accuracy_level']} against the "
@@ -78,19 +89,21 @@ def evaluate(export_dir: str | Path, text_file: str | Path, window: int = 256,
     except OSError as e:
         raise InputError(f"{text_file}: cannot read ({e.strerror})") from None
     batch = windows(tokenizer.encode(text), window)
-    export_loss = float(export_nll(model, batch, on_run=_Progress(progress, "onnx export ", len(batch), window)).mean())
+    export_nll, export_top1 = export_scores(model, batch, on_run=_Progress(progress, "onnx export ", len(batch), window))
     source = Path(checkpoint_dir or model.manifest["source"]["path"])
     ckpt = Checkpoint(source)
     if ckpt.content_hash() != model.manifest["source"]["sha256"]:
         raise ExportError(f"{source}: checkpoint differs from the one {export_dir} was exported from (sha256 mismatch)")
     torch_model = load_model(ckpt)
-    nll = []
+    nll, top1 = [], []
     torch_progress = _Progress(progress, "torch source", len(batch), window)
     for done, w in enumerate(batch, 1):
         ids = torch.from_numpy(w[None, :-1])
         logits = torch_model(ids, torch.arange(window)[None], new_caches(torch_model.cfg, 1, window),
                              torch.zeros(1, dtype=torch.long), torch.ones(1, window), form=AttentionForm.NAIVE)
         nll.append(log_softmax_nll(logits.numpy()[0], w[1:]))
+        top1.append(logits.numpy()[0].argmax(-1))
         torch_progress(done)
-    return EvalReport(int(batch.shape[0] * window), int(batch.shape[0]), export_loss, float(np.mean(nll)),
-                      model.manifest.get("quantization"))
+    agreement = float((export_top1 == np.stack(top1)).mean())
+    return EvalReport(int(batch.shape[0] * window), int(batch.shape[0]), float(export_nll.mean()), float(np.mean(nll)),
+                      agreement, model.manifest.get("quantization"), model.manifest["dtype"])

@@ -112,8 +112,8 @@ def test_cache_grows_inside_a_chunked_prefill_and_across_decode_blocks(checkpoin
     real_init, real_ensure = cache.CacheBuffers.__init__, cache.CacheBuffers.ensure
     capacities = []
 
-    def tiny_start(self, cfg, batch, capacity, max_capacity, device="cpu"):
-        real_init(self, cfg, batch, 1, max_capacity, device)
+    def tiny_start(self, cfg, batch, capacity, max_capacity, device="cpu", dtype="float32"):
+        real_init(self, cfg, batch, 1, max_capacity, device, dtype)
 
     def recording(self, needed):
         grew = real_ensure(self, needed)

@@ -132,11 +132,11 @@ def test_disk_full_mid_write_leaves_nothing(checkpoint_dir, tmp_path, monkeypatc
     src, _ = checkpoint_dir(VARIANT)
     real, written = WeightsFile.tensor, []
 
-    def full(self, name, make):
+    def full(self, name, make, dtype="float32"):
         if len(written) == 3:
             raise OSError(errno.ENOSPC, "No space left on device")
         written.append(name)
-        return real(self, name, make)
+        return real(self, name, make, dtype)
 
     monkeypatch.setattr(WeightsFile, "tensor", full)
     with pytest.raises(ExportError, match="writing the export failed \\(No space left on device\\); nothing was left behind"):

@@ -18,6 +18,7 @@ from .. import io_spec
 from ..config import MLAConfig
 from ..export.absorb import AbsorbMode
 from .. import footprint
+from ..safetensors_io import float32_to_bf16
 
 
 BUDGET_S = 20.0  # per measured point: slow engines stop early, after at least two timed steps
@@ -87,8 +88,9 @@ class OnnxEngine:
         rng = np.random.default_rng(ctx)
         state = self.gen.new_state([np.zeros(1, np.int64)] * batch, context=ctx)
         state.caches.ensure(ctx + steps + 2)
-        for arr in state.caches.arrays.values():
-            arr[:] = rng.standard_normal(arr.shape, dtype=np.float32)
+        for arr in state.caches.arrays.values():  # in the cache's dtype (bfloat16: its bit patterns, runtime.dtypes)
+            values = rng.standard_normal(arr.shape, dtype=np.float32)
+            arr[:] = float32_to_bf16(values) if state.caches.dtype == "bfloat16" else values
         tokens = rng.integers(0, self.cfg.vocab_size, batch)
         return _median_ms(lambda: self.gen.decode_step(state, tokens), steps)
 

@@ -29,6 +29,7 @@ from .experts import resolve_experts
 from ..progress import progress_bar
 from .graphs import build_graph, op_counts
 from .layers import OPSET
+from .precision import Precision, RoundedCheckpoint
 from .quantize import Quantization, quantized_hf_names
 from .weights import WeightsFile
 
@@ -72,8 +73,10 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
            progress: Progress = lambda msg: None, verify: Callable[[Path], None] | None = None) -> ExportResult:
     """Export a checkpoint; `verify(tmp_dir)` (raising on failure) runs before the directory is moved into place."""
     out = Path(out_dir)
-    if options.dtype != "float32":
-        raise ExportError(f"--dtype {options.dtype}: only float32 exports are supported in this version")
+    try:
+        precision = Precision(options.dtype)
+    except ValueError as e:
+        raise ExportError(f"--dtype {options.dtype}: {e}") from None
     if out.exists() and not options.force:
         raise ExportError(f"{out}: output directory exists (use --force to replace it)")
     progress(f"loading checkpoint {checkpoint_dir}")
@@ -94,6 +97,7 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
         progress(f"absorb auto -> {mode.value}: attention weights read per decode token and layer, computed from the "
                  f"config: factored {factored:.2f} MB, fused {fused:.2f} MB (bytes decide, not a timing)")
 
+    source = RoundedCheckpoint(ckpt, precision.dtype)  # the weights as the export's dtype holds them
     experts = resolve_experts(cfg, options.experts, quantization)
     if cfg.n_routed_experts:
         progress(f"routed experts: {experts} ({options.experts})")
@@ -113,9 +117,9 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
                 progress(f"building {kind} graph" + (f" (absorbed, {mode.value})" if kind == io_spec.DECODE
                                                      else " (naive attention)") + ", writing its weights")
                 with progress_bar(cfg.num_hidden_layers, f"{kind} layers", "layer") as advance:
-                    graphs[kind] = build_graph(kind, cfg, ckpt.tensor, max_seq_len, mode, weights, metadata,
+                    graphs[kind] = build_graph(kind, cfg, source.tensor, max_seq_len, mode, weights, metadata,
                                                on_layer=lambda i: advance(1), quantization=quantization,
-                                               experts=experts)
+                                               experts=experts, precision=precision)
         progress(f"wrote weights ({weights.nbytes / 1e9:.2f} GB)")
         manifest = _manifest(cfg, mode, options, max_seq_len, source_hash, export_id, ckpt)
         manifest["experts"] = experts if cfg.n_routed_experts else None
@@ -150,7 +154,8 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
 def _manifest(cfg, mode, options, max_seq_len, source_hash, export_id, ckpt) -> dict:
     graphs = {}
     for kind in (io_spec.PREFILL, io_spec.DECODE):
-        inputs, outputs = io_spec.graph_io(kind, cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.vocab_size)
+        inputs, outputs = io_spec.graph_io(kind, cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.vocab_size,
+                                           cache_dtype=options.dtype)
         graphs[kind] = {"file": io_spec.GRAPH_FILES[kind], "inputs": [s.to_dict() for s in inputs],
                         "outputs": [s.to_dict() for s in outputs]}
     return {

@@ -15,6 +15,7 @@ from .. import io_spec
 from ..config import MLAConfig
 from . import layers
 from .absorb import AbsorbMode
+from .precision import Precision
 from .quantize import Quantization
 from .weights import WeightsFile
 
@@ -46,19 +47,20 @@ def decoder(g: layers.Graph, cfg: MLAConfig, t: layers.Tensors, max_seq_len: int
         x = op.GatherElements(x, index, axis=1)  # [b, n, d]
     x = layers.RMSNorm(g, "final_norm", "model.norm.weight", t, eps)(op, x)
     if cfg.tie_word_embeddings and g.quantization:  # the head multiplies by the embedding's own codes
-        return layers.linear(g, op, x, "embed", lambda: t("model.embed_tokens.weight").T, head=True)  # [b, n, vocab]
+        return g.to_float(op, layers.linear(g, op, x, "embed", lambda: t("model.embed_tokens.weight").T, head=True))
     head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-    return layers.linear(g, op, x, "lm_head", lambda: t(head).T, head=True)  # [b, n, vocab]
+    return g.to_float(op, layers.linear(g, op, x, "lm_head", lambda: t(head).T, head=True))  # [b, n, vocab] float32
 
 
 def build_graph(kind: str, cfg: MLAConfig, t: layers.Tensors, max_seq_len: int, absorb: AbsorbMode,
                 weights: WeightsFile, metadata: dict[str, str], on_layer: Callable[[int], None] = lambda i: None,
-                quantization: Quantization | None = None, experts: str = "branches") -> ir.Model:
+                quantization: Quantization | None = None, experts: str = "branches",
+                precision: Precision = Precision("float32")) -> ir.Model:
     """prefill or decode over the io_spec contract; `weights` is the file both graphs' initializers live in."""
-    g = layers.Graph(kind, weights, quantization, experts)
+    g = layers.Graph(kind, weights, quantization, experts, precision)
     op = g.op
     specs_in, specs_out = io_spec.graph_io(kind, cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
-                                           cfg.vocab_size)
+                                           cfg.vocab_size, cache_dtype=precision.dtype)
     inputs = {spec.name: g.input(spec) for spec in specs_in}
     write_indices = inputs[io_spec.WRITE_INDICES]
     bias = layers.attention_bias(op, inputs[io_spec.INPUT_IDS], inputs[io_spec.ATTENTION_MASK], write_indices)  # [b, 1, T, cap]

@@ -15,6 +15,11 @@ that expert's tokens, runs its SwiGLU on them and scatter-adds the weighted resu
 costs one skipped branch and reads none of its weights. Quantized exports: one com.microsoft QMoE per layer
 over block-quantized experts, fed the router's own choice and weights. Float layers with few experts per chosen
 one run every expert densely (export.experts; each choice measured: README).
+
+Precision (`--dtype`, export.precision): weights and caches are stored in the export's dtype and the layers
+compute in its compute dtype; RMSNorm statistics, rope, the attention core (absorbed query, scores, softmax,
+probs @ latent, the per-head and fused absorbed matrices) and the router run in float32 islands, entered with
+`g.to_float` and left with `g.to_compute`.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from .. import rope as rope_math
 from ..config import MLAConfig
 from . import absorb
 from .absorb import AbsorbMode
+from .precision import Precision
 from .quantize import Quantization, quantize
 from .weights import WeightsFile
 
@@ -40,13 +46,14 @@ IR_VERSION = 11  # what onnxruntime 1.31 reads for opset 24 (it refuses IR 14)
 Tensors = Callable[[str], np.ndarray]  # HF tensor name -> float32 array
 NEG_INF = float(np.finfo(np.float32).min)
 FLOAT, BOOL = ir.DataType.FLOAT, ir.DataType.BOOL
+DATA_TYPES = {"int64": ir.DataType.INT64, "float32": FLOAT, "float16": ir.DataType.FLOAT16, "bfloat16": ir.DataType.BFLOAT16}
 
 
 class Graph:
     """One graph under construction: onnxscript's builder, plus weights by name from the shared file."""
 
     def __init__(self, name: str, weights: WeightsFile, quantization: Quantization | None = None,
-                 experts: str = "branches"):
+                 experts: str = "branches", precision: Precision = Precision("float32")):
         """`experts`: how MoE layers run their routed experts (export.experts.resolve_experts)."""
         opsets = {"": OPSET, **({"com.microsoft": 1} if quantization else {})}
         self.experts = experts
@@ -54,13 +61,41 @@ class Graph:
         self.op = self.builder.op
         self.weights = weights
         self.quantization = quantization
+        self.precision = precision
+        self.compute_type, self.stored_type = DATA_TYPES[precision.compute], DATA_TYPES[precision.dtype]
         self._values: dict[str, ir.Value] = {}
 
-    def weight(self, name: str, make: Callable[[], np.ndarray]) -> ir.Value:
-        """The initializer `name` of this graph; `make` runs only if no graph has written it yet."""
+    def weight(self, name: str, make: Callable[[], np.ndarray], island: bool = False) -> ir.Value:
+        """The weight `name` of this graph in the compute dtype (or float32 for a float32 `island`'s weight); `make`
+        runs only if no graph has written it yet. Stored in the export's dtype; where that is not the compute dtype
+        (bfloat16 on the CPU) the graph casts it once (onnxruntime folds the cast at load)."""
+        if island:
+            return self._initializer(name, make, "float32")
+        stored = self._initializer(name, make, self.precision.dtype)
+        if self.precision.dtype == self.precision.compute:
+            return stored
+        if f"{name}:compute" not in self._values:
+            self._values[f"{name}:compute"] = self.op.Cast(stored, to=self.compute_type)
+        return self._values[f"{name}:compute"]
+
+    def _initializer(self, name: str, make: Callable[[], np.ndarray], dtype: str) -> ir.Value:
         if name not in self._values:
-            self._values[name] = self.builder.initializer(self.weights.tensor(name, make), name=name, qualify=False)
+            tensor = self.weights.tensor(name, make, dtype)
+            self._values[name] = self.builder.initializer(tensor, name=name, qualify=False)
         return self._values[name]
+
+    @staticmethod
+    def cast(op, x: ir.Value, source: ir.DataType, to: ir.DataType) -> ir.Value:
+        """x (of dtype `source`) as `to`: no node when they are the same."""
+        return x if source == to else op.Cast(x, to=to)
+
+    def to_float(self, op, x: ir.Value) -> ir.Value:
+        """Into a float32 island from the compute dtype."""
+        return self.cast(op, x, self.compute_type, FLOAT)
+
+    def to_compute(self, op, x: ir.Value) -> ir.Value:
+        """Out of a float32 island, back to the compute dtype."""
+        return self.cast(op, x, FLOAT, self.compute_type)
 
     def quantized_weight(self, name: str, make: Callable[[], np.ndarray], bits: int) -> tuple[ir.Value, ir.Value, int, int]:
         """MatMulNBits' codes and scales for the float weight `make()` [K, N], quantized once; and K, N."""
@@ -73,8 +108,8 @@ class Graph:
                 self.weights.shapes[name] = (made["q"].k, made["q"].n)
             return made["q"]
 
-        codes = self.weight(f"{name}.codes", lambda: quantized().codes)  # [N, k_blocks, B·bits/8] uint8
-        scales = self.weight(f"{name}.scales", lambda: quantized().scales)  # [N, k_blocks]
+        codes = self._initializer(f"{name}.codes", lambda: quantized().codes, "uint8")  # [N, k_blocks, B·bits/8]
+        scales = self._initializer(f"{name}.scales", lambda: quantized().scales, self.precision.compute)  # [N, k_blocks]
         return (codes, scales, *self.weights.shapes[name])
 
     def weight_view(self, name: str, of: str, shape: tuple[int, ...]) -> ir.Value:
@@ -87,8 +122,9 @@ class Graph:
         """ids [b, T] -> rows [b, T, d] of the embedding; quantized, GatherBlockQuantized over the codes a tied head's
         MatMulNBits reads too (the quantized weight `embed` is Eᵀ [d, V]: one code row per token, blocks along d)."""
         q = self.quantization
-        if q is None:
-            return self.op.Gather(self.weight("embed", make_vocab_by_d), ids, axis=0)
+        if q is None:  # rows gathered in the stored dtype, then cast: a bfloat16 table is never widened whole
+            rows = self.op.Gather(self._initializer("embed", make_vocab_by_d, self.precision.dtype), ids, axis=0)  # [b, T, d]
+            return rows if self.stored_type == self.compute_type else self.op.Cast(rows, to=self.compute_type)
         bits = q.head_bits
         codes, scales, d, vocab = self.quantized_weight("embed", lambda: make_vocab_by_d().T, bits)
         rows = self.weight_view("embed.rows", "embed.codes", (vocab, (d + -d % q.block) * bits // 8))  # [V, k_blocks·blob]
@@ -96,12 +132,12 @@ class Graph:
                                             bits=bits, _domain="com.microsoft")  # [b, T, d]
 
     def input(self, spec: io_spec.TensorSpec) -> ir.Value:
-        return self.builder.input(spec.name, ir.DataType.from_numpy(np.dtype(spec.dtype)), list(spec.shape))
+        return self.builder.input(spec.name, DATA_TYPES[spec.dtype], list(spec.shape))
 
     def output(self, value: ir.Value, spec: io_spec.TensorSpec) -> None:
         """`value` becomes the graph output `spec.name` itself (renamed, no Identity in between)."""
         self.builder.add_output(value, spec.name)
-        value.dtype = ir.DataType.from_numpy(np.dtype(spec.dtype))
+        value.dtype = DATA_TYPES[spec.dtype]
         value.shape = ir.Shape(list(spec.shape))
 
     @contextlib.contextmanager
@@ -124,8 +160,9 @@ class RMSNorm:
         self.g, self.name, self.hf_weight, self.t, self.eps = g, name, hf_weight, t, eps
 
     def __call__(self, op, x: ir.Value) -> ir.Value:
-        weight = self.g.weight(self.name, lambda: self.t(self.hf_weight))
-        return op.RMSNormalization(x, weight, axis=-1, epsilon=self.eps)
+        """Statistics and scaling in float32 whatever the export's dtype (a half-precision sum of squares overflows)."""
+        weight = self.g.weight(self.name, lambda: self.t(self.hf_weight), island=True)
+        return self.g.to_compute(op, op.RMSNormalization(self.g.to_float(op, x), weight, axis=-1, epsilon=self.eps))
 
 
 def linear(g: Graph, op, x: ir.Value, name: str, make_w_in_out: Callable[[], np.ndarray], quantizable: bool = True,
@@ -164,11 +201,12 @@ def rope(op, x: ir.Value, cos: ir.Value, sin: ir.Value) -> ir.Value:
 
 
 def rope_lookup(g: Graph, cfg: MLAConfig, position_ids: ir.Value, max_len: int) -> tuple[ir.Value, ir.Value]:
-    """position_ids [b, T] -> cos, sin [b, T, d_r/2] from tables of max_len positions."""
+    """position_ids [b, T] -> cos, sin [b, T, d_r/2] (float32: rope runs in the attention's float32 island) from
+    tables of max_len positions."""
     op = g.op
     tables = functools.cache(lambda: rope_math.rope_tables(cfg, max_len))  # computed once for both
-    cos = g.weight("rope.cos", lambda: tables()[0])  # [max_len, d_r/2]
-    sin = g.weight("rope.sin", lambda: tables()[1])
+    cos = g.weight("rope.cos", lambda: tables()[0], island=True)  # [max_len, d_r/2]
+    sin = g.weight("rope.sin", lambda: tables()[1], island=True)
     return op.Gather(cos, position_ids, axis=0), op.Gather(sin, position_ids, axis=0)
 
 
@@ -206,13 +244,18 @@ class MLAttention:
         return c_q, self._hf("q_b_proj.weight")
 
     def latent_and_rope(self, op, x: ir.Value, cos: ir.Value, sin: ir.Value) -> tuple[ir.Value, ir.Value]:
-        """x [b, T, d] -> ĉ [b, T, d_c] (normed), k_pe [b, T, d_r] (roped)."""
-        cfg = self.cfg
-        kv = linear(self.g, op, x, f"{self.name}.kv_a",
+        """x [b, T, d] -> ĉ [b, T, d_c] (normed), k_pe [b, T, d_r] (roped), both in the caches' stored dtype."""
+        cfg, g = self.cfg, self.g
+        kv = linear(g, op, x, f"{self.name}.kv_a",
                     lambda: absorb.kv_a_weight(cfg, self.t(self.hf + "kv_a_proj_with_mqa.weight")))
         latent, k_pe = op.Split(kv, [cfg.kv_lora_rank, cfg.qk_rope_head_dim], axis=-1, _outputs=2)
-        latent = RMSNorm(self.g, f"{self.name}.kv_norm", self.hf + "kv_a_layernorm.weight", self.t, cfg.rms_norm_eps)(op, latent)
-        return latent, rope(op, k_pe, cos, sin)
+        latent = RMSNorm(g, f"{self.name}.kv_norm", self.hf + "kv_a_layernorm.weight", self.t, cfg.rms_norm_eps)(op, latent)
+        k_pe = rope(op, g.to_float(op, k_pe), cos, sin)
+        return g.cast(op, latent, g.compute_type, g.stored_type), g.cast(op, k_pe, FLOAT, g.stored_type)
+
+    def cached(self, op, cache: ir.Value) -> ir.Value:
+        """A cache (stored dtype) as the attention core's float32 operand."""
+        return self.g.cast(op, cache, self.g.stored_type, FLOAT)
 
     def write_cache(self, op, latent, k_pe, past_latent, past_rope, write_indices) -> tuple[ir.Value, ir.Value]:
         """TensorScatter; the graph makes its outputs the present_* outputs themselves: with the output bound to
@@ -226,24 +269,24 @@ class MLAttention:
         h, dn, dr, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         q_in, q_weight = self.query_input(op, x)
         q = linear(g, op, q_in, f"{self.name}.q", lambda: absorb.query_weight(cfg, q_weight()))  # [b, T, h·(d_nope+d_r)]
-        q = op.Transpose(op.Reshape(q, [0, 0, h, dn + dr]), perm=[0, 2, 1, 3])  # -> [b, T, h, ·] -> [b, h, T, d_nope+d_r]
+        q = op.Transpose(op.Reshape(g.to_float(op, q), [0, 0, h, dn + dr]), perm=[0, 2, 1, 3])  # -> [b, T, h, ·] -> [b, h, T, d_nope+d_r]
         q_nope, q_pe = op.Split(q, [dn, dr], axis=-1, _outputs=2)
         q_pe = rope(op, q_pe, op.Unsqueeze(cos, [1]), op.Unsqueeze(sin, [1]))  # cos [b, 1, T, d_r/2]
         latent, k_pe = self.latent_and_rope(op, x, cos, sin)
         cache_latent, cache_rope = self.write_cache(op, latent, k_pe, past_latent, past_rope, write_indices)
 
-        kv = linear(g, op, cache_latent, f"{self.name}.kv_b", lambda: t(self.hf + "kv_b_proj.weight").T,
-                    quantizable=False)  # [b, cap, h·(d_nope+d_v)]
-        kv = op.Transpose(op.Reshape(kv, [0, 0, h, dn + dv]), perm=[0, 2, 1, 3])  # -> [b, cap, h, ·] -> [b, h, cap, d_nope+d_v]
+        kv = linear(g, op, g.cast(op, cache_latent, g.stored_type, g.compute_type), f"{self.name}.kv_b",
+                    lambda: t(self.hf + "kv_b_proj.weight").T, quantizable=False)  # [b, cap, h·(d_nope+d_v)]
+        kv = op.Transpose(op.Reshape(g.to_float(op, kv), [0, 0, h, dn + dv]), perm=[0, 2, 1, 3])  # -> [b, cap, h, ·] -> [b, h, cap, d_nope+d_v]
         k_nope, v = op.Split(kv, [dn, dv], axis=-1, _outputs=2)
         scores = op.Add(
             op.MatMul(q_nope, op.Transpose(k_nope, perm=[0, 1, 3, 2])),  # [b, h, T, cap]
-            op.MatMul(q_pe, op.Unsqueeze(op.Transpose(cache_rope, perm=[0, 2, 1]), [1])),  # k_pe [b, 1, d_r, cap]
+            op.MatMul(q_pe, op.Unsqueeze(op.Transpose(self.cached(op, cache_rope), perm=[0, 2, 1]), [1])),  # k_pe [b, 1, d_r, cap]
         )
         probs = op.Softmax(op.Add(op.Mul(scores, self.scale), bias), axis=-1)
         o = op.Transpose(op.MatMul(probs, v), perm=[0, 2, 1, 3])  # [b, T, h, d_v]
         o = op.Reshape(o, [0, 0, h * dv])  # [b, T, h, d_v] -> [b, T, h·d_v]
-        out = linear(g, op, o, f"{self.name}.o", lambda: t(self.hf + "o_proj.weight").T)
+        out = linear(g, op, g.to_compute(op, o), f"{self.name}.o", lambda: t(self.hf + "o_proj.weight").T)
         return out, cache_latent, cache_rope
 
     def absorbed(self, op, x, cos, sin, bias, past_latent, past_rope, write_indices, mode: AbsorbMode):
@@ -253,56 +296,61 @@ class MLAttention:
                              cfg.kv_lora_rank, cfg.v_head_dim)
         kv_b = self._hf("kv_b_proj.weight")
         q_in, q_weight = self.query_input(op, x)
-        if mode == AbsorbMode.FUSED:
-            q_latent = linear(g, op, q_in, f"{self.name}.q_uk", lambda: absorb.fused_query_absorb(cfg, q_weight(), kv_b()),
-                              quantizable=False)
+        if mode == AbsorbMode.FUSED:  # the product that overflows half precision first: float32
+            q_latent = op.MatMul(g.to_float(op, q_in), g.weight(
+                f"{self.name}.q_uk", lambda: absorb.fused_query_absorb(cfg, q_weight(), kv_b()), island=True))
             q_latent = op.Reshape(q_latent, [0, h, dc])  # [b, 1, h·d_c] -> [b, h, d_c]
         else:
             q_nope = linear(g, op, q_in, f"{self.name}.q_nope", lambda: absorb.query_nope_weight(cfg, q_weight()))
-            q_nope = op.Transpose(op.Reshape(q_nope, [0, h, dn]), perm=[1, 0, 2])  # [b, 1, h·d_nope] -> [b, h, d_nope] -> [h, b, d_nope]
-            q_latent = op.MatMul(q_nope, g.weight(f"{self.name}.uk", lambda: absorb.factored_uk(cfg, kv_b())))  # [h, b, d_c]
-            q_latent = op.Transpose(q_latent, perm=[1, 0, 2])  # [b, h, d_c]
+            q_nope = op.Transpose(op.Reshape(g.to_float(op, q_nope), [0, h, dn]), perm=[1, 0, 2])  # [b, 1, h·d_nope] -> [b, h, d_nope] -> [h, b, d_nope]
+            uk = g.weight(f"{self.name}.uk", lambda: absorb.factored_uk(cfg, kv_b()), island=True)
+            q_latent = op.Transpose(op.MatMul(q_nope, uk), perm=[1, 0, 2])  # [h, b, d_c] -> [b, h, d_c]
         q_pe = linear(g, op, q_in, f"{self.name}.q_rope", lambda: absorb.query_rope_weight(cfg, q_weight()))
-        q_pe = op.Reshape(q_pe, [0, h, dr])  # [b, 1, h·d_r] -> [b, h, d_r]
+        q_pe = op.Reshape(g.to_float(op, q_pe), [0, h, dr])  # [b, 1, h·d_r] -> [b, h, d_r]
         q_pe = rope(op, q_pe, cos, sin)  # cos [b, 1, d_r/2] broadcasts over heads
         latent, k_pe = self.latent_and_rope(op, x, cos, sin)
         cache_latent, cache_rope = self.write_cache(op, latent, k_pe, past_latent, past_rope, write_indices)
+        latent_f = self.cached(op, cache_latent)
 
         scores = op.Add(
-            op.MatMul(cache_latent, op.Transpose(q_latent, perm=[0, 2, 1])),  # [b, cap, d_c] @ [b, d_c, h] -> [b, cap, h]
-            op.MatMul(cache_rope, op.Transpose(q_pe, perm=[0, 2, 1])),  # [b, cap, d_r] @ [b, d_r, h] -> [b, cap, h]
+            op.MatMul(latent_f, op.Transpose(q_latent, perm=[0, 2, 1])),  # [b, cap, d_c] @ [b, d_c, h] -> [b, cap, h]
+            op.MatMul(self.cached(op, cache_rope), op.Transpose(q_pe, perm=[0, 2, 1])),  # [b, cap, d_r] @ [b, d_r, h] -> [b, cap, h]
         )
         scores = op.Transpose(scores, perm=[0, 2, 1])  # [b, h, cap]
         decode_bias = op.Squeeze(bias, [1])  # [b, 1, 1, cap] -> [b, 1, cap]
         probs = op.Softmax(op.Add(op.Mul(scores, self.scale), decode_bias), axis=-1)
-        o_latent = op.MatMul(probs, cache_latent)  # [b, h, cap] @ [b, cap, d_c] -> [b, h, d_c]
+        o_latent = op.MatMul(probs, latent_f)  # [b, h, cap] @ [b, cap, d_c] -> [b, h, d_c]
         o_weight = self._hf("o_proj.weight")
         if mode == AbsorbMode.FUSED:
             o = op.Reshape(o_latent, [0, 1, h * dc])  # [b, h, d_c] -> [b, 1, h·d_c]
-            out = linear(g, op, o, f"{self.name}.uv_o", lambda: absorb.fused_output_absorb(cfg, o_weight(), kv_b()),
-                         quantizable=False)
+            uv_o = g.weight(f"{self.name}.uv_o", lambda: absorb.fused_output_absorb(cfg, o_weight(), kv_b()), island=True)
+            out = g.to_compute(op, op.MatMul(o, uv_o))  # [b, 1, d]
         else:
             o_latent = op.Transpose(o_latent, perm=[1, 0, 2])  # [b, h, d_c] -> [h, b, d_c]
-            o = op.MatMul(o_latent, g.weight(f"{self.name}.uv", lambda: absorb.factored_uv(cfg, kv_b())))  # [h, b, d_v]
+            uv = g.weight(f"{self.name}.uv", lambda: absorb.factored_uv(cfg, kv_b()), island=True)
+            o = op.MatMul(o_latent, uv)  # [h, b, d_v]
             o = op.Reshape(op.Transpose(o, perm=[1, 0, 2]), [0, 1, h * dv])  # [h, b, d_v] -> [b, h, d_v] -> [b, 1, h·d_v]
-            out = linear(g, op, o, f"{self.name}.o", lambda: o_weight().T)
+            out = linear(g, op, g.to_compute(op, o), f"{self.name}.o", lambda: o_weight().T)
         return out, cache_latent, cache_rope
 
 
 # ---- mixture of experts (modeling/moe.py) ----
 class Router:
-    """x2 [N, d] -> expert indices [N, k] int64, weights [N, k] float32 (the math: modeling/moe.py)."""
+    """x2 [N, d] -> expert indices [N, k] int64, weights [N, k] float32 (the math: modeling/moe.py), in a float32
+    island: near-tied expert scores must choose as the source does."""
 
     def __init__(self, g: Graph, cfg: MLAConfig, t: Tensors, hf: str, name: str):
         self.g, self.cfg, self.t, self.hf, self.name = g, cfg, t, hf, name
 
     def __call__(self, op, x2: ir.Value) -> tuple[ir.Value, ir.Value]:
         cfg, g, t, hf = self.cfg, self.g, self.t, self.hf
-        logits = linear(g, op, x2, f"{self.name}.router", lambda: t(hf + "gate.weight").T, quantizable=False)  # [N, E]
+        router = g.weight(f"{self.name}.router", lambda: t(hf + "gate.weight").T, island=True)
+        logits = op.MatMul(g.to_float(op, x2), router)  # [N, E]
         k = [cfg.num_experts_per_tok]
         if cfg.scoring_func == "sigmoid":
             scores = op.Sigmoid(logits)
-            choice = op.Add(scores, g.weight(f"{self.name}.score_bias", lambda: t(hf + "gate.e_score_correction_bias")))
+            choice = op.Add(scores, g.weight(f"{self.name}.score_bias", lambda: t(hf + "gate.e_score_correction_bias"),
+                                             island=True))
             top2, _ = op.TopK(self._grouped(op, choice), [2], axis=-1, _outputs=2)  # [N, G, 2]
             group_scores = op.ReduceSum(top2, [-1], keepdims=0)  # [N, G]
             choice = op.Where(self._group_mask(op, group_scores), choice, float("-inf"))
@@ -348,20 +396,24 @@ class MoE:
         onehot = op.Cast(op.Equal(op.Unsqueeze(idx, [-1]), op.Range(0, cfg.n_routed_experts, 1)), to=FLOAT)  # [N, k, E]
         dispatch = op.ReduceSum(op.Mul(onehot, op.Unsqueeze(weights, [-1])), [1], keepdims=0)  # [N, E]
         chosen = op.ReduceMax(onehot, [1], keepdims=0)  # [N, E] 1.0 where the token chose the expert
+        dispatch_c = g.to_compute(op, dispatch)  # mixes the experts' outputs, in the compute dtype
         shared = None
         if cfg.n_shared_experts:
             shared = SwiGLU(g, f"{self.name}.shared", hf + "shared_experts.", t,
                             cfg.moe_intermediate_size * cfg.n_shared_experts)(op, x2)
         if self.g.experts in ("qmoe", "dense"):
-            routed = self._qmoe(op, x2, chosen, dispatch) if self.g.experts == "qmoe" else self._dense(op, x2, dispatch)
+            routed = (self._qmoe(op, x2, g.to_compute(op, chosen), dispatch_c) if self.g.experts == "qmoe"
+                      else self._dense(op, x2, dispatch_c))
             out = routed if shared is None else op.Add(shared, routed)
         else:
             active = op.Greater(op.ReduceSum(chosen, [0], keepdims=0), 0.0)  # [E]
             flags = op.Split(active, axis=0, num_outputs=cfg.n_routed_experts, _outputs=cfg.n_routed_experts)
             flags = flags if isinstance(flags, (list, tuple)) else [flags]
-            out = op.Mul(x2, 0.0) if shared is None else shared
+            # accumulated in float32: onnxruntime's CPU ScatterND has no float16 reduction (and the sum is better for it)
+            out = g.to_float(op, op.Mul(x2, 0.0) if shared is None else shared)
             for e, flag in enumerate(flags):
                 out = self._expert(op, e, flag, x2, chosen, dispatch, out)
+            out = g.to_compute(op, out)
         return op.Reshape(out, shape)  # [N, d] -> [b, T, d]
 
     def _dense(self, op, x2, dispatch) -> ir.Value:
@@ -427,14 +479,15 @@ class MoE:
                        _domain="com.microsoft")  # [N, d]
 
     def _expert(self, op, e: int, flag, x2, chosen, dispatch, acc) -> ir.Value:
-        """acc + weight · expert_e(x) on the rows that chose expert e, inside If(expert e chosen by any row)."""
+        """acc + weight · expert_e(x) on the rows that chose expert e, inside If(expert e chosen by any row); `acc`
+        and the weighted outputs are float32."""
         cfg = self.cfg
         expert = SwiGLU(self.g, f"{self.name}.experts.{e}", f"{self.hf}experts.{e}.", self.t, cfg.moe_intermediate_size)
 
         def run(op):
             column = op.Squeeze(op.Gather(chosen, [e], axis=1), [1])  # [N]
             rows = op.Reshape(op.NonZero(column), [-1])  # [1, n_e] -> [n_e]
-            y = expert(op, op.Gather(x2, rows, axis=0))  # [n_e, d]
+            y = self.g.to_float(op, expert(op, op.Gather(x2, rows, axis=0)))  # [n_e, d]
             w = op.Gather(op.Squeeze(op.Gather(dispatch, [e], axis=1), [1]), rows, axis=0)  # [n_e]
             y = op.Mul(y, op.Unsqueeze(w, [-1]))
             return op.ScatterND(acc, op.Unsqueeze(rows, [-1]), y, reduction="add")  # [N, d]

@@ -15,7 +15,15 @@ from typing import Callable
 import numpy as np
 import onnx_ir as ir
 
+from ..safetensors_io import float32_to_bf16
+
 ALIGN = 64
+# --dtype -> how a float weight's values are written (bfloat16 as its uint16 bits: numpy has no bfloat16)
+STORED = {
+    "float32": (ir.DataType.FLOAT, lambda a: a.astype(np.float32, copy=False)),
+    "float16": (ir.DataType.FLOAT16, lambda a: a.astype(np.float16)),
+    "bfloat16": (ir.DataType.BFLOAT16, lambda a: float32_to_bf16(a)),
+}
 
 
 class WeightsFile:
@@ -28,19 +36,22 @@ class WeightsFile:
         self.shapes: dict[str, tuple[int, int]] = {}  # float [K, N] of each quantized weight, for MatMulNBits' K and N
         self.nbytes = 0
 
-    def tensor(self, name: str, make: Callable[[], np.ndarray]) -> ir.ExternalTensor:
-        """The tensor called `name`, written on first use; `make` is not called again for a known name."""
+    def tensor(self, name: str, make: Callable[[], np.ndarray], dtype: str = "float32") -> ir.ExternalTensor:
+        """The tensor called `name`, written on first use as `dtype` (a float weight: float32, float16 or bfloat16;
+        quantized codes stay uint8 bytes); `make` is not called again for a known name."""
         if name in self._tensors:
             return self._tensors[name]
         array = np.asarray(make())
-        if array.dtype != np.uint8:  # quantized codes stay bytes; every float weight is stored float32
-            array = array.astype(np.float32, copy=False)
+        if array.dtype == np.uint8:
+            data_type, convert = ir.DataType.UINT8, lambda a: a
+        else:
+            data_type, convert = STORED[dtype]
         f = self._file
         f.write(b"\0" * (-f.tell() % ALIGN))
         offset = f.tell()
-        _write_rows(f, array)
+        _write_rows(f, array, convert)
         self.nbytes = f.tell()
-        external = ir.ExternalTensor(self.path.name, offset, array.nbytes, ir.DataType.from_numpy(array.dtype),
+        external = ir.ExternalTensor(self.path.name, offset, self.nbytes - offset, data_type,
                                      shape=ir.Shape(array.shape), name=name, base_dir=self.path.parent)
         self._tensors[name] = external
         return external
@@ -64,12 +75,13 @@ class WeightsFile:
         self._file.close()
 
 
-def _write_rows(f, array: np.ndarray, block_bytes: int = 1 << 24) -> None:
-    """Little-endian, ONNX's external layout. A transposed view is laid out block by block of rows, so
-    writing W^T costs one block of memory beyond W, not a second copy of W."""
-    if array.flags.c_contiguous or array.ndim < 2:
-        f.write(np.ascontiguousarray(array).data)
+def _write_rows(f, array: np.ndarray, convert: Callable[[np.ndarray], np.ndarray], block_bytes: int = 1 << 24) -> None:
+    """Little-endian, ONNX's external layout, each block of rows converted to the stored dtype as it is written.
+    A transposed view or a narrowing conversion is done block by block of rows, so writing W^T or W in float16
+    costs one block of memory beyond W, not a second copy of W."""
+    if array.ndim < 2:
+        f.write(np.ascontiguousarray(convert(array)).data)
         return
     step = max(1, block_bytes // (array[0].nbytes or 1))
     for start in range(0, array.shape[0], step):
-        f.write(np.ascontiguousarray(array[start : start + step]).data)  # [step, ...] rows in C order
+        f.write(np.ascontiguousarray(convert(array[start : start + step])).data)  # [step, ...] rows in C order

@@ -11,9 +11,12 @@ from ..config import MLAConfig
 class LayerCache:
     latent: torch.Tensor  # [batch, capacity, kv_lora_rank]
     rope: torch.Tensor  # [batch, capacity, qk_rope_head_dim]
+    stored: torch.dtype | None = None  # entries rounded to this dtype as written: the caches of a half-precision export
 
     def write(self, latent: torch.Tensor, rope: torch.Tensor, write_indices: torch.Tensor) -> None:
         """Store new entries [b, T, ·] at slots write_indices[b] .. write_indices[b] + T - 1 of each row."""
+        if self.stored is not None:
+            latent, rope = latent.to(self.stored).to(latent.dtype), rope.to(self.stored).to(rope.dtype)
         b, t = latent.shape[:2]
         slots = write_indices[:, None] + torch.arange(t, device=latent.device)[None, :]  # [b, T]
         self.latent.scatter_(1, slots[..., None].expand(b, t, latent.shape[-1]), latent)

@@ -16,6 +16,7 @@ import onnxruntime as ort
 from .. import io_spec
 from ..config import MLAConfig
 from ..errors import InputError
+from .dtypes import numpy_dtype, ort_value
 
 BLOCK = 256  # slots added per growth step
 
@@ -23,8 +24,9 @@ BLOCK = 256  # slots added per growth step
 class CacheBuffers:
     """The per-layer caches of one generation (one batch of rows), owned by the caller's thread."""
 
-    def __init__(self, cfg: MLAConfig, batch: int, capacity: int, max_capacity: int, device: str):
-        self.cfg, self.batch, self.device, self.max_capacity = cfg, batch, device, max_capacity
+    def __init__(self, cfg: MLAConfig, batch: int, capacity: int, max_capacity: int, device: str, dtype: str = "float32"):
+        """`dtype`: the export's cache dtype (runtime.dtypes)."""
+        self.cfg, self.batch, self.device, self.max_capacity, self.dtype = cfg, batch, device, max_capacity, dtype
         self.capacity = 0
         self.arrays: dict[str, np.ndarray] = {}
         self.values: dict[str, ort.OrtValue] = {}
@@ -39,12 +41,12 @@ class CacheBuffers:
         capacity = min(self.max_capacity, -(-needed // BLOCK) * BLOCK)
         cfg = self.cfg
         for name, width in io_spec.cache_widths(cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim).items():
-            new = np.zeros((self.batch, capacity, width), np.float32)
+            new = np.zeros((self.batch, capacity, width), numpy_dtype(self.dtype))
             old = self.arrays.get(name)
             if old is not None:
                 new[:, : self.capacity] = old if self.device == "cpu" else self.values[name].numpy()
             self.arrays[name] = new
-            self.values[name] = ort.OrtValue.ortvalue_from_numpy(new, self.device, 0)
+            self.values[name] = ort_value(new, self.dtype, self.device)
         self.capacity = capacity
         return True
 
@@ -54,7 +56,7 @@ class CacheBuffers:
         OrtValues: a view must outlive the run."""
         values = []
         for past, present in io_spec.cache_pairs(self.cfg.num_hidden_layers):
-            value = self.values[past] if rows is None else ort.OrtValue.ortvalue_from_numpy(self.arrays[past][rows])
+            value = self.values[past] if rows is None else ort_value(self.arrays[past][rows], self.dtype)
             binding.bind_ortvalue_input(past, value)
             binding.bind_ortvalue_output(present, value)
             values.append(value)

@@ -11,16 +11,18 @@ import numpy as np
 from .. import io_spec
 from ..config import MLAConfig
 from ..errors import InputError
+from .dtypes import numpy_dtype
 
 
-def empty_caches(cfg: MLAConfig, batch: int, capacity: int) -> dict[str, np.ndarray]:
-    """Zero-filled past_latent/past_rope inputs for every layer (for one-off graph calls; the Generator
-    keeps its own in-place buffers)."""
+def empty_caches(cfg: MLAConfig, batch: int, capacity: int, dtype: str = "float32") -> dict[str, np.ndarray]:
+    """Zero-filled past_latent/past_rope inputs for every layer, in the export's cache `dtype` (runtime.dtypes;
+    for one-off graph calls: the Generator keeps its own in-place buffers)."""
     widths = io_spec.cache_widths(cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
-    return {name: np.zeros((batch, capacity, width), np.float32) for name, width in widths.items()}
+    return {name: np.zeros((batch, capacity, width), numpy_dtype(dtype)) for name, width in widths.items()}
 
 
-def prefill_feed(cfg: MLAConfig, ids: np.ndarray, capacity: int | None = None) -> dict[str, np.ndarray]:
+def prefill_feed(cfg: MLAConfig, ids: np.ndarray, capacity: int | None = None,
+                 cache_dtype: str = "float32") -> dict[str, np.ndarray]:
     """Prefill rows `ids` [b, T] (right-padded) from an empty cache of `capacity` slots (default T), scoring
     every position: the feed verification and scoring use."""
     b, t = ids.shape
@@ -28,11 +30,12 @@ def prefill_feed(cfg: MLAConfig, ids: np.ndarray, capacity: int | None = None) -
     pos = np.broadcast_to(np.arange(t), (b, t)).copy()  # [b, T]
     return {io_spec.INPUT_IDS: ids, io_spec.POSITION_IDS: pos, io_spec.ATTENTION_MASK: np.ones((b, capacity), np.int64),
             io_spec.WRITE_INDICES: np.zeros(b, np.int64), io_spec.LOGITS_POSITIONS: pos,
-            **empty_caches(cfg, b, capacity)}
+            **empty_caches(cfg, b, capacity, cache_dtype)}
 
 
-def check_feed(kind: str, feed: dict, cfg: MLAConfig, max_seq_len: int) -> None:
-    inputs, _ = io_spec.graph_io(kind, cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.vocab_size)
+def check_feed(kind: str, feed: dict, cfg: MLAConfig, max_seq_len: int, cache_dtype: str = "float32") -> None:
+    inputs, _ = io_spec.graph_io(kind, cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.vocab_size,
+                                 cache_dtype=cache_dtype)
     expected = {s.name: s for s in inputs}
     missing = sorted(expected.keys() - feed.keys())
     unknown = sorted(feed.keys() - expected.keys())
@@ -43,8 +46,9 @@ def check_feed(kind: str, feed: dict, cfg: MLAConfig, max_seq_len: int) -> None:
         value = feed[name]
         if not isinstance(value, np.ndarray):
             raise InputError(f"{name}: expected a numpy array, got {type(value).__name__}")
-        if value.dtype != np.dtype(spec.dtype):
-            raise InputError(f"{name}: dtype {value.dtype}, expected {spec.dtype}")
+        if value.dtype != numpy_dtype(spec.dtype):
+            held = " (bfloat16 bit patterns)" if spec.dtype == "bfloat16" else ""
+            raise InputError(f"{name}: dtype {value.dtype}, expected {spec.dtype}: numpy {numpy_dtype(spec.dtype)}{held}")
         if value.ndim != len(spec.shape):
             raise InputError(f"{name}: shape {list(value.shape)}, expected rank {len(spec.shape)} {list(spec.shape)}")
         for size, axis in zip(value.shape, spec.shape):

@@ -97,7 +97,7 @@ class Scheduler:
         self.prefill_budget = prefill_chunk if prefill_budget is None else prefill_budget
         if self.prefill_budget < 1:
             raise InputError(f"prefill_budget={prefill_budget!r}: must be a positive integer")
-        self.caches = CacheBuffers(model.config, max_batch, 1, model.max_seq_len, "cpu")
+        self.caches = CacheBuffers(model.config, max_batch, 1, model.max_seq_len, "cpu", model.cache_dtype)
         self.lengths = np.zeros(max_batch, np.int64)  # tokens held in each row's cache
         self.rows: list[Request | None] = [None] * max_batch
         self.waiting: deque[Request] = deque()

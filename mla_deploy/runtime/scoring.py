@@ -34,17 +34,19 @@ def log_softmax_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     return log_z - np.take_along_axis(logits, targets[..., None], -1)[..., 0]
 
 
-def export_nll(model: ExportedModel, batch: np.ndarray, rows_per_run: int = 8,
-               on_run: Callable[[int], None] = lambda done: None) -> np.ndarray:
-    """NLL of each next token of each window: [n_windows, window]. `on_run(windows done)` after each graph run."""
+def export_scores(model: ExportedModel, batch: np.ndarray, rows_per_run: int = 8,
+                  on_run: Callable[[int], None] = lambda done: None) -> tuple[np.ndarray, np.ndarray]:
+    """NLL of each next token of each window and the export's top-1 prediction there: [n_windows, window] each.
+    `on_run(windows done)` after each graph run."""
     cfg = model.config
-    out = []
+    out, top1 = [], []
     for start in range(0, len(batch), rows_per_run):
         w = batch[start : start + rows_per_run]
         t = w.shape[1] - 1
         if t > model.max_seq_len:
             raise InputError(f"window {t} exceeds the export's maximum length {model.max_seq_len}")
-        logits = model.run(io_spec.PREFILL, prefill_feed(cfg, w[:, :-1]))[io_spec.LOGITS]  # [b, t, vocab]
+        logits = model.run(io_spec.PREFILL, prefill_feed(cfg, w[:, :-1], cache_dtype=model.cache_dtype))[io_spec.LOGITS]  # [b, t, vocab]
         out.append(log_softmax_nll(logits, w[:, 1:]))
+        top1.append(logits.argmax(-1))
         on_run(start + len(w))
-    return np.concatenate(out)
+    return np.concatenate(out), np.concatenate(top1)

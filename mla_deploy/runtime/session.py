@@ -7,6 +7,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import onnxruntime as ort
 
 from .. import integrity, io_spec
@@ -14,6 +15,7 @@ from ..config import MLAConfig
 from ..errors import ExportLoadError, InputError, ProviderError
 from ..manifest import check_files, read_manifest
 from .chat import GenerationDefaults
+from .dtypes import ort_value
 from .feeds import check_feed
 from .memory import ResidentMemory, resident_memory
 
@@ -73,6 +75,7 @@ class ExportedModel:
         check_files(self.directory, self.manifest, self.options.check_weights)
         self.config: MLAConfig = self.manifest["config_obj"]
         self.max_seq_len: int = int(self.manifest["max_seq_len"])
+        self.cache_dtype: str = self.manifest["dtype"]  # the caches' (runtime.dtypes); logits are always float32
         self.providers = resolve_providers(self.options.provider, self.options.strict_provider)
         self.device = "cuda" if self.providers[0] == PROVIDERS["cuda"] else "cpu"
         self.generation = GenerationDefaults.from_export(self.directory)  # generation_config.json's defaults
@@ -84,13 +87,28 @@ class ExportedModel:
         self.load_memory: ResidentMemory | None = resident_memory()  # this process, just after the sessions loaded
 
     def run(self, kind: str, feed: dict) -> dict:
-        """One checked call of the prefill or decode graph; outputs by name (new arrays, no in-place update)."""
+        """One checked call of the prefill or decode graph; outputs by name (new arrays, the feed left unchanged).
+        Bound through IO binding, so bfloat16 caches (uint16 bit patterns here: runtime.dtypes) pass both ways."""
         if kind not in self.sessions:
             raise ValueError(f"graph {kind!r}: expected {io_spec.PREFILL!r} or {io_spec.DECODE!r}")
-        check_feed(kind, feed, self.config, self.max_seq_len)
+        check_feed(kind, feed, self.config, self.max_seq_len, self.cache_dtype)
         session = self.sessions[kind]
-        names = [o.name for o in session.get_outputs()]
-        return dict(zip(names, session.run(names, feed)))
+        inputs, outputs = io_spec.graph_io(kind, self.config.num_hidden_layers, self.config.kv_lora_rank,
+                                           self.config.qk_rope_head_dim, self.config.vocab_size, self.cache_dtype)
+        ids = feed[io_spec.INPUT_IDS]
+        n_logits = feed[io_spec.LOGITS_POSITIONS].shape[1] if kind == io_spec.PREFILL else 1
+        results = {io_spec.LOGITS: np.empty((ids.shape[0], n_logits, self.config.vocab_size), np.float32)}
+        for past, present in io_spec.cache_pairs(self.config.num_hidden_layers):
+            results[present] = np.empty_like(feed[past])
+        binding, held = session.io_binding(), []
+        for spec in inputs:
+            held.append(ort_value(np.ascontiguousarray(feed[spec.name]), spec.dtype))
+            binding.bind_ortvalue_input(spec.name, held[-1])
+        for spec in outputs:
+            held.append(ort_value(results[spec.name], spec.dtype))
+            binding.bind_ortvalue_output(spec.name, held[-1])
+        session.run_with_iobinding(binding)
+        return results
 
     def _session(self, kind: str) -> ort.InferenceSession:
         path = self.directory / self.manifest["graphs"][kind]["file"]

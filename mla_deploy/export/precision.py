@@ -1,0 +1,74 @@
+"""`--dtype`: what an export stores its weights and caches in, and what its graphs compute in.
+
+float32 and float16 compute in their own dtype. bfloat16 stores weights and caches in bfloat16 but computes
+in float32: onnxruntime 1.31's CPU provider has bfloat16 kernels only for data movement (Gather, Concat, Cast,
+Reshape, Transpose, Split, TensorScatter), none for MatMul, Add, Mul, Softmax or RMSNormalization (measured per
+op), and every export must run on the CPU. So a bfloat16 export halves the file and the caches; onnxruntime
+widens its weights to float32 once at load (it folds the casts).
+
+An export in a half dtype stands for the checkpoint with every weight rounded to that dtype (`round_weight`): the
+graphs read the rounded values, including the weights kept in float32 for the float32 islands (norms, router,
+the per-head and fused absorbed matrices, computed from the rounded factors), so `RoundedCheckpoint` is the exact
+source it is verified against, as a quantized export's is its dequantized checkpoint.
+
+In every dtype some math stays float32 (export.layers): RMSNorm statistics, rope, the attention core and the
+router. The fused W^Q·W^UK product is where half precision overflows first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import ExportError
+from ..safetensors_io import bf16_to_float32, float32_to_bf16
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class Precision:
+    dtype: str  # weights and caches as stored
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
+
+    @property
+    def compute(self) -> str:
+        """The dtype the layers compute in outside the float32 islands."""
+        return "float32" if self.dtype == "bfloat16" else self.dtype
+
+
+FLOAT16_MAX = float(np.finfo(np.float16).max)
+
+
+def round_weight(w: np.ndarray, dtype: str, name: str = "weight") -> np.ndarray:
+    """W (float32) rounded to `dtype` and widened back to float32: the values an export in that dtype computes with.
+    A float16 weight beyond float16's range is refused by name (it would become inf)."""
+    if dtype == "float32":
+        return w
+    if dtype == "float16":
+        peak = float(np.abs(w).max(initial=0.0))
+        if peak > FLOAT16_MAX:
+            raise ExportError(f"--dtype float16: {name} holds |w| = {peak:.4g}, beyond float16's largest value "
+                              f"{FLOAT16_MAX:g}; export it as bfloat16 or float32")
+        return w.astype(np.float16).astype(np.float32)
+    if dtype == "bfloat16":
+        return bf16_to_float32(float32_to_bf16(w))
+    raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+
+
+class RoundedCheckpoint:
+    """A checkpoint whose weights read as rounded to `dtype` (round_weight): what a half-precision export stands for,
+    and what it is verified against."""
+
+    def __init__(self, ckpt, dtype: str):
+        self.ckpt, self.dtype, self.config = ckpt, dtype, ckpt.config
+
+    def names(self) -> list[str]:
+        return self.ckpt.names()
+
+    def tensor(self, name: str) -> np.ndarray:
+        return round_weight(self.ckpt.tensor(name), self.dtype, name)
