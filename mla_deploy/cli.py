@@ -122,9 +122,12 @@ def export(checkpoint, out, absorb, dtype, max_seq_len, no_verify, steps, quanti
               help="Let onnxruntime prepack the MatMul weights: faster steps, but each graph's session holds its own "
                    "copy of the weights and loading takes longer. Default: off for a float export (both graphs read "
                    "the one memory-mapped weights.bin), on for a quantized one (MatMulNBits needs it).")
+@click.option("--decode-only", is_flag=True,
+              help="Load only the decode graph and feed the prompt through it a token at a time: one prepacked copy of "
+                   "a quantized export's weights instead of two (a model near the machine's memory).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, provider,
-        threads, check_weights, prepack, as_json):
+        threads, check_weights, prepack, decode_only, as_json):
     """Generate from EXPORT_DIR, streaming the text as it is produced."""
     from .runtime import ExportedModel, RuntimeOptions, SamplingParams
     from .runtime.complete import complete
@@ -134,7 +137,7 @@ def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_
     SamplingParams(**{k: v for k, v in given.items() if v is not None}).validate()  # bad flags fail before loading
     options = RuntimeOptions(provider=provider, threads=threads, check_weights="full" if check_weights else "sampled",
                              prepack=prepack)
-    model = ExportedModel(export_dir, options)
+    model = ExportedModel(export_dir, options, graphs=("decode",) if decode_only else ("prefill", "decode"))
     sampling = model.generation.override(**given)
     memory = model.load_memory
     on_text = None if as_json else (lambda s: click.echo(s, nl=False))

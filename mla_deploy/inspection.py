@@ -24,7 +24,8 @@ def inspect_path(path: str | Path) -> dict:
         manifest = read_manifest(path)
         cfg, absorb, dtype = manifest["config_obj"], AbsorbMode(manifest["absorb"]), manifest["dtype"]
         quantization = manifest.get("quantization")
-        report = {"kind": "export", "path": str(path), "absorb": absorb.value, "dtype": dtype, "quantization": quantization,
+        report = {"kind": "export", "path": str(path), "absorb": absorb.value, "dtype": dtype,
+                  "precision": manifest.get("precision"), "quantization": quantization,
                   "max_seq_len": manifest["max_seq_len"], "weights_file_bytes": manifest["weights"]["bytes"],
                   "graphs": {kind: {"inputs": g["inputs"], "outputs": g["outputs"], "op_counts": g.get("op_counts")}
                              for kind, g in manifest["graphs"].items()}}
@@ -76,6 +77,10 @@ def format_report(r: dict) -> list[str]:
              f"parameters {p['total'] / 1e9:.3f} B total, {p['active_per_token'] / 1e9:.3f} B active per token "
              f"(embedding {p['embedding'] / 1e9:.3f} B)",
              f"precision  {r['dtype']}; decode attention {r['absorb']}"]
+    precision = r.get("precision")
+    if precision and precision["dtype"] != "float32":
+        lines.append(f"           weights and caches {precision['dtype']}, computed in {precision['compute']}; "
+                     f"float32: {precision['float32']}")
     q = r.get("quantization")
     if q:
         lines.append(f"quantized  int{q['bits']} weights, int{q['head_bits']} embedding and head ({q['quantized_weights']} tensors), blocks of {q['block']}, "

@@ -153,6 +153,33 @@ def test_batched_rows_equal_rows_alone(exported, variant):
         assert Generator(model, stop_token_ids=()).generate([prompt], 12).token_ids[0] == row
 
 
+def test_decode_only_model_prefills_through_the_decode_graph(exported, variant):
+    """Loaded without its prefill graph (one prepacked copy of the weights), a model feeds prompts through the decode
+    graph a position at a time, rows of different lengths together: the same last-token logits and tokens."""
+    both = ExportedModel(exported(variant))
+    decode_only = ExportedModel(exported(variant), graphs=("decode",))
+    assert set(decode_only.sessions) == {"decode"}
+    prompts = [[4, 8, 15, 16, 23, 42], [3], [50, 60, 70, 80, 90, 11, 12, 13, 14]]
+    logits = []
+    for model in (both, decode_only):
+        gen = Generator(model, stop_token_ids=())
+        logits.append(gen.prefill(gen.new_state([np.asarray(p) for p in prompts]), prompts))
+    assert np.abs(logits[0] - logits[1]).max() <= 1e-4 * max(1.0, np.abs(logits[0]).max())
+    assert (Generator(decode_only, stop_token_ids=()).generate(prompts, 12).token_ids
+            == Generator(both, stop_token_ids=()).generate(prompts, 12).token_ids)
+
+
+def test_cli_run_decode_only_and_the_scheduler_refusing_it(exported):
+    from mla_deploy.runtime.scheduler import Scheduler
+
+    out = exported("v3_dense_tied")
+    args = ["run", str(out), "--prompt-ids", "5,6,7,8", "-n", "6", "--json"]
+    both, alone = (json.loads(CliRunner().invoke(main, args + extra).stdout) for extra in ([], ["--decode-only"]))
+    assert alone["token_ids"] == both["token_ids"]
+    with pytest.raises(InputError, match="prefill graph: load the model with both graphs"):
+        Scheduler(ExportedModel(out, graphs=("decode",)))
+
+
 def test_cache_grows_past_a_block_without_changing_tokens(exported, monkeypatch):
     from mla_deploy.runtime import cache
 

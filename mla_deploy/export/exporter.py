@@ -123,6 +123,9 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
         progress(f"wrote weights ({weights.nbytes / 1e9:.2f} GB)")
         manifest = _manifest(cfg, mode, options, max_seq_len, source_hash, export_id, ckpt)
         manifest["experts"] = experts if cfg.n_routed_experts else None
+        manifest["precision"] = {"dtype": precision.dtype, "compute": precision.compute, "caches": precision.dtype,
+                                 "float32": "norm weights, rope tables, routers, per-head W^UK / W^UV, fused absorbed "
+                                            "matrices (the math around them runs in float32 too)"}
         manifest["quantization"] = None if quantization is None else {
             **quantization.to_dict(), "quantized_weights": len(quantized_hf_names(cfg)),
             "float": "kv_b_proj, routers, norms, rope tables, per-head W^UK / W^UV"}

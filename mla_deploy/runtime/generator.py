@@ -123,7 +123,10 @@ class Generator:
 
     # ---- steps ----
     def prefill(self, state: _State, rows: list[list[int]]) -> np.ndarray:
-        """Feed every prompt, chunk by chunk; returns each row's last-token logits [b, vocab]."""
+        """Feed every prompt, chunk by chunk; returns each row's last-token logits [b, vocab]. A model loaded without
+        its prefill graph (decode only: one prepacked copy of the weights) feeds the prompts through the decode graph."""
+        if io_spec.PREFILL not in self.model.sessions:
+            return self._prefill_by_decode(state, rows)
         t0 = time.perf_counter()
         b, longest = len(rows), max(len(r) for r in rows)
         session = self.model.sessions[io_spec.PREFILL]
@@ -148,6 +151,27 @@ class Generator:
             logits = binding.get_outputs()[0].numpy()[:, 0]  # [b, 1, vocab] -> [b, vocab]
             here = (lengths - 1 >= start) & (lengths - 1 < start + t)
             last[here] = logits[here]
+        state.prefill_ms += (time.perf_counter() - t0) * 1e3
+        return last
+
+    def _prefill_by_decode(self, state: _State, rows: list[list[int]]) -> np.ndarray:
+        """The prompts one position at a time through the decode graph. A row whose prompt is done feeds its last
+        token again at its last slot: the same token at the same position over the same cache writes the same
+        entry, so it changes nothing while the longer rows go on."""
+        t0 = time.perf_counter()
+        lengths = state.lengths  # each row's prompt length (new_state)
+        state.caches.ensure(int(lengths.max()))
+        state.decode_binding = DecodeBinding(self.model.sessions[io_spec.DECODE], state.caches, state.caches.batch,
+                                             self.model.config.vocab_size)
+        d, last = state.decode_binding, np.zeros((len(rows), self.model.config.vocab_size), np.float32)
+        for p in range(int(lengths.max())):
+            at = np.minimum(p, lengths - 1)  # [b] each row's position this step
+            d.ids[:, 0] = [row[a] for row, a in zip(rows, at)]
+            d.pos[:, 0] = at
+            d.write[:] = at
+            self.model.sessions[io_spec.DECODE].run_with_iobinding(d.binding)
+            here = lengths - 1 == p
+            last[here] = d.logits[here, 0]
         state.prefill_ms += (time.perf_counter() - t0) * 1e3
         return last
 

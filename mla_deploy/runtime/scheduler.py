@@ -90,6 +90,8 @@ class Scheduler:
                  prefill_budget: int | None = None):
         if model.device != "cpu":
             raise InputError("the scheduler runs on the CPU provider only (its cache rows are numpy views)")
+        if io_spec.PREFILL not in model.sessions:
+            raise InputError("the scheduler prefills prompts with the prefill graph: load the model with both graphs")
         for name, value in (("max_batch", max_batch), ("max_queue", max_queue), ("prefill_chunk", prefill_chunk)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InputError(f"{name}={value!r}: must be a positive integer")
