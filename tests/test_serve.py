@@ -283,3 +283,30 @@ def test_a_full_queue_answers_429_with_retry_after(demo_export):
         gate.set()
         waiter.join(30)
         assert first[0].status_code == 200 and first[0].json()["usage"]["completion_tokens"] == 4
+
+
+def test_tokens_that_arrive_together_leave_as_one_chunk(server):
+    """A stream whose event loop fell behind gets every waiting token in one piece (one SSE chunk), text and
+    logprob tokens complete and in order; a stop string inside a batch still cuts there."""
+    from mla_deploy.runtime.scheduler import Finished, TokenEvent
+    from mla_deploy.serve.protocol import GenerationRequest
+
+    service = server[1]
+    ids = service.tokenizer.encode("def add(a, b):\n    return a + b\n")
+
+    def run(stop, batches):
+        async def source():
+            for batch in batches:
+                yield batch
+
+        async def collect():
+            return [p async for p in service.pieces(GenerationRequest("completion", MODEL, stop=stop), source(), 3)]
+        return asyncio.run(collect())
+
+    events = [TokenEvent(t) for t in ids]
+    pieces = run([], [events[:3], events[3:] + [Finished("length", 3, len(ids))]])
+    assert len(pieces) == 2 and pieces[-1].finish_reason == "length"
+    assert "".join(p.text for p in pieces) == service.tokenizer.decode(ids)
+    assert [e.token for p in pieces for e in p.tokens] == ids
+    cut = run(["return"], [events])
+    assert len(cut) == 1 and cut[0].finish_reason == "stop" and cut[0].text == "def add(a, b):\n    "

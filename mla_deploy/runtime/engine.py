@@ -71,6 +71,14 @@ class Engine:
         """Queue a request; raises InputError (bad prompt or parameters) or QueueFull before anything runs.
         sampling and stop_token_ids default to the export's generation_config.json (model.generation).
         Must be called from the event loop that consumes the returned iterator."""
+        return _flatten(self.submit_batches(prompt_ids, max_new_tokens, sampling, stop_token_ids, logprobs))
+
+    def submit_batches(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams | None = None,
+                       stop_token_ids: Sequence[int] | None = None,
+                       logprobs: int = 0) -> AsyncIterator[list[TokenEvent | Finished]]:
+        """`submit`, but each item is every event that has arrived since the consumer last asked: one token per step
+        while it keeps up, several when it falls behind (a server then writes them as one chunk, so a loaded event
+        loop does less work per token instead of falling further behind)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         sampling = self.model.generation.sampling if sampling is None else sampling
@@ -90,7 +98,7 @@ class Engine:
             self._inbox.append(request)
             self.stats.requests += 1
             self._lock.notify()
-        return self._events(request, queue)
+        return self._batches(request, queue)
 
     def _hand_over(self) -> None:
         """One call_soon_threadsafe per event loop per phase, not per event: 16 streams wake the loop once a step."""
@@ -113,22 +121,25 @@ class Engine:
         self._thread.join()
 
     # ---- internals ----
-    async def _events(self, request: Request, queue: asyncio.Queue) -> AsyncIterator[TokenEvent | Finished]:
+    async def _batches(self, request: Request, queue: asyncio.Queue) -> AsyncIterator[list[TokenEvent | Finished]]:
         last, finished = None, False
         try:
             while True:
-                event = await queue.get()
-                if isinstance(event, _Failed):
-                    raise RuntimeError(f"the scheduler failed: {event.error!r}")
+                events = [await queue.get()]
+                while not queue.empty():
+                    events.append(queue.get_nowait())
                 now = time.perf_counter()
-                if isinstance(event, TokenEvent):
-                    if last is None:
-                        self.stats.ttft.observe(now - request.submitted_at)
-                    else:
-                        self.stats.inter_token.observe(now - last)
-                    last = now
-                finished = isinstance(event, Finished)
-                yield event
+                for event in events:
+                    if isinstance(event, _Failed):
+                        raise RuntimeError(f"the scheduler failed: {event.error!r}")
+                    if isinstance(event, TokenEvent):
+                        if last is None:
+                            self.stats.ttft.observe(now - request.submitted_at)
+                        else:
+                            self.stats.inter_token.observe(now - last)
+                        last = now
+                    finished = finished or isinstance(event, Finished)
+                yield events
                 if finished:
                     return
         finally:
@@ -158,6 +169,15 @@ class Engine:
             for request in list(scheduler.waiting) + scheduler.running + self._inbox:
                 request.emit(_Failed(e))
             self._hand_over()
+
+
+async def _flatten(batches: AsyncIterator[list]) -> AsyncIterator:
+    try:
+        async for batch in batches:
+            for event in batch:
+                yield event
+    finally:
+        await batches.aclose()  # leaving early cancels the request
 
 
 def _deliver(events: list) -> None:

@@ -89,8 +89,8 @@ class Service:
         except InputError as e:
             raise bad(str(e)) from None
         try:
-            events = self.engine.submit(ids, max_tokens, sampling, sorted(self.stop_ids | set(req.stop_token_ids)),
-                                        logprobs=req.logprobs)
+            events = self.engine.submit_batches(ids, max_tokens, sampling,
+                                                sorted(self.stop_ids | set(req.stop_token_ids)), logprobs=req.logprobs)
         except QueueFull as e:
             raise APIError(429, f"server busy: {e}; retry shortly", code="queue_full", headers={"Retry-After": "1"})
         except InputError as e:  # the length was checked above: what is left is the prompt's ids (vocabulary)
@@ -122,29 +122,33 @@ class Service:
             raise bad("prompt: encodes to no tokens", "prompt")
         return ids
 
-    async def pieces(self, req: GenerationRequest, events: AsyncIterator, prompt_tokens: int) -> AsyncIterator[Piece]:
-        """Text pieces, stop strings applied, ending with one Piece carrying finish_reason and usage."""
+    async def pieces(self, req: GenerationRequest, batches: AsyncIterator, prompt_tokens: int) -> AsyncIterator[Piece]:
+        """Text pieces, stop strings applied, ending with one Piece carrying finish_reason and usage: one piece per
+        batch of events (Engine.submit_batches), so a stream that fell behind catches up in one chunk."""
         text = TextStream(self.tokenizer) if self.tokenizer is not None else None
         stops = StopStrings(req.stop)
         generated = 0
         try:
-            async for event in events:
-                if isinstance(event, TokenEvent):
-                    generated += 1
-                    if event.token in req.stop_token_ids:  # a stop id ends the text, like a stop string: not in it
-                        continue
-                    new = text.push(event.token) if text is not None else f" {event.token}"
-                    out = stops.push(new)
-                    if stops.stopped:
-                        yield Piece(out, [event], "stop", protocol.usage(prompt_tokens, generated))
+            async for batch in batches:
+                out, tokens = [], []
+                for event in batch:
+                    if isinstance(event, TokenEvent):
+                        generated += 1
+                        if event.token in req.stop_token_ids:  # a stop id ends the text, like a stop string: not in it
+                            continue
+                        tokens.append(event)
+                        out.append(stops.push(text.push(event.token) if text is not None else f" {event.token}"))
+                        if stops.stopped:
+                            yield Piece("".join(out), tokens, "stop", protocol.usage(prompt_tokens, generated))
+                            return
+                    elif isinstance(event, Finished):
+                        reason = "length" if event.reason == "length" else "stop"
+                        out.append(stops.flush())
+                        yield Piece("".join(out), tokens, reason, protocol.usage(prompt_tokens, event.completion_tokens))
                         return
-                    yield Piece(out, [event])
-                elif isinstance(event, Finished):
-                    reason = "length" if event.reason == "length" else "stop"
-                    yield Piece(stops.flush(), [], reason, protocol.usage(prompt_tokens, event.completion_tokens))
-                    return
+                yield Piece("".join(out), tokens)
         finally:
-            await events.aclose()  # cancels the request if it is still running (stop string, client gone)
+            await batches.aclose()  # cancels the request if it is still running (stop string, client gone)
 
     def logprobs(self, tokens: list[TokenEvent], offset: int) -> dict:
         """OpenAI completions' logprobs object for these tokens."""
