@@ -46,8 +46,9 @@ def decode_read_bytes(cfg: MLAConfig, absorb: AbsorbMode | None, itemsize: float
             from_kv_b = dc * h * (dn + dv)
         elif absorb == AbsorbMode.FACTORED:  # per-head W^UK, W^UV
             from_kv_b = h * dn * dc + h * dc * dv
-        else:  # fused products replace q's nope rows and o (never quantized)
-            from_kv_b, projections = absorbed_weight_bytes(cfg, absorb, 1) - q_in * h * dr, projections - q_in * h * dn - h * dv * d
+        else:  # fused products replace q's nope rows and o (quantized after absorption when the export quantizes)
+            fused = absorbed_weight_bytes(cfg, absorb, 1) - q_in * h * dr
+            from_kv_b, projections = 0, projections - q_in * h * dn - h * dv * d + fused
         groups["attention"] += projections * q_size + from_kv_b * itemsize
         norms = 2 * d + dc + (cfg.q_lora_rank or 0)
         if cfg.is_moe_layer(layer):

@@ -72,7 +72,8 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
     quantization = manifest.get("quantization")
     # an export is compared with the weights it stands for: rounded to its dtype, then dequantized if quantized
     reference = RoundedCheckpoint(ckpt, model.cache_dtype)
-    reference = DequantizedCheckpoint(reference, Quantization.from_dict(quantization)) if quantization else reference
+    if quantization:
+        reference = DequantizedCheckpoint(reference, Quantization.from_dict(quantization), fused=manifest["absorb"] == "fused")
     lengths = tuple(min(n, model.max_seq_len - steps - 1) for n in lengths)
     if min(lengths) < 1:
         raise ExportError(f"--steps {steps}: too many for the export's maximum length {model.max_seq_len}")

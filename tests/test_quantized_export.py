@@ -28,11 +28,11 @@ CASES = [("v3_lora_group_yarn", "int4", 16), ("v2_nolora_greedy_yarn", "int8", 3
 def quantized(checkpoint_dir, tmp_path_factory):
     built = {}
 
-    def get(variant, bits, block, accuracy_level=4):
-        key = (variant, bits, block, accuracy_level)
+    def get(variant, bits, block, accuracy_level=4, absorb="factored"):
+        key = (variant, bits, block, accuracy_level, absorb)
         if key not in built:
             out = tmp_path_factory.mktemp(f"q-{variant}-{bits}") / "out"
-            export(checkpoint_dir(variant)[0], out, ExportOptions(absorb="factored", quantize=bits, block_size=block,
+            export(checkpoint_dir(variant)[0], out, ExportOptions(absorb=absorb, quantize=bits, block_size=block,
                                                                   accuracy_level=accuracy_level))
             built[key] = out
         return built[key]
@@ -45,6 +45,24 @@ def test_quantized_export_equals_the_dequantized_source(checkpoint_dir, quantize
     report = verify_export(quantized(variant, bits, block), checkpoint_dir(variant)[0], steps=6)
     assert report.passed, report.lines
     assert "deployed prefill with prepacked MatMulNBits (accuracy_level 4)" in report.lines[-2]
+
+
+@pytest.mark.parametrize("variant, bits", [("v3_lora_group_yarn", "int4"), ("v2_nolora_greedy_yarn", "int8")])
+def test_fused_form_quantized_after_absorption_is_exact(checkpoint_dir, quantized, variant, bits, monkeypatch):
+    """The fused W^Q·W^UK and W^UV·W^O products are quantized themselves (MatMulNBits in the decode graph, no float
+    copy): exact against the source whose absorbed attention uses them dequantized; with the products of the
+    dequantized factors instead (what the factored form would use) the decode steps fail."""
+    out = quantized(variant, bits, 16, absorb="fused")
+    graph = onnx.load(str(out / "decode.onnx"), load_external_data=False).graph
+    nbits = {n.input[1] for n in graph.node if n.op_type == "MatMulNBits"}
+    assert {"layers.0.attn.q_uk.codes", "layers.0.attn.uv_o.codes"} <= nbits
+    assert not {i.name for i in graph.initializer} & {"layers.0.attn.q_uk", "layers.0.attn.uv_o"}
+    assert json.loads((out / "manifest.json").read_text())["quantization"]["absorbed"].startswith("fused")
+    report = verify_export(out, checkpoint_dir(variant)[0], steps=4)
+    assert report.passed, report.lines
+    monkeypatch.setattr(quantize_module.DequantizedCheckpoint, "absorbed_matrices", lambda self, layer: None)
+    wrong = verify_export(out, checkpoint_dir(variant)[0], steps=4)
+    assert wrong.prefill_max_abs <= wrong.tolerance < max(wrong.decode_max_abs)
 
 
 def test_against_the_float_source_the_same_export_fails(checkpoint_dir, quantized, monkeypatch):
@@ -113,8 +131,6 @@ def test_demo_model_quality_against_float(tmp_path, bits, bound, top1):
 
 def test_refusals_name_the_option(checkpoint_dir, tmp_path):
     src = checkpoint_dir("v3_lora_group_yarn")[0]
-    with pytest.raises(ExportError, match="fused absorbed form.*use --absorb factored"):
-        export(src, tmp_path / "a", ExportOptions(absorb="fused", quantize="int4"))
     with pytest.raises(ExportError, match="block=24"):
         export(src, tmp_path / "b", ExportOptions(absorb="factored", quantize="int4", block_size=24))
     result = CliRunner().invoke(main, ["export", str(src), "-o", str(tmp_path / "c"), "--quantize", "int3"])

@@ -89,9 +89,6 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
         raise ExportError(f"--max-seq-len {max_seq_len}: must be between 1 and max_position_embeddings={cfg.max_position_embeddings}")
     mode = resolve_absorb(cfg, options.absorb)
     quantization = options.quantization()
-    if quantization is not None and mode == AbsorbMode.FUSED:
-        raise ExportError(f"--quantize with the fused absorbed form{' (what --absorb auto picks here)' if options.absorb == 'auto' else ''}: "
-                          "the fused W^Q·W^UK and W^UV·W^O products are not quantized yet; use --absorb factored")
     if AbsorbMode(options.absorb) == AbsorbMode.AUTO:
         fused, factored = (absorbed_weight_bytes(cfg, m) / 1e6 for m in (AbsorbMode.FUSED, AbsorbMode.FACTORED))
         progress(f"absorb auto -> {mode.value}: attention weights read per decode token and layer, computed from the "
@@ -128,7 +125,8 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
                                             "matrices (the math around them runs in float32 too)"}
         manifest["quantization"] = None if quantization is None else {
             **quantization.to_dict(), "quantized_weights": len(quantized_hf_names(cfg)),
-            "float": "kv_b_proj, routers, norms, rope tables, per-head W^UK / W^UV"}
+            "float": "kv_b_proj, routers, norms, rope tables" + (", per-head W^UK / W^UV" if mode == AbsorbMode.FACTORED else ""),
+            **({"absorbed": "fused W^Q·W^UK and W^UV·W^O quantized after absorption"} if mode == AbsorbMode.FUSED else {})}
         manifest["weights"].update(bytes=weights.nbytes, block_bytes=integrity.BLOCK_BYTES,
                                    digest=integrity.DIGEST, block_digests=integrity.block_digests(tmp / WEIGHTS_FILE))
         for kind, model in graphs.items():

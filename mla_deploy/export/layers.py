@@ -97,8 +97,10 @@ class Graph:
         """Out of a float32 island, back to the compute dtype."""
         return self.cast(op, x, FLOAT, self.compute_type)
 
-    def quantized_weight(self, name: str, make: Callable[[], np.ndarray], bits: int) -> tuple[ir.Value, ir.Value, int, int]:
-        """MatMulNBits' codes and scales for the float weight `make()` [K, N], quantized once; and K, N."""
+    def quantized_weight(self, name: str, make: Callable[[], np.ndarray], bits: int,
+                         island: bool = False) -> tuple[ir.Value, ir.Value, int, int]:
+        """MatMulNBits' codes and scales for the float weight `make()` [K, N], quantized once; and K, N. Scales in the
+        compute dtype, or float32 for a float32 `island`'s MatMulNBits."""
         q = self.quantization
         made = {}
 
@@ -109,7 +111,8 @@ class Graph:
             return made["q"]
 
         codes = self._initializer(f"{name}.codes", lambda: quantized().codes, "uint8")  # [N, k_blocks, B·bits/8]
-        scales = self._initializer(f"{name}.scales", lambda: quantized().scales, self.precision.compute)  # [N, k_blocks]
+        scales = self._initializer(f"{name}.scales", lambda: quantized().scales,
+                                   "float32" if island else self.precision.compute)  # [N, k_blocks]
         return (codes, scales, *self.weights.shapes[name])
 
     def weight_view(self, name: str, of: str, shape: tuple[int, ...]) -> ir.Value:
@@ -166,15 +169,17 @@ class RMSNorm:
 
 
 def linear(g: Graph, op, x: ir.Value, name: str, make_w_in_out: Callable[[], np.ndarray], quantizable: bool = True,
-           head: bool = False) -> ir.Value:
+           head: bool = False, island: bool = False) -> ir.Value:
     """x @ W with W stored [in, out]; through MatMulNBits when the export quantizes (the vocabulary `head` at
-    head_bits). Only weights that are a column subset or permutation of an HF weight's transpose are `quantizable`
-    (export.quantize.DequantizedCheckpoint)."""
+    head_bits). Weights that are a column subset or permutation of an HF weight's transpose are quantized like it
+    (export.quantize.DequantizedCheckpoint); the fused absorbed products after absorption (DequantizedCheckpoint.
+    absorbed_matrices); kv_b and the router are not `quantizable`. In a float32 `island` x is float32 and so are W
+    or the quantization scales."""
     q = g.quantization
     if q is None or not quantizable:
-        return op.MatMul(x, g.weight(name, make_w_in_out))
+        return op.MatMul(x, g.weight(name, make_w_in_out, island=island))
     bits = q.head_bits if head else q.bits
-    codes, scales, k, n = g.quantized_weight(name, make_w_in_out, bits)
+    codes, scales, k, n = g.quantized_weight(name, make_w_in_out, bits, island=island)
     return op.MatMulNBits(x, codes, scales, K=k, N=n, bits=bits, block_size=q.block, accuracy_level=q.accuracy_level,
                           _domain="com.microsoft")
 
@@ -297,8 +302,8 @@ class MLAttention:
         kv_b = self._hf("kv_b_proj.weight")
         q_in, q_weight = self.query_input(op, x)
         if mode == AbsorbMode.FUSED:  # the product that overflows half precision first: float32
-            q_latent = op.MatMul(g.to_float(op, q_in), g.weight(
-                f"{self.name}.q_uk", lambda: absorb.fused_query_absorb(cfg, q_weight(), kv_b()), island=True))
+            q_latent = linear(g, op, g.to_float(op, q_in), f"{self.name}.q_uk",
+                              lambda: absorb.fused_query_absorb(cfg, q_weight(), kv_b()), island=True)
             q_latent = op.Reshape(q_latent, [0, h, dc])  # [b, 1, h·d_c] -> [b, h, d_c]
         else:
             q_nope = linear(g, op, q_in, f"{self.name}.q_nope", lambda: absorb.query_nope_weight(cfg, q_weight()))
@@ -323,8 +328,8 @@ class MLAttention:
         o_weight = self._hf("o_proj.weight")
         if mode == AbsorbMode.FUSED:
             o = op.Reshape(o_latent, [0, 1, h * dc])  # [b, h, d_c] -> [b, 1, h·d_c]
-            uv_o = g.weight(f"{self.name}.uv_o", lambda: absorb.fused_output_absorb(cfg, o_weight(), kv_b()), island=True)
-            out = g.to_compute(op, op.MatMul(o, uv_o))  # [b, 1, d]
+            out = g.to_compute(op, linear(g, op, o, f"{self.name}.uv_o",
+                                          lambda: absorb.fused_output_absorb(cfg, o_weight(), kv_b()), island=True))  # [b, 1, d]
         else:
             o_latent = op.Transpose(o_latent, perm=[1, 0, 2])  # [b, h, d_c] -> [h, b, d_c]
             uv = g.weight(f"{self.name}.uv", lambda: absorb.factored_uv(cfg, kv_b()), island=True)

@@ -19,6 +19,7 @@ import numpy as np
 
 from ..checkpoint import Checkpoint, expected_tensors
 from ..config import MLAConfig
+from . import absorb
 
 BITS = (4, 8)
 BLOCKS = (16, 32, 64, 128)
@@ -73,10 +74,12 @@ def quantized_hf_names(cfg: MLAConfig) -> list[str]:
 class DequantizedCheckpoint:
     """A checkpoint whose quantized weights read as their dequantized values: the source a quantized export is
     compared with exactly. Every graph weight made from an HF weight W [out, in] is a column subset or
-    permutation of Wᵀ, and the blocks run along `in` per column, so quantizing W row by row is the same."""
+    permutation of Wᵀ, and the blocks run along `in` per column, so quantizing W row by row is the same. A `fused`
+    export quantizes the absorbed products W^Q·W^UK and W^UV·W^O themselves: `absorbed_matrices` gives them
+    dequantized, for the source's absorbed attention to use in their place."""
 
-    def __init__(self, ckpt: Checkpoint, quantization: Quantization):
-        self.ckpt, self.quantization, self.config = ckpt, quantization, ckpt.config
+    def __init__(self, ckpt: Checkpoint, quantization: Quantization, fused: bool = False):
+        self.ckpt, self.quantization, self.config, self.fused = ckpt, quantization, ckpt.config, fused
         self._quantized = set(quantized_hf_names(ckpt.config))
 
     def names(self) -> list[str]:
@@ -88,6 +91,17 @@ class DequantizedCheckpoint:
             return w
         q = self.quantization
         return np.ascontiguousarray(dequantize(quantize(w.T, q.bits_of(name), q.block)).T)
+
+    def absorbed_matrices(self, layer: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Layer `layer`'s fused W^Q·W^UK [in, h·d_c] and W^UV·W^O [h·d_c, d] as the export quantized them (from the
+        float factors, after absorption), dequantized; None unless the export is fused."""
+        if not self.fused:
+            return None
+        cfg, q, hf = self.config, self.quantization, f"model.layers.{layer}.self_attn."
+        q_weight = self.ckpt.tensor(hf + ("q_proj.weight" if cfg.q_lora_rank is None else "q_b_proj.weight"))
+        kv_b, o_weight = self.ckpt.tensor(hf + "kv_b_proj.weight"), self.ckpt.tensor(hf + "o_proj.weight")
+        return tuple(dequantize(quantize(w, q.bits, q.block)) for w in (
+            absorb.fused_query_absorb(cfg, q_weight, kv_b), absorb.fused_output_absorb(cfg, o_weight, kv_b)))
 
 
 @dataclass(frozen=True)

@@ -46,11 +46,17 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(h * cfg.v_head_dim, d, bias=False)
         self.scale = rope_math.softmax_scale(cfg)
+        # (W^Q·W^UK [in, h·d_c], W^UV·W^O [h·d_c, d]) given in place of the products the absorbed form computes: a
+        # quantized fused export's matrices, for verification (modeling.layerwise)
+        self.fused: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def query_input(self, x: torch.Tensor) -> torch.Tensor:
+        """What the query projection to heads reads: x, or c_q = q_norm(W^DQ x) with q LoRA."""
+        return x if self.cfg.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(x))
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cfg.q_lora_rank is None:
-            return self.q_proj(x)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_in = self.query_input(x)
+        return self.q_proj(q_in) if self.cfg.q_lora_rank is None else self.q_b_proj(q_in)
 
     def forward(self, x, cos, sin, perm, cache: LayerCache, write_indices, kv_mask, form: AttentionForm):
         cfg = self.cfg
@@ -69,6 +75,8 @@ class MLAttention(nn.Module):
         rope_scores = torch.einsum("bthr,bsr->bhts", q_pe, cache.rope)
         if form == AttentionForm.NAIVE:
             out = self._naive(q_nope, rope_scores, bias, cache)
+        elif self.fused is not None:
+            return self._absorbed_given(x, rope_scores, bias, cache)
         else:
             out = self._absorbed(q_nope, rope_scores, bias, cache)
         return self.o_proj(out.reshape(b, t, h * cfg.v_head_dim))  # [b, T, h·d_v] -> [b, T, d]
@@ -94,6 +102,19 @@ class MLAttention(nn.Module):
         probs = torch.softmax(scores * self.scale + bias, dim=-1, dtype=torch.float32).to(q_nope.dtype)
         out_latent = torch.einsum("bhts,bsc->bthc", probs, cache.latent)  # [b, T, h, d_c]
         return torch.einsum("bthc,hvc->bthv", out_latent, w_uv)  # [b, T, h, d_v]
+
+
+    def _absorbed_given(self, x, rope_scores, bias, cache):
+        """The absorbed form on the given fused matrices: q_latent = query_input(x) · W^Q·W^UK, out = o_latent ·
+        W^UV·W^O."""
+        cfg = self.cfg
+        b, t, _ = x.shape
+        w_quk, w_uvo = self.fused
+        q_latent = (self.query_input(x) @ w_quk).view(b, t, cfg.num_attention_heads, cfg.kv_lora_rank)  # [b, T, h·d_c] -> [b, T, h, d_c]
+        scores = torch.einsum("bthc,bsc->bhts", q_latent, cache.latent) + rope_scores
+        probs = torch.softmax(scores * self.scale + bias, dim=-1, dtype=torch.float32).to(x.dtype)
+        out_latent = torch.einsum("bhts,bsc->bthc", probs, cache.latent)  # [b, T, h, d_c]
+        return out_latent.reshape(b, t, -1) @ w_uvo  # [b, T, h, d_c] -> [b, T, h·d_c] -> [b, T, d]
 
 
 def attention_bias(write_indices: torch.Tensor, kv_mask: torch.Tensor, t: int) -> torch.Tensor:

@@ -30,6 +30,9 @@ def _layer(ckpt: Checkpoint, i: int) -> DecoderLayer:
     with torch.device("meta"):
         layer = DecoderLayer(ckpt.config, i)
     layer.load_state_dict(_weights(ckpt, f"model.layers.{i}."), strict=True, assign=True)
+    fused = getattr(ckpt, "absorbed_matrices", lambda i: None)(i)  # a quantized fused export's (DequantizedCheckpoint)
+    if fused is not None:
+        layer.self_attn.fused = tuple(torch.from_numpy(w) for w in fused)
     return layer.eval().requires_grad_(False)
 
 
