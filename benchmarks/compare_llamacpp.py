@@ -12,13 +12,15 @@ benchmarks/work/llamacpp) by this script, step by step, each step skipped when i
      the vocabulary to vocab_size), and that tokenizer's pre-tokenizer hash is unknown to the converter, so it is
      mapped to "gpt-2" (the same byte-level pre-tokenization); `q_lora_rank: null` is written as 0;
   4. quantize: the f32 GGUF to q8_0, q4_0 and f16 with llama-quantize;
-  5. ours: float32, int8 and int4 (block 32) exports of the same checkpoint.
+  5. ours: float32, int8 and int4 (block 32) and float16 exports of the same checkpoint.
 
-Then, per precision pair (f32 / float32, q8_0 / int8, q4_0 / int4, f16 alone: no float16 export yet), llama-bench
+Then, per precision pair (f32 / float32, q8_0 / int8, q4_0 / int4, f16 / float16), llama-bench
 (`-p 512` and `-n 32 -d CTX`, flash attention on, batch 1) and our runtime run one after the other with the
 same thread count: prefill of 512 tokens, and decode tokens/s at contexts 128 / 4096 / 16384; at batch 8,
 llama-batched-bench's generation speed beside our batch-8 decode step. Printed as one table with the ratios
-(ours / llama.cpp), the file sizes, the CPU model and a bandwidth probe; results.json and a chart in WORK.
+(ours / llama.cpp), the file sizes, the CPU model and a bandwidth probe; results.json and a chart in WORK. A second
+table gives, for our exports, the weight and cache bytes one decode token reads at each context (`inspect`'s count)
+and the fraction of the probed bandwidth that tokens/s x bytes reaches.
 
     .venv/bin/python benchmarks/compare_llamacpp.py [--checkpoint DIR | --preset v2lite-2L] [--threads 2]
         [--contexts 128,4096,16384] [--workdir benchmarks/work/llamacpp]
@@ -42,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 SDIST = "llama-cpp-python==0.3.36"
 TARGETS = ("llama-bench", "llama-quantize", "llama-batched-bench")
-PAIRS = (("f32", "float32"), ("q8_0", "int8"), ("q4_0", "int4"), ("f16", None))
+PAIRS = (("f32", "float32"), ("q8_0", "int8"), ("q4_0", "int4"), ("f16", "float16"))
 
 
 def log(msg: str) -> None:
@@ -134,12 +136,13 @@ def our_exports(work: Path, checkpoint: Path) -> dict[str, Path]:
     from mla_deploy.export import ExportOptions, export
 
     out = {}
-    for precision in ("float32", "int8", "int4"):
+    for precision in ("float32", "int8", "int4", "float16"):
         out[precision] = work / f"export-{precision}"
         if not (out[precision] / "manifest.json").exists():
             log(f"exporting {precision}")
-            quantize = None if precision == "float32" else precision
-            export(checkpoint, out[precision], ExportOptions(quantize=quantize, block_size=32, force=True),
+            quantize = precision if precision.startswith("int") else None
+            dtype = "float16" if precision == "float16" else "float32"
+            export(checkpoint, out[precision], ExportOptions(quantize=quantize, dtype=dtype, block_size=32, force=True),
                    progress=lambda m: None)
     return out
 
@@ -180,6 +183,14 @@ def ours_bench(export_dir: Path, threads: int, contexts: list[int], steps: int =
     finally:
         engine.close()
     return result
+
+
+def read_bytes_per_token(export_dir: Path, ctx: int) -> int:
+    """Weight bytes one decode token reads (inspect's count, routed experts at top-k) plus its cache at `ctx`."""
+    from mla_deploy.inspection import inspect_path
+
+    report = inspect_path(export_dir)
+    return sum(report["decode_read_bytes"].values()) + ctx * next(iter(report["cache_bytes_per_token"].values()))
 
 
 def cpu_model() -> str:
@@ -224,7 +235,8 @@ def main() -> int:
         if precision is not None:
             log(f"mla-deploy {precision}")
             pair.update(ours=ours_bench(exports[precision], args.threads, contexts), mla_deploy=precision,
-                        weights_gb=(exports[precision] / "weights.bin").stat().st_size / 1e9)
+                        weights_gb=(exports[precision] / "weights.bin").stat().st_size / 1e9,
+                        read_bytes={ctx: read_bytes_per_token(exports[precision], ctx) for ctx in contexts})
         results["pairs"].append(pair)
     (work / "results.json").write_text(json.dumps(results, indent=1))
     print_table(results, contexts)
@@ -269,6 +281,16 @@ def print_table(results: dict, contexts: list[int]) -> None:
         cells = [f"{p['ours'][k]:.1f} / {p['theirs'][k]:.1f} = **{p['ours'][k] / p['theirs'][k]:.2f}x**" for k in keys]
         print(f"| {p['mla_deploy']} vs {p['llama.cpp']} | {p['gguf_gb']:.2f} / {p['weights_gb']:.2f} | "
               + " | ".join(cells) + " |")
+    print("\nours, batch 1 decode: MB read per token (weights + cache) and the fraction of the probed bandwidth")
+    print("| export | " + " | ".join(f"ctx {c}" for c in contexts) + " |")
+    print("|---|" + "---|" * len(contexts))
+    for p in results["pairs"]:
+        if "read_bytes" in p:
+            cells = []
+            for c in contexts:
+                read = p["read_bytes"][str(c)] if str(c) in p["read_bytes"] else p["read_bytes"][c]
+                cells.append(f"{read / 1e6:.0f} MB, {p['ours'][f'decode_{c}'] * read / 1e9 / results['bandwidth_gbs']:.0%}")
+            print(f"| {p['mla_deploy']} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -40,6 +40,13 @@ def quantized(checkpoint_dir, tmp_path_factory):
     return get
 
 
+@pytest.mark.parametrize("bits", ["int4", "int8"])
+def test_every_config_quantized_equals_the_dequantized_source(checkpoint_dir, quantized, variant, bits):
+    block = 16 if bits == "int4" else 32
+    report = verify_export(quantized(variant, bits, block), checkpoint_dir(variant)[0], steps=4)
+    assert report.passed, report.lines
+
+
 @pytest.mark.parametrize("variant, bits, block", CASES)
 def test_quantized_export_equals_the_dequantized_source(checkpoint_dir, quantized, variant, bits, block):
     report = verify_export(quantized(variant, bits, block), checkpoint_dir(variant)[0], steps=6)
