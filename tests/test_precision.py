@@ -22,6 +22,7 @@ from mla_deploy.runtime import ExportedModel, Generator
 from mla_deploy.runtime.feeds import prefill_feed
 from mla_deploy.runtime.scheduler import Request, Scheduler, TokenEvent
 from mla_deploy.safetensors_io import bf16_to_float32
+from mla_deploy import verify as verify_module
 from mla_deploy.verify import RTOL, verify_export
 from tiny import VARIANTS, build_hf_model, save_hf_model
 
@@ -66,7 +67,7 @@ def test_bfloat16_is_exact_only_against_rounded_weights_and_rounded_caches(check
     variant = "v3_lora_group_yarn"
     out, src = half(variant, "bfloat16"), checkpoint_dir(variant)[0]
     assert verify_export(out, src, steps=4).passed
-    real = verify_export.__globals__["layerwise_logits"]
+    real = verify_module.layerwise_logits
     monkeypatch.setattr("mla_deploy.verify.layerwise_logits", lambda *a, cache_dtype=None: real(*a))
     assert not verify_export(out, src, steps=4).passed
     monkeypatch.undo()

@@ -75,7 +75,7 @@ def test_fused_form_quantized_after_absorption_is_exact(checkpoint_dir, quantize
 def test_against_the_float_source_the_same_export_fails(checkpoint_dir, quantized, monkeypatch):
     """The exact check needs the dequantized weights: with the float ones in their place it fails."""
     variant, bits, block = CASES[0]
-    monkeypatch.setattr("mla_deploy.verify.DequantizedCheckpoint", lambda ckpt, q: ckpt)
+    monkeypatch.setattr("mla_deploy.verify.DequantizedCheckpoint", lambda ckpt, q, fused=False: ckpt)
     report = verify_export(quantized(variant, bits, block), checkpoint_dir(variant)[0], steps=2)
     assert not report.passed and report.prefill_max_abs > 10 * report.tolerance
 
