@@ -46,6 +46,9 @@ class VerifyReport:
     logit_scale: float
     rtol: float
     lines: list[str] = field(default_factory=list)
+    # a quantized or half-precision export against the original float32 source (reported, not held to rtol): top-1
+    # agreement over the teacher-forced positions, max and mean |Δlogit|
+    quality: dict | None = None
 
     @property
     def tolerance(self) -> float:
@@ -128,6 +131,12 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
     report.token_agreement = (exact + ties) / (b * steps)
     report.lines.append(f"tokens   runtime greedy vs torch greedy: {exact}/{b * steps} agree"
                         + (f", {ties} more within the tolerance of the source's own choice (near ties)" if ties else ""))
+    if quantization or model.cache_dtype != "float32":  # the cost of the rounding, against the unrounded source
+        report.quality = _quality(ckpt, ids, mask, lens, tokens, prefill_logits[valid], np.stack(step_logits, 1))
+        q = report.quality
+        report.lines.append(f"quality  against the float32 source, {q['positions']} teacher-forced positions: top-1 "
+                            f"agreement {q['top1']:.1%}, max |Δlogit| {q['max_abs']:.3e}, mean {q['mean_abs']:.3e} "
+                            "(perplexity: mla-deploy eval)")
     if quantization:  # as deployed: prepacked, with int8 activations at accuracy_level 4
         deployed = ExportedModel(export_dir, RuntimeOptions(prepack=True)).run(io_spec.PREFILL, prefill)
         drift = float(np.abs(deployed[io_spec.LOGITS] - prefill_logits)[valid].max())
@@ -136,3 +145,17 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
     report.lines.append(f"{'PASS' if report.passed else 'FAIL'}: tolerance {report.tolerance:.3e} "
                         f"(rtol {rtol:g} x logit scale {max(1.0, report.logit_scale):.2f})")
     return report
+
+
+def _quality(ckpt: Checkpoint, ids, mask, lens, tokens, prefill_logits: np.ndarray, step_logits: np.ndarray) -> dict:
+    """The export's logits at the prompts' positions [n, vocab] and decode steps [b, steps, vocab] against the
+    checkpoint's own (float32) weights on the same inputs."""
+    ref_prefill, ref_steps = (t.numpy() for t in layerwise_logits(
+        ckpt, torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(lens), torch.from_numpy(tokens)))
+    valid = np.arange(ids.shape[1])[None, :] < lens[:, None]
+    vocab = ref_prefill.shape[-1]
+    ours = np.concatenate([prefill_logits, step_logits.reshape(-1, vocab)])
+    theirs = np.concatenate([ref_prefill[valid], ref_steps.reshape(-1, vocab)])
+    delta = np.abs(ours - theirs)
+    return {"positions": len(ours), "top1": float((ours.argmax(-1) == theirs.argmax(-1)).mean()),
+            "max_abs": float(delta.max()), "mean_abs": float(delta.mean())}

@@ -61,6 +61,20 @@ def test_fused_form_and_quantized_half_exports_verify(checkpoint_dir, half, dtyp
     assert report.passed, report.lines
 
 
+def test_half_and_quantized_exports_report_their_quality_against_the_float_source(checkpoint_dir, half, exported):
+    variant = "v3_dense_tied"
+    src = checkpoint_dir(variant)[0]
+    plain = verify_export(exported(variant, "factored"), src, steps=3)
+    assert plain.quality is None and not any(line.startswith("quality") for line in plain.lines)
+    for out in (half(variant, "float16"), half(variant, "bfloat16", quantize="int4")):
+        report = verify_export(out, src, steps=3)
+        q = report.quality
+        assert q["positions"] == 13 + 7 + 3 + 3 * 3  # every prompt position and every decode step
+        assert 0.5 <= q["top1"] <= 1.0 and 0 < q["mean_abs"] <= q["max_abs"]
+        assert any(line.startswith("quality  against the float32 source") for line in report.lines)
+    assert q["max_abs"] > 10 * verify_export(half(variant, "bfloat16"), src, steps=3).quality["max_abs"]  # int4 costs more
+
+
 def test_bfloat16_is_exact_only_against_rounded_weights_and_rounded_caches(checkpoint_dir, half, monkeypatch):
     """bfloat16 computes in float32: against the source with its weights and its cache entries rounded to bfloat16 it
     agrees to float32 arithmetic (rtol 1e-3; measured <= 9e-5); leave out either rounding and it fails."""
