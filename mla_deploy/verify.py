@@ -49,6 +49,8 @@ class VerifyReport:
     # a quantized or half-precision export against the original float32 source (reported, not held to rtol): top-1
     # agreement over the teacher-forced positions, max and mean |Δlogit|
     quality: dict | None = None
+    # a quantized export, prefill: the deployed session (prepacked, accuracy_level as exported) against the exact one
+    deployed_drift: float | None = None
 
     @property
     def tolerance(self) -> float:
@@ -125,12 +127,10 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
     # the source's greedy choice before each generated token: after the prompt, then after each decode step
     last = ref_prefill[np.arange(b), lens - 1]  # [b, vocab]
     before = np.concatenate([last[:, None], ref_steps[:, :-1]], axis=1)  # [b, steps, vocab]: the source's logits
-    chosen = before.argmax(-1)  # [b, steps]
-    margin = before.max(-1) - np.take_along_axis(before, tokens[..., None], -1)[..., 0]  # 0 where they agree
-    exact, ties = int((chosen == tokens).sum()), int(((chosen != tokens) & (margin <= report.tolerance)).sum())
+    exact, ties = greedy_agreement(before, tokens, report.tolerance)
     report.token_agreement = (exact + ties) / (b * steps)
-    report.lines.append(f"tokens   runtime greedy vs torch greedy: {exact}/{b * steps} agree"
-                        + (f", {ties} more within the tolerance of the source's own choice (near ties)" if ties else ""))
+    report.lines.append(f"tokens   runtime greedy vs torch greedy: {exact}/{b * steps} agree, "
+                        f"{ties} more within the tolerance of the source's own choice (near ties)")
     if quantization or model.cache_dtype != "float32":  # the cost of the rounding, against the unrounded source
         report.quality = _quality(ckpt, ids, mask, lens, tokens, prefill_logits[valid], np.stack(step_logits, 1))
         q = report.quality
@@ -139,12 +139,21 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
                             "(perplexity: mla-deploy eval)")
     if quantization:  # as deployed: prepacked, with int8 activations at accuracy_level 4
         deployed = ExportedModel(export_dir, RuntimeOptions(prepack=True)).run(io_spec.PREFILL, prefill)
-        drift = float(np.abs(deployed[io_spec.LOGITS] - prefill_logits)[valid].max())
+        report.deployed_drift = drift = float(np.abs(deployed[io_spec.LOGITS] - prefill_logits)[valid].max())
         report.lines.append(f"deployed prefill with prepacked MatMulNBits (accuracy_level {quantization['accuracy_level']}): "
                             f"max |Δlogit| {drift:.3e} from the exact run (quality against the float model: mla-deploy eval)")
     report.lines.append(f"{'PASS' if report.passed else 'FAIL'}: tolerance {report.tolerance:.3e} "
                         f"(rtol {rtol:g} x logit scale {max(1.0, report.logit_scale):.2f})")
     return report
+
+
+def greedy_agreement(before: np.ndarray, tokens: np.ndarray, tolerance: float) -> tuple[int, int]:
+    """The source's logits before each generated token [b, steps, vocab] and the runtime's tokens [b, steps]: how
+    many tokens are the source's own greedy choice, and how many others the source scores within `tolerance` of its
+    choice (near ties, which an error inside the tolerance may flip)."""
+    chosen = before.argmax(-1)  # [b, steps]
+    margin = before.max(-1) - np.take_along_axis(before, tokens[..., None], -1)[..., 0]  # 0 where they agree
+    return int((chosen == tokens).sum()), int(((chosen != tokens) & (margin <= tolerance)).sum())
 
 
 def _quality(ckpt: Checkpoint, ids, mask, lens, tokens, prefill_logits: np.ndarray, step_logits: np.ndarray) -> dict:

@@ -20,7 +20,7 @@ from mla_deploy.modeling import AttentionForm, load_model, new_caches
 from mla_deploy.runtime import ExportedModel, Generator, SamplingParams, TextStream, Tokenizer
 from mla_deploy.runtime.complete import complete
 from mla_deploy.runtime.feeds import empty_caches
-from mla_deploy.verify import verify_export
+from mla_deploy.verify import greedy_agreement, verify_export
 from reference import torch_greedy
 from tiny import build_hf_model, save_hf_model
 
@@ -238,9 +238,26 @@ def test_verify_reports_every_step_of_a_right_export_and_passes(exported):
     assert report.passed and len(report.decode_max_abs) == 8 and report.token_agreement == 1.0
     assert report.lines[0].startswith("prefill  batch 3, lengths [13, 7, 3]") and report.rtol == 1e-4
     assert [line.split(":")[0] for line in report.lines[1:9]] == [f"decode   step {s:>3}" for s in range(1, 9)]
-    assert report.lines[9] == "tokens   runtime greedy vs torch greedy: 24/24 agree"
+    assert report.lines[9] == ("tokens   runtime greedy vs torch greedy: 24/24 agree, 0 more within the tolerance "
+                               "of the source's own choice (near ties)")
     assert report.lines[10] == f"PASS: tolerance {report.tolerance:.3e} (rtol 0.0001 x logit scale {report.logit_scale:.2f})"
     assert 0 < max(report.decode_max_abs) <= report.tolerance == 1e-4 * max(1.0, report.logit_scale)
+
+
+def test_an_explicit_rtol_replaces_the_dtype_default(exported):
+    """The same right export fails at a tolerance below its own float32 error (~1e-6 of the logit scale)."""
+    report = verify_export(exported(VARIANT), steps=2, rtol=1e-12)
+    assert report.rtol == 1e-12 and not report.passed and report.lines[-1].startswith("FAIL")
+
+
+def test_near_ties_count_only_within_the_tolerance():
+    """The source's logits before three generated tokens: its own choice, a token 1/16 below it, one 1/4 below."""
+    before = np.array([[[1.0, 3.0, 2.0], [2.0, 1.9375, 0.0], [0.0, 0.75, 1.0]]])  # [b=1, steps=3, vocab=3]
+    tokens = np.array([[1, 1, 1]])
+    assert greedy_agreement(before, tokens, tolerance=0.1) == (1, 1)
+    assert greedy_agreement(before, tokens, tolerance=0.25) == (1, 2)  # a margin equal to the tolerance is a tie
+    assert greedy_agreement(before, tokens, tolerance=0.01) == (1, 0)
+    assert greedy_agreement(before[:, :1], tokens[:, :1], tolerance=10.0) == (1, 0)  # the choice itself is no tie
 
 
 def test_verify_of_a_short_export_clips_the_prompts_and_states_its_tolerance(tmp_path):

@@ -52,6 +52,8 @@ def test_quantized_export_equals_the_dequantized_source(checkpoint_dir, quantize
     report = verify_export(quantized(variant, bits, block), checkpoint_dir(variant)[0], steps=6)
     assert report.passed, report.lines
     assert "deployed prefill with prepacked MatMulNBits (accuracy_level 4)" in report.lines[-2]
+    # int8 activations move the logits measurably (3-7 % of the logit scale on these random weights), not wildly
+    assert report.tolerance < report.deployed_drift < 0.2 * max(1.0, report.logit_scale)
 
 
 @pytest.mark.parametrize("variant, bits", [("v3_lora_group_yarn", "int4"), ("v2_nolora_greedy_yarn", "int8")])

@@ -40,16 +40,28 @@ def model(exported):
         ([[5, 97]], 3, r"prompt 0, position 1: token id 97 is outside the vocabulary \[0, 97\)"),
         ([[5, -1]], 3, r"token id -1 is outside the vocabulary"),
         ([[]], 3, r"prompt 0: empty"),
-        ([], 3, r"non-empty list"),
+        ([], 3, r"^prompts: expected a non-empty list of token-id lists$"),
+        (5, 3, r"^prompts: expected a non-empty list of token-id lists$"),
         ([[5, 6], "abc"], 3, r"prompt 1: expected a list of token ids, got str"),
         ([[5, 2.5]], 3, r"prompt 0, position 1: token id 2.5 is not an integer"),
         ([list(range(3, 90)) * 3], 3, r"261 prompt tokens \+ 3 new tokens = 264 exceeds the export's maximum length 256"),
         ([[5]], 0, r"max_new_tokens=0: must be a positive integer"),
+        ([[5]], True, r"max_new_tokens=True: must be a positive integer"),
+        ([[5]], "3", r"max_new_tokens='3': must be a positive integer"),
     ],
 )
 def test_bad_prompts_refused_before_onnxruntime(model, prompts, n, message):
     with pytest.raises(InputError, match=message):
         Generator(model).generate(prompts, n)
+
+
+def test_prompts_as_numpy_arrays_and_a_flat_list_are_rows(model):
+    greedy = Generator(model, SamplingParams(), stop_token_ids=())
+    rows = greedy.generate([[5, 6, 7], [8, 9, 10]], 2).token_ids
+    assert greedy.generate(np.array([[5, 6, 7], [8, 9, 10]]), 2).token_ids == rows
+    assert greedy.generate([np.array([5, 6, 7]), np.array([8, 9, 10])], 2).token_ids == rows
+    assert greedy.generate(np.array([5, 6, 7]), 2).token_ids == rows[:1]
+    assert greedy.generate([5, 6, 7], 2).token_ids == rows[:1]
 
 
 @pytest.mark.parametrize(
@@ -89,6 +101,10 @@ def good_feed(model, b=2, t=3, cap=8):
         (lambda f: f.update({io_spec.WRITE_INDICES: np.array([0, 6])}), r"do not fit a cache of capacity 8"),
         (lambda f: f.update({io_spec.INPUT_IDS: np.array([[5, 5, 5], [5, 500, 5]])}), r"input_ids\[1, 1\] = 500: outside the vocabulary"),
         (lambda f: f.update({io_spec.POSITION_IDS: np.full((2, 3), 300)}), r"position_ids: values must be in \[0, 256\)"),
+        (lambda f: f.update({io_spec.INPUT_IDS: np.array([[5, 5, 97], [5, 5, 5]])}), r"input_ids\[0, 2\] = 97: outside the vocabulary \[0, 97\)"),
+        (lambda f: f.update({io_spec.INPUT_IDS: np.zeros((2, 0), np.int64), io_spec.POSITION_IDS: np.zeros((2, 0), np.int64)}),
+         "input_ids: empty; at least one token per row"),
+        (lambda f: f.update({io_spec.LOGITS_POSITIONS: np.array([[2], [3]])}), r"logits_positions: values must be in \[0, 3\), got \[2, 3\]"),
     ],
 )
 def test_caches_and_feeds_checked_through_the_api(model, change, message):
@@ -433,11 +449,13 @@ def test_cli_provider_fallback_is_one_warning_line(exported):
     assert json.loads(result.output.strip().splitlines()[-1])["token_ids"]
 
 
-def test_timings_count_every_step_on_a_known_clock(model, monkeypatch):
+@pytest.mark.parametrize("graphs", [("prefill", "decode"), ("decode",)])
+def test_timings_count_every_step_on_a_known_clock(exported, graphs, monkeypatch):
     """prefill_ms, decode_ms and decode tokens/s from the Generator's own clock reads: with a clock that advances
-    exactly 10 ms per read, each prefill and decode step measures 10 ms."""
+    exactly 10 ms per read, each prefill (through either graph) and decode step measures 10 ms."""
     from mla_deploy.runtime import generator as generator_module
 
+    model = ExportedModel(exported(VARIANT), graphs=graphs)
     ticks = iter(range(0, 10**6, 10))
     monkeypatch.setattr(generator_module.time, "perf_counter", lambda: next(ticks) / 1e3)
     result = Generator(model, stop_token_ids=(), chunk_size=64).generate([[5, 6, 7], [8, 9]], max_new_tokens=5)

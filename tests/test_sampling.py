@@ -91,6 +91,7 @@ def test_the_reference_cases_really_filter():
 def test_greedy_is_argmax_after_the_repetition_penalty(penalty):
     params = SamplingParams(temperature=0.0, repetition_penalty=penalty)
     token = sample(LOGITS[None], params, np.random.default_rng(0), [HISTORY])
+    assert token.dtype == np.int64
     assert token.tolist() == [int(np.argmax(reference_probs(LOGITS, HISTORY, SamplingParams(1.0, 0, 1.0, penalty))))]
     assert token.tolist() == ([0] if penalty == 1.0 else [1])  # penalised, token 0 (2.0 / 1.7) falls below token 1
 
@@ -130,3 +131,12 @@ def test_top_k_filters_a_single_row():
     drawn = {int(sample(logits, SamplingParams(temperature=5.0, top_k=2), rng, [np.array([], np.int64)])[0])
              for _ in range(300)}
     assert drawn == {1, 2}
+
+
+def test_top_k_of_a_large_vocabulary_keeps_exactly_the_k_likeliest():
+    """A vocabulary large enough that numpy's partition does not fully sort it: the kept set is the top k."""
+    vocab, k = 4096, 50
+    logits = np.random.default_rng(0).normal(0, 1, vocab).astype(np.float32)
+    params = SamplingParams(temperature=50.0, top_k=k, seed=1)  # flat inside the top k: every one gets drawn
+    tokens = sample(np.tile(logits, (20_000, 1)), params, np.random.default_rng(1), [np.array([], np.int64)] * 20_000)
+    assert set(tokens.tolist()) == set(np.argsort(-logits)[:k].tolist())

@@ -120,6 +120,28 @@ def test_a_stop_id_finishes_only_its_row_and_frees_it(model):
     assert running.tokens == free and running.finished.reason == "length"
 
 
+def test_the_decode_graph_is_bound_once_per_batch_shape(model, monkeypatch):
+    """Steps over the same rows and capacity reuse one binding (binding allocates its buffers and OrtValues);
+    a third row joining rebinds once, and once more when it finishes first (the step runs rows [0, 2) again)."""
+    from mla_deploy.runtime import scheduler as scheduler_module
+
+    made = []
+
+    class Counted(scheduler_module.DecodeBinding):
+        def __init__(self, *args):
+            made.append(args[2])  # rows
+            super().__init__(*args)
+
+    monkeypatch.setattr(scheduler_module, "DecodeBinding", Counted)
+    scheduler = Scheduler(model, max_batch=3)
+    first = [submit(scheduler, p, 12)[1] for p in prompts(2, seed=4, hi=8)]
+    for _ in range(6):
+        scheduler.step()
+    third = submit(scheduler, prompts(1, seed=5, hi=8)[0], 4)[1]
+    drain(scheduler)
+    assert made == [2, 3, 2] and all(out.finished.reason == "length" for out in [*first, third])
+
+
 def test_a_cancelled_request_frees_its_row_within_one_step(model):
     scheduler = Scheduler(model, max_batch=1)
     request, out = submit(scheduler, [5, 6, 7], 50)
