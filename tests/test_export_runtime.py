@@ -114,26 +114,28 @@ def test_moe_runs_one_branch_per_expert(checkpoint_dir, exported):
     assert top_level_expert_matmuls == []  # routed experts run only inside their If branch
 
 
-def test_dense_experts_equal_the_branches(checkpoint_dir, exported, variant, tmp_path):
-    """Few experts per chosen one (8 and 2 or 3 here): auto runs every expert densely. Exact against the torch
-    source, and the same logits as one If per expert."""
+@pytest.mark.parametrize("experts, op", [("dense", "MatMul"), ("moe", "com.microsoft::MoE")])
+def test_float_expert_forms_equal_the_branches(checkpoint_dir, exported, variant, experts, op, tmp_path):
+    """Every expert on every token in three ops ("dense"), or onnxruntime's MoE op fed DeepSeek's routing ("moe"):
+    exact against the torch source, and the same logits as one If per expert."""
     src, hf = checkpoint_dir(variant)
-    out = tmp_path / "dense"
-    result = export(src, out, ExportOptions(absorb="factored"))
-    if hf.config.n_routed_experts is None or hf.config.first_k_dense_replace >= hf.config.num_hidden_layers:
-        assert result.manifest["experts"] in (None, "dense")
-        return
-    assert result.manifest["experts"] == "dense"
+    out = tmp_path / experts
+    result = export(src, out, ExportOptions(absorb="factored", experts=experts))
     counts = result.manifest["graphs"]["decode"]["op_counts"]
-    assert "If" not in counts
+    if hf.config.n_routed_experts is None or hf.config.first_k_dense_replace >= hf.config.num_hidden_layers:
+        assert result.manifest["experts"] in (None, experts) and "com.microsoft::MoE" not in counts
+        return
+    moe_layers = hf.config.num_hidden_layers - hf.config.first_k_dense_replace
+    assert result.manifest["experts"] == experts and "If" not in counts
+    assert counts.get("com.microsoft::MoE", 0) == (moe_layers if experts == "moe" else 0)
     report = verify_export(out, src, steps=4)
     assert report.passed, report.lines
     ids = np.random.default_rng(1).integers(3, hf.config.vocab_size, (2, 10))
     logits = {}
-    for name, directory in (("dense", out), ("branches", exported(variant, "factored"))):
+    for name, directory in ((experts, out), ("branches", exported(variant, "factored"))):
         model = ExportedModel(directory)
         logits[name] = model.run("prefill", prefill_feed(model.config, ids))["logits"]
-    assert np.abs(logits["dense"] - logits["branches"]).max() <= 1e-4 * max(1.0, np.abs(logits["branches"]).max())
+    assert np.abs(logits[experts] - logits["branches"]).max() <= 1e-4 * max(1.0, np.abs(logits["branches"]).max())
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 9])

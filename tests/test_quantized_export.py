@@ -194,6 +194,9 @@ def test_expert_choices_are_checked_and_auto_follows_the_config():
     # QMoE's rule: the expert matrices in whole blocks along K (the demo's 160-wide experts are not whole 64-blocks)
     assert resolve_experts(demo, "qmoe", quantize_module.Quantization(4, 64)) == "branches"
     for requested, quantization, message in (("qmoe", None, "needs --quantize"), ("dense", int4, "for float exports"),
-                                             ("fast", None, "expected one of auto, qmoe, dense, branches")):
+                                             ("moe", int4, "for float32 exports .* this one is int4"),
+                                             ("fast", None, "expected one of auto, qmoe, moe, dense, branches")):
         with pytest.raises(ExportError, match=message):
             resolve_experts(demo, requested, quantization)
+    with pytest.raises(ExportError, match="CPU MoE kernel is float32 only.*this one is bfloat16"):
+        resolve_experts(demo, "moe", None, "bfloat16")

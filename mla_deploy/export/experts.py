@@ -2,6 +2,8 @@
 
 - "qmoe": quantized exports, one com.microsoft QMoE per MoE layer (faster than one If per expert at batch 1 and 8),
   where the experts' matrices are whole quantization blocks along K (QMoE's rule).
+- "moe": float32 exports, one com.microsoft MoE per MoE layer, given DeepSeek's routing through the log of its
+  weights (export.layers.MoE._moe). onnxruntime's CPU kernel is float32 only.
 - "dense": float exports of layers with few experts per chosen one (n_routed_experts <= DENSE_RATIO x
   num_experts_per_tok, the demo model's 8 and 2): every expert on every token in three large ops. It computes
   DENSE_RATIO times the chosen experts' work but skips one If per expert, which dominates at such sizes.
@@ -15,17 +17,20 @@ from ..config import MLAConfig
 from ..errors import ExportError
 from .quantize import Quantization
 
-CHOICES = ("auto", "qmoe", "dense", "branches")
+CHOICES = ("auto", "qmoe", "moe", "dense", "branches")
 DENSE_RATIO = 4
 
 
-def resolve_experts(cfg: MLAConfig, requested: str, quantization: Quantization | None) -> str:
+def resolve_experts(cfg: MLAConfig, requested: str, quantization: Quantization | None, dtype: str = "float32") -> str:
     """What the graphs run, as the manifest records it. QMoE needs both expert matrices' K in whole quantization
     blocks; where they are not, the experts run in branches even if QMoE was asked for."""
     if requested not in CHOICES:
         raise ExportError(f"experts={requested!r}: expected one of {', '.join(CHOICES)}")
     if requested == "qmoe" and quantization is None:
         raise ExportError("experts='qmoe' needs --quantize (QMoE multiplies by quantized experts)")
+    if requested == "moe" and (quantization is not None or dtype != "float32"):
+        raise ExportError(f"experts='moe' is for float32 exports (onnxruntime's CPU MoE kernel is float32 only); "
+                          f"this one is {f'int{quantization.bits}' if quantization else dtype}")
     if requested == "dense" and quantization is not None:
         raise ExportError("experts='dense' is for float exports; a quantized export uses 'qmoe' or 'branches'")
     if requested in ("auto", "qmoe") and quantization is not None:

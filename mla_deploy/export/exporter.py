@@ -48,7 +48,7 @@ class ExportOptions:
     quantize: str | None = None  # "int4" or "int8": weight-only, block-wise (export.quantize)
     block_size: int = 32
     accuracy_level: int = 4  # MatMulNBits: 4 = int8 activations inside the kernel, 0 = float (exact)
-    experts: str = "auto"  # routed experts: auto, qmoe (quantized), dense (float, few experts), branches (export.experts)
+    experts: str = "auto"  # routed experts: auto, qmoe (quantized), moe (float32), dense (float, few experts), branches (export.experts)
 
     def quantization(self) -> Quantization | None:
         if self.quantize is None:
@@ -95,7 +95,7 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
                  f"config: factored {factored:.2f} MB, fused {fused:.2f} MB (bytes decide, not a timing)")
 
     source = RoundedCheckpoint(ckpt, precision.dtype)  # the weights as the export's dtype holds them
-    experts = resolve_experts(cfg, options.experts, quantization)
+    experts = resolve_experts(cfg, options.experts, quantization, precision.dtype)
     if cfg.n_routed_experts:
         progress(f"routed experts: {experts} ({options.experts})")
     progress("hashing source weights")

@@ -55,7 +55,7 @@ class Graph:
     def __init__(self, name: str, weights: WeightsFile, quantization: Quantization | None = None,
                  experts: str = "branches", precision: Precision = Precision("float32")):
         """`experts`: how MoE layers run their routed experts (export.experts.resolve_experts)."""
-        opsets = {"": OPSET, **({"com.microsoft": 1} if quantization else {})}
+        opsets = {"": OPSET, **({"com.microsoft": 1} if quantization or experts == "moe" else {})}
         self.experts = experts
         self.builder = GraphBuilder(ir.Graph([], [], nodes=[], opset_imports=opsets, name=name))
         self.op = self.builder.op
@@ -406,9 +406,9 @@ class MoE:
         if cfg.n_shared_experts:
             shared = SwiGLU(g, f"{self.name}.shared", hf + "shared_experts.", t,
                             cfg.moe_intermediate_size * cfg.n_shared_experts)(op, x2)
-        if self.g.experts in ("qmoe", "dense"):
+        if self.g.experts in ("qmoe", "moe", "dense"):
             routed = (self._qmoe(op, x2, g.to_compute(op, chosen), dispatch_c) if self.g.experts == "qmoe"
-                      else self._dense(op, x2, dispatch_c))
+                      else self._moe(op, x2, dispatch) if self.g.experts == "moe" else self._dense(op, x2, dispatch_c))
             out = routed if shared is None else op.Add(shared, routed)
         else:
             active = op.Greater(op.ReduceSum(chosen, [0], keepdims=0), 0.0)  # [E]
@@ -442,6 +442,28 @@ class MoE:
         y = op.MatMul(hidden, g.weight(f"{self.name}.experts.down", down))  # [E, N, d]
         weights = op.Unsqueeze(op.Transpose(dispatch, perm=[1, 0]), [-1])  # [N, E] -> [E, N, 1]
         return op.ReduceSum(op.Mul(y, weights), [0], keepdims=0)  # [N, d]
+
+    def _moe(self, op, x2, dispatch) -> ir.Value:
+        """All routed experts in one com.microsoft MoE (float32 on the CPU), which selects and mixes by its own
+        softmax(router_probs) and top-k. It is given log(dispatch): the softmax of the log is each chosen expert's
+        weight over the chosen weights' sum S (the others' log 0 = -inf weigh exactly 0), so the op's top-k is
+        DeepSeek's choice, and the output times S per token is sum_e dispatch_e · expert_e(x). SwiGLU as in _qmoe."""
+        cfg, g, t, hf = self.cfg, self.g, self.t, self.hf
+
+        def fc1() -> np.ndarray:  # [E, 2I, d]: each expert's gate and up rows interleaved (swiglu_fusion 1)
+            return np.stack([absorb.gate_up_interleaved(t(f"{hf}experts.{e}.gate_proj.weight"),
+                                                        t(f"{hf}experts.{e}.up_proj.weight")).T
+                             for e in range(cfg.n_routed_experts)])
+
+        def fc2() -> np.ndarray:  # [E, d, I]: down_proj as stored, [out, in]
+            return np.stack([t(f"{hf}experts.{e}.down_proj.weight") for e in range(cfg.n_routed_experts)])
+
+        total = op.ReduceSum(dispatch, [1], keepdims=1)  # [N, 1] S
+        mixed = op.MoE(x2, op.Log(dispatch), g.weight(f"{self.name}.experts.fc1", fc1), None,
+                       g.weight(f"{self.name}.experts.fc2", fc2), k=cfg.num_experts_per_tok, activation_type="swiglu",
+                       swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0, normalize_routing_weights=0,
+                       _domain="com.microsoft")  # [N, d]: sum_e (dispatch_e / S) · expert_e(x)
+        return op.Mul(mixed, total)
 
     def _qmoe(self, op, x2, chosen, dispatch) -> ir.Value:
         """All routed experts in one com.microsoft QMoE: it selects by `router_probs` (the router's choice, 1.0 on
