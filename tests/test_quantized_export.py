@@ -188,7 +188,8 @@ def test_expert_choices_are_checked_and_auto_follows_the_config():
     demo = Checkpoint(DEMO_CHECKPOINT).config  # 8 experts, top 2
     v2lite = MLAConfig.from_hf_json(DEMO_CHECKPOINT.parent / "presets" / "v2lite.json")  # 64 experts, top 6
     int4 = quantize_module.Quantization(4, 32)
-    assert resolve_experts(demo, "auto", None) == "dense"
+    assert resolve_experts(demo, "auto", None) == "moe"
+    assert resolve_experts(demo, "auto", None, "float16") == resolve_experts(demo, "auto", None, "bfloat16") == "dense"
     assert resolve_experts(v2lite, "auto", None) == "branches"
     assert resolve_experts(v2lite, "auto", int4) == resolve_experts(demo, "auto", int4) == "qmoe"
     # QMoE's rule: the expert matrices in whole blocks along K (the demo's 160-wide experts are not whole 64-blocks)

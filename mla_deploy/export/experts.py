@@ -2,13 +2,14 @@
 
 - "qmoe": quantized exports, one com.microsoft QMoE per MoE layer (faster than one If per expert at batch 1 and 8),
   where the experts' matrices are whole quantization blocks along K (QMoE's rule).
-- "moe": float32 exports, one com.microsoft MoE per MoE layer, given DeepSeek's routing through the log of its
-  weights (export.layers.MoE._moe). onnxruntime's CPU kernel is float32 only.
-- "dense": float exports of layers with few experts per chosen one (n_routed_experts <= DENSE_RATIO x
-  num_experts_per_tok, the demo model's 8 and 2): every expert on every token in three large ops. It computes
+- "moe": float32 exports of layers with few experts per chosen one (n_routed_experts <= DENSE_RATIO x
+  num_experts_per_tok, the demo model's 8 and 2): one com.microsoft MoE per MoE layer, given DeepSeek's routing
+  through the log of its weights (export.layers.MoE._moe). onnxruntime's CPU kernel is float32 only.
+- "dense": float16 and bfloat16 exports of such layers: every expert on every token in three large ops. It computes
   DENSE_RATIO times the chosen experts' work but skips one If per expert, which dominates at such sizes.
 - "branches": otherwise (DeepSeek-V2-Lite's 64 and 6, V3's 256 and 8), one If per expert: an expert no token
-  chose reads none of its weights.
+  chose reads none of its weights. (The MoE op was measured there too: equal at batch 1, and at batch 8 faster
+  than unpacked branches but slower than prepacked ones; README, Quantized exports.)
 """
 
 from __future__ import annotations
@@ -39,5 +40,5 @@ def resolve_experts(cfg: MLAConfig, requested: str, quantization: Quantization |
     if requested != "auto":
         return requested
     if cfg.n_routed_experts and cfg.n_routed_experts <= DENSE_RATIO * cfg.num_experts_per_tok:
-        return "dense"
+        return "moe" if dtype == "float32" else "dense"
     return "branches"
