@@ -1,5 +1,5 @@
 """Speed of several loaded exports measured alternately, point by point, in one process (machine noise lands on
-all of them): prefill of 512 tokens and one decode step at context 128 and 4096, batch 1. Used by
+all of them): prefill of 512 tokens and one decode step at each context (128 and 4096 by default), batch 1. Used by
 runtime_memory.py (one export, two runtime options) and compare_exports.py (two exports, one option).
 """
 
@@ -10,11 +10,12 @@ import time
 
 import numpy as np
 
-POINTS = ("prefill 512", "decode ctx 128", "decode ctx 4096")
+CONTEXTS = (128, 4096)
 
 
-def speed(models: dict, rounds: int = 5, warmup: int = 3) -> dict[str, dict[str, float]]:
+def speed(models: dict, rounds: int = 5, warmup: int = 3, contexts: tuple[int, ...] = CONTEXTS) -> dict[str, dict[str, float]]:
     """{label: ExportedModel} -> {point: {label: median ms}}."""
+    points = ("prefill 512", *(f"decode ctx {ctx}" for ctx in contexts))
     from mla_deploy.runtime import Generator, SamplingParams
 
     gens = {label: Generator(model, SamplingParams(), stop_token_ids=()) for label, model in models.items()}
@@ -23,7 +24,7 @@ def speed(models: dict, rounds: int = 5, warmup: int = 3) -> dict[str, dict[str,
     prompt = rng.integers(0, vocab, 512).tolist()
     states = {}
     for label, gen in gens.items():  # decode states with real data in every cache slot (never the zero page)
-        for ctx in (128, 4096):
+        for ctx in contexts:
             state = gen.new_state([np.zeros(1, np.int64)], context=ctx)
             state.caches.ensure(ctx + 4 * (rounds + warmup) + 2)
             for arr in state.caches.arrays.values():
@@ -31,18 +32,18 @@ def speed(models: dict, rounds: int = 5, warmup: int = 3) -> dict[str, dict[str,
             states[label, ctx] = state
     runs = {}
     for label, gen in gens.items():
-        runs[label, POINTS[0]] = lambda gen=gen: gen.prefill(gen.new_state([np.asarray(prompt)]), [prompt])
-        for ctx, point in zip((128, 4096), POINTS[1:]):
+        runs[label, points[0]] = lambda gen=gen: gen.prefill(gen.new_state([np.asarray(prompt)]), [prompt])
+        for ctx, point in zip(contexts, points[1:]):
             runs[label, point] = lambda gen=gen, s=states[label, ctx]: gen.decode_step(s, np.array([7]))
     for _ in range(warmup):  # the first calls after loading are slow (page faults, thread pools)
         for fn in runs.values():
             fn()
     times: dict[tuple, list[float]] = {key: [] for key in runs}
     for _ in range(rounds):
-        for point in POINTS:
+        for point in points:
             for label in gens:
-                for _ in range(1 if point == POINTS[0] else 4):
+                for _ in range(1 if point == points[0] else 4):
                     t0 = time.perf_counter()
                     runs[label, point]()
                     times[label, point].append(time.perf_counter() - t0)
-    return {point: {label: statistics.median(times[label, point]) * 1e3 for label in gens} for point in POINTS}
+    return {point: {label: statistics.median(times[label, point]) * 1e3 for label in gens} for point in points}

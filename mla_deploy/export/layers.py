@@ -55,7 +55,7 @@ class Graph:
     def __init__(self, name: str, weights: WeightsFile, quantization: Quantization | None = None,
                  experts: str = "branches", precision: Precision = Precision("float32")):
         """`experts`: how MoE layers run their routed experts (export.experts.resolve_experts)."""
-        opsets = {"": OPSET, **({"com.microsoft": 1} if quantization or experts == "moe" else {})}
+        opsets = {"": OPSET, "com.microsoft": 1}  # FusedMatMul in decode attention; QMoE, MoE, MatMulNBits
         self.experts = experts
         self.builder = GraphBuilder(ir.Graph([], [], nodes=[], opset_imports=opsets, name=name))
         self.op = self.builder.op
@@ -317,14 +317,16 @@ class MLAttention:
         cache_latent, cache_rope = self.write_cache(op, latent, k_pe, past_latent, past_rope, write_indices)
         latent_f = self.cached(op, cache_latent)
 
+        # the cache is the MatMuls' A operand throughout: MLAS packs a B operand on every call, which for the cache
+        # (33.5 MB per layer at 16k) costs as much as the product itself (README, Benchmarks)
         scores = op.Add(
             op.MatMul(latent_f, op.Transpose(q_latent, perm=[0, 2, 1])),  # [b, cap, d_c] @ [b, d_c, h] -> [b, cap, h]
             op.MatMul(self.cached(op, cache_rope), op.Transpose(q_pe, perm=[0, 2, 1])),  # [b, cap, d_r] @ [b, d_r, h] -> [b, cap, h]
         )
-        scores = op.Transpose(scores, perm=[0, 2, 1])  # [b, h, cap]
-        decode_bias = op.Squeeze(bias, [1])  # [b, 1, 1, cap] -> [b, 1, cap]
-        probs = op.Softmax(op.Add(op.Mul(scores, self.scale), decode_bias), axis=-1)
-        o_latent = op.MatMul(probs, latent_f)  # [b, h, cap] @ [b, cap, d_c] -> [b, h, d_c]
+        decode_bias = op.Reshape(bias, [0, -1, 1])  # [b, 1, 1, cap] -> [b, cap, 1]
+        probs = op.Softmax(op.Add(op.Mul(scores, self.scale), decode_bias), axis=1)  # [b, cap, h]: over the cache
+        o_latent = op.FusedMatMul(latent_f, probs, transA=1, _domain="com.microsoft")  # [b, cap, d_c]ᵀ @ [b, cap, h] -> [b, d_c, h]
+        o_latent = op.Transpose(o_latent, perm=[0, 2, 1])  # [b, d_c, h] -> [b, h, d_c]
         o_weight = self._hf("o_proj.weight")
         if mode == AbsorbMode.FUSED:
             o = op.Reshape(o_latent, [0, 1, h * dc])  # [b, h, d_c] -> [b, 1, h·d_c]
