@@ -138,6 +138,28 @@ def test_float_expert_forms_equal_the_branches(checkpoint_dir, exported, variant
     assert np.abs(logits[experts] - logits["branches"]).max() <= 1e-4 * max(1.0, np.abs(logits["branches"]).max())
 
 
+@pytest.mark.parametrize("absorb", ["fused", "factored"])
+def test_a_long_cache_is_the_a_operand_and_exact(checkpoint_dir, exported, variant, absorb, tmp_path, monkeypatch):
+    """An export whose cache can outgrow LONG_CACHE_BYTES per row multiplies probs by the cache as the A operand
+    (FusedMatMul transA, one per layer); lowered to 8 slots, that export still matches the torch source. The default
+    tiny exports keep the plain MatMul."""
+    from mla_deploy.export import layers
+
+    def transposed_a(directory) -> int:
+        decode = onnx.load(directory / "decode.onnx", load_external_data=False)
+        return sum(n.op_type == "FusedMatMul" and any(a.name == "transA" and a.i == 1 for a in n.attribute)
+                   for n in decode.graph.node)
+
+    src, hf = checkpoint_dir(variant)
+    assert transposed_a(exported(variant, absorb)) == 0
+    monkeypatch.setattr(layers, "LONG_CACHE_BYTES", 4 * hf.config.kv_lora_rank * 8)
+    out = tmp_path / "long"
+    export(src, out, ExportOptions(absorb=absorb, experts="branches"))
+    assert transposed_a(out) == hf.config.num_hidden_layers
+    report = verify_export(out, src, steps=4)
+    assert report.passed, report.lines
+
+
 @pytest.mark.parametrize("chunk", [1, 4, 9])
 def test_chunked_prefill_then_decode_equals_one_shot(exported, variant, chunk):
     model = ExportedModel(exported(variant))

@@ -65,6 +65,7 @@ def build_graph(kind: str, cfg: MLAConfig, t: layers.Tensors, max_seq_len: int, 
     write_indices = inputs[io_spec.WRITE_INDICES]
     bias = layers.attention_bias(op, inputs[io_spec.INPUT_IDS], inputs[io_spec.ATTENTION_MASK], write_indices)  # [b, 1, T, cap]
     caches: dict[str, ir.Value] = {}
+    long_cache = max_seq_len * cfg.kv_lora_rank * 4 > layers.LONG_CACHE_BYTES  # a row's float32 latent at full length
 
     def attention(op, attn: layers.MLAttention, h, cos, sin):
         i = attn.layer
@@ -72,7 +73,7 @@ def build_graph(kind: str, cfg: MLAConfig, t: layers.Tensors, max_seq_len: int, 
         if kind == io_spec.PREFILL:
             out, latent, rope = attn.naive(op, h, cos, sin, bias, *cache)
         else:
-            out, latent, rope = attn.absorbed(op, h, cos, sin, bias, *cache, mode=absorb)
+            out, latent, rope = attn.absorbed(op, h, cos, sin, bias, *cache, mode=absorb, long_cache=long_cache)
         caches[io_spec.present_latent(i)], caches[io_spec.present_rope(i)] = latent, rope
         return out
 

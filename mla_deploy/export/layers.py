@@ -46,6 +46,9 @@ IR_VERSION = 11  # what onnxruntime 1.31 reads for opset 24 (it refuses IR 14)
 Tensors = Callable[[str], np.ndarray]  # HF tensor name -> float32 array
 NEG_INF = float(np.finfo(np.float32).min)
 FLOAT, BOOL = ir.DataType.FLOAT, ir.DataType.BOOL
+# a row's latent cache (float32) at the export's maximum length beyond which decode attention takes the cache as the
+# A operand (MLAttention._probs_at_latent): 8192 slots of DeepSeek's 512-wide latent
+LONG_CACHE_BYTES = 16 * 2**20
 DATA_TYPES = {"int64": ir.DataType.INT64, "float32": FLOAT, "float16": ir.DataType.FLOAT16, "bfloat16": ir.DataType.BFLOAT16}
 
 
@@ -294,8 +297,23 @@ class MLAttention:
         out = linear(g, op, g.to_compute(op, o), f"{self.name}.o", lambda: t(self.hf + "o_proj.weight").T)
         return out, cache_latent, cache_rope
 
-    def absorbed(self, op, x, cos, sin, bias, past_latent, past_rope, write_indices, mode: AbsorbMode):
-        """Decode (T = 1): the query moves into latent space; attention reads ĉ directly; W^UV after."""
+    def _probs_at_latent(self, op, logits, latent, long_cache: bool) -> ir.Value:
+        """softmax(logits [b, cap, h]) over the cache, times latent [b, cap, d_c] -> [b, h, d_c]. MLAS packs a MatMul's
+        B operand on every call; for a cache that can outgrow LONG_CACHE_BYTES per row, packing it costs as much as
+        the product, so such a cache is the A operand (FusedMatMul transA); a short one stays B, where the plain
+        MatMul is faster (README, Versus llama.cpp). Chosen at export from the maximum length: an If on the capacity
+        cost more per step than it saved on the demo."""
+        if long_cache:
+            probs = op.Softmax(logits, axis=1)  # [b, cap, h]
+            o = op.FusedMatMul(latent, probs, transA=1, _domain="com.microsoft")  # [b, cap, d_c]ᵀ @ [b, cap, h] -> [b, d_c, h]
+            return op.Transpose(o, perm=[0, 2, 1])  # [b, d_c, h] -> [b, h, d_c]
+        probs = op.Softmax(op.Transpose(logits, perm=[0, 2, 1]), axis=-1)  # [b, cap, h] -> [b, h, cap]
+        return op.MatMul(probs, latent)  # [b, h, cap] @ [b, cap, d_c] -> [b, h, d_c]
+
+    def absorbed(self, op, x, cos, sin, bias, past_latent, past_rope, write_indices, mode: AbsorbMode,
+                 long_cache: bool = False):
+        """Decode (T = 1): the query moves into latent space; attention reads ĉ directly; W^UV after. `long_cache`:
+        the cache may grow past LONG_CACHE_BYTES per row (_probs_at_latent)."""
         cfg, g = self.cfg, self.g
         h, dn, dr, dc, dv = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
                              cfg.kv_lora_rank, cfg.v_head_dim)
@@ -317,16 +335,13 @@ class MLAttention:
         cache_latent, cache_rope = self.write_cache(op, latent, k_pe, past_latent, past_rope, write_indices)
         latent_f = self.cached(op, cache_latent)
 
-        # the cache is the MatMuls' A operand throughout: MLAS packs a B operand on every call, which for the cache
-        # (33.5 MB per layer at 16k) costs as much as the product itself (README, Benchmarks)
         scores = op.Add(
             op.MatMul(latent_f, op.Transpose(q_latent, perm=[0, 2, 1])),  # [b, cap, d_c] @ [b, d_c, h] -> [b, cap, h]
             op.MatMul(self.cached(op, cache_rope), op.Transpose(q_pe, perm=[0, 2, 1])),  # [b, cap, d_r] @ [b, d_r, h] -> [b, cap, h]
         )
         decode_bias = op.Reshape(bias, [0, -1, 1])  # [b, 1, 1, cap] -> [b, cap, 1]
-        probs = op.Softmax(op.Add(op.Mul(scores, self.scale), decode_bias), axis=1)  # [b, cap, h]: over the cache
-        o_latent = op.FusedMatMul(latent_f, probs, transA=1, _domain="com.microsoft")  # [b, cap, d_c]ᵀ @ [b, cap, h] -> [b, d_c, h]
-        o_latent = op.Transpose(o_latent, perm=[0, 2, 1])  # [b, d_c, h] -> [b, h, d_c]
+        o_latent = self._probs_at_latent(op, op.Add(op.Mul(scores, self.scale), decode_bias), latent_f,
+                                         long_cache)  # [b, h, d_c]
         o_weight = self._hf("o_proj.weight")
         if mode == AbsorbMode.FUSED:
             o = op.Reshape(o_latent, [0, 1, h * dc])  # [b, h, d_c] -> [b, 1, h·d_c]
