@@ -302,7 +302,7 @@ class MLAttention:
         B operand on every call; for a cache that can outgrow LONG_CACHE_BYTES per row, packing it costs as much as
         the product, so such a cache is the A operand (FusedMatMul transA); a short one stays B, where the plain
         MatMul is faster (README, Versus llama.cpp). Chosen at export from the maximum length: an If on the capacity
-        cost more per step than it saved on the demo."""
+        measured no better on the demo, within this machine's noise."""
         if long_cache:
             probs = op.Softmax(logits, axis=1)  # [b, cap, h]
             o = op.FusedMatMul(latent, probs, transA=1, _domain="com.microsoft")  # [b, cap, d_c]ᵀ @ [b, cap, h] -> [b, d_c, h]
@@ -463,8 +463,10 @@ class MoE:
     def _moe(self, op, x2, dispatch) -> ir.Value:
         """All routed experts in one com.microsoft MoE (float32 on the CPU), which selects and mixes by its own
         softmax(router_probs) and top-k. It is given log(dispatch): the softmax of the log is each chosen expert's
-        weight over the chosen weights' sum S (the others' log 0 = -inf weigh exactly 0), so the op's top-k is
-        DeepSeek's choice, and the output times S per token is sum_e dispatch_e · expert_e(x). SwiGLU as in _qmoe."""
+        weight over the chosen weights' sum S (the others, floored at float32's smallest normal, weigh ~1e-38), so the
+        op's top-k is DeepSeek's choice, and the output times S per token is sum_e dispatch_e · expert_e(x). The
+        floor keeps a row whose chosen weights all underflow finite (log 0 everywhere would be a NaN softmax).
+        SwiGLU as in _qmoe."""
         cfg, g, t, hf = self.cfg, self.g, self.t, self.hf
 
         def fc1() -> np.ndarray:  # [E, 2I, d]: each expert's gate and up rows interleaved (swiglu_fusion 1)
@@ -476,7 +478,8 @@ class MoE:
             return np.stack([t(f"{hf}experts.{e}.down_proj.weight") for e in range(cfg.n_routed_experts)])
 
         total = op.ReduceSum(dispatch, [1], keepdims=1)  # [N, 1] S
-        mixed = op.MoE(x2, op.Log(dispatch), g.weight(f"{self.name}.experts.fc1", fc1), None,
+        router_logits = op.Log(op.Max(dispatch, float(np.finfo(np.float32).tiny)))  # [N, E]
+        mixed = op.MoE(x2, router_logits, g.weight(f"{self.name}.experts.fc1", fc1), None,
                        g.weight(f"{self.name}.experts.fc2", fc2), k=cfg.num_experts_per_tok, activation_type="swiglu",
                        swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0, normalize_routing_weights=0,
                        _domain="com.microsoft")  # [N, d]: sum_e (dispatch_e / S) · expert_e(x)
