@@ -138,5 +138,5 @@ def test_top_k_of_a_large_vocabulary_keeps_exactly_the_k_likeliest():
     vocab, k = 4096, 50
     logits = np.random.default_rng(0).normal(0, 1, vocab).astype(np.float32)
     params = SamplingParams(temperature=50.0, top_k=k, seed=1)  # flat inside the top k: every one gets drawn
-    tokens = sample(np.tile(logits, (20_000, 1)), params, np.random.default_rng(1), [np.array([], np.int64)] * 20_000)
+    tokens = sample(np.tile(logits, (2_000, 1)), params, np.random.default_rng(1), [np.array([], np.int64)] * 2_000)
     assert set(tokens.tolist()) == set(np.argsort(-logits)[:k].tolist())
