@@ -40,6 +40,7 @@ def test_one_row_stopping_early_leaves_the_others_untouched(model):
     assert stop not in free[1] and stop not in free[0][:3], "pick prompts whose rows differ"
     gen = Generator(model, stop_token_ids=[stop])
     steps = list(gen.stream(prompts, 12))
+    assert [s.step for s in steps] == list(range(12))  # 0: the token sampled from the prefill logits
     assert [s.tokens[0] for s in steps] == free[0][:4] + [None] * 8  # the stop token is emitted, then None
     assert [s.tokens[1] for s in steps] == free[1]
     result = gen.generate(prompts, 12)
