@@ -424,8 +424,12 @@ class MoE:
             shared = SwiGLU(g, f"{self.name}.shared", hf + "shared_experts.", t,
                             cfg.moe_intermediate_size * cfg.n_shared_experts)(op, x2)
         if self.g.experts in ("qmoe", "moe", "dense"):
-            routed = (self._qmoe(op, x2, g.to_compute(op, chosen), dispatch_c) if self.g.experts == "qmoe"
-                      else self._moe(op, x2, dispatch) if self.g.experts == "moe" else self._dense(op, x2, dispatch_c))
+            if self.g.experts == "qmoe":
+                routed = self._qmoe(op, x2, g.to_compute(op, chosen), dispatch_c)
+            elif self.g.experts == "moe":
+                routed = self._moe(op, x2, dispatch)
+            else:
+                routed = self._dense(op, x2, dispatch_c)
             out = routed if shared is None else op.Add(shared, routed)
         else:
             active = op.Greater(op.ReduceSum(chosen, [0], keepdims=0), 0.0)  # [E]
@@ -460,6 +464,14 @@ class MoE:
         weights = op.Unsqueeze(op.Transpose(dispatch, perm=[1, 0]), [-1])  # [N, E] -> [E, N, 1]
         return op.ReduceSum(op.Mul(y, weights), [0], keepdims=0)  # [N, d]
 
+    def _fused_expert_weight(self, kind: str, e: int) -> np.ndarray:
+        """Routed expert e's weight in the MoE ops' SwiGLU layout, as a MatMul B [K, N]: "fc1" gate and up [d, 2I]
+        with their columns interleaved (swiglu_fusion 1), "fc2" down [I, d]."""
+        w = f"{self.hf}experts.{e}."
+        if kind == "fc1":
+            return absorb.gate_up_interleaved(self.t(w + "gate_proj.weight"), self.t(w + "up_proj.weight"))
+        return self.t(w + "down_proj.weight").T
+
     def _moe(self, op, x2, dispatch) -> ir.Value:
         """All routed experts in one com.microsoft MoE (float32 on the CPU), which selects and mixes by its own
         softmax(router_probs) and top-k. It is given log(dispatch): the softmax of the log is each chosen expert's
@@ -467,20 +479,16 @@ class MoE:
         op's top-k is DeepSeek's choice, and the output times S per token is sum_e dispatch_e · expert_e(x). The
         floor keeps a row whose chosen weights all underflow finite (log 0 everywhere would be a NaN softmax).
         SwiGLU as in _qmoe."""
-        cfg, g, t, hf = self.cfg, self.g, self.t, self.hf
+        cfg, g = self.cfg, self.g
 
-        def fc1() -> np.ndarray:  # [E, 2I, d]: each expert's gate and up rows interleaved (swiglu_fusion 1)
-            return np.stack([absorb.gate_up_interleaved(t(f"{hf}experts.{e}.gate_proj.weight"),
-                                                        t(f"{hf}experts.{e}.up_proj.weight")).T
-                             for e in range(cfg.n_routed_experts)])
-
-        def fc2() -> np.ndarray:  # [E, d, I]: down_proj as stored, [out, in]
-            return np.stack([t(f"{hf}experts.{e}.down_proj.weight") for e in range(cfg.n_routed_experts)])
+        def fc(kind: str) -> np.ndarray:  # [E, N, K]: fc1 [E, 2I, d] (gate and up rows interleaved), fc2 [E, d, I]
+            return np.stack([self._fused_expert_weight(kind, e).T for e in range(cfg.n_routed_experts)])
 
         total = op.ReduceSum(dispatch, [1], keepdims=1)  # [N, 1] S
         router_logits = op.Log(op.Max(dispatch, float(np.finfo(np.float32).tiny)))  # [N, E]
-        mixed = op.MoE(x2, router_logits, g.weight(f"{self.name}.experts.fc1", fc1), None,
-                       g.weight(f"{self.name}.experts.fc2", fc2), k=cfg.num_experts_per_tok, activation_type="swiglu",
+        fc1 = g.weight(f"{self.name}.experts.fc1", lambda: fc("fc1"))
+        fc2 = g.weight(f"{self.name}.experts.fc2", lambda: fc("fc2"))
+        mixed = op.MoE(x2, router_logits, fc1, None, fc2, k=cfg.num_experts_per_tok, activation_type="swiglu",
                        swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0, normalize_routing_weights=0,
                        _domain="com.microsoft")  # [N, d]: sum_e (dispatch_e / S) · expert_e(x)
         return op.Mul(mixed, total)
@@ -490,21 +498,14 @@ class MoE:
         the k chosen experts, 0.0 elsewhere) and mixes by `router_weights` (the router's weights, already scaled),
         so DeepSeek's own routing (groups, V3's selection-only bias) decides, not the op's softmax. SwiGLU with
         alpha 1 and beta 0 is silu(gate) · up; fc1 rows interleave gate and up (swiglu_fusion 1)."""
-        cfg, g, q, t, hf = self.cfg, self.g, self.g.quantization, self.t, self.hf
+        cfg, g, q = self.cfg, self.g, self.g.quantization
         made: dict[str, list] = {}
 
         def experts(kind: str) -> list:
-            """Per expert, its gate/up (kind "fc1", [d, 2I] with gate and up columns interleaved) or down ("fc2",
-            [I, d]) weight quantized: computed once for codes and scales."""
+            """Per expert, its fc1 or fc2 weight quantized: computed once for codes and scales."""
             if kind not in made:
-                made[kind] = []
-                for e in range(cfg.n_routed_experts):
-                    w = f"{hf}experts.{e}."
-                    if kind == "fc1":
-                        weight = absorb.gate_up_interleaved(t(w + "gate_proj.weight"), t(w + "up_proj.weight"))
-                    else:
-                        weight = t(w + "down_proj.weight").T  # [I, d]
-                    made[kind].append(quantize(weight, q.bits, q.block))
+                made[kind] = [quantize(self._fused_expert_weight(kind, e), q.bits, q.block)
+                              for e in range(cfg.n_routed_experts)]
             return made[kind]
 
         def codes(kind: str) -> np.ndarray:  # [E, N, K·bits/8]: MatMulNBits' [N, k_blocks, blob] per expert, flattened
