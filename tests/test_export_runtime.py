@@ -19,6 +19,7 @@ from mla_deploy.runtime.feeds import prefill_feed
 from mla_deploy.modeling import load_model
 from mla_deploy.verify import verify_export
 from reference import torch_greedy
+from tiny import build_hf_model, save_hf_model
 
 TOL = 1e-4
 ABSORB = ["fused", "factored"]
@@ -136,6 +137,24 @@ def test_float_expert_forms_equal_the_branches(checkpoint_dir, exported, variant
         model = ExportedModel(directory)
         logits[name] = model.run("prefill", prefill_feed(model.config, ids))["logits"]
     assert np.abs(logits[experts] - logits["branches"]).max() <= 1e-4 * max(1.0, np.abs(logits["branches"]).max())
+
+
+def test_moe_op_stays_finite_when_every_routing_weight_is_zero(tmp_path):
+    """A sigmoid router with routed_scaling_factor 0 gives every chosen expert weight exactly 0, as an underflowing
+    router would: the MoE op then sees log(dispatch) at its floor everywhere (a tie over all experts) and the
+    routed experts must add nothing, exactly as in the torch source."""
+    hf = build_hf_model("v3_nointerleave_ungrouped", routed_scaling_factor=0.0)
+    src, out = tmp_path / "ckpt", tmp_path / "out"
+    save_hf_model(hf, src)
+    result = export(src, out, ExportOptions(absorb="factored", experts="moe"))
+    assert result.manifest["graphs"]["decode"]["op_counts"].get("com.microsoft::MoE", 0) == hf.config.num_hidden_layers
+    ids = np.random.default_rng(2).integers(3, hf.config.vocab_size, (2, 9))
+    model = ExportedModel(out)
+    logits = model.run("prefill", prefill_feed(model.config, ids))["logits"]
+    assert np.isfinite(logits).all()
+    with torch.no_grad():
+        expected = hf(torch.from_numpy(ids)).logits.numpy()
+    assert np.abs(logits - expected).max() <= 1e-4 * max(1.0, np.abs(expected).max())
 
 
 @pytest.mark.parametrize("absorb", ["fused", "factored"])

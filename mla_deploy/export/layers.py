@@ -132,7 +132,7 @@ class Graph:
             rows = self.op.Gather(self._initializer("embed", make_vocab_by_d, self.precision.dtype), ids, axis=0)  # [b, T, d]
             return rows if self.stored_type == self.compute_type else self.op.Cast(rows, to=self.compute_type)
         bits = q.head_bits
-        codes, scales, d, vocab = self.quantized_weight("embed", lambda: make_vocab_by_d().T, bits)
+        _, scales, d, vocab = self.quantized_weight("embed", lambda: make_vocab_by_d().T, bits)
         rows = self.weight_view("embed.rows", "embed.codes", (vocab, (d + -d % q.block) * bits // 8))  # [V, k_blocks·blob]
         return self.op.GatherBlockQuantized(rows, ids, scales, gather_axis=0, quantize_axis=1, block_size=q.block,
                                             bits=bits, _domain="com.microsoft")  # [b, T, d]
@@ -447,7 +447,7 @@ class MoE:
         large ops instead of one If per expert. Reads all experts' weights, so it is chosen only where a layer has
         few experts per chosen one (export.experts)."""
         cfg, g, t, hf = self.cfg, self.g, self.t, self.hf
-        n_e, inter, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        n_e, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
 
         def gate_up() -> np.ndarray:  # [d, E·2I]: expert e's gate then up columns at [e·2I, (e+1)·2I)
             return np.concatenate([absorb.gate_up_weight(t(f"{hf}experts.{e}.gate_proj.weight"),
@@ -477,8 +477,9 @@ class MoE:
         softmax(router_probs) and top-k. It is given log(dispatch): the softmax of the log is each chosen expert's
         weight over the chosen weights' sum S (the others, floored at float32's smallest normal, weigh ~1e-38), so the
         op's top-k is DeepSeek's choice, and the output times S per token is sum_e dispatch_e · expert_e(x). The
-        floor keeps a row whose chosen weights all underflow finite (log 0 everywhere would be a NaN softmax).
-        SwiGLU as in _qmoe."""
+        floor keeps the op's input finite where every chosen weight underflows to 0 (S = 0, so the row's routed
+        output is 0 whichever experts the op then picks; onnxruntime 1.31's CPU kernel also returns 0 for an all
+        -inf row, but the floor does not rely on how a kernel treats -inf). SwiGLU as in _qmoe."""
         cfg, g = self.cfg, self.g
 
         def fc(kind: str) -> np.ndarray:  # [E, N, K]: fc1 [E, 2I, d] (gate and up rows interleaved), fc2 [E, d, I]
