@@ -1,4 +1,5 @@
-"""Mutation score per module from mutmut's results in mutants/ (written by scripts/mutate).
+"""Mutation score per module from mutmut's verdicts: those in mutants/ (a run on this machine), else the committed
+ones in benchmarks/results/mutation/ (scripts/mutate saves them there after every run), or a directory given.
 
 Score = detected / checked, where a mutant is detected when the tests fail on it or run past their
 timeout (a mutant that makes the code loop forever is caught, as in Stryker and cosmic-ray).
@@ -29,10 +30,14 @@ def module_results(mutants: Path) -> dict[str, Counter]:
 
 
 def main() -> int:
-    mutants = Path("mutants")
-    if not mutants.is_dir():
-        print("no mutants/ directory: run scripts/mutate first", file=sys.stderr)
+    if len(sys.argv) > 1:
+        mutants = Path(sys.argv[1])
+    else:
+        mutants = next((p for p in (Path("mutants"), Path("benchmarks/results/mutation")) if p.is_dir()), Path("mutants"))
+    if not any(mutants.rglob("*.py.meta")):
+        print(f"no mutmut verdicts under {mutants}/: run scripts/mutate first", file=sys.stderr)
         return 1
+    print(f"verdicts from {mutants}/", file=sys.stderr)
     print("survivors and mutants without tests (mutmut show NAME for the diff):", file=sys.stderr)
     results = module_results(mutants)
     print("| module | mutants | killed | timeout | survived | no tests | not checked | score |")

@@ -1,4 +1,7 @@
+import json
+import os
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -6,6 +9,22 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny import VARIANTS, build_hf_model, save_hf_model  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under mutmut only (scripts/mutate): the selected tests cheapest first, by the call times mutmut measured, a
+    test file's tests kept together (module fixtures are set up once) and files ordered by their tests' total time.
+    mutmut runs a mutant's tests with -x, so a killed mutant stops at its first cheap failing test instead of after
+    whichever export-heavy file came first; a surviving mutant still runs every one of them."""
+    stats = Path("mutmut-stats.json")  # mutmut runs the tests from inside mutants/
+    if not os.environ.get("MUTANT_UNDER_TEST") or not stats.exists():
+        return
+    seconds = json.loads(stats.read_text()).get("duration_by_test", {})
+    per_file = defaultdict(float)
+    for item in items:
+        per_file[item.nodeid.split("::")[0]] += seconds.get(item.nodeid, 0.0)
+    items.sort(key=lambda item: (per_file[item.nodeid.split("::")[0]], item.nodeid.split("::")[0],
+                                 seconds.get(item.nodeid, 0.0)))
 
 
 @pytest.fixture(scope="session")
