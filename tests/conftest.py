@@ -27,6 +27,30 @@ def pytest_collection_modifyitems(config, items):
                                  seconds.get(item.nodeid, 0.0)))
 
 
+
+def pytest_sessionstart(session):
+    """Under mutmut only: it runs one test process per core, so each gets one torch and one onnxruntime thread
+    instead of a thread per core in every process (onnxruntime's spinning between ops, the default, then takes the
+    core the other mutant's process is on). Sessions given an explicit thread count keep it."""
+    if not os.environ.get("MUTANT_UNDER_TEST"):
+        return
+    import onnxruntime as ort
+    import torch
+
+    torch.set_num_threads(1)
+    init = ort.InferenceSession.__init__
+    if getattr(init, "one_thread", False):
+        return
+
+    def one_thread(self, path_or_bytes, sess_options=None, *args, **kwargs):
+        sess_options = sess_options if sess_options is not None else ort.SessionOptions()
+        if sess_options.intra_op_num_threads == 0:
+            sess_options.intra_op_num_threads = 1
+        init(self, path_or_bytes, sess_options, *args, **kwargs)
+
+    one_thread.one_thread = True
+    ort.InferenceSession.__init__ = one_thread
+
 @pytest.fixture(scope="session")
 def checkpoint_dir(tmp_path_factory):
     """variant name -> (saved checkpoint directory, the transformers model it came from); built once per session."""
