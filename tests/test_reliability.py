@@ -452,11 +452,12 @@ def test_cli_provider_fallback_is_one_warning_line(exported):
 @pytest.mark.parametrize("graphs", [("prefill", "decode"), ("decode",)])
 def test_timings_count_every_step_on_a_known_clock(exported, graphs, monkeypatch):
     """prefill_ms, decode_ms and decode tokens/s from the Generator's own clock reads: with a clock that advances
-    exactly 10 ms per read, each prefill (through either graph) and decode step measures 10 ms."""
+    exactly 10 ms per read, each prefill (through either graph) and decode step measures 10 ms. The clock starts
+    far from 0, so a sum where a difference belongs is not hidden by a first reading of 0."""
     from mla_deploy.runtime import generator as generator_module
 
     model = ExportedModel(exported(VARIANT), graphs=graphs)
-    ticks = iter(range(0, 10**6, 10))
+    ticks = iter(range(10**5, 10**6, 10))
     monkeypatch.setattr(generator_module.time, "perf_counter", lambda: next(ticks) / 1e3)
     result = Generator(model, stop_token_ids=(), chunk_size=64).generate([[5, 6, 7], [8, 9]], max_new_tokens=5)
     steps = 4  # the first token comes from the prefill's logits
