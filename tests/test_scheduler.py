@@ -24,6 +24,14 @@ def model(tmp_path_factory):
     return ExportedModel(out)
 
 
+def test_a_generator_state_with_context_holds_that_many_slots(model):
+    """Generator.new_state(context=N), the benchmarks' decode at a given context (this export holds more than one
+    cache block): every row already holds N slots and the cache is allocated up front for them and the next token's
+    slot (a cache grown later would read never-written zero pages)."""
+    state = Generator(model, stop_token_ids=()).new_state([np.zeros(1, np.int64)] * 2, context=BLOCK)
+    assert state.lengths.tolist() == [BLOCK] * 2 and state.caches.capacity == 2 * BLOCK
+
+
 def prompts(n, seed=0, lo=1, hi=40):
     rng = np.random.default_rng(seed)
     return [rng.integers(3, 4000, rng.integers(lo, hi)).tolist() for _ in range(n)]
