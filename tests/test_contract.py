@@ -261,6 +261,18 @@ def test_near_ties_count_only_within_the_tolerance():
     assert greedy_agreement(before[:, :1], tokens[:, :1], tolerance=10.0) == (1, 0)  # the choice itself is no tie
 
 
+def test_verify_counts_near_ties_as_agreement(exported, monkeypatch):
+    """verify_export's token agreement is exact matches plus near ties (greedy_agreement, tested above): with two of
+    the generated tokens reported as near ties, the export still agrees on every token and passes."""
+    from mla_deploy import verify
+
+    monkeypatch.setattr(verify, "greedy_agreement", lambda before, tokens, tolerance: (tokens.size - 2, 2))
+    report = verify_export(exported(VARIANT), steps=2)
+    assert report.token_agreement == 1.0 and report.passed
+    assert any(line.endswith("4/6 agree, 2 more within the tolerance of the source's own choice (near ties)")
+               for line in report.lines)
+
+
 def test_verify_of_a_short_export_clips_the_prompts_and_states_its_tolerance(tmp_path):
     """max_seq_len 16, 4 steps: prompts clipped to 16 - 4 - 1 = 11 tokens. Random weights of std 0.02 give logits
     far below 1, so the tolerance is rtol x 1 (the floor), and the report says so."""
