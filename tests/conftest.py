@@ -20,12 +20,11 @@ def pytest_collection_modifyitems(config, items):
     if not os.environ.get("MUTANT_UNDER_TEST") or not stats.exists():
         return
     seconds = json.loads(stats.read_text()).get("duration_by_test", {})
+    file_of = {item.nodeid: item.nodeid.partition("::")[0] for item in items}
     per_file = defaultdict(float)
     for item in items:
-        per_file[item.nodeid.split("::")[0]] += seconds.get(item.nodeid, 0.0)
-    items.sort(key=lambda item: (per_file[item.nodeid.split("::")[0]], item.nodeid.split("::")[0],
-                                 seconds.get(item.nodeid, 0.0)))
-
+        per_file[file_of[item.nodeid]] += seconds.get(item.nodeid, 0.0)
+    items.sort(key=lambda item: (per_file[file_of[item.nodeid]], file_of[item.nodeid], seconds.get(item.nodeid, 0.0)))
 
 
 def pytest_sessionstart(session):
@@ -50,6 +49,7 @@ def pytest_sessionstart(session):
 
     one_thread.one_thread = True
     ort.InferenceSession.__init__ = one_thread
+
 
 @pytest.fixture(scope="session")
 def checkpoint_dir(tmp_path_factory):
