@@ -314,6 +314,18 @@ def test_cuda_request_without_cuda_falls_back_with_message(exported):
     assert model.device == "cpu"
 
 
+def test_session_config_entries_reach_both_sessions_and_win(exported):
+    out = exported("v2_group_limited")
+    entries = (("session.set_denormal_as_zero", "1"), ("session.intra_op.allow_spinning", "1"))
+    model = ExportedModel(out, RuntimeOptions(spin=False, session_config=entries))  # spin=False sets "0" first
+    for session in model.sessions.values():
+        options = session.get_session_options()
+        assert [options.get_session_config_entry(key) for key, _ in entries] == ["1", "1"]
+    for bad in [("session.set_denormal_as_zero", 1)], [("session.set_denormal_as_zero",)], [("", "1")]:
+        with pytest.raises(InputError, match=r"session_config entry .*: expected a \(key, value\) pair"):
+            ExportedModel(out, RuntimeOptions(session_config=tuple(bad)))
+
+
 def test_runtime_imports_and_generates_without_torch(exported):
     out = exported("v2_group_limited")
     code = (

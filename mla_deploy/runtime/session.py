@@ -53,6 +53,9 @@ class RuntimeOptions:
     # onnxruntime's intra-op threads spin between ops waiting for work: fastest for one caller, but in a server they
     # take the cores the HTTP event loop needs (README, "Serving"). serve turns it off.
     spin: bool = True
+    # further onnxruntime session config entries as (key, value) pairs, applied after the ones above (so they win),
+    # e.g. ("session.set_denormal_as_zero", "1"); onnxruntime ignores keys it does not know
+    session_config: tuple[tuple[str, str], ...] = ()
 
 
 _LEVELS = {
@@ -71,6 +74,9 @@ class ExportedModel:
         self.options = options or RuntimeOptions()
         if self.options.check_weights not in integrity.CHECKS:
             raise InputError(f"check_weights={self.options.check_weights!r}: expected one of {', '.join(integrity.CHECKS)}")
+        for entry in self.options.session_config:
+            if not (isinstance(entry, tuple) and len(entry) == 2 and all(isinstance(x, str) and x for x in entry)):
+                raise InputError(f"session_config entry {entry!r}: expected a (key, value) pair of non-empty strings")
         self.manifest = read_manifest(self.directory)
         check_files(self.directory, self.manifest, self.options.check_weights)
         self.config: MLAConfig = self.manifest["config_obj"]
@@ -120,6 +126,8 @@ class ExportedModel:
             so.add_session_config_entry("session.disable_prepacking", "1")
         if not self.options.spin:
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        for key, value in self.options.session_config:
+            so.add_session_config_entry(key, value)
         try:
             session = ort.InferenceSession(str(path), so, providers=self.providers)
         except Exception as e:  # onnxruntime raises its own exception types for corrupt models and data
