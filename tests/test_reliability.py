@@ -64,6 +64,12 @@ def test_prompts_as_numpy_arrays_and_a_flat_list_are_rows(model):
     assert greedy.generate([5, 6, 7], 2).token_ids == rows[:1]
 
 
+@pytest.mark.parametrize("chunk_size", [0, -3, 2.5, "8"])
+def test_generator_chunk_size_must_be_a_positive_int(model, chunk_size):
+    with pytest.raises(InputError, match=rf"^chunk_size={chunk_size!r}: must be a positive integer$"):
+        Generator(model, chunk_size=chunk_size)
+
+
 @pytest.mark.parametrize(
     "params, message",
     [
