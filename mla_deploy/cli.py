@@ -50,6 +50,17 @@ def _progress(start=[None]):  # noqa: B006 - one clock per process
     return lambda msg: click.echo(f"[{time.perf_counter() - start[0]:7.1f}s] {msg}", err=True)
 
 
+def _session_entries(ctx, param, values: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """--session-config KEY=VALUE options as (key, value) pairs."""
+    entries = []
+    for text in values:
+        key, sep, value = text.partition("=")
+        if not (sep and key.strip() and value.strip()):
+            raise click.BadParameter(f"{text!r}: expected KEY=VALUE, e.g. session.set_denormal_as_zero=1")
+        entries.append((key.strip(), value.strip()))
+    return tuple(entries)
+
+
 @click.group(cls=_Cli)
 @click.option("--debug", is_flag=True, help="Show tracebacks on errors.")
 @click.version_option(package_name="mla-deploy")
@@ -125,9 +136,11 @@ def export(checkpoint, out, absorb, dtype, max_seq_len, no_verify, steps, quanti
 @click.option("--decode-only", is_flag=True,
               help="Load only the decode graph and feed the prompt through it a token at a time: one prepacked copy of "
                    "a quantized export's weights instead of two (a model near the machine's memory).")
+@click.option("--session-config", "session_config", multiple=True, metavar="KEY=VALUE", callback=_session_entries,
+              help="A further onnxruntime session config entry, e.g. session.set_denormal_as_zero=1 (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, provider,
-        threads, check_weights, prepack, decode_only, as_json):
+        threads, check_weights, prepack, decode_only, session_config, as_json):
     """Generate from EXPORT_DIR, streaming the text as it is produced."""
     from .runtime import ExportedModel, RuntimeOptions, SamplingParams
     from .runtime.complete import complete
@@ -136,7 +149,7 @@ def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_
     given = dict(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty, seed=seed)
     SamplingParams(**{k: v for k, v in given.items() if v is not None}).validate()  # bad flags fail before loading
     options = RuntimeOptions(provider=provider, threads=threads, check_weights="full" if check_weights else "sampled",
-                             prepack=prepack)
+                             prepack=prepack, session_config=session_config)
     model = ExportedModel(export_dir, options, graphs=("decode",) if decode_only else ("prefill", "decode"))
     sampling = model.generation.override(**given)
     memory = model.load_memory
@@ -259,12 +272,14 @@ def bench(quick, preset, checkpoint, contexts, batches, engines, steps, threads,
               help="Let onnxruntime's threads spin between ops (fastest alone; steals the HTTP loop's CPU).")
 @click.option("--ray-replicas", type=click.IntRange(min=1), default=None,
               help="Serve N replicas on Ray Serve (the 'ray' extra) instead of one process.")
+@click.option("--session-config", "session_config", multiple=True, metavar="KEY=VALUE", callback=_session_entries,
+              help="A further onnxruntime session config entry, e.g. session.set_denormal_as_zero=1 (repeatable).")
 def serve(export_dir, host, port, max_batch, max_queue, prefill_chunk, api_key, model_name, threads, prepack, spin,
-          ray_replicas):
+          ray_replicas, session_config):
     """Serve EXPORT_DIR over HTTP with OpenAI's completions and chat routes, batching requests continuously."""
     from .runtime import RuntimeOptions
 
-    options = RuntimeOptions(threads=threads, prepack=prepack, spin=spin)
+    options = RuntimeOptions(threads=threads, prepack=prepack, spin=spin, session_config=session_config)
     if ray_replicas is not None:
         from .serve.ray import serve_on_ray
 

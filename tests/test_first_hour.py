@@ -6,6 +6,7 @@ import random
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
@@ -178,6 +179,35 @@ def test_run_threads_option_reaches_onnxruntime(demo_export):
                                        "--json"])
     assert result.exit_code == 0, result.output
     assert len(json.loads(result.stdout)["token_ids"]) == 3
+
+
+def test_session_config_options_reach_the_sessions_of_run_and_serve(demo_export, monkeypatch):
+    from mla_deploy import runtime
+    from mla_deploy.serve import server
+
+    key = "session.set_denormal_as_zero"
+    seen = []
+
+    class Recording(runtime.ExportedModel):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            seen.append({kind: s.get_session_options().get_session_config_entry(key) for kind, s in self.sessions.items()})
+
+    monkeypatch.setattr(runtime, "ExportedModel", Recording)
+    result = CliRunner().invoke(main, ["run", str(demo_export), "--prompt-ids", "5,6", "-n", "2", "--json",
+                                       "--session-config", f" {key} = 1"])
+    assert result.exit_code == 0, result.output
+    assert seen == [{"prefill": "1", "decode": "1"}]
+    served = []
+    monkeypatch.setattr(server, "build_service", lambda *args: served.append(args[5]) or SimpleNamespace(model_name="m"))
+    monkeypatch.setattr(server, "serve", lambda *args: None)
+    result = CliRunner().invoke(main, ["serve", str(demo_export), "--session-config", f"{key}=1"])
+    assert result.exit_code == 0, result.output
+    assert [options.session_config for options in served] == [((key, "1"),)]
+    for bad in (key, f"{key}=", "=1"):
+        for command in ("run", "serve"):
+            result = CliRunner().invoke(main, [command, str(demo_export), "--session-config", bad])
+            assert result.exit_code == 2 and f"{bad!r}: expected KEY=VALUE" in result.stderr
 
 
 def test_help_documents_every_option():
