@@ -1,0 +1,100 @@
+"""Where one decode step's time goes, by operator type, at several batch sizes: onnxruntime's own profiler.
+
+    .venv/bin/python benchmarks/profile_step.py EXPORT_DIR [--batches 1,16] [--context 128] [--steps 50]
+        [--threads 0] [--prepack/--no-prepack]
+
+For each batch size: a decode-only model whose session has onnxruntime's profiler on, its caches filled with
+random data (never the zero page) up to CONTEXT slots per row, a few warm-up steps, then STEPS timed steps. Prints
+the wall time per step, the kernels' share of it (the rest is onnxruntime's scheduling between kernels and the
+Python call), and per operator type the microseconds per step, its share of kernel time and how it grows from the
+first batch size to each larger one (for a weight-bound step a larger batch costs little more; an op that grows
+with the batch is where the batched step stops scaling).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+
+def profile(export: str, batch: int, context: int, steps: int, threads: int, prepack: bool) -> tuple[float, dict]:
+    """(wall ms per step, {op type: kernel microseconds per step}) of `steps` decode steps at this batch."""
+    from mla_deploy import io_spec
+    from mla_deploy.runtime import ExportedModel, Generator, RuntimeOptions, SamplingParams
+
+    model = ExportedModel(export, RuntimeOptions(threads=threads, prepack=prepack), graphs=(io_spec.DECODE,))
+    with tempfile.TemporaryDirectory() as tmp:
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads
+        if not prepack:
+            so.add_session_config_entry("session.disable_prepacking", "1")
+        so.enable_profiling = True
+        so.profile_file_prefix = str(Path(tmp) / "step")
+        graph = Path(export) / model.manifest["graphs"][io_spec.DECODE]["file"]
+        model.sessions[io_spec.DECODE] = session = ort.InferenceSession(str(graph), so, providers=model.providers)
+        gen = Generator(model, SamplingParams(), stop_token_ids=())
+        state = gen.new_state([np.zeros(1, np.int64)] * batch, context=context)
+        warmup = 5
+        state.caches.ensure(context + warmup + steps + 1)
+        rng = np.random.default_rng(0)
+        for arr in state.caches.arrays.values():
+            arr[:] = rng.standard_normal(arr.shape).astype(arr.dtype)
+        tokens = rng.integers(0, model.config.vocab_size, batch)
+        for _ in range(warmup):
+            gen.decode_step(state, tokens)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            gen.decode_step(state, tokens)
+        wall_ms = (time.perf_counter() - t0) / steps * 1e3
+        events = json.loads(Path(session.end_profiling()).read_text())
+    runs = [e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"]
+    timed = sorted(runs, key=lambda e: e["ts"])[-steps:]  # the last STEPS runs: the timed ones
+    start = timed[0]["ts"]
+    by_op: dict[str, float] = defaultdict(float)
+    for e in events:
+        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and e["ts"] >= start:
+            by_op[e["args"]["op_name"]] += e["dur"] / steps
+    return wall_ms, dict(by_op)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("export")
+    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--prepack", action=argparse.BooleanOptionalAction, default=True)
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    results = {b: profile(args.export, b, args.context, args.steps, args.threads, args.prepack) for b in batches}
+    print(f"{args.export}: decode step at context {args.context}, {args.steps} steps, threads {args.threads or 'default'}, "
+          f"prepack {'on' if args.prepack else 'off'}")
+    for b, (wall, ops) in results.items():
+        kernels = sum(ops.values()) / 1e3
+        print(f"batch {b}: {wall:.3f} ms per step ({b / wall * 1e3:.0f} tokens/s), kernels {kernels:.3f} ms "
+              f"({kernels / wall:.0%}), outside kernels {wall - kernels:.3f} ms")
+    first = batches[0]
+    ops = sorted(set().union(*(r[1] for r in results.values())), key=lambda o: -results[batches[-1]][1].get(o, 0))
+    print("| op | " + " | ".join(f"batch {b} us (share)" for b in batches) + " | "
+          + " | ".join(f"x{b} / x{first}" for b in batches[1:]) + " |")
+    print("|---|" + "---|" * (2 * len(batches) - 1))
+    for op in ops:
+        cells = []
+        for b in batches:
+            us, total = results[b][1].get(op, 0.0), sum(results[b][1].values())
+            cells.append(f"{us:.0f} ({us / total:.0%})")
+        growth = [f"{results[b][1].get(op, 0.0) / results[first][1][op]:.2f}" if results[first][1].get(op) else "-"
+                  for b in batches[1:]]
+        print(f"| {op} | " + " | ".join(cells) + " | " + " | ".join(growth) + " |")
+
+
+if __name__ == "__main__":
+    main()
