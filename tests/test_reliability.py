@@ -62,6 +62,7 @@ def test_prompts_as_numpy_arrays_and_a_flat_list_are_rows(model):
     assert greedy.generate([np.array([5, 6, 7]), np.array([8, 9, 10])], 2).token_ids == rows
     assert greedy.generate(np.array([5, 6, 7]), 2).token_ids == rows[:1]
     assert greedy.generate([5, 6, 7], 2).token_ids == rows[:1]
+    assert greedy.generate(np.array(5), 2).token_ids == greedy.generate([5], 2).token_ids  # a 0-d array: one token
 
 
 @pytest.mark.parametrize("chunk_size", [0, -3, 2.5, "8"])
