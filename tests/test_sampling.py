@@ -140,3 +140,14 @@ def test_top_k_of_a_large_vocabulary_keeps_exactly_the_k_likeliest():
     params = SamplingParams(temperature=50.0, top_k=k, seed=1)  # flat inside the top k: every one gets drawn
     tokens = sample(np.tile(logits, (2_000, 1)), params, np.random.default_rng(1), [np.array([], np.int64)] * 2_000)
     assert set(tokens.tolist()) == set(np.argsort(-logits)[:k].tolist())
+
+
+def test_top_p_keeps_the_lower_ids_among_equal_probabilities():
+    """Ties at the top-p boundary break by token id (a stable sort), so a seed draws the same tokens on every numpy:
+    of 512 equally likeliest tokens (the even ids of 1024), top_p keeps exactly the 256 lowest (numpy's default
+    quicksort keeps another half of them at this size)."""
+    logits = np.tile(np.array([1.0, 0.0], np.float32), 512)  # [1024]: even ids e times likelier than odd ones
+    mass = np.e / (512 * (np.e + 1))  # of each even id
+    params = SamplingParams(temperature=1.0, top_p=255.5 * mass)  # keeps the 256 with less than top_p above them
+    tokens = sample(np.tile(logits, (4_000, 1)), params, np.random.default_rng(0), [np.array([], np.int64)] * 4_000)
+    assert set(tokens.tolist()) == set(range(0, 512, 2))
