@@ -151,3 +151,14 @@ def test_top_p_keeps_the_lower_ids_among_equal_probabilities():
     params = SamplingParams(temperature=1.0, top_p=255.5 * mass)  # keeps the 256 with less than top_p above them
     tokens = sample(np.tile(logits, (4_000, 1)), params, np.random.default_rng(0), [np.array([], np.int64)] * 4_000)
     assert set(tokens.tolist()) == set(range(0, 512, 2))
+
+
+@pytest.mark.parametrize("top_p, support", [(0.5, {0}), (0.75, {0, 1}), (0.8750001, {0, 1, 2, 3})])
+def test_top_p_boundary_reached_exactly_stops_there(top_p, support):
+    """Probabilities exactly 1/2, 1/4, 1/8, 1/8 (float64 logits 0, -ln 2, -2 ln 2, -2 ln 2): a token whose mass above
+    equals top_p is dropped, as transformers' TopPLogitsWarper drops it."""
+    logits = np.array([0.0, -np.log(2.0), -2 * np.log(2.0), -2 * np.log(2.0)])
+    params = SamplingParams(temperature=1.0, top_p=top_p)
+    assert set(np.flatnonzero(reference_probs(logits, np.array([], np.int64), params)).tolist()) == support
+    tokens = sample(np.tile(logits, (500, 1)), params, np.random.default_rng(0), [np.array([], np.int64)] * 500)
+    assert set(tokens.tolist()) == support
