@@ -162,3 +162,17 @@ def test_top_p_boundary_reached_exactly_stops_there(top_p, support):
     assert set(np.flatnonzero(reference_probs(logits, np.array([], np.int64), params)).tolist()) == support
     tokens = sample(np.tile(logits, (500, 1)), params, np.random.default_rng(0), [np.array([], np.int64)] * 500)
     assert set(tokens.tolist()) == support
+
+
+def test_a_draw_above_the_rounded_total_mass_returns_the_last_token():
+    """These probabilities sum to 1 - 2^-52 in float64; a uniform draw can be 1 - 2^-53, above every cumulative sum:
+    the token is still in the vocabulary (the last), not one past it."""
+
+    class HighestDraw:
+        def random(self, shape):
+            return np.full(shape, np.nextafter(1.0, 0.0))
+
+    logits = np.array([[-1.28, -0.71, 0.62, -2.25, 0.39]])
+    probs = np.exp(logits - logits.max())
+    assert np.cumsum(probs / probs.sum())[-1] < np.nextafter(1.0, 0.0)  # the case this test is about
+    assert sample(logits, SamplingParams(temperature=1.0), HighestDraw(), [np.array([], np.int64)]).tolist() == [4]
