@@ -1,5 +1,7 @@
 """rope.py's YaRN against transformers' own rope initialisation, including the configs no tiny model uses."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -45,3 +47,32 @@ def test_without_mscale_fields_the_attention_factor_is_mscale_of_the_factor_alon
     assert rope.softmax_scale(cfg) == pytest.approx(cfg.qk_head_dim ** -0.5, rel=1e-12)  # no mscale_all_dim: unscaled
     assert rope.yarn_mscale(0.5, 3.0) == 1.0 and rope.yarn_mscale(1.0, 3.0) == 1.0  # no scaling at factor <= 1
     assert rope.yarn_mscale(2.0, 3.0) == pytest.approx(0.3 * np.log(2.0) + 1.0, rel=1e-12)
+
+
+@pytest.mark.parametrize("scaling", [None, {"mscale": 1.0, "mscale_all_dim": 0.5}])
+def test_cos_sin_tables_equal_transformers_at_long_positions(scaling):
+    """The tables multiply position by frequency in float32, as transformers' rotary embedding does: at position
+    8191 a float64 product differs from it by up to 4e-4 rad; float32 agrees to a few ulp."""
+    import torch
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+
+    n = 8192
+    raw = yarn_config({"max_position_embeddings": n}, **scaling) if scaling is not None else \
+        {**preset_config("tiny-v3"), "max_position_embeddings": n, "rope_parameters": {"rope_type": "default",
+                                                                                    "rope_theta": 10000.0}}
+    cfg = MLAConfig.from_hf_dict(raw)
+    hf = DeepseekV3RotaryEmbedding(DeepseekV3Config(**{**raw, "head_dim": cfg.qk_rope_head_dim}))
+    assert hf.rope_type == cfg.rope_type
+    cos_ref, sin_ref = hf(torch.zeros(1), torch.arange(n)[None])  # [1, n, d_r]: the two halves repeat
+    cos, sin = rope.rope_tables(cfg, n)  # [n, d_r/2]
+    np.testing.assert_allclose(cos, cos_ref[0, :, : cfg.qk_rope_head_dim // 2].numpy(), rtol=0, atol=2e-6)
+    np.testing.assert_allclose(sin, sin_ref[0, :, : cfg.qk_rope_head_dim // 2].numpy(), rtol=0, atol=2e-6)
+
+
+def test_a_default_rope_ignores_yarn_fields_set_on_the_config():
+    """The yarn fields are unused for rope type "default", even when a config built in code sets them."""
+    cfg = dataclasses.replace(MLAConfig.from_hf_dict(preset_config("tiny-v3")), rope_type="default", rope_factor=40.0,
+                              mscale=0.707, mscale_all_dim=0.707)
+    assert rope.softmax_scale(cfg) == cfg.qk_head_dim ** -0.5
+    assert rope.attention_factor(cfg) == 1.0
