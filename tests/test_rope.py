@@ -24,6 +24,10 @@ def yarn_config(top: dict | None = None, preset: str = "tiny-v3", **scaling) -> 
     # DeepSeek-V2-Lite's own rope (d_r 64, factor 40, original 4096): the ramp spans dims 10..23
     ({"preset": "v2lite", "max_position_embeddings": 163840},
      {"factor": 40, "original_max_position_embeddings": 4096, "mscale": 0.707, "mscale_all_dim": 0.707}),
+    # an empty ramp (both correction dims at 0, then both at 7 = d_r/2 - 1): its end moved by 0.001, as transformers does
+    ({}, {"beta_fast": 32, "beta_slow": 32}),
+    ({"rope_theta": 10.0, "max_position_embeddings": 4096},
+     {"beta_fast": 1, "beta_slow": 2, "original_max_position_embeddings": 471}),
     # a ramp from dim 0 that the clip at d_r - 1 cuts short
     ({"preset": "v2lite", "rope_theta": 10.0, "max_position_embeddings": 163840},
      {"factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 1024, "beta_slow": 1}),
@@ -37,7 +41,7 @@ def test_yarn_frequencies_and_attention_factor_match_transformers(top, scaling):
     hf = DeepseekV2Config(**raw)
     inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
     cfg = MLAConfig.from_hf_dict(raw)
-    np.testing.assert_allclose(rope.inv_freq(cfg), inv_freq.numpy(), rtol=1e-6)
+    np.testing.assert_array_equal(rope.inv_freq(cfg), inv_freq.numpy())  # float32 as transformers computes it, bit for bit
     assert rope.attention_factor(cfg) == pytest.approx(factor, rel=1e-12)
 
 
