@@ -21,6 +21,7 @@ def yarn_config(top: dict | None = None, preset: str = "tiny-v3", **scaling) -> 
     ({}, {}), ({}, {"mscale": 0.707, "mscale_all_dim": 0.707}), ({}, {"mscale": 1.0, "mscale_all_dim": 0.5}),
     ({}, {"beta_fast": 16, "beta_slow": 2}),
     ({"rope_theta": 500000.0}, {"factor": 2.0, "beta_fast": 64}),
+    ({}, {"mscale": 0.707}), ({}, {"attention_factor": 0.9}),  # mscale without mscale_all_dim; an explicit factor
     # DeepSeek-V2-Lite's own rope (d_r 64, factor 40, original 4096): the ramp spans dims 10..23
     ({"preset": "v2lite", "max_position_embeddings": 163840},
      {"factor": 40, "original_max_position_embeddings": 4096, "mscale": 0.707, "mscale_all_dim": 0.707}),
@@ -77,6 +78,6 @@ def test_cos_sin_tables_equal_transformers_at_long_positions(scaling):
 def test_a_default_rope_ignores_yarn_fields_set_on_the_config():
     """The yarn fields are unused for rope type "default", even when a config built in code sets them."""
     cfg = dataclasses.replace(MLAConfig.from_hf_dict(preset_config("tiny-v3")), rope_type="default", rope_factor=40.0,
-                              mscale=0.707, mscale_all_dim=0.707)
+                              mscale=1.0, mscale_all_dim=0.707)  # under YaRN: a factor of 1.18 on cos / sin
     assert rope.softmax_scale(cfg) == cfg.qk_head_dim ** -0.5
     assert rope.attention_factor(cfg) == 1.0
