@@ -79,6 +79,8 @@ def test_generator_chunk_size_must_be_a_positive_int(model, chunk_size):
         (dict(top_p=0.0), r"top_p=0.0: must be in \(0, 1\]"),
         (dict(top_p=1.5), r"top_p=1.5: must be in \(0, 1\]"),
         (dict(top_k=-1), "top_k=-1: must be an integer >= 0"),
+        (dict(top_k=2.5), "top_k=2.5: must be an integer >= 0"),
+        (dict(top_k=True), "top_k=True: must be an integer >= 0"),
         (dict(repetition_penalty=0), "repetition_penalty=0: must be a finite number > 0"),
         (dict(seed=-3), "seed=-3: must be a non-negative integer"),
     ],
