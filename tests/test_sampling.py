@@ -176,3 +176,11 @@ def test_a_draw_above_the_rounded_total_mass_returns_the_last_token():
     probs = np.exp(logits - logits.max())
     assert np.cumsum(probs / probs.sum())[-1] < np.nextafter(1.0, 0.0)  # the case this test is about
     assert sample(logits, SamplingParams(temperature=1.0), HighestDraw(), [np.array([], np.int64)]).tolist() == [4]
+
+
+def test_zero_is_a_seed_and_top_k_zero_is_off():
+    """The lower bounds are valid values: seed 0 (numpy's generators take it) and top_k 0 (no filter)."""
+    params = SamplingParams(temperature=1.0, seed=0, top_k=0).validate()
+    assert (params.seed, params.top_k) == (0, 0)
+    draws = [sample(LOGITS[None], params, np.random.default_rng(params.seed), [HISTORY]).item() for _ in range(2)]
+    assert draws == [sample(LOGITS[None], params, np.random.default_rng(0), [HISTORY]).item()] * 2
