@@ -39,9 +39,11 @@ def speed(models: dict, rounds: int = 5, warmup: int = 3, contexts: tuple[int, .
         for fn in runs.values():
             fn()
     times: dict[tuple, list[float]] = {key: [] for key in runs}
-    for _ in range(rounds):
+    labels = list(gens)
+    for r in range(rounds):
+        order = labels[r % len(labels):] + labels[: r % len(labels)]  # each label leads in turn: no fixed neighbour
         for point in points:
-            for label in gens:
+            for label in order:
                 for _ in range(1 if point == points[0] else 4):
                     t0 = time.perf_counter()
                     runs[label, point]()
