@@ -321,6 +321,12 @@ def test_session_config_entries_reach_both_sessions_and_win(exported):
     for session in model.sessions.values():
         options = session.get_session_options()
         assert [options.get_session_config_entry(key) for key, _ in entries] == ["1", "1"]
+    stops = [s.get_session_options().get_session_config_entry("session.force_spinning_stop")
+             for s in ExportedModel(out).sessions.values()]
+    assert stops == ["1", "1"]  # threads stop spinning when a run ends: an idle session takes no core from the other
+    kept = ExportedModel(out, RuntimeOptions(session_config=(("session.force_spinning_stop", "0"),)))
+    assert [s.get_session_options().get_session_config_entry("session.force_spinning_stop")
+            for s in kept.sessions.values()] == ["0", "0"]
     for bad in [("session.set_denormal_as_zero", 1)], [("session.set_denormal_as_zero",)], [("", "1")]:
         with pytest.raises(InputError, match=r"session_config entry .*: expected a \(key, value\) pair"):
             ExportedModel(out, RuntimeOptions(session_config=tuple(bad)))

@@ -51,7 +51,9 @@ class RuntimeOptions:
     # on for a quantized one, whose MatMulNBits runs ~60x slower unpacked (it dequantizes on every call).
     prepack: bool | None = None
     # onnxruntime's intra-op threads spin between ops waiting for work: fastest for one caller, but in a server they
-    # take the cores the HTTP event loop needs (README, "Serving"). serve turns it off.
+    # take the cores the HTTP event loop needs (README, "Serving"). serve turns it off. Spinning stops at the end of
+    # each run either way (session.force_spinning_stop): an idle prefill session's workers spinning on took a core
+    # from the next decode steps (README, "Versus llama.cpp").
     spin: bool = True
     # further onnxruntime session config entries as (key, value) pairs, applied after the ones above (so they win),
     # e.g. ("session.set_denormal_as_zero", "1"); onnxruntime ignores keys it does not know
@@ -126,6 +128,7 @@ class ExportedModel:
             so.add_session_config_entry("session.disable_prepacking", "1")
         if not self.options.spin:
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        so.add_session_config_entry("session.force_spinning_stop", "1")
         for key, value in self.options.session_config:
             so.add_session_config_entry(key, value)
         try:
