@@ -24,20 +24,19 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+import side_by_side
+
 
 def profile(export: str, batch: int, context: int, steps: int, threads: int,
             prepack: bool) -> tuple[float, float, dict]:
     """(wall ms per step unprofiled, the same profiled, {op type: kernel microseconds per step}) at this batch."""
     from mla_deploy import io_spec
-    from mla_deploy.runtime import ExportedModel, Generator, RuntimeOptions, SamplingParams
+    from mla_deploy.runtime import ExportedModel, RuntimeOptions
 
     model = ExportedModel(export, RuntimeOptions(threads=threads, prepack=prepack), graphs=(io_spec.DECODE,))
     plain_ms = _timed_steps(model, batch, context, steps)
     with tempfile.TemporaryDirectory() as tmp:
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = threads
-        if not prepack:
-            so.add_session_config_entry("session.disable_prepacking", "1")
+        so = model.session_options()  # the same session, plus the profiler
         so.enable_profiling = True
         so.profile_file_prefix = str(Path(tmp) / "step")
         graph = Path(export) / model.manifest["graphs"][io_spec.DECODE]["file"]
@@ -59,12 +58,9 @@ def _timed_steps(model, batch: int, context: int, steps: int) -> float:
     from mla_deploy.runtime import Generator, SamplingParams
 
     gen = Generator(model, SamplingParams(), stop_token_ids=())
-    state = gen.new_state([np.zeros(1, np.int64)] * batch, context=context)
     warmup = 5
-    state.caches.ensure(context + warmup + steps + 1)
     rng = np.random.default_rng(0)
-    for arr in state.caches.arrays.values():
-        arr[:] = rng.standard_normal(arr.shape).astype(arr.dtype)
+    state = side_by_side.decode_state(gen, batch, context, warmup + steps + 1, rng)
     tokens = rng.integers(0, model.config.vocab_size, batch)
     for _ in range(warmup):
         gen.decode_step(state, tokens)

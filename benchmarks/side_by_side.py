@@ -13,6 +13,16 @@ import numpy as np
 CONTEXTS = (128, 4096)
 
 
+def decode_state(gen, batch: int, context: int, room: int, rng: np.random.Generator):
+    """A Generator's state of `batch` rows at `context` slots, caches grown by `room` more and holding random data in
+    every slot (never the zero page)."""
+    state = gen.new_state([np.zeros(1, np.int64)] * batch, context=context)
+    state.caches.ensure(context + room)
+    for arr in state.caches.arrays.values():
+        arr[:] = rng.standard_normal(arr.shape, dtype=np.float32)
+    return state
+
+
 def speed(models: dict, rounds: int = 5, warmup: int = 3, contexts: tuple[int, ...] = CONTEXTS) -> dict[str, dict[str, float]]:
     """{label: ExportedModel} -> {point: {label: median ms}}."""
     points = ("prefill 512", *(f"decode ctx {ctx}" for ctx in contexts))
@@ -23,13 +33,9 @@ def speed(models: dict, rounds: int = 5, warmup: int = 3, contexts: tuple[int, .
     vocab = next(iter(models.values())).config.vocab_size
     prompt = rng.integers(0, vocab, 512).tolist()
     states = {}
-    for label, gen in gens.items():  # decode states with real data in every cache slot (never the zero page)
+    for label, gen in gens.items():
         for ctx in contexts:
-            state = gen.new_state([np.zeros(1, np.int64)], context=ctx)
-            state.caches.ensure(ctx + 4 * (rounds + warmup) + 2)
-            for arr in state.caches.arrays.values():
-                arr[:] = rng.standard_normal(arr.shape, dtype=np.float32)
-            states[label, ctx] = state
+            states[label, ctx] = decode_state(gen, 1, ctx, 4 * (rounds + warmup) + 2, rng)
     runs = {}
     for label, gen in gens.items():
         runs[label, points[0]] = lambda gen=gen: gen.prefill(gen.new_state([np.asarray(prompt)]), [prompt])

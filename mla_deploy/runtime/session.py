@@ -118,8 +118,8 @@ class ExportedModel:
         session.run_with_iobinding(binding)
         return results
 
-    def _session(self, kind: str) -> ort.InferenceSession:
-        path = self.directory / self.manifest["graphs"][kind]["file"]
+    def session_options(self) -> ort.SessionOptions:
+        """onnxruntime's options for this model's sessions, from RuntimeOptions (a profiler sets its own on top)."""
         so = ort.SessionOptions()
         so.log_severity_level = self.options.log_severity
         so.graph_optimization_level = _LEVELS[self.options.optimization]
@@ -131,8 +131,12 @@ class ExportedModel:
         so.add_session_config_entry("session.force_spinning_stop", "1")
         for key, value in self.options.session_config:
             so.add_session_config_entry(key, value)
+        return so
+
+    def _session(self, kind: str) -> ort.InferenceSession:
+        path = self.directory / self.manifest["graphs"][kind]["file"]
         try:
-            session = ort.InferenceSession(str(path), so, providers=self.providers)
+            session = ort.InferenceSession(str(path), self.session_options(), providers=self.providers)
         except Exception as e:  # onnxruntime raises its own exception types for corrupt models and data
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ExportLoadError(f"{path}: onnxruntime cannot load this graph ({first})") from None
