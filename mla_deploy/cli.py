@@ -61,6 +61,11 @@ def _session_entries(ctx, param, values: tuple[str, ...]) -> tuple[tuple[str, st
     return tuple(entries)
 
 
+_session_config_option = click.option(  # run and serve
+    "--session-config", "session_config", multiple=True, metavar="KEY=VALUE", callback=_session_entries,
+    help="A further onnxruntime session config entry, e.g. session.set_denormal_as_zero=1 (repeatable).")
+
+
 @click.group(cls=_Cli)
 @click.option("--debug", is_flag=True, help="Show tracebacks on errors.")
 @click.version_option(package_name="mla-deploy")
@@ -136,8 +141,7 @@ def export(checkpoint, out, absorb, dtype, max_seq_len, no_verify, steps, quanti
 @click.option("--decode-only", is_flag=True,
               help="Load only the decode graph and feed the prompt through it a token at a time: one prepacked copy of "
                    "a quantized export's weights instead of two (a model near the machine's memory).")
-@click.option("--session-config", "session_config", multiple=True, metavar="KEY=VALUE", callback=_session_entries,
-              help="A further onnxruntime session config entry, e.g. session.set_denormal_as_zero=1 (repeatable).")
+@_session_config_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, provider,
         threads, check_weights, prepack, decode_only, session_config, as_json):
@@ -272,8 +276,7 @@ def bench(quick, preset, checkpoint, contexts, batches, engines, steps, threads,
               help="Let onnxruntime's threads spin between ops (fastest alone; steals the HTTP loop's CPU).")
 @click.option("--ray-replicas", type=click.IntRange(min=1), default=None,
               help="Serve N replicas on Ray Serve (the 'ray' extra) instead of one process.")
-@click.option("--session-config", "session_config", multiple=True, metavar="KEY=VALUE", callback=_session_entries,
-              help="A further onnxruntime session config entry, e.g. session.set_denormal_as_zero=1 (repeatable).")
+@_session_config_option
 def serve(export_dir, host, port, max_batch, max_queue, prefill_chunk, api_key, model_name, threads, prepack, spin,
           ray_replicas, session_config):
     """Serve EXPORT_DIR over HTTP with OpenAI's completions and chat routes, batching requests continuously."""
