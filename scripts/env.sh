@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create or reuse the project's virtual environment (.venv) with every dependency pinned.
-# Sourced by the other scripts; reinstalls only when requirements/ or pyproject.toml change.
+# Sourced by the other scripts; reinstalls only when requirements/, pyproject.toml, setup.py or the C kernels change
+# (the install compiles mla_deploy/kernels' onnxruntime custom-op library).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"
@@ -9,7 +10,8 @@ if [ ! -x "$venv/bin/python" ]; then
   "${PYTHON:-python3}" -m venv "$venv"
 fi
 stamp="$venv/.mla-deploy-stamp"
-want="$(cat "$root"/requirements/*.txt "$root/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+want="$(cat "$root"/requirements/*.txt "$root/pyproject.toml" "$root/setup.py" "$root"/mla_deploy/kernels/*.[ch] \
+  | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   echo "mla-deploy: installing pinned dependencies (first run takes a few minutes)" >&2
   "$venv/bin/python" -m pip install -q --upgrade pip

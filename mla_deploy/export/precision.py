@@ -1,10 +1,12 @@
 """`--dtype`: what an export stores its weights and caches in, and what its graphs compute in.
 
-float32 and float16 compute in their own dtype. bfloat16 stores weights and caches in bfloat16 but computes
-in float32: onnxruntime 1.31's CPU provider has bfloat16 kernels only for data movement (Gather, Concat, Cast,
+float32 computes in float32. float16 and bfloat16 store weights and caches in half precision but compute in
+float32: onnxruntime 1.31's CPU provider has bfloat16 kernels only for data movement (Gather, Concat, Cast,
 Reshape, Transpose, Split, TensorScatter), none for MatMul, Add, Mul, Softmax or RMSNormalization (measured per
-op), and every export must run on the CPU. So a bfloat16 export halves the file and the caches; onnxruntime
-widens its weights to float32 once at load (it folds the casts).
+op), and on a CPU without AVX512-FP16 it runs float16 MatMuls and their neighbours in float32 through casts it
+inserts itself; every export must run on the CPU. So a half export halves the file and the caches. A float16
+weight is multiplied as stored by mla_deploy.MatMulF16 (mla_deploy.kernels), where its library is registered;
+elsewhere, and for bfloat16, onnxruntime widens the weights to float32 once at load (it folds the casts).
 
 An export in a half dtype stands for the checkpoint with every weight rounded to that dtype (`round_weight`): the
 graphs read the rounded values, including the weights kept in float32 for the float32 islands (norms, router,
@@ -38,7 +40,7 @@ class Precision:
     @property
     def compute(self) -> str:
         """The dtype the layers compute in outside the float32 islands."""
-        return "float32" if self.dtype == "bfloat16" else self.dtype
+        return "float32"
 
 
 FLOAT16_MAX = float(np.finfo(np.float16).max)

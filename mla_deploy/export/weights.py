@@ -33,7 +33,8 @@ class WeightsFile:
         self.path = Path(path)
         self._file = open(self.path, "wb")
         self._tensors: dict[str, ir.ExternalTensor] = {}
-        self.shapes: dict[str, tuple[int, int]] = {}  # float [K, N] of each quantized weight, for MatMulNBits' K and N
+        # float [K, N] of each quantized weight (MatMulNBits' K and N) and of each float16 MatMulF16 weight (its strips)
+        self.shapes: dict[str, tuple[int, int]] = {}
         self.nbytes = 0
 
     def tensor(self, name: str, make: Callable[[], np.ndarray], dtype: str = "float32") -> ir.ExternalTensor:

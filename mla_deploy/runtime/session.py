@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from .. import integrity, io_spec
+from .. import integrity, io_spec, kernels
 from ..config import MLAConfig
 from ..errors import ExportLoadError, InputError, ProviderError
 from ..manifest import check_files, read_manifest
@@ -58,6 +58,9 @@ class RuntimeOptions:
     # further onnxruntime session config entries as (key, value) pairs, applied after the ones above (so they win),
     # e.g. ("session.set_denormal_as_zero", "1"); onnxruntime ignores keys it does not know
     session_config: tuple[tuple[str, str], ...] = ()
+    # mla-deploy's own custom-op library (mla_deploy.kernels), registered on every session where it was built; off,
+    # the graphs run those ops' ONNX function bodies (a float16 export then reads float32 copies of its weights)
+    kernels: bool = True
 
 
 _LEVELS = {
@@ -131,6 +134,8 @@ class ExportedModel:
         so.add_session_config_entry("session.force_spinning_stop", "1")
         for key, value in self.options.session_config:
             so.add_session_config_entry(key, value)
+        if self.options.kernels and (library := kernels.library()) is not None:
+            so.register_custom_ops_library(str(library))
         return so
 
     def _session(self, kind: str) -> ort.InferenceSession:

@@ -1,0 +1,141 @@
+"""mla_deploy.kernels: the float16-weight MatMul custom op (built at install time from C) against numpy, with its
+ONNX function body as the fallback, its errors, and a float16 export run through it and without it."""
+
+import platform
+import shutil
+import sysconfig
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from mla_deploy import io_spec, kernels
+from mla_deploy.export import ExportOptions, export
+from mla_deploy.export.layers import OPSET, half_matmul_function
+from mla_deploy.presets import DEMO_CHECKPOINT
+from mla_deploy.runtime import ExportedModel, Generator, RuntimeOptions, SamplingParams
+from mla_deploy.runtime.feeds import prefill_feed
+
+BUILT = kernels.library() is not None
+needs_library = pytest.mark.skipif(not BUILT, reason="the kernel library did not build on this machine (no compiler)")
+
+
+def test_the_library_builds_on_x86_64_linux_with_a_compiler():
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if platform.machine() not in ("x86_64", "AMD64") or shutil.which(compiler) is None:
+        pytest.skip(f"no {compiler} or not x86-64: the install skips the library and the graphs run its function body")
+    assert BUILT, "setup.py should have built mla_deploy/kernels/_half_matmul*.so (pip install -e . shows why not)"
+
+
+def test_column_strips_lays_w_out_as_the_kernel_reads_it():
+    w = np.arange(5 * 192, dtype=np.float32).reshape(5, 192)
+    b = kernels.column_strips(w)
+    assert b.shape == (3, 5, 64)
+    for s, k, j in [(0, 0, 0), (1, 4, 63), (2, 3, 17)]:
+        assert b[s, k, j] == w[k, 64 * s + j]
+    with pytest.raises(ValueError, match="N = 100 is not a multiple of 64"):
+        kernels.column_strips(np.zeros((3, 100), np.float32))
+
+
+def _one_op_model(k: int, n: int, a_rank: int = 2, b_shape=None) -> bytes:
+    """Y = MatMulF16(A, B) with its function body; B a graph input of `b_shape` (default the strips [n/64, k, 64])."""
+    b_shape = b_shape or [n // 64, k, 64]
+    graph = helper.make_graph(
+        [helper.make_node(kernels.HALF_MATMUL, ["a", "b"], ["y"], domain=kernels.DOMAIN)], "one_op",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [None] * (a_rank - 1) + [k]),
+         helper.make_tensor_value_info("b", TensorProto.FLOAT16, b_shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    function = ir.serde.serialize_function(half_matmul_function())
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(kernels.DOMAIN, 1)],
+                              functions=[function], ir_version=11)
+    return proto.SerializeToString()
+
+
+def _session(model: bytes, library: bool, threads: int = 2) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    if library:
+        so.register_custom_ops_library(str(kernels.library()))
+    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+
+
+# (rows, K, N): one row (decode), a few (batched decode: 2-12, groups balanced), many (prefill: more than 12, groups of
+# up to 6 with a ragged last one); K below and across the kernel's 256-deep blocks and not a multiple of 8; 1-4 strips
+SHAPES = [(1, 40, 64), (1, 300, 192), (2, 17, 128), (7, 256, 64), (8, 513, 128), (12, 64, 256), (13, 300, 128),
+          (40, 520, 256), (64, 33, 64)]
+
+
+@needs_library
+@pytest.mark.parametrize("library", [True, False], ids=["kernel", "function-body"])
+@pytest.mark.parametrize("rows,k,n", SHAPES)
+def test_matmul_f16_matches_numpy(rows, k, n, library):
+    """Each output within float32 accumulation error of the exact product (K x 2^-24 x sum |a||w|, the textbook bound
+    for a K-term float32 dot product): the float16 weight is widened exactly, as the function body's Cast does."""
+    rng = np.random.default_rng(rows * 1000 + k + n)
+    a = rng.standard_normal((rows, k)).astype(np.float32)
+    w = (rng.standard_normal((k, n)) * 0.1).astype(np.float16)
+    y = _session(_one_op_model(k, n), library).run(None, {"a": a, "b": np.ascontiguousarray(kernels.column_strips(w))})[0]
+    assert y.dtype == np.float32 and y.shape == (rows, n)
+    exact = a.astype(np.float64) @ w.astype(np.float64)
+    bound = k * 2.0**-24 * (np.abs(a.astype(np.float64)) @ np.abs(w.astype(np.float64)))
+    assert np.all(np.abs(y.astype(np.float64) - exact) <= bound)
+
+
+@needs_library
+def test_matmul_f16_keeps_leading_dimensions_and_runs_on_one_thread():
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((2, 3, 96)).astype(np.float32)
+    w = rng.standard_normal((96, 128)).astype(np.float16)
+    y = _session(_one_op_model(96, 128, a_rank=3), True, threads=1).run(
+        None, {"a": a, "b": np.ascontiguousarray(kernels.column_strips(w))})[0]
+    assert y.shape == (2, 3, 128)
+    np.testing.assert_allclose(y, a @ w.astype(np.float32), rtol=1e-5, atol=1e-5)
+
+
+@needs_library
+@pytest.mark.parametrize("b_shape,feed_shape,message", [
+    ([96, 128], (96, 128), r"MatMulF16: B must be strips \[N / 64, K, 64\]"),
+    ([2, 80, 64], (2, 80, 64), r"MatMulF16: A's last dimension must equal B's K"),
+])
+def test_matmul_f16_refuses_a_malformed_weight_by_name(b_shape, feed_shape, message):
+    session = _session(_one_op_model(96, 128, b_shape=b_shape), True)
+    with pytest.raises(Exception, match=message):
+        session.run(None, {"a": np.ones((1, 96), np.float32), "b": np.ones(feed_shape, np.float16)})
+
+
+@pytest.fixture(scope="module")
+def float16_demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("f16-demo") / "out"
+    export(DEMO_CHECKPOINT, out, ExportOptions(dtype="float16"), progress=lambda m: None)
+    return out
+
+
+def _optimized_op_types(model: ExportedModel, kind: str, tmp_path) -> set[str]:
+    so = model.session_options()
+    so.optimized_model_filepath = str(tmp_path / f"{kind}.optimized.onnx")
+    graph = model.directory / model.manifest["graphs"][kind]["file"]
+    ort.InferenceSession(str(graph), so, providers=model.providers)
+    optimized = onnx.load(so.optimized_model_filepath, load_external_data=False)
+    return {node.op_type for node in optimized.graph.node}
+
+
+@needs_library
+def test_a_float16_export_runs_the_kernel_and_its_function_body_alike(float16_demo, tmp_path):
+    """The float16 demo export's weights with whole 64-column strips go through MatMulF16 (stored as strips); with the
+    library registered onnxruntime keeps those nodes, without it inlines their MatMul bodies; both give the same
+    logits to float32 summation order and the same greedy tokens."""
+    saved = onnx.load(float16_demo / "decode.onnx", load_external_data=False)
+    assert [(f.domain, f.name) for f in saved.functions] == [(kernels.DOMAIN, kernels.HALF_MATMUL)]
+    assert sum(n.op_type == kernels.HALF_MATMUL for n in saved.graph.node) >= 4 * 4  # per layer: q_a, q_b, o, mlp ...
+    on, off = ExportedModel(float16_demo), ExportedModel(float16_demo, RuntimeOptions(kernels=False))
+    assert kernels.HALF_MATMUL in _optimized_op_types(on, io_spec.DECODE, tmp_path)
+    assert kernels.HALF_MATMUL not in _optimized_op_types(off, io_spec.DECODE, tmp_path)
+    feed = prefill_feed(on.config, np.array([[1, 17, 300, 42, 9, 77, 5]]), cache_dtype="float16")
+    logits = [m.run(io_spec.PREFILL, feed)[io_spec.LOGITS] for m in (on, off)]
+    scale = float(np.abs(logits[1]).max())
+    assert float(np.abs(logits[0] - logits[1]).max()) <= 1e-4 * scale
+    tokens = [Generator(m, SamplingParams(), stop_token_ids=()).generate([[1, 17, 300, 42]], 12).token_ids[0] for m in (on, off)]
+    assert tokens[0] == tokens[1]
