@@ -1,5 +1,6 @@
-"""mla_deploy.kernels: the float16-weight MatMul custom op (built at install time from C) against numpy, with its
-ONNX function body as the fallback, its errors, and a float16 export run through it and without it."""
+"""mla_deploy.kernels: the MatMul custom ops for float16 and bfloat16 weights (built at install time from C)
+against numpy, with their ONNX function bodies as the fallback, their errors, and half exports run through them and
+without them."""
 
 import platform
 import shutil
@@ -18,6 +19,7 @@ from mla_deploy.export.layers import OPSET, half_matmul_function
 from mla_deploy.presets import DEMO_CHECKPOINT
 from mla_deploy.runtime import ExportedModel, Generator, RuntimeOptions, SamplingParams
 from mla_deploy.runtime.feeds import prefill_feed
+from mla_deploy.safetensors_io import bf16_to_float32, float32_to_bf16
 
 BUILT = kernels.library() is not None
 needs_library = pytest.mark.skipif(not BUILT, reason="the kernel library did not build on this machine (no compiler)")
@@ -40,18 +42,36 @@ def test_column_strips_lays_w_out_as_the_kernel_reads_it():
         kernels.column_strips(np.zeros((3, 100), np.float32))
 
 
-def _one_op_model(k: int, n: int, a_rank: int = 2, b_shape=None) -> bytes:
-    """Y = MatMulF16(A, B) with its function body; B a graph input of `b_shape` (default the strips [n/64, k, 64])."""
-    b_shape = b_shape or [n // 64, k, 64]
+HALF = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
+
+
+def _half_bits(w: np.ndarray, dtype: str) -> np.ndarray:
+    """W rounded to `dtype`, as numpy holds it: float16, or bfloat16's uint16 bit patterns."""
+    return w.astype(np.float16) if dtype == "float16" else float32_to_bf16(w.astype(np.float32))
+
+
+def _as_float64(bits: np.ndarray, dtype: str) -> np.ndarray:
+    return (bits.astype(np.float32) if dtype == "float16" else bf16_to_float32(bits)).astype(np.float64)
+
+
+def _one_op_model(k: int, n: int, dtype: str = "float16", weight: np.ndarray | None = None, a_rank: int = 2,
+                  b_shape=None) -> bytes:
+    """Y = mla_deploy.MatMul(B)F16(A, B) with its function body; B the initializer `weight` (W [k, n] as half bits,
+    stored as strips), or else a graph input of `b_shape`."""
+    inputs = [helper.make_tensor_value_info("a", TensorProto.FLOAT, [None] * (a_rank - 1) + [k])]
+    initializers = []
+    if weight is None:
+        inputs.append(helper.make_tensor_value_info("b", HALF[dtype], b_shape))
+    else:
+        strips = np.ascontiguousarray(kernels.column_strips(weight))
+        initializers.append(helper.make_tensor("b", HALF[dtype], strips.shape, strips.tobytes(), raw=True))
     graph = helper.make_graph(
-        [helper.make_node(kernels.HALF_MATMUL, ["a", "b"], ["y"], domain=kernels.DOMAIN)], "one_op",
-        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [None] * (a_rank - 1) + [k]),
-         helper.make_tensor_value_info("b", TensorProto.FLOAT16, b_shape)],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
-    function = ir.serde.serialize_function(half_matmul_function())
-    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(kernels.DOMAIN, 1)],
+        [helper.make_node(kernels.HALF_MATMUL[dtype], ["a", "b"], ["y"], domain=kernels.DOMAIN)], "one_op", inputs,
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=initializers)
+    function = ir.serde.serialize_function(half_matmul_function(dtype))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(kernels.DOMAIN, 1)],
                               functions=[function], ir_version=11)
-    return proto.SerializeToString()
+    return model.SerializeToString()
 
 
 def _session(model: bytes, library: bool, threads: int = 2) -> ort.InferenceSession:
@@ -63,54 +83,61 @@ def _session(model: bytes, library: bool, threads: int = 2) -> ort.InferenceSess
 
 
 # (rows, K, N): one row (decode), a few (batched decode: 2-12, groups balanced), many (prefill: more than 12, groups of
-# up to 6 with a ragged last one); K below and across the kernel's 256-deep blocks and not a multiple of 8; 1-4 strips
+# up to 6 with a ragged last one); K below and across the kernel's 256-deep blocks; 1-4 strips
 SHAPES = [(1, 40, 64), (1, 300, 192), (2, 17, 128), (7, 256, 64), (8, 513, 128), (12, 64, 256), (13, 300, 128),
           (40, 520, 256), (64, 33, 64)]
 
 
 @needs_library
 @pytest.mark.parametrize("library", [True, False], ids=["kernel", "function-body"])
+@pytest.mark.parametrize("dtype", sorted(HALF))
 @pytest.mark.parametrize("rows,k,n", SHAPES)
-def test_matmul_f16_matches_numpy(rows, k, n, library):
+def test_half_matmul_matches_numpy(rows, k, n, dtype, library):
     """Each output within float32 accumulation error of the exact product (K x 2^-24 x sum |a||w|, the textbook bound
-    for a K-term float32 dot product): the float16 weight is widened exactly, as the function body's Cast does."""
+    for a K-term float32 dot product): the half weight is widened exactly, as the function body's Cast does."""
     rng = np.random.default_rng(rows * 1000 + k + n)
     a = rng.standard_normal((rows, k)).astype(np.float32)
-    w = (rng.standard_normal((k, n)) * 0.1).astype(np.float16)
-    y = _session(_one_op_model(k, n), library).run(None, {"a": a, "b": np.ascontiguousarray(kernels.column_strips(w))})[0]
+    w = _half_bits((rng.standard_normal((k, n)) * 0.1).astype(np.float32), dtype)
+    y = _session(_one_op_model(k, n, dtype, w), library).run(None, {"a": a})[0]
     assert y.dtype == np.float32 and y.shape == (rows, n)
-    exact = a.astype(np.float64) @ w.astype(np.float64)
-    bound = k * 2.0**-24 * (np.abs(a.astype(np.float64)) @ np.abs(w.astype(np.float64)))
+    exact = a.astype(np.float64) @ _as_float64(w, dtype)
+    bound = k * 2.0**-24 * (np.abs(a.astype(np.float64)) @ np.abs(_as_float64(w, dtype)))
     assert np.all(np.abs(y.astype(np.float64) - exact) <= bound)
 
 
 @needs_library
-def test_matmul_f16_keeps_leading_dimensions_and_runs_on_one_thread():
+def test_half_matmul_keeps_leading_dimensions_and_runs_on_one_thread():
     rng = np.random.default_rng(1)
     a = rng.standard_normal((2, 3, 96)).astype(np.float32)
     w = rng.standard_normal((96, 128)).astype(np.float16)
-    y = _session(_one_op_model(96, 128, a_rank=3), True, threads=1).run(
-        None, {"a": a, "b": np.ascontiguousarray(kernels.column_strips(w))})[0]
+    y = _session(_one_op_model(96, 128, weight=w, a_rank=3), True, threads=1).run(None, {"a": a})[0]
     assert y.shape == (2, 3, 128)
     np.testing.assert_allclose(y, a @ w.astype(np.float32), rtol=1e-5, atol=1e-5)
 
 
 @needs_library
-@pytest.mark.parametrize("b_shape,feed_shape,message", [
-    ([96, 128], (96, 128), r"MatMulF16: B must be strips \[N / 64, K, 64\]"),
-    ([2, 80, 64], (2, 80, 64), r"MatMulF16: A's last dimension must equal B's K"),
+@pytest.mark.parametrize("b_shape,message", [
+    ([96, 128], r"MatMulF16: B must be strips \[N / 64, K, 64\]"),
+    ([2, 96, 32], r"MatMulF16: B must be strips \[N / 64, K, 64\]"),
+    ([2, 80, 64], r"MatMulF16: A's last dimension must equal B's K"),
 ])
-def test_matmul_f16_refuses_a_malformed_weight_by_name(b_shape, feed_shape, message):
+def test_half_matmul_refuses_a_malformed_weight_by_name(b_shape, message):
     session = _session(_one_op_model(96, 128, b_shape=b_shape), True)
     with pytest.raises(Exception, match=message):
-        session.run(None, {"a": np.ones((1, 96), np.float32), "b": np.ones(feed_shape, np.float16)})
+        session.run(None, {"a": np.ones((1, 96), np.float32), "b": np.ones(b_shape, np.float16)})
 
 
 @pytest.fixture(scope="module")
-def float16_demo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("f16-demo") / "out"
-    export(DEMO_CHECKPOINT, out, ExportOptions(dtype="float16"), progress=lambda m: None)
-    return out
+def half_demo(tmp_path_factory):
+    built = {}
+
+    def get(dtype: str):
+        if dtype not in built:
+            built[dtype] = tmp_path_factory.mktemp(f"{dtype}-demo") / "out"
+            export(DEMO_CHECKPOINT, built[dtype], ExportOptions(dtype=dtype), progress=lambda m: None)
+        return built[dtype]
+
+    return get
 
 
 def _optimized_op_types(model: ExportedModel, kind: str, tmp_path) -> set[str]:
@@ -123,19 +150,22 @@ def _optimized_op_types(model: ExportedModel, kind: str, tmp_path) -> set[str]:
 
 
 @needs_library
-def test_a_float16_export_runs_the_kernel_and_its_function_body_alike(float16_demo, tmp_path):
-    """The float16 demo export's weights with whole 64-column strips go through MatMulF16 (stored as strips); with the
-    library registered onnxruntime keeps those nodes, without it inlines their MatMul bodies; both give the same
-    logits to float32 summation order and the same greedy tokens."""
-    saved = onnx.load(float16_demo / "decode.onnx", load_external_data=False)
-    assert [(f.domain, f.name) for f in saved.functions] == [(kernels.DOMAIN, kernels.HALF_MATMUL)]
-    assert sum(n.op_type == kernels.HALF_MATMUL for n in saved.graph.node) >= 4 * 4  # per layer: q_a, q_b, o, mlp ...
-    on, off = ExportedModel(float16_demo), ExportedModel(float16_demo, RuntimeOptions(kernels=False))
-    assert kernels.HALF_MATMUL in _optimized_op_types(on, io_spec.DECODE, tmp_path)
-    assert kernels.HALF_MATMUL not in _optimized_op_types(off, io_spec.DECODE, tmp_path)
-    feed = prefill_feed(on.config, np.array([[1, 17, 300, 42, 9, 77, 5]]), cache_dtype="float16")
+@pytest.mark.parametrize("dtype", sorted(HALF))
+def test_a_half_export_runs_the_kernel_and_its_function_body_alike(half_demo, dtype, tmp_path):
+    """The demo's half export: its weights with whole 64-column strips go through the dtype's op (stored as strips);
+    with the library registered onnxruntime keeps those nodes, without it inlines their MatMul bodies; both give the
+    same logits to float32 summation order and the same greedy tokens."""
+    out, op_type = half_demo(dtype), kernels.HALF_MATMUL[dtype]
+    saved = onnx.load(out / "decode.onnx", load_external_data=False)
+    assert [(f.domain, f.name) for f in saved.functions] == [(kernels.DOMAIN, op_type)]
+    assert sum(n.op_type == op_type for n in saved.graph.node) >= 4 * 4  # per layer: q_a, q_b, o, mlp ...
+    on, off = ExportedModel(out), ExportedModel(out, RuntimeOptions(kernels=False))
+    assert op_type in _optimized_op_types(on, io_spec.DECODE, tmp_path)
+    assert op_type not in _optimized_op_types(off, io_spec.DECODE, tmp_path)
+    feed = prefill_feed(on.config, np.array([[1, 17, 300, 42, 9, 77, 5]]), cache_dtype=dtype)
     logits = [m.run(io_spec.PREFILL, feed)[io_spec.LOGITS] for m in (on, off)]
     scale = float(np.abs(logits[1]).max())
     assert float(np.abs(logits[0] - logits[1]).max()) <= 1e-4 * scale
-    tokens = [Generator(m, SamplingParams(), stop_token_ids=()).generate([[1, 17, 300, 42]], 12).token_ids[0] for m in (on, off)]
+    tokens = [Generator(m, SamplingParams(), stop_token_ids=()).generate([[1, 17, 300, 42]], 12).token_ids[0]
+              for m in (on, off)]
     assert tokens[0] == tokens[1]

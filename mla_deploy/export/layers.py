@@ -17,8 +17,8 @@ over block-quantized experts, fed the router's own choice and weights. Float lay
 one run every expert densely (export.experts; each choice measured: README).
 
 Precision (`--dtype`, export.precision): weights and caches are stored in the export's dtype and the layers
-compute in its compute dtype (float32 for every dtype on the CPU; a float16 weight goes through mla_deploy.MatMulF16,
-which multiplies by it as stored: Graph.half_matmul); RMSNorm statistics, rope, the attention core (absorbed query,
+compute in its compute dtype (float32 for every dtype on the CPU; a half weight goes through mla_deploy's MatMulF16 /
+MatMulBF16, which multiply by it as stored: Graph.half_matmul); RMSNorm statistics, rope, the attention core (absorbed query,
 scores, softmax, probs @ latent, the per-head and fused absorbed matrices) and the router run in float32 islands,
 entered with `g.to_float` and left with `g.to_compute`.
 """
@@ -85,9 +85,9 @@ class Graph:
         return self._values[f"{name}:compute"]
 
     def half_matmul(self, op, x: ir.Value, name: str, make_w_in_out: Callable[[], np.ndarray]) -> ir.Value:
-        """x @ W (x float32) for a float16 export's weight W [K, N]: mla_deploy.MatMulF16 over W in column strips
-        (mla_deploy.kernels: it reads the float16 bytes; onnxruntime's MatMul would read a float32 copy made at load).
-        A weight whose N is not whole strips goes through MatMul."""
+        """x @ W (x float32) for a half export's weight W [K, N]: mla_deploy.MatMulF16 / MatMulBF16 over W in column
+        strips (mla_deploy.kernels: it reads the stored half-precision bytes; onnxruntime's MatMul would read a float32
+        copy made at load). A weight whose N is not whole strips goes through MatMul."""
         made = {}
 
         def w() -> np.ndarray:  # [K, N], made once for its shape and its bytes
@@ -101,10 +101,10 @@ class Graph:
         if self.weights.shapes[name][1] % kernels.STRIP:
             return op.MatMul(x, self.weight(name, w))
         strips = self._initializer(f"{name}.strips", lambda: kernels.column_strips(w()), self.precision.dtype)
-        function = half_matmul_function()
+        function = half_matmul_function(self.precision.dtype)
         self.functions[function.identifier()] = function
         self.builder.graph.opset_imports[kernels.DOMAIN] = 1
-        return op.MatMulF16(x, strips, _domain=kernels.DOMAIN)  # [..., N]
+        return getattr(op, function.name)(x, strips, _domain=kernels.DOMAIN)  # [..., N]
 
     def _initializer(self, name: str, make: Callable[[], np.ndarray], dtype: str) -> ir.Value:
         if name not in self._values:
@@ -187,23 +187,23 @@ class Graph:
 
 
 @functools.cache
-def _half_matmul_proto() -> onnx.FunctionProto:
+def _half_matmul_proto(dtype: str) -> onnx.FunctionProto:
     h = onnx.helper
-    return h.make_function(kernels.DOMAIN, kernels.HALF_MATMUL, ["A", "B"], ["Y"], [
+    return h.make_function(kernels.DOMAIN, kernels.HALF_MATMUL[dtype], ["A", "B"], ["Y"], [
         h.make_node("Transpose", ["B"], ["B_k"], perm=[1, 0, 2]),  # [N/64, K, 64] -> [K, N/64, 64]
         h.make_node("Constant", [], ["k_by_n"], value_ints=[0, -1]),
         h.make_node("Reshape", ["B_k", "k_by_n"], ["W16"]),  # [K, N/64, 64] -> [K, N]
         h.make_node("Cast", ["W16"], ["W"], to=onnx.TensorProto.FLOAT),
         h.make_node("MatMul", ["A", "W"], ["Y"]),  # [..., K] float32 @ [K, N] -> [..., N] float32
     ], opset_imports=[h.make_opsetid("", OPSET)],
-        doc_string="Y = A @ W for float32 A and a float16 W stored as column strips B [N/64, K, 64]; mla-deploy's kernel "
-                   "library (mla_deploy.kernels) runs it reading W as stored, this body where that is not registered.")
+        doc_string=f"Y = A @ W for float32 A and a {dtype} W stored as column strips B [N/64, K, 64]; mla-deploy's "
+                   "kernel library (mla_deploy.kernels) runs it reading W as stored, this body where that is not registered.")
 
 
-def half_matmul_function() -> ir.Function:
-    """mla_deploy.MatMulF16's body: what onnxruntime runs where the kernel library is not registered (it folds the
-    weight's re-layout and cast at load into a float32 copy)."""
-    return ir.serde.deserialize_function(_half_matmul_proto())
+def half_matmul_function(dtype: str) -> ir.Function:
+    """The body of mla_deploy's MatMul by a `dtype` (float16, bfloat16) weight: what onnxruntime runs where the kernel
+    library is not registered (it folds the weight's re-layout and cast at load into a float32 copy)."""
+    return ir.serde.deserialize_function(_half_matmul_proto(dtype))
 
 
 # ---- small pieces ----
@@ -225,7 +225,7 @@ def linear(g: Graph, op, x: ir.Value, name: str, make_w_in_out: Callable[[], np.
     absorbed_matrices); kv_b and the router are not `quantizable`. In a float32 `island` x is float32 and so are W
     or the quantization scales."""
     q = g.quantization
-    if (q is None or not quantizable) and g.precision.dtype == "float16" and not island:
+    if (q is None or not quantizable) and g.precision.dtype in kernels.HALF_MATMUL and not island:
         return g.half_matmul(op, x, name, make_w_in_out)
     if q is None or not quantizable:
         return op.MatMul(x, g.weight(name, make_w_in_out, island=island))

@@ -1,12 +1,12 @@
 """mla-deploy's own onnxruntime kernels: a custom-op library built at install time (setup.py) from the C in this
-directory. Torch-free; the runtime registers it on every session it creates.
+directory. Torch-free; the runtime registers it on every session it creates (RuntimeOptions.kernels).
 
-`mla_deploy.MatMulF16` (half_matmul.c): a float16 MatMul that reads its float16 weight as stored and widens it in
-registers. onnxruntime's CPU provider has no float16 MatMul without AVX512-FP16 and would cast the weight to a float32
-copy at load, so a float16 export's decode step would read twice its file's bytes. Every graph that uses the op also
-carries it as an ONNX function (Cast-free MatMul over the re-laid weight, export.layers), which onnxruntime runs
-wherever the library is not registered: not built, a CPU without AVX2/FMA/F16C, or turned off
-(RuntimeOptions.kernels).
+`mla_deploy.MatMulF16` and `mla_deploy.MatMulBF16` (half_matmul.c, registered by custom_ops.c): Y = A @ W for
+float32 A and Y and a float16 or bfloat16 weight W, read as stored and widened in registers. onnxruntime's CPU
+provider has no MatMul for either weight type (float16: without AVX512-FP16) and would multiply by float32 copies
+made at load, so a half export's decode step would read twice its file's bytes. Every graph that uses the ops also
+carries them as ONNX functions (the same product through Cast and MatMul, export.layers), which onnxruntime runs
+wherever the library is not registered: not built (no C compiler), a CPU without AVX2/FMA/F16C, or turned off.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 
 DOMAIN = "mla_deploy"
-HALF_MATMUL = "MatMulF16"
-STRIP = 64  # MatMulF16's weight layout: strips of 64 output columns, [N / 64, K, 64]
+HALF_MATMUL = {"float16": "MatMulF16", "bfloat16": "MatMulBF16"}  # by the weight's dtype
+STRIP = 64  # their weight layout: strips of 64 output columns, [N / 64, K, 64]
 
 
 def library() -> Path | None:
@@ -32,7 +32,7 @@ def library() -> Path | None:
 
 
 def column_strips(w_in_out: np.ndarray) -> np.ndarray:
-    """W [K, N] (N a multiple of 64) as MatMulF16 reads it, strips of 64 columns [N / 64, K, 64]: a view, written
+    """W [K, N] (N a multiple of 64) as MatMulF16 / MatMulBF16 read it, strips of 64 columns [N / 64, K, 64]: a view, written
     strip by strip. B[s, k, j] = W[k, 64 s + j]."""
     k, n = w_in_out.shape
     if n % STRIP:

@@ -1,4 +1,4 @@
-/* The slice of onnxruntime's C ABI (onnxruntime_c_api.h, ORT_API_VERSION >= 17) the half-precision kernels use,
+/* The slice of onnxruntime's C ABI (onnxruntime_c_api.h, ORT_API_VERSION >= 17) that custom_ops.c uses,
  * declared here so the library builds from this project's files alone: onnxruntime's Python wheel ships no headers.
  *
  * OrtApi is a table of function pointers that onnxruntime only ever appends to, so a function's slot is fixed from
