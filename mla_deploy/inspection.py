@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import footprint
+from . import footprint, kernels
 from .checkpoint import Checkpoint
 from .errors import InputError
 from .export.absorb import AbsorbMode, resolve_absorb
@@ -29,6 +29,7 @@ def inspect_path(path: str | Path) -> dict:
                   "max_seq_len": manifest["max_seq_len"], "weights_file_bytes": manifest["weights"]["bytes"],
                   "graphs": {kind: {"inputs": g["inputs"], "outputs": g["outputs"], "op_counts": g.get("op_counts")}
                              for kind, g in manifest["graphs"].items()}}
+        report["kernels"] = _kernel_ops(report["graphs"])
     elif (path / "config.json").is_file():
         ckpt = Checkpoint(path)
         cfg, dtype, quantization = ckpt.config, "float32", None
@@ -51,6 +52,16 @@ def inspect_path(path: str | Path) -> dict:
                      for kind, per_token in cache.items()},
     )
     return report
+
+
+def _kernel_ops(graphs: dict) -> dict | None:
+    """The export's mla-deploy custom ops per graph, and whether this install built the library that runs them."""
+    ops = {kind: {op: n for op, n in (g["op_counts"] or {}).items() if op.startswith(f"{kernels.DOMAIN}::")}
+           for kind, g in graphs.items()}
+    if not any(ops.values()):
+        return None
+    library = kernels.library()
+    return {"ops": ops, "library": str(library) if library else None}
 
 
 def _quantized_sizes(q: dict | None) -> dict[str, float]:
@@ -81,6 +92,13 @@ def format_report(r: dict) -> list[str]:
     if precision and precision["dtype"] != "float32":
         lines.append(f"           weights and caches {precision['dtype']}, computed in {precision['compute']}; "
                      f"float32: {precision['float32']}")
+    k = r.get("kernels")
+    if k:
+        counts = ", ".join(f"{kind} {' '.join(f'{op} x{n}' for op, n in ops.items())}" for kind, ops in k["ops"].items())
+        how = ("run by mla-deploy's kernel library, built here: the weights are read as stored" if k["library"] else
+               "mla-deploy's kernel library was not built here (no C compiler at install): onnxruntime runs their "
+               "function bodies, on float32 copies of the weights made at load")
+        lines.append(f"kernels    {counts}; {how}")
     q = r.get("quantization")
     if q:
         lines.append(f"quantized  int{q['bits']} weights, int{q['head_bits']} embedding and head ({q['quantized_weights']} tensors), blocks of {q['block']}, "

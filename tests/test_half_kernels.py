@@ -169,3 +169,18 @@ def test_a_half_export_runs_the_kernel_and_its_function_body_alike(half_demo, dt
     tokens = [Generator(m, SamplingParams(), stop_token_ids=()).generate([[1, 17, 300, 42]], 12).token_ids[0]
               for m in (on, off)]
     assert tokens[0] == tokens[1]
+
+
+def test_inspect_says_which_ops_need_the_library_and_whether_it_was_built(half_demo, monkeypatch):
+    from mla_deploy.inspection import format_report, inspect_path
+
+    out = half_demo("bfloat16")
+    report = inspect_path(out)
+    decode_ops = report["kernels"]["ops"]["decode"]
+    assert list(decode_ops) == ["mla_deploy::MatMulBF16"] and decode_ops["mla_deploy::MatMulBF16"] >= 16
+    line = next(line for line in format_report(report) if line.startswith("kernels"))
+    assert "decode mla_deploy::MatMulBF16 x" in line and "prefill mla_deploy::MatMulBF16 x" in line
+    assert ("built here" in line) == BUILT
+    monkeypatch.setattr(kernels, "library", lambda: None)
+    line = next(line for line in format_report(inspect_path(out)) if line.startswith("kernels"))
+    assert "was not built here (no C compiler at install)" in line and "float32 copies" in line

@@ -58,8 +58,8 @@ class RuntimeOptions:
     # further onnxruntime session config entries as (key, value) pairs, applied after the ones above (so they win),
     # e.g. ("session.set_denormal_as_zero", "1"); onnxruntime ignores keys it does not know
     session_config: tuple[tuple[str, str], ...] = ()
-    # mla-deploy's own custom-op library (mla_deploy.kernels), registered on every session where it was built; off,
-    # the graphs run those ops' ONNX function bodies (a float16 export then reads float32 copies of its weights)
+    # mla-deploy's own custom-op library (mla_deploy.kernels), registered on every CPU session where it was built;
+    # off, the graphs run those ops' ONNX function bodies (a half export then reads float32 copies of its weights)
     kernels: bool = True
 
 
@@ -134,7 +134,9 @@ class ExportedModel:
         so.add_session_config_entry("session.force_spinning_stop", "1")
         for key, value in self.options.session_config:
             so.add_session_config_entry(key, value)
-        if self.options.kernels and (library := kernels.library()) is not None:
+        # CPU kernels: on CUDA, onnxruntime would run them on the host between device ops; unregistered, it inlines
+        # their function bodies and runs them on the device
+        if self.options.kernels and self.device == "cpu" and (library := kernels.library()) is not None:
             so.register_custom_ops_library(str(library))
         return so
 
