@@ -194,10 +194,16 @@ def read_bytes_per_token(export_dir: Path, ctx: int) -> int:
 
 
 def cpu_model() -> str:
+    """The model name, and what a VM's bare "AMD EPYC" hides: family / model and the SIMD the kernels can use."""
+    fields = {}
     for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    if "model name" not in fields:
+        return platform.processor()
+    simd = [f for f in ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8")
+            if f in fields.get("flags", "").split()]
+    return f"{fields['model name']} (family {fields.get('cpu family')}, model {fields.get('model')}; {' '.join(simd)})"
 
 
 def main() -> int:
