@@ -5,8 +5,9 @@
  *
  * Per strip of 64 output columns (one task on onnxruntime's intra-op threads), by the number of rows of A:
  * - one (a decode step): eight 8-wide accumulators walk the strip's K rows, one contiguous stream;
- * - a few (batched decode, up to 12): per balanced group of at most 6 rows and 16 columns, 6x16 accumulators over
- *   all of K straight from the half-precision strip (each weight is used once or twice);
+ * - a few (batched decode, up to 12): per balanced group of at most 6 rows and per 16 columns, 6x16 accumulators
+ *   straight from the half-precision strip (each weight is used once or twice; with two groups, K goes in chunks
+ *   of 512 rows so that the second group finds the chunk in L2);
  * - more (prefill): per 256 rows of the strip, the block is widened once into a float32 panel per 16 columns that
  *   stays in L1 while every group passes over it (GotoBLAS order), partial sums in a per-strip buffer.
  * A's rows are packed per group [K, 6] so each block reads them as one stream.
@@ -22,6 +23,7 @@
 #define PANEL 16    /* columns of one register block */
 #define KC 256      /* rows of B per pass in the many-rows path */
 #define FEW_ROWS 12 /* up to this many rows of A, B is read as stored in each group's pass */
+#define FEW_KC 512  /* rows of B per pass in the few-rows path */
 #define WIDE 2      /* a block's B already widened to float32 (besides HALF_F16, HALF_BF16) */
 
 /* 8 consecutive weights at base[i] as float32 */
@@ -81,14 +83,19 @@ INLINE void block_rows(int mr, const float *a, const void *b, int64_t ldb, int64
 
 static int rows_in(const HalfMatMul *job, int64_t r0) { return (int)(job->m - r0 < job->group ? job->m - r0 : job->group); }
 
+/* With two groups, K in chunks of FEW_KC rows, so that the chunk (64 KiB) is still in L2 when the second reads it */
 INLINE void few_rows_strip(const HalfMatMul *job, const uint16_t *strip, int64_t col, int kind) {
-    float c[MR * STRIP];
-    for (int64_t r0 = 0; r0 < job->m; r0 += job->group) {
-        int mr = rows_in(job, r0);
-        const float *a = job->a + r0 / job->group * MR * job->k;
-        for (int64_t p = 0; p < STRIP; p += PANEL) block_rows(mr, a, strip + p, STRIP, job->k, c + p, 1, kind);
-        for (int r = 0; r < mr; r++) memcpy(job->y + (r0 + r) * job->n + col, c + r * STRIP, sizeof(float) * STRIP);
+    float c[FEW_ROWS * STRIP]; /* partial sums [m, 64] */
+    int64_t chunk = job->m > job->group ? FEW_KC : job->k;
+    for (int64_t k0 = 0; k0 < job->k; k0 += chunk) {
+        int64_t kc = job->k - k0 < chunk ? job->k - k0 : chunk;
+        for (int64_t r0 = 0; r0 < job->m; r0 += job->group) {
+            const float *a = job->a + r0 / job->group * MR * job->k + k0 * MR; /* this group, from row k0 */
+            for (int64_t p = 0; p < STRIP; p += PANEL)
+                block_rows(rows_in(job, r0), a, strip + k0 * STRIP + p, STRIP, kc, c + r0 * STRIP + p, k0 == 0, kind);
+        }
     }
+    for (int64_t r = 0; r < job->m; r++) memcpy(job->y + r * job->n + col, c + r * STRIP, sizeof(float) * STRIP);
 }
 
 /* c [m, 64] partial sums, b [64 / 16, KC, 16] the widened panels */
