@@ -23,7 +23,9 @@ table gives, for our exports, the weight and cache bytes one decode token reads 
 and the fraction of the probed bandwidth that tokens/s x bytes reaches.
 
     .venv/bin/python benchmarks/compare_llamacpp.py [--checkpoint DIR | --preset v2lite-2L] [--threads 2]
-        [--contexts 128,4096,16384] [--workdir benchmarks/work/llamacpp]
+        [--contexts 128,4096,16384] [--workdir benchmarks/work/llamacpp] [--pairs f32,q8_0,q4_0,f16]
+
+--pairs runs a subset (by llama.cpp's name of the precision); its results.json and chart then hold only those.
 """
 
 from __future__ import annotations
@@ -213,7 +215,11 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--contexts", default="128,4096,16384")
     ap.add_argument("--workdir", type=Path, default=ROOT / "benchmarks" / "work" / "llamacpp")
+    ap.add_argument("--pairs", default=",".join(kind for kind, _ in PAIRS), help="llama.cpp precisions to compare")
     args = ap.parse_args()
+    pairs = [(kind, ours) for kind, ours in PAIRS if kind in args.pairs.split(",")]
+    if not pairs:
+        ap.error(f"--pairs {args.pairs!r}: expected some of {', '.join(kind for kind, _ in PAIRS)}")
     contexts = [int(c) for c in args.contexts.split(",")]
     work = args.workdir.resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -233,7 +239,7 @@ def main() -> int:
 
     results = {"cpu": cpu_model(), "threads": args.threads, "bandwidth_gbs": matmul_read_gbs(args.threads),
                "checkpoint": str(checkpoint), "pairs": []}
-    for kind, precision in PAIRS:  # interleaved: each pair back to back
+    for kind, precision in pairs:  # interleaved: each pair back to back
         log(f"llama.cpp {kind}")
         theirs = llama_bench(bins, ggufs[kind], args.threads, contexts)
         theirs["batch8_128"] = llama_batched(bins, ggufs[kind], args.threads)
