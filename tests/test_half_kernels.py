@@ -180,7 +180,7 @@ def test_inspect_says_which_ops_need_the_library_and_whether_it_was_built(half_d
     assert list(decode_ops) == ["mla_deploy::MatMulBF16"] and decode_ops["mla_deploy::MatMulBF16"] >= 16
     line = next(line for line in format_report(report) if line.startswith("kernels"))
     assert "decode mla_deploy::MatMulBF16 x" in line and "prefill mla_deploy::MatMulBF16 x" in line
-    assert ("built here" in line) == BUILT
+    assert ("built here: the weights are read as stored" in line) == BUILT
     monkeypatch.setattr(kernels, "library", lambda: None)
     line = next(line for line in format_report(inspect_path(out)) if line.startswith("kernels"))
     assert "was not built here (no C compiler at install)" in line and "float32 copies" in line
