@@ -92,7 +92,7 @@ static OrtStatus *compute(OrtKernelContext *context, HalfKind kind, const char *
         job.a = packed;
     }
     if (!status) status = parallel_for(context, run_strip, (size_t)b_dims[0], &job);
-    if (!status && job.failed) status = error(op, "out of memory for a strip's partial sums");
+    if (!status && __atomic_load_n(&job.failed, __ATOMIC_RELAXED)) status = error(op, "out of memory for a strip's partial sums");
     free(packed);
     return status;
 }

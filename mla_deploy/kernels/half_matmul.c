@@ -122,7 +122,7 @@ INLINE void strip_of(HalfMatMul *job, int64_t s, int kind) {
     } else {
         float *scratch = malloc(sizeof(float) * (job->m * STRIP + KC * STRIP));
         if (!scratch) {
-            job->failed = 1;
+            __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED); /* strips run on several threads */
             return;
         }
         many_rows_strip(job, strip, s * STRIP, scratch, scratch + job->m * STRIP, kind);
