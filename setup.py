@@ -6,5 +6,5 @@ from setuptools import Extension, setup
 
 setup(ext_modules=[Extension(
     "mla_deploy.kernels._half_matmul", sources=["mla_deploy/kernels/half_matmul.c", "mla_deploy/kernels/custom_ops.c"],
-    depends=["mla_deploy/kernels/half_matmul.h", "mla_deploy/kernels/ort_abi.h"], extra_compile_args=["-O3", "-fvisibility=hidden"], optional=True,
+    depends=["mla_deploy/kernels/half_matmul.h", "mla_deploy/kernels/ort_abi.h"], extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-fvisibility=hidden"], optional=True,
 )])

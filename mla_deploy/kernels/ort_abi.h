@@ -102,7 +102,8 @@ typedef void (*OrtReleaseTensorTypeAndShapeInfoFn)(OrtTensorTypeAndShapeInfo *in
 typedef OrtStatus *(*OrtKernelContextParallelForFn)(const OrtKernelContext *context, void (*fn)(void *, size_t),
                                                     size_t total, size_t num_batch, void *user_data);
 
-/* The function in slot `slot` of onnxruntime's table, as type `type`. */
-#define ORT_FN(api, type, slot) ((type)(((void *const *)(api))[slot]))
+/* The function in slot `slot` of onnxruntime's table (an array of function pointers), as type `type`. */
+typedef void (*OrtAnyFn)(void);
+#define ORT_FN(api, type, slot) ((type)(((const OrtAnyFn *)(const void *)(api))[slot]))
 
 #endif
