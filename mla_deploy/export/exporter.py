@@ -95,7 +95,7 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
                  f"config: factored {factored:.2f} MB, fused {fused:.2f} MB (bytes decide, not a timing)")
 
     source = RoundedCheckpoint(ckpt, precision.dtype)  # the weights as the export's dtype holds them
-    experts = resolve_experts(cfg, options.experts, quantization, precision.dtype)
+    experts = resolve_experts(cfg, options.experts, quantization)
     if cfg.n_routed_experts:
         progress(f"routed experts: {experts} ({options.experts})")
     progress("hashing source weights")
