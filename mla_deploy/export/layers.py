@@ -345,17 +345,21 @@ class MLAttention:
         out = linear(g, op, g.to_compute(op, o), f"{self.name}.o", lambda: t(self.hf + "o_proj.weight").T)
         return out, cache_latent, cache_rope
 
-    def _probs_at_latent(self, op, logits, latent, long_cache: bool) -> ir.Value:
-        """softmax(logits [b, cap, h]) over the cache, times latent [b, cap, d_c] -> [b, h, d_c]. MLAS packs a MatMul's
-        B operand on every call; for a cache that can outgrow LONG_CACHE_BYTES per row, packing it costs as much as
-        the product, so such a cache is the A operand (FusedMatMul transA); a short one stays B, where the plain
-        MatMul is faster (README, Versus llama.cpp). Chosen at export from the maximum length: an If on the capacity
-        measured no better on the demo, within this machine's noise."""
+    def _probs_at_latent(self, op, logits, bias, latent, long_cache: bool) -> ir.Value:
+        """softmax(logits [b, cap, h] + bias [b, 1, 1, cap]) over the cache, times latent [b, cap, d_c] -> [b, h, d_c].
+        MLAS packs a MatMul's B operand on every call; for a cache that can outgrow LONG_CACHE_BYTES per row, packing
+        it costs as much as the product, so such a cache is the A operand (FusedMatMul transA); a short one stays B,
+        where the plain MatMul is faster (README, Versus llama.cpp). Chosen at export from the maximum length: an If
+        on the capacity measured no better on the demo, within this machine's noise. The short path adds the bias
+        after the transpose: broadcast over heads it is one row of cap floats per head, where in [b, cap, h] it is
+        one float per h-wide row (onnxruntime's Add: 120 vs ~15 us per layer at batch 16 on the demo)."""
         if long_cache:
+            logits = op.Add(logits, op.Reshape(bias, [0, -1, 1]))  # [b, 1, 1, cap] -> [b, cap, 1]
             probs = op.Softmax(logits, axis=1)  # [b, cap, h]
             o = op.FusedMatMul(latent, probs, transA=1, _domain="com.microsoft")  # [b, cap, d_c]ᵀ @ [b, cap, h] -> [b, d_c, h]
             return op.Transpose(o, perm=[0, 2, 1])  # [b, d_c, h] -> [b, h, d_c]
-        probs = op.Softmax(op.Transpose(logits, perm=[0, 2, 1]), axis=-1)  # [b, cap, h] -> [b, h, cap]
+        logits = op.Add(op.Transpose(logits, perm=[0, 2, 1]), op.Reshape(bias, [0, 1, -1]))  # [b, h, cap] + [b, 1, cap]
+        probs = op.Softmax(logits, axis=-1)  # [b, h, cap]
         return op.MatMul(probs, latent)  # [b, h, cap] @ [b, cap, d_c] -> [b, h, d_c]
 
     def absorbed(self, op, x, cos, sin, bias, past_latent, past_rope, write_indices, mode: AbsorbMode,
@@ -387,9 +391,7 @@ class MLAttention:
             op.MatMul(latent_f, op.Transpose(q_latent, perm=[0, 2, 1])),  # [b, cap, d_c] @ [b, d_c, h] -> [b, cap, h]
             op.MatMul(self.cached(op, cache_rope), op.Transpose(q_pe, perm=[0, 2, 1])),  # [b, cap, d_r] @ [b, d_r, h] -> [b, cap, h]
         )
-        decode_bias = op.Reshape(bias, [0, -1, 1])  # [b, 1, 1, cap] -> [b, cap, 1]
-        o_latent = self._probs_at_latent(op, op.Add(op.Mul(scores, self.scale), decode_bias), latent_f,
-                                         long_cache)  # [b, h, d_c]
+        o_latent = self._probs_at_latent(op, op.Mul(scores, self.scale), bias, latent_f, long_cache)  # [b, h, d_c]
         o_weight = self._hf("o_proj.weight")
         if mode == AbsorbMode.FUSED:
             o = op.Reshape(o_latent, [0, 1, h * dc])  # [b, h, d_c] -> [b, 1, h·d_c]
