@@ -15,7 +15,7 @@ from transformers import (RepetitionPenaltyLogitsProcessor, TemperatureLogitsWar
 from mla_deploy import io_spec
 from mla_deploy.runtime import ExportedModel, Generator, SamplingParams
 from mla_deploy.runtime.feeds import prefill_feed
-from mla_deploy.runtime.sampling import apply_repetition_penalty, sample
+from mla_deploy.runtime.sampling import NUCLEUS_CANDIDATES, apply_repetition_penalty, nucleus, sample
 
 DRAWS = 40_000
 LOGITS = np.array([2.0, 1.6, 1.5, 0.9, 0.3, -0.2, -0.4, -1.0, 0.05, 1.1, -2.5, 0.7], np.float32)
@@ -184,3 +184,61 @@ def test_zero_is_a_seed_and_top_k_zero_is_off():
     assert (params.seed, params.top_k) == (0, 0)
     draws = [sample(LOGITS[None], params, np.random.default_rng(params.seed), [HISTORY]).item() for _ in range(2)]
     assert draws == [sample(LOGITS[None], params, np.random.default_rng(0), [HISTORY]).item()] * 2
+
+
+def full_sort_nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """The nucleus by its definition: the whole vocabulary sorted by probability, ties by id."""
+    order = np.argsort(-probs, axis=-1, kind="stable")
+    sorted_probs = np.take_along_axis(probs, order, -1)
+    keep = np.zeros(probs.shape, bool)
+    np.put_along_axis(keep, order, np.cumsum(sorted_probs, -1) - sorted_probs < top_p, -1)
+    return keep
+
+
+def test_nucleus_from_the_likeliest_candidates_equals_the_full_sort():
+    """Rows whose nucleus lies among the first or the second partition's candidates, rows that need the whole
+    vocabulary, ties straddling the candidates' last place, vocabularies no larger than the candidates: every keep
+    mask equals the full sort's, and every path is taken."""
+    rng = np.random.default_rng(0)
+    vocab, m = 4096, NUCLEUS_CANDIDATES[0]
+    peaked, middle, flat = (np.exp(rng.normal(0, scale, (20, vocab))) for scale in (4.0, 1.5, 0.1))
+    tied = np.full((4, vocab), 1e-4)
+    for row in tied:  # 10 likeliest, then 200 equal ones across the m-th place, at random ids
+        ids = rng.permutation(vocab)
+        row[ids[:10]], row[ids[10:210]] = 0.5, 0.1
+    rows = np.concatenate([peaked, middle, flat, tied])
+    rows /= rows.sum(-1, keepdims=True)
+    top10 = np.sort(rows[-1])[-10:].sum()  # the mass of a tied row's 10 likeliest
+    edge = top10 - 0.25 * np.sort(rows[-1])[-11]  # the tie's first has top10 before it: dropped, and the rest with it
+    for top_p in (0.05, 0.3, 0.5, 0.9, 0.999, edge):  # 0.3 ends the tied rows' nucleus inside the tie, near its 26th
+        keep = nucleus(rows, top_p)
+        assert np.array_equal(keep, full_sort_nucleus(rows, top_p)), top_p
+
+    def deciding(row: np.ndarray, top_p: float):  # the candidate count whose likelier tokens hold the nucleus
+        for count in NUCLEUS_CANDIDATES:
+            cutoff = np.sort(row)[-count]
+            if row[row > cutoff].sum() >= top_p:
+                return count
+        return "whole vocabulary"
+
+    assert {deciding(row, 0.9) for row in rows} == {*NUCLEUS_CANDIDATES, "whole vocabulary"}
+    for size in (m // 2, 300):  # below the first candidate count; between the first and the second
+        small = rng.random((3, size)) ** 4
+        small /= small.sum(-1, keepdims=True)
+        for top_p in (0.3, 0.7):
+            assert np.array_equal(nucleus(small, top_p), full_sort_nucleus(small, top_p))
+
+
+def test_a_draw_of_exactly_zero_returns_a_token_that_can_be_drawn():
+    """A uniform draw of 0.0 (one in 2^53): token 0 is filtered out by top-k, so the draw lands on the first token
+    kept, not on token 0."""
+
+    class LowestDraw:
+        def random(self, shape):
+            return np.zeros(shape)
+
+    logits = np.array([[-3.0, 2.0, 1.0, 0.5]])
+    params = SamplingParams(temperature=1.0, top_k=2)
+    assert sample(logits, params, LowestDraw(), [np.array([], np.int64)]).tolist() == [1]
+    params = SamplingParams(temperature=1.0, top_p=0.5)
+    assert sample(logits, params, LowestDraw(), [np.array([], np.int64)]).tolist() == [1]
