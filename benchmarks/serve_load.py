@@ -7,7 +7,8 @@ It starts the server as a child process (`mla-deploy serve`, a free localhost po
 1. correctness under load: `--clients` concurrent streaming clients, `--rounds` rounds, greedy; errors, and
    streams that differ from the same prompt run alone (each prompt is first run alone, one at a time);
 2. throughput: aggregate decode tokens/s of 16 concurrent clients vs one client at a time (same requests;
-   `--repeats N` alternates them N times and prints the median ratio);
+   `--repeats N` alternates them N times and prints the median ratio; greedy, or with `--sampling defaults` the
+   export's own sampling defaults);
 3. time to first token of a short request while 15 long streams run, in decode steps of that load;
 4. the server's RSS after the first 100 requests and after `--requests` (short, non-streaming, 16 at a time);
 5. malformed requests: each answered with an OpenAI error object, and the server still answers after them.
@@ -65,11 +66,16 @@ def prompts(n: int) -> list[str]:
     return [f"{heads[i % len(heads)]}{chr(97 + i % 26)}{i}" for i in range(n)]
 
 
-async def stream(client, prompt: str, max_tokens: int) -> tuple[str, int, float | None]:
-    """(text, tokens received, seconds to the first token)."""
+GREEDY = {"temperature": 0, "repetition_penalty": 1.0}  # request fields: plain greedy, whatever the export's defaults
+
+
+async def stream(client, prompt: str, max_tokens: int, sampling: dict = GREEDY) -> tuple[str, int, float | None]:
+    """(text, tokens received, seconds to the first token); `sampling`: the request's sampling fields."""
     t0, first, parts = time.perf_counter(), None, []
+    fields = {k: v for k, v in sampling.items() if k in ("temperature", "top_p", "seed")}
+    extra = {k: v for k, v in sampling.items() if k not in fields}
     async for c in await client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, stream=True,
-                                                   temperature=0, extra_body={"repetition_penalty": 1.0}):
+                                                   **fields, extra_body=extra):
         if c.choices and c.choices[0].text:
             first = first or time.perf_counter() - t0
             parts.append(c.choices[0].text)
@@ -91,11 +97,10 @@ async def correctness(client, clients: int, rounds: int, tokens: int) -> str:
             f"{mismatched} of {clients * rounds} streams differ from the prompt run alone")
 
 
-async def raw_stream(http, base: str, prompt: str, max_tokens: int) -> int:
+async def raw_stream(http, base: str, prompt: str, max_tokens: int, sampling: dict = GREEDY) -> int:
     """The same streamed request over plain HTTP, counting the chunks that carry text: a client that costs the
     benchmark's CPU almost nothing (the openai client builds a pydantic object per chunk)."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0,
-            "repetition_penalty": 1.0}
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True, **sampling}
     count = 0
     async with http.stream("POST", base + "/v1/completions", json=body) as r:
         async for line in r.aiter_lines():
@@ -104,31 +109,39 @@ async def raw_stream(http, base: str, prompt: str, max_tokens: int) -> int:
     return count
 
 
-async def throughput(client, base: str, tokens: int, repeats: int = 1) -> str:
+async def throughput(client, base: str, tokens: int, repeats: int = 1, defaults: bool = False) -> str:
     """16 requests one at a time, then the same 16 at once, `repeats` times alternately per client (this VM's spread
-    between back-to-back runs of the same code reached 2.95x-4.62x): every ratio, and the median."""
+    between back-to-back runs of the same code reached 2.95x-4.62x): every ratio, and the median. Greedy, or with
+    `defaults` the export's own sampling defaults (generation_config.json; a fixed seed per prompt), where a stream
+    may stop early: tokens/s counts the tokens received."""
     ps = prompts(16)
+    sampling = [{"seed": i} if defaults else GREEDY for i in range(len(ps))]
     lines = []
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64)) as http:
-        for name, run in (("openai client", lambda p: stream(client, p, tokens)),
-                          ("plain HTTP client", lambda p: raw_stream(http, base, p, tokens))):
-            await asyncio.gather(*(run(p) for p in ps))  # warm-up
+        for name, run in (("openai client", lambda i: stream(client, ps[i], tokens, sampling[i])),
+                          ("plain HTTP client", lambda i: raw_stream(http, base, ps[i], tokens, sampling[i]))):
+            await asyncio.gather(*(run(i) for i in range(len(ps))))  # warm-up
             ratios = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                for p in ps:
-                    await run(p)
-                one = 16 * tokens / (time.perf_counter() - t0)
+                received = [await run(i) for i in range(len(ps))]
+                one = sum(_count(r) for r in received) / (time.perf_counter() - t0)
                 t0 = time.perf_counter()
-                await asyncio.gather(*(run(p) for p in ps))
-                many = 16 * tokens / (time.perf_counter() - t0)
+                received = await asyncio.gather(*(run(i) for i in range(len(ps))))
+                many = sum(_count(r) for r in received) / (time.perf_counter() - t0)
                 ratios.append(many / one)
-                lines.append(f"aggregate tokens/s, 16 requests x {tokens} tokens, {name}: one at a time {one:.0f}, "
+                lines.append(f"aggregate tokens/s, 16 requests x {tokens} tokens, {name}"
+                             f"{', sampling defaults' if defaults else ''}: one at a time {one:.0f}, "
                              f"16 concurrent {many:.0f} ({many / one:.2f}x)")
             if repeats > 1:
                 lines.append(f"  {name}: median of {repeats} ratios {statistics.median(ratios):.2f}x "
                              f"(all: {', '.join(f'{r:.2f}' for r in ratios)})")
     return "\n".join(lines)
+
+
+def _count(received) -> int:
+    """Tokens received: stream() returns (text, count, first), raw_stream() the count."""
+    return received[1] if isinstance(received, tuple) else received
 
 
 async def first_token_under_load(client, base: str) -> str:
@@ -219,7 +232,7 @@ async def main_async(args, base: str, pid: int) -> None:
         if "correctness" in parts:
             print(await correctness(client, args.clients, args.rounds, args.tokens), flush=True)
         if "throughput" in parts:
-            print(await throughput(client, base, args.tokens, args.repeats), flush=True)
+            print(await throughput(client, base, args.tokens, args.repeats, args.sampling == "defaults"), flush=True)
         if "ttft" in parts:
             print(await first_token_under_load(client, base), flush=True)
         if "malformed" in parts:
@@ -238,6 +251,8 @@ def main() -> int:
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=1, help="throughput: alternate one-at-a-time and concurrent N times")
     ap.add_argument("--parts", default="correctness,throughput,ttft,malformed,soak")
+    ap.add_argument("--sampling", choices=("greedy", "defaults"), default="greedy",
+                    help="throughput: greedy requests, or the export's own sampling defaults")
     ap.add_argument("--server-args", default="", help="More `mla-deploy serve` flags, e.g. '--threads 1'.")
     args = ap.parse_args()
     proc, base = start_server(args.export_dir, args.max_batch, args.server_args.split())

@@ -242,3 +242,14 @@ def test_a_draw_of_exactly_zero_returns_a_token_that_can_be_drawn():
     assert sample(logits, params, LowestDraw(), [np.array([], np.int64)]).tolist() == [1]
     params = SamplingParams(temperature=1.0, top_p=0.5)
     assert sample(logits, params, LowestDraw(), [np.array([], np.int64)]).tolist() == [1]
+
+
+def test_rows_with_their_own_generators_draw_as_each_alone():
+    """One call over three rows, each with its own seeded generator, draws what three calls of one row each draw."""
+    params = SamplingParams(temperature=1.0, top_p=0.95, repetition_penalty=1.2)
+    logits = np.tile(LOGITS, (3, 1))
+    together = [np.random.default_rng(s) for s in (1, 2, 3)]
+    alone = [np.random.default_rng(s) for s in (1, 2, 3)]
+    for _ in range(50):
+        tokens = sample(logits, params, together, [HISTORY] * 3)
+        assert tokens.tolist() == [sample(LOGITS[None], params, g, [HISTORY]).item() for g in alone]

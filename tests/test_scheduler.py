@@ -115,6 +115,21 @@ def test_each_row_samples_with_its_own_parameters_and_seed(model):
     assert g.tokens == alone_greedy and s.tokens == alone_sampled and other.tokens != alone_sampled
 
 
+def test_rows_sharing_a_setting_sample_together_yet_draw_from_their_own_seeds(model):
+    """Three rows with the same sampling but different seeds (one sample() call per step for them, beside a greedy
+    row): each equals its request run alone."""
+    p = [5, 6, 7, 8]
+    settings = [SamplingParams(temperature=1.0, top_p=0.9, repetition_penalty=1.1, seed=s) for s in (21, 22, 23)]
+    alone = [Generator(model, s, stop_token_ids=()).generate([p], 16).token_ids[0] for s in settings]
+    assert len({tuple(a) for a in alone}) == 3
+    scheduler = Scheduler(model, max_batch=4)
+    greedy = submit(scheduler, p, 16)[1]
+    outs = [submit(scheduler, p, 16, s)[1] for s in settings]
+    drain(scheduler)
+    assert [o.tokens for o in outs] == alone
+    assert greedy.tokens == Generator(model, SamplingParams(), stop_token_ids=()).generate([p], 16).token_ids[0]
+
+
 def test_a_stop_id_finishes_only_its_row_and_frees_it(model):
     p = [5, 6, 7]
     free = Generator(model, SamplingParams(), stop_token_ids=()).generate([p], 10).token_ids[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,8 +54,10 @@ def apply_repetition_penalty(logits: np.ndarray, history: list[np.ndarray], pena
     return logits
 
 
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, history: list[np.ndarray]) -> np.ndarray:
-    """logits [b, vocab] float32 -> token ids [b] int64."""
+def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator | Sequence[np.random.Generator],
+           history: list[np.ndarray]) -> np.ndarray:
+    """logits [b, vocab] float32 -> token ids [b] int64. `rng`: one generator for every row, or one per row (a
+    request's seed then draws the same tokens whichever rows share the call)."""
     logits = apply_repetition_penalty(logits.astype(np.float64), history, params.repetition_penalty)
     if params.greedy:
         return logits.argmax(-1).astype(np.int64)
@@ -71,7 +74,11 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
         probs = np.where(nucleus(probs, params.top_p), probs, 0.0)
         probs /= probs.sum(-1, keepdims=True)
     # a draw of exactly 0.0 counts the leading zero-probability tokens, so it too lands on a token that can be drawn
-    u = np.maximum(rng.random((probs.shape[0], 1)), np.finfo(np.float64).smallest_subnormal)
+    if isinstance(rng, Sequence):
+        u = np.concatenate([g.random((1, 1)) for g in rng])  # [b, 1]: one draw from each row's generator
+    else:
+        u = rng.random((probs.shape[0], 1))
+    u = np.maximum(u, np.finfo(np.float64).smallest_subnormal)
     return np.minimum((np.cumsum(probs, -1) < u).sum(-1), probs.shape[-1] - 1).astype(np.int64)
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -216,9 +216,16 @@ class Scheduler:
         self.stats.decode_steps += 1
         self.stats.decoded_rows += len(decoding)
         plain = [r for r in decoding if _plain_greedy(r.sampling)]  # one argmax for all of them
-        greedy = dict(zip((r.id for r in plain), d.logits[[r.row for r in plain], 0].argmax(-1).tolist()))
+        chosen = dict(zip((r.id for r in plain), d.logits[[r.row for r in plain], 0].argmax(-1).tolist()))
+        alike: dict[SamplingParams, list[Request]] = {}  # the other rows by their sampling, seeds aside
         for r in decoding:
-            self._sample_and_emit(r, d.logits[r.row : r.row + 1, 0], greedy.get(r.id))
+            if r.id not in chosen:
+                alike.setdefault(replace(r.sampling, seed=None), []).append(r)
+        for params, rows in alike.items():  # one sample() per setting; each row draws from its own generator
+            tokens = sample(d.logits[[r.row for r in rows], 0], params, [r.rng for r in rows], [r.history for r in rows])
+            chosen.update(zip((r.id for r in rows), tokens.tolist()))
+        for r in decoding:
+            self._sample_and_emit(r, d.logits[r.row : r.row + 1, 0], chosen[r.id])
 
     def _sample_and_emit(self, request: Request, logits: np.ndarray, token: int | None = None) -> None:
         """logits [1, vocab]: sample this request's next token (unless already chosen), emit it, and finish the
