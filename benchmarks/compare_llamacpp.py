@@ -12,9 +12,11 @@ benchmarks/work/llamacpp) by this script, step by step, each step skipped when i
      the vocabulary to vocab_size), and that tokenizer's pre-tokenizer hash is unknown to the converter, so it is
      mapped to "gpt-2" (the same byte-level pre-tokenization); `q_lora_rank: null` is written as 0;
   4. quantize: the f32 GGUF to q8_0, q4_0 and f16 with llama-quantize;
-  5. ours: float32, int8 and int4 (block 32) and float16 exports of the same checkpoint.
+  5. ours: float32, int8 and int4 (block 32; the embedding and output layer at 8 bits, or at 4 in int4-head4,
+     whose file is about q4_0's size: llama.cpp keeps q4_0's output layer at q6_K) and float16 exports of the
+     same checkpoint.
 
-Then, per precision pair (f32 / float32, q8_0 / int8, q4_0 / int4, f16 / float16), llama-bench
+Then, per precision pair (f32 / float32, q8_0 / int8, q4_0 / int4, q4_0 / int4-head4, f16 / float16), llama-bench
 (`-p 512` and `-n 32 -d CTX`, flash attention on, batch 1) and our runtime run one after the other with the
 same thread count: prefill of 512 tokens, and decode tokens/s at contexts 128 / 4096 / 16384; at batch 8,
 llama-batched-bench's generation speed beside our batch-8 decode step. Printed as one table with the ratios
@@ -46,7 +48,12 @@ sys.path.insert(0, str(ROOT))
 
 SDIST = "llama-cpp-python==0.3.36"
 TARGETS = ("llama-bench", "llama-quantize", "llama-batched-bench")
-PAIRS = (("f32", "float32"), ("q8_0", "int8"), ("q4_0", "int4"), ("f16", "float16"))
+PAIRS = (("f32", "float32"), ("q8_0", "int8"), ("q4_0", "int4"), ("q4_0", "int4-head4"), ("f16", "float16"))
+EXPORTS = {  # our exports, by name: ExportOptions beyond block 32
+    "float32": {}, "int8": {"quantize": "int8"}, "int4": {"quantize": "int4"},
+    "int4-head4": {"quantize": "int4", "head_bits": 4},  # embedding and head at 4 bits too: about q4_0's file size
+    "float16": {"dtype": "float16"},
+}
 
 
 def log(msg: str) -> None:
@@ -138,13 +145,11 @@ def our_exports(work: Path, checkpoint: Path) -> dict[str, Path]:
     from mla_deploy.export import ExportOptions, export
 
     out = {}
-    for precision in ("float32", "int8", "int4", "float16"):
+    for precision, options in EXPORTS.items():
         out[precision] = work / f"export-{precision}"
         if not (out[precision] / "manifest.json").exists():
             log(f"exporting {precision}")
-            quantize = precision if precision.startswith("int") else None
-            dtype = "float16" if precision == "float16" else "float32"
-            export(checkpoint, out[precision], ExportOptions(quantize=quantize, dtype=dtype, block_size=32, force=True),
+            export(checkpoint, out[precision], ExportOptions(block_size=32, force=True, **options),
                    progress=lambda m: None)
     return out
 

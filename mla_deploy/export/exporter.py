@@ -48,15 +48,21 @@ class ExportOptions:
     quantize: str | None = None  # "int4" or "int8": weight-only, block-wise (export.quantize)
     block_size: int = 32
     accuracy_level: int = 4  # MatMulNBits: 4 = int8 activations inside the kernel, 0 = float (exact)
+    head_bits: int = 8  # the embedding and the output layer of a quantized export: 8, or 4 (smallest, fastest)
     experts: str = "auto"  # routed experts: auto, qmoe (quantized), moe (float32), dense (float, few experts), branches (export.experts)
 
     def quantization(self) -> Quantization | None:
         if self.quantize is None:
+            if self.head_bits != 8:
+                raise ExportError(f"--head-bits {self.head_bits}: the embedding and output layer keep the export's "
+                                  f"--dtype unless it is quantized (add --quantize int4 or int8)")
             return None
         if self.quantize not in QUANTIZE_BITS:
             raise ExportError(f"--quantize {self.quantize}: expected one of {', '.join(QUANTIZE_BITS)}")
+        if self.head_bits not in QUANTIZE_BITS.values():
+            raise ExportError(f"--head-bits {self.head_bits}: expected one of {', '.join(map(str, QUANTIZE_BITS.values()))}")
         try:
-            return Quantization(QUANTIZE_BITS[self.quantize], self.block_size, self.accuracy_level)
+            return Quantization(QUANTIZE_BITS[self.quantize], self.block_size, self.accuracy_level, self.head_bits)
         except ValueError as e:
             raise ExportError(f"--quantize {self.quantize}: {e}") from None
 
