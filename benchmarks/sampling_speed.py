@@ -1,5 +1,5 @@
 """What sampling one token costs per row, at the demo's vocabulary and at DeepSeek's, beside the whole-vocabulary
-stable sort that top-p used before `sampling.nucleus` (alternating, in one run).
+stable sort that top-p used before `sampling.nucleus_ids` (alternating, in one run).
 
     .venv/bin/python benchmarks/sampling_speed.py [--rounds 5]
 
@@ -27,13 +27,11 @@ CASES = {
 }
 
 
-def whole_vocabulary_nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
-    """The method before nucleus(): every row's vocabulary sorted."""
-    order = np.argsort(-probs, axis=-1, kind="stable")
-    sorted_probs = np.take_along_axis(probs, order, -1)
-    keep = np.zeros(probs.shape, bool)
-    np.put_along_axis(keep, order, np.cumsum(sorted_probs, -1) - sorted_probs < top_p, -1)
-    return keep
+def whole_vocabulary_nucleus_ids(p: np.ndarray, top_p: float) -> np.ndarray:
+    """The method before nucleus_ids(): the row's whole vocabulary sorted."""
+    order = np.argsort(-p, kind="stable")
+    sorted_p = p[order]
+    return np.sort(order[np.cumsum(sorted_p) - sorted_p < top_p])
 
 
 def per_row_ms(logits: np.ndarray, params: SamplingParams, history: list[np.ndarray]) -> float:
@@ -49,7 +47,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     rng = np.random.default_rng(0)
-    print("| vocabulary | sampling | ms per row, whole-vocabulary sort | ms per row, nucleus() | speed-up |")
+    print("| vocabulary | sampling | ms per row, whole-vocabulary sort | ms per row, nucleus_ids() | speed-up |")
     print("|---|---|---|---|---|")
     for vocab in (4096, 102400):
         logits = (rng.standard_normal((16, vocab)) * 1.5).astype(np.float32)
@@ -60,14 +58,14 @@ def main() -> None:
             times = {"sort": [], "nucleus": []}
             for r in range(args.rounds):
                 for method in (("sort", "nucleus") if r % 2 else ("nucleus", "sort")):
-                    sampling.nucleus = whole_vocabulary_nucleus if method == "sort" else NUCLEUS
+                    sampling.nucleus_ids = whole_vocabulary_nucleus_ids if method == "sort" else NUCLEUS
                     times[method].append(per_row_ms(logits, params, history))
-            sampling.nucleus = NUCLEUS
+            sampling.nucleus_ids = NUCLEUS
             old, new = statistics.median(times["sort"]), statistics.median(times["nucleus"])
             print(f"| {vocab} | {name} | {old:.3f} | {new:.3f} | {old / new:.1f}x |")
 
 
-NUCLEUS = sampling.nucleus
+NUCLEUS = sampling.nucleus_ids
 
 if __name__ == "__main__":
     main()

@@ -15,7 +15,8 @@ from transformers import (RepetitionPenaltyLogitsProcessor, TemperatureLogitsWar
 from mla_deploy import io_spec
 from mla_deploy.runtime import ExportedModel, Generator, SamplingParams
 from mla_deploy.runtime.feeds import prefill_feed
-from mla_deploy.runtime.sampling import NUCLEUS_CANDIDATES, apply_repetition_penalty, nucleus, sample
+from mla_deploy.runtime.sampling import (NUCLEUS_MAX_CANDIDATES, NUCLEUS_RATIOS, apply_repetition_penalty, nucleus,
+                                         sample)
 
 DRAWS = 40_000
 LOGITS = np.array([2.0, 1.6, 1.5, 0.9, 0.3, -0.2, -0.4, -1.0, 0.05, 1.1, -2.5, 0.7], np.float32)
@@ -176,6 +177,10 @@ def test_a_draw_above_the_rounded_total_mass_returns_the_last_token():
     probs = np.exp(logits - logits.max())
     assert np.cumsum(probs / probs.sum())[-1] < np.nextafter(1.0, 0.0)  # the case this test is about
     assert sample(logits, SamplingParams(temperature=1.0), HighestDraw(), [np.array([], np.int64)]).tolist() == [4]
+    # with top-p the draw is among the nucleus: the last of it (tokens 2 and 4 here), not the filtered last token
+    filtered = SamplingParams(temperature=1.0, top_p=0.6)
+    assert sample(logits, filtered, HighestDraw(), [np.array([], np.int64)]).tolist() == [4]
+    assert sample(logits[:, ::-1].copy(), filtered, HighestDraw(), [np.array([], np.int64)]).tolist() == [2]
 
 
 def test_zero_is_a_seed_and_top_k_zero_is_off():
@@ -196,33 +201,38 @@ def full_sort_nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
 
 
 def test_nucleus_from_the_likeliest_candidates_equals_the_full_sort():
-    """Rows whose nucleus lies among the first or the second partition's candidates, rows that need the whole
-    vocabulary, ties straddling the candidates' last place, vocabularies no larger than the candidates: every keep
-    mask equals the full sort's, and every path is taken."""
+    """Rows whose nucleus lies among the tokens above the first or the second threshold, rows that need the whole
+    vocabulary (a flat one, and one with too many candidates), ties at the nucleus's edge, small vocabularies: every
+    keep mask equals the full sort's, and every path is taken."""
     rng = np.random.default_rng(0)
-    vocab, m = 4096, NUCLEUS_CANDIDATES[0]
-    peaked, middle, flat = (np.exp(rng.normal(0, scale, (20, vocab))) for scale in (4.0, 1.5, 0.1))
+    vocab = 4096
+    peaked, middle, flat = (np.exp(rng.normal(0, scale, (20, vocab))) for scale in (4.0, 2.0, 0.1))
     tied = np.full((4, vocab), 1e-4)
-    for row in tied:  # 10 likeliest, then 200 equal ones across the m-th place, at random ids
+    for row in tied:  # 10 likeliest, then 200 equal ones, at random ids
         ids = rng.permutation(vocab)
         row[ids[:10]], row[ids[10:210]] = 0.5, 0.1
+    wide = np.concatenate([np.full((1, NUCLEUS_MAX_CANDIDATES + 1), 1.0), np.full((1, 100), 1e-9)], axis=1)
     rows = np.concatenate([peaked, middle, flat, tied])
     rows /= rows.sum(-1, keepdims=True)
+    wide /= wide.sum()
     top10 = np.sort(rows[-1])[-10:].sum()  # the mass of a tied row's 10 likeliest
     edge = top10 - 0.25 * np.sort(rows[-1])[-11]  # the tie's first has top10 before it: dropped, and the rest with it
     for top_p in (0.05, 0.3, 0.5, 0.9, 0.999, edge):  # 0.3 ends the tied rows' nucleus inside the tie, near its 26th
-        keep = nucleus(rows, top_p)
-        assert np.array_equal(keep, full_sort_nucleus(rows, top_p)), top_p
+        assert np.array_equal(nucleus(rows, top_p), full_sort_nucleus(rows, top_p)), top_p
+    assert np.array_equal(nucleus(wide, 0.5), full_sort_nucleus(wide, 0.5))
 
-    def deciding(row: np.ndarray, top_p: float):  # the candidate count whose likelier tokens hold the nucleus
-        for count in NUCLEUS_CANDIDATES:
-            cutoff = np.sort(row)[-count]
-            if row[row > cutoff].sum() >= top_p:
-                return count
+    def deciding(row: np.ndarray, top_p: float):  # the threshold whose tokens hold the nucleus
+        for ratio in NUCLEUS_RATIOS:
+            above = np.sort(row[row > row.max() * ratio])[::-1]
+            if len(above) > NUCLEUS_MAX_CANDIDATES:
+                break
+            if np.cumsum(above)[-1] >= top_p:
+                return ratio
         return "whole vocabulary"
 
-    assert {deciding(row, 0.9) for row in rows} == {*NUCLEUS_CANDIDATES, "whole vocabulary"}
-    for size in (m // 2, 300):  # below the first candidate count; between the first and the second
+    assert {deciding(row, 0.9) for row in rows} == set(NUCLEUS_RATIOS)
+    assert deciding(wide[0], 0.5) == "whole vocabulary"
+    for size in (7, 300):
         small = rng.random((3, size)) ** 4
         small /= small.sum(-1, keepdims=True)
         for top_p in (0.3, 0.7):

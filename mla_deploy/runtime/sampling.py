@@ -10,7 +10,8 @@ import numpy as np
 
 from ..errors import InputError
 
-NUCLEUS_CANDIDATES = (64, 512)  # top-p looks for the nucleus among this many likeliest tokens first (nucleus())
+NUCLEUS_RATIOS = (2.0**-7, 2.0**-14)  # top-p first looks for the nucleus among tokens this likely x the likeliest
+NUCLEUS_MAX_CANDIDATES = 8192  # ... unless there are more of them than this (nucleus_ids())
 
 
 @dataclass(frozen=True)
@@ -70,48 +71,59 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator 
         logits = np.where(logits < kth, -np.inf, logits)
     probs = np.exp(logits)  # the max is exp(0) = 1: the sum is >= 1
     probs /= probs.sum(-1, keepdims=True)
-    if params.top_p < 1.0:
-        probs = np.where(nucleus(probs, params.top_p), probs, 0.0)
-        probs /= probs.sum(-1, keepdims=True)
     # a draw of exactly 0.0 counts the leading zero-probability tokens, so it too lands on a token that can be drawn
     if isinstance(rng, Sequence):
         u = np.concatenate([g.random((1, 1)) for g in rng])  # [b, 1]: one draw from each row's generator
     else:
         u = rng.random((probs.shape[0], 1))
     u = np.maximum(u, np.finfo(np.float64).smallest_subnormal)
+    if params.top_p < 1.0:  # draw among the nucleus's ids only (ascending: the same cumulative order as below)
+        tokens = []
+        for row, draw in zip(probs, u[:, 0]):
+            ids = nucleus_ids(row, params.top_p)
+            kept = row[ids] / row[ids].sum()
+            tokens.append(ids[min(int((np.cumsum(kept) < draw).sum()), len(ids) - 1)])
+        return np.array(tokens, np.int64)
     return np.minimum((np.cumsum(probs, -1) < u).sum(-1), probs.shape[-1] - 1).astype(np.int64)
 
 
 def nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
-    """probs [b, vocab] -> keep [b, vocab] bool: in order of decreasing probability, ties by lower token id, every
+    """probs [b, vocab] -> keep [b, vocab] bool: nucleus_ids of each row as a mask."""
+    keep = np.zeros(probs.shape, bool)
+    for row, p in enumerate(probs):
+        keep[row, nucleus_ids(p, top_p)] = True
+    return keep
+
+
+def nucleus_ids(p: np.ndarray, top_p: float) -> np.ndarray:
+    """p [vocab] -> the kept token ids, ascending: in order of decreasing probability, ties by lower token id, every
     token with less than top_p of mass before it (the first always kept), as transformers' TopPLogitsWarper.
 
-    A stable sort of the whole vocabulary costs ~0.2 ms a row (4096 tokens), more than a small model's decode step.
-    The nucleus is mostly among the likeliest few (the demo model at temperature 0.7, top_p 0.9: median 8 tokens,
-    79 % within 63): the m likeliest, for each m of NUCLEUS_CANDIDATES in turn, are found by a partition, and the
-    tokens strictly likelier than the last of them are the same set whichever of its ties the partition took.
-    Where their mass reaches top_p, every other token has at least that much before it, so the nucleus lies within
-    them and their sorted order (the same prefix of the same order, the same cumulative sums) decides it exactly.
-    Rows whose nucleus is not within the largest candidates sort the whole vocabulary."""
-    keep = np.zeros(probs.shape, bool)
-    rows = np.arange(probs.shape[0])
-    for m in NUCLEUS_CANDIDATES:
-        if m >= probs.shape[-1] or not len(rows):
+    A stable sort of the whole vocabulary costs ~0.2 ms a row at 4096 tokens and ~8 ms at DeepSeek's 102400, more
+    than a small model's decode step. The nucleus is mostly among the likeliest few (the demo model at temperature
+    0.7, top_p 0.9: median 8 tokens), so the tokens likelier than a threshold t = max(p) x ratio are tried first, for
+    each ratio of NUCLEUS_RATIOS: they precede every other token in the order, so their stable sort is the whole
+    sort's first part and their cumulative sums are its first sums, bit for bit. Where those reach top_p, every other
+    token has at least top_p before it and is dropped: the nucleus is decided exactly. Otherwise (or with more than
+    NUCLEUS_MAX_CANDIDATES of them) the next ratio, then the whole vocabulary."""
+    peak = p.max()
+    for ratio in NUCLEUS_RATIOS:
+        ids = np.flatnonzero(p > peak * ratio)  # ascending
+        if len(ids) > NUCLEUS_MAX_CANDIDATES:
             break
-        candidates = np.argpartition(-probs[rows], m - 1, axis=-1)[:, :m]  # [r, m]
-        p = np.take_along_axis(probs[rows], candidates, -1)
-        likelier = p > p.min(-1, keepdims=True)
-        within = np.where(likelier, p, 0.0).sum(-1) >= top_p
-        if within.any():
-            ids, p, likelier = candidates[within], p[within], likelier[within]
-            order = np.lexsort((ids, np.where(likelier, -p, np.inf)), axis=-1)  # by probability, then id
-            p, ids, likelier = (np.take_along_axis(a, order, -1) for a in (p, ids, likelier))
-            before = np.cumsum(np.where(likelier, p, 0.0), -1) - p  # mass strictly before each token
-            keep[rows[within][:, None], ids] = likelier & (before < top_p)
-        rows = rows[~within]
-    if len(rows):
-        order = np.argsort(-probs[rows], axis=-1, kind="stable")  # [r, vocab] descending, ties by id
-        sorted_probs = np.take_along_axis(probs[rows], order, -1)
-        before = np.cumsum(sorted_probs, -1) - sorted_probs  # mass strictly above each token
-        keep[rows[:, None], order] = before < top_p  # the smallest prefix reaching top_p (the first always kept)
-    return keep
+        kept = _sorted_prefix(ids, p[ids], top_p)
+        if kept is not None:
+            return kept
+    return _sorted_prefix(np.arange(len(p)), p, top_p, whole=True)
+
+
+def _sorted_prefix(ids: np.ndarray, p: np.ndarray, top_p: float, whole: bool = False) -> np.ndarray | None:
+    """ids (ascending) and their probabilities -> the kept ids, ascending; None where their mass (summed in the
+    sorted order, as the whole sort sums it) stays below top_p and the rest of the vocabulary (`whole` False)
+    may hold more of the nucleus."""
+    order = np.argsort(-p, kind="stable")  # descending, ties by id (ids ascending)
+    p, ids = p[order], ids[order]
+    total = np.cumsum(p)
+    if not whole and total[-1] < top_p:
+        return None
+    return np.sort(ids[total - p < top_p])  # mass strictly before each token below top_p
