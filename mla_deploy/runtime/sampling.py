@@ -81,18 +81,11 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator 
         tokens = []
         for row, draw in zip(probs, u[:, 0]):
             ids = nucleus_ids(row, params.top_p)
-            kept = row[ids] / row[ids].sum()
+            kept = row[ids]  # a copy
+            kept /= kept.sum()
             tokens.append(ids[min(int((np.cumsum(kept) < draw).sum()), len(ids) - 1)])
         return np.array(tokens, np.int64)
     return np.minimum((np.cumsum(probs, -1) < u).sum(-1), probs.shape[-1] - 1).astype(np.int64)
-
-
-def nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
-    """probs [b, vocab] -> keep [b, vocab] bool: nucleus_ids of each row as a mask."""
-    keep = np.zeros(probs.shape, bool)
-    for row, p in enumerate(probs):
-        keep[row, nucleus_ids(p, top_p)] = True
-    return keep
 
 
 def nucleus_ids(p: np.ndarray, top_p: float) -> np.ndarray:
