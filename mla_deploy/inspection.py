@@ -97,7 +97,9 @@ def format_report(r: dict) -> list[str]:
         counts = ", ".join(f"{kind} {' '.join(f'{op} x{n}' for op, n in ops.items())}" for kind, ops in k["ops"].items())
         how = ("run by mla-deploy's kernel library, built here: the weights are read as stored" if k["library"] else
                "mla-deploy's kernel library was not built here (no C compiler at install): onnxruntime runs their "
-               "function bodies, on float32 copies of the weights made at load")
+               "function bodies, on float32 copies of the weights made at load" +
+               ("; RoutedExperts' body runs every expert on every token" if any(
+                   f"{kernels.DOMAIN}::{kernels.ROUTED_EXPERTS}" in ops for ops in k["ops"].values()) else ""))
         lines.append(f"kernels    {counts}; {how}")
     q = r.get("quantization")
     if q:

@@ -115,10 +115,11 @@ def test_moe_runs_one_branch_per_expert(checkpoint_dir, exported):
     assert top_level_expert_matmuls == []  # routed experts run only inside their If branch
 
 
-@pytest.mark.parametrize("experts", ["dense", "moe"])
+@pytest.mark.parametrize("experts", ["dense", "moe", "kernel"])
 def test_float_expert_forms_equal_the_branches(checkpoint_dir, exported, variant, experts, tmp_path):
-    """Every expert on every token in three ops ("dense"), or onnxruntime's MoE op fed DeepSeek's routing ("moe"):
-    exact against the torch source, and the same logits as one If per expert."""
+    """Every expert on every token in three ops ("dense"), onnxruntime's MoE op fed DeepSeek's routing ("moe"), or
+    mla_deploy.RoutedExperts ("kernel", I = 24 and d = 64 padded to its strips): exact against the torch source, and
+    the same logits as one If per expert."""
     src, hf = checkpoint_dir(variant)
     out = tmp_path / experts
     result = export(src, out, ExportOptions(absorb="factored", experts=experts))
@@ -129,6 +130,7 @@ def test_float_expert_forms_equal_the_branches(checkpoint_dir, exported, variant
     moe_layers = hf.config.num_hidden_layers - hf.config.first_k_dense_replace
     assert result.manifest["experts"] == experts and "If" not in counts
     assert counts.get("com.microsoft::MoE", 0) == (moe_layers if experts == "moe" else 0)
+    assert counts.get("mla_deploy::RoutedExperts", 0) == (moe_layers if experts == "kernel" else 0)
     report = verify_export(out, src, steps=4)
     assert report.passed, report.lines
     ids = np.random.default_rng(1).integers(3, hf.config.vocab_size, (2, 10))
@@ -139,15 +141,16 @@ def test_float_expert_forms_equal_the_branches(checkpoint_dir, exported, variant
     assert np.abs(logits[experts] - logits["branches"]).max() <= 1e-4 * max(1.0, np.abs(logits["branches"]).max())
 
 
-def test_moe_op_stays_finite_when_every_routing_weight_is_zero(tmp_path):
+@pytest.mark.parametrize("experts,op", [("moe", "com.microsoft::MoE"), ("kernel", "mla_deploy::RoutedExperts")])
+def test_moe_ops_stay_finite_when_every_routing_weight_is_zero(tmp_path, experts, op):
     """A sigmoid router with routed_scaling_factor 0 gives every chosen expert weight exactly 0, as an underflowing
-    router would: the MoE op then sees log(dispatch) at its floor everywhere (a tie over all experts) and the
-    routed experts must add nothing, exactly as in the torch source."""
+    router would: the MoE op then sees log(dispatch) at its floor everywhere (a tie over all experts), RoutedExperts
+    a dispatch of zeros, and the routed experts must add nothing, exactly as in the torch source."""
     hf = build_hf_model("v3_nointerleave_ungrouped", routed_scaling_factor=0.0)
     src, out = tmp_path / "ckpt", tmp_path / "out"
     save_hf_model(hf, src)
-    result = export(src, out, ExportOptions(absorb="factored", experts="moe"))
-    assert result.manifest["graphs"]["decode"]["op_counts"].get("com.microsoft::MoE", 0) == hf.config.num_hidden_layers
+    result = export(src, out, ExportOptions(absorb="factored", experts=experts))
+    assert result.manifest["graphs"]["decode"]["op_counts"].get(op, 0) == hf.config.num_hidden_layers
     ids = np.random.default_rng(2).integers(3, hf.config.vocab_size, (2, 9))
     model = ExportedModel(out)
     logits = model.run("prefill", prefill_feed(model.config, ids))["logits"]

@@ -29,7 +29,7 @@ def test_the_library_builds_on_x86_64_linux_with_a_compiler():
     compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
     if platform.machine() not in ("x86_64", "AMD64") or shutil.which(compiler) is None:
         pytest.skip(f"no {compiler} or not x86-64: the install skips the library and the graphs run its function body")
-    assert BUILT, "setup.py should have built mla_deploy/kernels/_half_matmul*.so (pip install -e . shows why not)"
+    assert BUILT, "setup.py should have built mla_deploy/kernels/_kernels*.so (pip install -e . shows why not)"
 
 
 def test_column_strips_lays_w_out_as_the_kernel_reads_it():

@@ -14,7 +14,8 @@ MoE runs only the experts some token chose. Float exports: one `If` per routed e
 that expert's tokens, runs its SwiGLU on them and scatter-adds the weighted result; an expert nobody chose
 costs one skipped branch and reads none of its weights. Quantized exports: one com.microsoft QMoE per layer
 over block-quantized experts, fed the router's own choice and weights. Float layers with few experts per chosen
-one run every expert densely (export.experts; each choice measured: README).
+one run all routed experts in one op: mla_deploy.RoutedExperts (float32), com.microsoft MoE (half), or densely on
+request (export.experts; each choice measured: README).
 
 Precision (`--dtype`, export.precision): weights and caches are stored in the export's dtype and the layers
 compute in its compute dtype (float32 for every dtype on the CPU; a half weight goes through mla_deploy's MatMulF16 /
@@ -105,6 +106,13 @@ class Graph:
         self.functions[function.identifier()] = function
         self.builder.graph.opset_imports[kernels.DOMAIN] = 1
         return getattr(op, function.name)(x, strips, _domain=kernels.DOMAIN)  # [..., N]
+
+    def routed_experts(self, op, x: ir.Value, dispatch: ir.Value, fc1: ir.Value, fc2: ir.Value) -> ir.Value:
+        """mla_deploy.RoutedExperts(x [N, d], dispatch [N, E], fc1 strips, fc2 strips) -> [N, d] float32."""
+        function = routed_experts_function()
+        self.functions[function.identifier()] = function
+        self.builder.graph.opset_imports[kernels.DOMAIN] = 1
+        return getattr(op, function.name)(x, dispatch, fc1, fc2, _domain=kernels.DOMAIN)
 
     def _initializer(self, name: str, make: Callable[[], np.ndarray], dtype: str) -> ir.Value:
         if name not in self._values:
@@ -198,6 +206,51 @@ def _half_matmul_proto(dtype: str) -> onnx.FunctionProto:
     ], opset_imports=[h.make_opsetid("", OPSET)],
         doc_string=f"Y = A @ W for float32 A and a {dtype} W stored as column strips B [N/64, K, 64]; mla-deploy's "
                    "kernel library (mla_deploy.kernels) runs it reading W as stored, this body where that is not registered.")
+
+
+@functools.cache
+def _routed_experts_proto() -> onnx.FunctionProto:
+    h = onnx.helper
+    node = h.make_node
+    return h.make_function(kernels.DOMAIN, kernels.ROUTED_EXPERTS, ["X", "dispatch", "fc1", "fc2"], ["Y"], [
+        node("Transpose", ["fc1"], ["fc1_d"], perm=[0, 2, 1, 3]),  # [E, J, d, 64] -> [E, d, J, 64]
+        node("Constant", [], ["gate_up_shape"], value_ints=[0, 0, 0, 2, kernels.GATE_UP]),
+        node("Reshape", ["fc1_d", "gate_up_shape"], ["gate_up"]),  # [E, d, J, 64] -> [E, d, J, 2, 32]
+        node("Constant", [], ["zero"], value_int=0),
+        node("Constant", [], ["one"], value_int=1),
+        node("Gather", ["gate_up", "zero"], ["gate_j"], axis=3),  # [E, d, J, 32]
+        node("Gather", ["gate_up", "one"], ["up_j"], axis=3),  # [E, d, J, 32]
+        node("Constant", [], ["e_d_i"], value_ints=[0, 0, -1]),
+        node("Reshape", ["gate_j", "e_d_i"], ["gate"]),  # [E, d, J, 32] -> [E, d, I']
+        node("Reshape", ["up_j", "e_d_i"], ["up"]),  # [E, d, J, 32] -> [E, d, I']
+        node("MatMul", ["X", "gate"], ["g"]),  # [T, d] @ [E, d, I'] -> [E, T, I']
+        node("MatMul", ["X", "up"], ["u"]),  # [E, T, I']
+        node("Sigmoid", ["g"], ["sig"]),
+        node("Mul", ["g", "sig"], ["silu"]),
+        node("Mul", ["silu", "u"], ["act"]),  # silu(gate) · up [E, T, I']
+        node("Transpose", ["fc2"], ["fc2_i"], perm=[0, 2, 1, 3]),  # [E, S, I', 64] -> [E, I', S, 64]
+        node("Reshape", ["fc2_i", "e_d_i"], ["down"]),  # [E, I', S, 64] -> [E, I', d']
+        node("MatMul", ["act", "down"], ["y_e"]),  # [E, T, d']
+        node("Transpose", ["dispatch"], ["dispatch_e"], perm=[1, 0]),  # [T, E] -> [E, T]
+        node("Constant", [], ["last"], value_ints=[-1]),
+        node("Unsqueeze", ["dispatch_e", "last"], ["w"]),  # [E, T] -> [E, T, 1]
+        node("Mul", ["y_e", "w"], ["weighted"]),
+        node("Constant", [], ["experts_axis"], value_ints=[0]),
+        node("ReduceSum", ["weighted", "experts_axis"], ["y_padded"], keepdims=0),  # [T, d']
+        node("Shape", ["X"], ["d"], start=1),  # [1]
+        node("Constant", [], ["start"], value_ints=[0]),
+        node("Constant", [], ["columns"], value_ints=[1]),
+        node("Slice", ["y_padded", "start", "d", "columns"], ["Y"]),  # [T, d'] -> [T, d]
+    ], opset_imports=[h.make_opsetid("", OPSET)],
+        doc_string="Y = sum_e dispatch[:, e] · down_e(silu(gate_e X) · up_e X) over fc1 [E, I'/32, d, 64] and fc2 "
+                   "[E, d'/64, I', 64] (mla_deploy.kernels.expert_fc1_strips / expert_fc2_strips). mla-deploy's kernel "
+                   "library runs only each expert's own tokens; this body, where that is not registered, runs every "
+                   "expert on every token (weights re-laid out and folded at load).")
+
+
+def routed_experts_function() -> ir.Function:
+    """The body of mla_deploy.RoutedExperts: what onnxruntime runs where the kernel library is not registered."""
+    return ir.serde.deserialize_function(_routed_experts_proto())
 
 
 def half_matmul_function(dtype: str) -> ir.Function:
@@ -473,9 +526,11 @@ class MoE:
         if cfg.n_shared_experts:
             shared = SwiGLU(g, f"{self.name}.shared", hf + "shared_experts.", t,
                             cfg.moe_intermediate_size * cfg.n_shared_experts)(op, x2)
-        if self.g.experts in ("qmoe", "moe", "dense"):
+        if self.g.experts in ("qmoe", "moe", "dense", "kernel"):
             if self.g.experts == "qmoe":
                 routed = self._qmoe(op, x2, g.to_compute(op, chosen), dispatch_c)
+            elif self.g.experts == "kernel":
+                routed = self._kernel(op, x2, dispatch)
             elif self.g.experts == "moe":
                 routed = self._moe(op, x2, dispatch)
             else:
@@ -521,6 +576,24 @@ class MoE:
         if kind == "fc1":
             return absorb.gate_up_interleaved(self.t(w + "gate_proj.weight"), self.t(w + "up_proj.weight"))
         return self.t(w + "down_proj.weight").T
+
+    def _kernel(self, op, x2, dispatch) -> ir.Value:
+        """All routed experts in one mla_deploy.RoutedExperts (a float32 export's), weighted by DeepSeek's own
+        dispatch: each expert multiplies only the tokens that chose it, and reads its strips as stored."""
+        cfg, g, t, hf = self.cfg, self.g, self.t, self.hf
+        inter = -(-cfg.moe_intermediate_size // kernels.GATE_UP) * kernels.GATE_UP  # I' (padded with zeros)
+
+        def fc1() -> np.ndarray:  # [E, I'/32, d, 64]
+            return np.stack([kernels.expert_fc1_strips(t(f"{hf}experts.{e}.gate_proj.weight"),
+                                                       t(f"{hf}experts.{e}.up_proj.weight"))
+                             for e in range(cfg.n_routed_experts)])
+
+        def fc2() -> np.ndarray:  # [E, d'/64, I', 64]
+            return np.stack([kernels.expert_fc2_strips(t(f"{hf}experts.{e}.down_proj.weight"), inter)
+                             for e in range(cfg.n_routed_experts)])
+
+        return g.routed_experts(op, x2, dispatch, g.weight(f"{self.name}.experts.fc1.strips", fc1),
+                                g.weight(f"{self.name}.experts.fc2.strips", fc2))  # [N, d]
 
     def _moe(self, op, x2, dispatch) -> ir.Value:
         """All routed experts in one com.microsoft MoE (float32 on the CPU), which selects and mixes by its own

@@ -1,12 +1,19 @@
 """mla-deploy's own onnxruntime kernels: a custom-op library built at install time (setup.py) from the C in this
 directory. Torch-free; the runtime registers it on every session it creates (RuntimeOptions.kernels).
 
-`mla_deploy.MatMulF16` and `mla_deploy.MatMulBF16` (half_matmul.c, registered by custom_ops.c): Y = A @ W for
+`mla_deploy.MatMulF16` and `mla_deploy.MatMulBF16` (strip_matmul.c, registered by custom_ops.c): Y = A @ W for
 float32 A and Y and a float16 or bfloat16 weight W, read as stored and widened in registers. onnxruntime's CPU
 provider has no MatMul for either weight type (float16: without AVX512-FP16) and would multiply by float32 copies
-made at load, so a half export's decode step would read twice its file's bytes. Every graph that uses the ops also
-carries them as ONNX functions (the same product through Cast and MatMul, export.layers), which onnxruntime runs
-wherever the library is not registered: not built (no C compiler), a CPU without AVX2/FMA/F16C, or turned off.
+made at load, so a half export's decode step would read twice its file's bytes.
+
+`mla_deploy.RoutedExperts` (routed_experts.c): a float32 MoE layer's routed experts, each on the tokens that chose
+it, weighted by the router's dispatch [T, E] (0 where a token did not choose the expert). onnxruntime's MoE op does
+the same grouping but re-packs each expert's matrix on every call once the expert has two tokens; this op reads
+strips laid out at export (`expert_fc1_strips`, `expert_fc2_strips`) as they are.
+
+Every graph that uses the ops also carries them as ONNX functions (export.layers: the same product through Cast and
+MatMul; every expert on every token, weighted by dispatch), which onnxruntime runs wherever the library is not
+registered: not built (no C compiler), a CPU without AVX2/FMA/F16C, or turned off.
 """
 
 from __future__ import annotations
@@ -18,14 +25,16 @@ import numpy as np
 
 DOMAIN = "mla_deploy"
 HALF_MATMUL = {"float16": "MatMulF16", "bfloat16": "MatMulBF16"}  # by the weight's dtype
+ROUTED_EXPERTS = "RoutedExperts"
 STRIP = 64  # their weight layout: strips of 64 output columns, [N / 64, K, 64]
+GATE_UP = 32  # RoutedExperts' fc1 strip: 32 gate columns, then the same 32 columns of up
 
 
 def library() -> Path | None:
     """The built custom-op library, or None where the install could not build it."""
     here = Path(__file__).parent
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = here / f"_half_matmul{suffix}"
+        path = here / f"_kernels{suffix}"
         if path.is_file():
             return path
     return None
@@ -38,3 +47,23 @@ def column_strips(w_in_out: np.ndarray) -> np.ndarray:
     if n % STRIP:
         raise ValueError(f"column_strips: N = {n} is not a multiple of {STRIP}")
     return w_in_out.reshape(k, n // STRIP, STRIP).transpose(1, 0, 2)  # [K, N] -> [K, N/64, 64] -> [N/64, K, 64]
+
+
+def expert_fc1_strips(gate_out_in: np.ndarray, up_out_in: np.ndarray) -> np.ndarray:
+    """One expert's gate and up (HF [I, d] each) as RoutedExperts' fc1 [I' / 32, d, 64]: strip j holds gate's
+    columns 32 j .. 32 j + 31 of x @ gateᵀ, then up's same columns; I' is I rounded up to 32, its padding zero."""
+    inter, d = gate_out_in.shape
+    padded = -(-inter // GATE_UP) * GATE_UP
+    both = np.zeros((2, padded, d), np.float32)
+    both[0, :inter], both[1, :inter] = gate_out_in, up_out_in
+    both = both.reshape(2, padded // GATE_UP, GATE_UP, d)  # [2, I', d] -> [2, J, 32, d]
+    return both.transpose(1, 3, 0, 2).reshape(padded // GATE_UP, d, STRIP)  # [J, d, 2, 32] -> [J, d, 64]
+
+
+def expert_fc2_strips(down_out_in: np.ndarray, inter_padded: int) -> np.ndarray:
+    """One expert's down (HF [d, I]) as RoutedExperts' fc2 [d' / 64, I', 64]: downᵀ [I, d] zero-padded to
+    [I', d'] (d' = d rounded up to 64) in column strips."""
+    d, inter = down_out_in.shape
+    w = np.zeros((inter_padded, -(-d // STRIP) * STRIP), np.float32)
+    w[:inter, :d] = down_out_in.T
+    return np.ascontiguousarray(column_strips(w))

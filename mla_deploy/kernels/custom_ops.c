@@ -1,15 +1,18 @@
 /* onnxruntime's side of mla_deploy's kernels: the custom-op domain "mla_deploy" with
  *   MatMulF16  (A float32 [..., K], B float16 strips [N / 64, K, 64]) -> Y float32 [..., N]
- *   MatMulBF16 (the same with B bfloat16),
+ *   MatMulBF16 (the same with B bfloat16)
+ *   RoutedExperts (X float32 [T, d], dispatch float32 [T, E], fc1 float32 [E, I' / 32, d, 64],
+ *                  fc2 float32 [E, d' / 64, I', 64]) -> Y float32 [T, d]   (routed_experts.h)
  * registered by RegisterCustomOps, which onnxruntime calls on SessionOptions.register_custom_ops_library. The
- * arithmetic is half_matmul.c's; this file reads shapes, allocates Y, packs A and splits the strips over the
- * session's intra-op threads. Every graph using these ops also carries them as ONNX functions (export/layers.py),
- * which onnxruntime runs where this library is not registered.
+ * arithmetic is strip_matmul.c's and routed_experts.c's; this file reads shapes, allocates Y and splits the work
+ * over the session's intra-op threads. Every graph using these ops also carries them as ONNX functions
+ * (export/layers.py), which onnxruntime runs where this library is not registered.
  */
 #include <stdlib.h>
 #include <string.h>
 
-#include "half_matmul.h"
+#include "routed_experts.h"
+#include "strip_matmul.h"
 #include "ort_abi.h"
 
 #define MAX_RANK 8
@@ -35,27 +38,28 @@ static int shape(const OrtValue *value, int64_t *dims, size_t *rank) {
 }
 
 typedef struct {
-    HalfMatMul *job;
+    StripMatMul *job;
     const float *a;
     float *packed;
 } Packing;
 
 static void run_pack(void *data, size_t g) {
     Packing *p = data;
-    half_matmul_pack(p->job, p->a, p->packed, (int64_t)g);
+    strip_matmul_pack(p->job, p->a, p->packed, (int64_t)g);
 }
 
-static void run_strip(void *data, size_t s) { half_matmul_strip(data, (int64_t)s); }
+static void run_strip(void *data, size_t s) { strip_matmul_strip(data, (int64_t)s); }
 
+/* fn(data, 0 .. total - 1) on the session's intra-op threads; on this thread alone without a context */
 static OrtStatus *parallel_for(OrtKernelContext *context, void (*fn)(void *, size_t), size_t total, void *data) {
-    if (total == 1) {
-        fn(data, 0);
+    if (total == 1 || !context) {
+        for (size_t i = 0; i < total; i++) fn(data, i);
         return NULL;
     }
     return ORT_FN(api, OrtKernelContextParallelForFn, ORT_KernelContext_ParallelFor)(context, fn, total, 0, data);
 }
 
-static OrtStatus *compute(OrtKernelContext *context, HalfKind kind, const char *op) {
+static OrtStatus *compute(OrtKernelContext *context, StripKind kind, const char *op) {
     const OrtValue *a_value, *b_value;
     ORT_FN(api, OrtKernelContextGetInputFn, ORT_KernelContext_GetInput)(context, 0, &a_value);
     ORT_FN(api, OrtKernelContextGetInputFn, ORT_KernelContext_GetInput)(context, 1, &b_value);
@@ -65,7 +69,7 @@ static OrtStatus *compute(OrtKernelContext *context, HalfKind kind, const char *
     if (shape(b_value, b_dims, &b_rank) || b_rank != 3 || b_dims[2] != STRIP)
         return error(op, "B must be strips [N / 64, K, 64]");
     if (a_dims[a_rank - 1] != b_dims[1]) return error(op, "A's last dimension must equal B's K");
-    HalfMatMul job = {.kind = kind, .k = b_dims[1], .n = b_dims[0] * STRIP, .m = 1};
+    StripMatMul job = {.kind = kind, .k = b_dims[1], .n = b_dims[0] * STRIP, .m = 1};
     for (size_t i = 0; i + 1 < a_rank; i++) job.m *= a_dims[i];
     memcpy(y_dims, a_dims, sizeof(int64_t) * a_rank);
     y_dims[a_rank - 1] = job.n;
@@ -81,14 +85,14 @@ static OrtStatus *compute(OrtKernelContext *context, HalfKind kind, const char *
         memset(y, 0, sizeof(float) * job.m * job.n);
         return NULL;
     }
-    job.group = half_matmul_group_rows(job.m), job.b = b, job.y = y, job.a = a;
+    job.group = strip_matmul_group_rows(job.m), job.b = b, job.y = y, job.a = a;
     float *packed = NULL;
     OrtStatus *status = NULL;
     if (job.m > 1) {
-        if (!(packed = malloc(sizeof(float) * half_matmul_packed_size(job.m, job.k))))
+        if (!(packed = malloc(sizeof(float) * strip_matmul_packed_size(job.m, job.k))))
             return error(op, "out of memory packing A");
         Packing packing = {&job, a, packed};
-        status = parallel_for(context, run_pack, (size_t)half_matmul_groups(job.m), &packing);
+        status = parallel_for(context, run_pack, (size_t)strip_matmul_groups(job.m), &packing);
         job.a = packed;
     }
     if (!status) status = parallel_for(context, run_strip, (size_t)b_dims[0], &job);
@@ -97,17 +101,74 @@ static OrtStatus *compute(OrtKernelContext *context, HalfKind kind, const char *
     return status;
 }
 
+typedef struct {
+    RoutedExperts *job;
+    void (*step)(RoutedExperts *, int64_t);
+} ExpertStep;
+
+static void run_expert_step(void *data, size_t task) {
+    ExpertStep *s = data;
+    s->step(s->job, (int64_t)task);
+}
+
+static OrtStatus *compute_routed_experts(void *kernel, OrtKernelContext *context) {
+    (void)kernel;
+    const char *op = "RoutedExperts";
+    const OrtValue *in[4];
+    int64_t dims[4][MAX_RANK];
+    size_t rank[4];
+    for (size_t i = 0; i < 4; i++) {
+        ORT_FN(api, OrtKernelContextGetInputFn, ORT_KernelContext_GetInput)(context, i, &in[i]);
+        if (shape(in[i], dims[i], &rank[i])) return error(op, "cannot read an input's shape");
+    }
+    if (rank[0] != 2 || rank[1] != 2 || rank[2] != 4 || rank[3] != 4)
+        return error(op, "expected X [T, d], dispatch [T, E], fc1 [E, I'/32, d, 64], fc2 [E, d'/64, I', 64]");
+    RoutedExperts job = {.kind = STRIP_F32, .tokens = dims[0][0], .d = dims[0][1], .experts = dims[1][1],
+                         .inter = dims[2][1] * GATE_UP, .out_strips = dims[3][1]};
+    if (dims[1][0] != job.tokens || dims[2][0] != job.experts || dims[3][0] != job.experts)
+        return error(op, "X, dispatch, fc1 and fc2 disagree on the tokens or the experts");
+    if (dims[2][2] != job.d || dims[2][3] != STRIP || dims[3][2] != job.inter || dims[3][3] != STRIP ||
+        job.out_strips * STRIP < job.d || job.out_strips * STRIP - job.d >= STRIP)
+        return error(op, "fc1 must be [E, I'/32, d, 64] and fc2 [E, d'/64, I', 64] (d' = d rounded up to 64)");
+    OrtValue *y_value;
+    void *data[4], *y;
+    if (ORT_FN(api, OrtKernelContextGetOutputFn, ORT_KernelContext_GetOutput)(context, 0, dims[0], 2, &y_value) ||
+        ORT_FN(api, OrtGetTensorMutableDataFn, ORT_GetTensorMutableData)(y_value, &y))
+        return error(op, "cannot allocate Y");
+    for (size_t i = 0; i < 4; i++)
+        if (ORT_FN(api, OrtGetTensorMutableDataFn, ORT_GetTensorMutableData)((OrtValue *)in[i], &data[i]))
+            return error(op, "cannot reach the inputs' data");
+    job.x = data[0], job.dispatch = data[1], job.fc1 = data[2], job.fc2 = data[3], job.y = y;
+    if (job.tokens == 0 || job.d == 0) return NULL;
+    if (routed_experts_plan(&job)) return error(op, "out of memory planning the experts' rows");
+    OrtStatus *status = NULL;
+    if (job.active) { /* gathering and packing copy a few rows: on this thread, between the two products */
+        ExpertStep fc1 = {&job, routed_experts_fc1}, fc2 = {&job, routed_experts_fc2};
+        /* below ~1M multiply-adds (one token through two of the demo's experts: ~15 us), waking a pool thread
+         * costs more than it saves (measured: 51 vs 34 us at one token on two threads) */
+        OrtKernelContext *pool = (job.first[job.active] * 3 * job.inter * job.d < (1 << 20)) ? NULL : context;
+        for (int64_t i = 0; i < job.active; i++) routed_experts_gather(&job, i);
+        status = parallel_for(pool, run_expert_step, (size_t)(job.active * job.inter / GATE_UP), &fc1);
+        for (int64_t i = 0; !status && i < job.active; i++) routed_experts_pack(&job, i);
+        if (!status) status = parallel_for(pool, run_expert_step, (size_t)job.out_strips, &fc2);
+        if (!status && __atomic_load_n(&job.failed, __ATOMIC_RELAXED)) status = error(op, "out of memory for a strip's partial sums");
+    }
+    routed_experts_release(&job);
+    return status;
+}
+
 static OrtStatus *compute_f16(void *kernel, OrtKernelContext *context) {
     (void)kernel;
-    return compute(context, HALF_F16, "MatMulF16");
+    return compute(context, STRIP_F16, "MatMulF16");
 }
 static OrtStatus *compute_bf16(void *kernel, OrtKernelContext *context) {
     (void)kernel;
-    return compute(context, HALF_BF16, "MatMulBF16");
+    return compute(context, STRIP_BF16, "MatMulBF16");
 }
 
 static const char *name_f16(const OrtCustomOp *op) { (void)op; return "MatMulF16"; }
 static const char *name_bf16(const OrtCustomOp *op) { (void)op; return "MatMulBF16"; }
+static const char *name_routed_experts(const OrtCustomOp *op) { (void)op; return "RoutedExperts"; }
 static ONNXTensorElementDataType input_f16(const OrtCustomOp *op, size_t i) {
     (void)op;
     return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
@@ -116,9 +177,11 @@ static ONNXTensorElementDataType input_bf16(const OrtCustomOp *op, size_t i) {
     (void)op;
     return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 }
+static ONNXTensorElementDataType input_float(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
 static ONNXTensorElementDataType output_float(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
 static const char *cpu(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
 static size_t two(const OrtCustomOp *op) { (void)op; return 2; }
+static size_t four(const OrtCustomOp *op) { (void)op; return 4; }
 static size_t one(const OrtCustomOp *op) { (void)op; return 1; }
 static OrtCustomOpInputOutputCharacteristic required(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return INPUT_OUTPUT_REQUIRED; }
 static OrtMemType default_memory(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return OrtMemTypeDefault; }
@@ -135,10 +198,10 @@ static int last_version(const OrtCustomOp *op) { (void)op; return 2147483647; }
 static size_t no_pairs(int **input_index, int **output_index) { *input_index = NULL, *output_index = NULL; return 0; }
 static void release_pairs(int *input_index, int *output_index) { (void)input_index, (void)output_index; }
 
-#define HALF_MATMUL_OP(NAME, INPUT, COMPUTE)                                                                          \
+#define CPU_OP(NAME, INPUT, INPUTS, COMPUTE)                                                                          \
     {                                                                                                                 \
         .version = ORT_ABI_VERSION, .GetName = NAME, .GetExecutionProviderType = cpu, .GetInputType = INPUT,          \
-        .GetInputTypeCount = two, .GetOutputType = output_float, .GetOutputTypeCount = one, .KernelDestroy = destroy, \
+        .GetInputTypeCount = INPUTS, .GetOutputType = output_float, .GetOutputTypeCount = one, .KernelDestroy = destroy, \
         .GetInputCharacteristic = required, .GetOutputCharacteristic = required, .GetInputMemoryType = default_memory, \
         .GetVariadicInputMinArity = min_arity, .GetVariadicInputHomogeneity = homogeneous,                            \
         .GetVariadicOutputMinArity = min_arity, .GetVariadicOutputHomogeneity = homogeneous, .CreateKernelV2 = create, \
@@ -146,14 +209,14 @@ static void release_pairs(int *input_index, int *output_index) { (void)input_ind
         .GetMayInplace = no_pairs, .ReleaseMayInplace = release_pairs, .GetAliasMap = no_pairs,                       \
         .ReleaseAliasMap = release_pairs,                                                                             \
     }
-static OrtCustomOp ops[] = {HALF_MATMUL_OP(name_f16, input_f16, compute_f16),
-                            HALF_MATMUL_OP(name_bf16, input_bf16, compute_bf16)};
+static OrtCustomOp ops[] = {CPU_OP(name_f16, input_f16, two, compute_f16), CPU_OP(name_bf16, input_bf16, two, compute_bf16),
+                            CPU_OP(name_routed_experts, input_float, four, compute_routed_experts)};
 
 /* On a CPU without AVX2, FMA and F16C, or an onnxruntime older than the ABI slots used, it registers nothing and the
  * graphs run the ops' function bodies. */
 __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
     api = base->GetApi(ORT_ABI_VERSION);
-    if (!api || !half_matmul_supported()) return NULL;
+    if (!api || !strip_matmul_supported()) return NULL;
     OrtCustomOpDomain *domain; /* lives as long as the process: sessions keep referring to it */
     OrtStatus *status = ORT_FN(api, OrtCreateCustomOpDomainFn, ORT_CreateCustomOpDomain)("mla_deploy", &domain);
     for (size_t i = 0; !status && i < sizeof(ops) / sizeof(ops[0]); i++)
