@@ -14,13 +14,12 @@ CONTEXTS = (128, 4096)
 
 
 def decode_state(gen, batch: int, context: int, room: int, rng: np.random.Generator):
-    """A Generator's state of `batch` rows at `context` slots, caches grown by `room` more and holding random data in
-    every slot (never the zero page)."""
-    state = gen.new_state([np.zeros(1, np.int64)] * batch, context=context)
-    state.caches.ensure(context + room)
-    for arr in state.caches.arrays.values():
-        arr[:] = rng.standard_normal(arr.shape, dtype=np.float32)
-    return state
+    """mla_deploy.bench's random decode state (caches of random values in their dtype). This script used to write
+    float32 values into a bfloat16 cache's uint16 bit patterns, which made them NaNs and infinities: bfloat16 decode
+    steps timed here before that fix ran on NaN logits (a MoE layer then routed its tokens to no expert, or all)."""
+    from mla_deploy.bench.engines import random_decode_state
+
+    return random_decode_state(gen, batch, context, room, rng)
 
 
 def speed(models: dict, rounds: int = 5, warmup: int = 3, contexts: tuple[int, ...] = CONTEXTS) -> dict[str, dict[str, float]]:

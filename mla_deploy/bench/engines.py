@@ -52,6 +52,17 @@ def _median_ms(fn, steps: int) -> float:
     return statistics.median(times)
 
 
+
+def random_decode_state(gen, batch: int, context: int, room: int, rng: np.random.Generator):
+    """A Generator's state of `batch` rows at `context` slots, caches grown by `room` more and holding standard normal
+    values in every slot, in the caches' dtype (bfloat16: its bit patterns, runtime.dtypes): never the zero page."""
+    state = gen.new_state([np.zeros(1, np.int64)] * batch, context=context)
+    state.caches.ensure(context + room)
+    for arr in state.caches.arrays.values():
+        values = rng.standard_normal(arr.shape, dtype=np.float32)
+        arr[:] = float32_to_bf16(values) if state.caches.dtype == "bfloat16" else values
+    return state
+
 class OnnxEngine:
     """An mla-deploy export driven by the runtime: in-place latent caches, IO binding."""
 
@@ -86,11 +97,7 @@ class OnnxEngine:
 
     def decode_step_ms(self, ctx: int, batch: int, steps: int) -> float:
         rng = np.random.default_rng(ctx)
-        state = self.gen.new_state([np.zeros(1, np.int64)] * batch, context=ctx)
-        state.caches.ensure(ctx + steps + 2)
-        for arr in state.caches.arrays.values():  # in the cache's dtype (bfloat16: its bit patterns, runtime.dtypes)
-            values = rng.standard_normal(arr.shape, dtype=np.float32)
-            arr[:] = float32_to_bf16(values) if state.caches.dtype == "bfloat16" else values
+        state = random_decode_state(self.gen, batch, ctx, steps + 2, rng)
         tokens = rng.integers(0, self.cfg.vocab_size, batch)
         return _median_ms(lambda: self.gen.decode_step(state, tokens), steps)
 
