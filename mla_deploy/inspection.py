@@ -99,7 +99,7 @@ def format_report(r: dict) -> list[str]:
                "mla-deploy's kernel library was not built here (no C compiler at install): onnxruntime runs their "
                "function bodies, on float32 copies of the weights made at load" +
                ("; RoutedExperts' body runs every expert on every token" if any(
-                   f"{kernels.DOMAIN}::{kernels.ROUTED_EXPERTS}" in ops for ops in k["ops"].values()) else ""))
+                   "::RoutedExperts" in op for ops in k["ops"].values() for op in ops) else ""))
         lines.append(f"kernels    {counts}; {how}")
     q = r.get("quantization")
     if q:

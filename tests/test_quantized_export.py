@@ -219,17 +219,14 @@ def test_expert_choices_are_checked_and_auto_follows_the_config():
     demo = Checkpoint(DEMO_CHECKPOINT).config  # 8 experts, top 2
     v2lite = MLAConfig.from_hf_json(DEMO_CHECKPOINT.parent / "presets" / "v2lite.json")  # 64 experts, top 6
     int4 = quantize_module.Quantization(4, 32)
-    assert resolve_experts(demo, "auto", None) == "kernel"  # float32: mla_deploy.RoutedExperts
-    assert resolve_experts(demo, "auto", None, "float16") == resolve_experts(demo, "auto", None, "bfloat16") == "moe"
+    assert resolve_experts(demo, "auto", None) == "kernel"  # every float dtype: mla_deploy.RoutedExperts(F16/BF16)
     assert resolve_experts(v2lite, "auto", None) == "branches"
     assert resolve_experts(v2lite, "auto", int4) == resolve_experts(demo, "auto", int4) == "qmoe"
     # QMoE's rule: the expert matrices in whole blocks along K (the demo's 160-wide experts are not whole 64-blocks)
     assert resolve_experts(demo, "qmoe", quantize_module.Quantization(4, 64)) == "branches"
-    for requested, quantization, dtype, message in (
-            ("qmoe", None, "float32", "needs --quantize"), ("dense", int4, "float32", "for float exports"),
-            ("moe", int4, "float32", "for float exports .* this one is int4"),
-            ("kernel", int4, "float32", "for float32 exports .* this one is int4"),
-            ("kernel", None, "bfloat16", "for float32 exports .* this one is bfloat16"),
-            ("fast", None, "float32", "expected one of auto, qmoe, kernel, moe, dense, branches")):
+    for requested, quantization, message in (("qmoe", None, "needs --quantize"), ("dense", int4, "for float exports"),
+                                             ("moe", int4, "for float exports .* this one is int4"),
+                                             ("kernel", int4, "for float exports .* this one is int4"),
+                                             ("fast", None, "expected one of auto, qmoe, kernel, moe, dense, branches")):
         with pytest.raises(ExportError, match=message):
-            resolve_experts(demo, requested, quantization, dtype)
+            resolve_experts(demo, requested, quantization)

@@ -1,6 +1,7 @@
-"""mla_deploy.RoutedExperts: a MoE layer's routed experts, each on the tokens that chose it (the kernel library's C,
-built at install) against a float64 numpy reference, with its ONNX function body as the fallback; its weight layout;
-its errors; and the demo export run through it and through its body."""
+"""mla_deploy.RoutedExperts (and its F16 / BF16 forms): a MoE layer's routed experts, each on the tokens that chose it
+(the kernel library's C, built at install) against a float64 numpy reference, with its ONNX function body as the
+fallback; its weight layout; its errors; and the demo export run through it and through its body (half exports:
+tests/test_half_kernels.py)."""
 
 import numpy as np
 import onnx
@@ -15,6 +16,7 @@ from mla_deploy.export.layers import OPSET, routed_experts_function
 from mla_deploy.presets import DEMO_CHECKPOINT
 from mla_deploy.runtime import ExportedModel, Generator, RuntimeOptions, SamplingParams
 from mla_deploy.runtime.feeds import prefill_feed
+from mla_deploy.safetensors_io import bf16_to_float32, float32_to_bf16
 
 needs_library = pytest.mark.skipif(kernels.library() is None,
                                    reason="the kernel library did not build on this machine (no compiler)")
@@ -44,19 +46,36 @@ def _experts(rng, e: int, d: int, inter: int):
     return [(rng.standard_normal(shape) * scale).astype(np.float32) for shape in ((e, inter, d), (e, inter, d), (e, d, inter))]
 
 
-def _one_op_model(gate, up, down) -> bytes:
+ONNX_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
+
+
+def _rounded(w: np.ndarray, dtype: str) -> np.ndarray:
+    """W rounded to `dtype` and widened back: the weights a half op multiplies by."""
+    if dtype == "float16":
+        return w.astype(np.float16).astype(np.float32)
+    return bf16_to_float32(float32_to_bf16(w)) if dtype == "bfloat16" else w
+
+
+def _stored(strips: np.ndarray, name: str, dtype: str) -> onnx.TensorProto:
+    if dtype == "float32":
+        return numpy_helper.from_array(strips, name)
+    bits = strips.astype(np.float16) if dtype == "float16" else float32_to_bf16(strips)
+    return helper.make_tensor(name, ONNX_TYPES[dtype], strips.shape, np.ascontiguousarray(bits).tobytes(), raw=True)
+
+
+def _one_op_model(gate, up, down, dtype: str = "float32") -> bytes:
     e, inter, d = gate.shape
     padded = -(-inter // kernels.GATE_UP) * kernels.GATE_UP
     fc1 = np.stack([kernels.expert_fc1_strips(gate[i], up[i]) for i in range(e)])
     fc2 = np.stack([kernels.expert_fc2_strips(down[i], padded) for i in range(e)])
     graph = helper.make_graph(
-        [helper.make_node(kernels.ROUTED_EXPERTS, ["x", "dispatch", "fc1", "fc2"], ["y"], domain=kernels.DOMAIN)],
+        [helper.make_node(kernels.ROUTED_EXPERTS[dtype], ["x", "dispatch", "fc1", "fc2"], ["y"], domain=kernels.DOMAIN)],
         "one_op", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", d]),
                    helper.make_tensor_value_info("dispatch", TensorProto.FLOAT, ["T", e])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-        initializer=[numpy_helper.from_array(fc1, "fc1"), numpy_helper.from_array(fc2, "fc2")])
+        initializer=[_stored(fc1, "fc1", dtype), _stored(fc2, "fc2", dtype)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(kernels.DOMAIN, 1)],
-                              functions=[ir.serde.serialize_function(routed_experts_function())], ir_version=11)
+                              functions=[ir.serde.serialize_function(routed_experts_function(dtype))], ir_version=11)
     return model.SerializeToString()
 
 
@@ -97,8 +116,21 @@ SHAPES = [(1, 8, 2, 256, 160), (3, 8, 2, 64, 24), (16, 8, 2, 256, 160), (16, 6, 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("tokens,e,k,d,inter", SHAPES)
 def test_routed_experts_match_numpy(tokens, e, k, d, inter, threads, library):
+    _check_against_numpy(tokens, e, k, d, inter, threads, library, "float32")
+
+
+@pytest.mark.parametrize("library", [pytest.param(True, marks=needs_library, id="kernel"),
+                                     pytest.param(False, id="function-body")])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("tokens,e,k,d,inter", [SHAPES[0], SHAPES[3], SHAPES[5]])
+def test_half_routed_experts_match_numpy_on_the_rounded_weights(tokens, e, k, d, inter, dtype, library):
+    """RoutedExpertsF16 / BF16 widen the stored weights exactly: the same bound against the rounded weights."""
+    _check_against_numpy(tokens, e, k, d, inter, 2, library, dtype)
+
+
+def _check_against_numpy(tokens, e, k, d, inter, threads, library, dtype):
     rng = np.random.default_rng(tokens * 100 + e * 10 + k + d + inter)
-    gate, up, down = _experts(rng, e, d, inter)
+    gate, up, down = (_rounded(w, dtype) for w in _experts(rng, e, d, inter))
     x = rng.standard_normal((tokens, d)).astype(np.float32)
     dispatch = np.zeros((tokens, e), np.float32)
     for t in range(tokens):
@@ -106,7 +138,7 @@ def test_routed_experts_match_numpy(tokens, e, k, d, inter, threads, library):
     if tokens > 2:
         dispatch[1] = 0.0  # a token whose chosen weights all underflowed: no routed output
         dispatch[:, e - 1] = 0.0  # an expert nobody chose
-    y = _session(_one_op_model(gate, up, down), library, threads).run(None, {"x": x, "dispatch": dispatch})[0]
+    y = _session(_one_op_model(gate, up, down, dtype), library, threads).run(None, {"x": x, "dispatch": dispatch})[0]
     assert y.dtype == np.float32 and y.shape == (tokens, d)
     exact, bound = _reference(x, dispatch, gate, up, down)
     assert np.all(np.abs(y - exact) <= bound)
@@ -127,7 +159,7 @@ def test_routed_experts_match_numpy(tokens, e, k, d, inter, threads, library):
 def test_routed_experts_refuse_malformed_inputs_by_name(shapes, message):
     names = ["x", "dispatch", "fc1", "fc2"]
     graph = helper.make_graph(
-        [helper.make_node(kernels.ROUTED_EXPERTS, names, ["y"], domain=kernels.DOMAIN)], "one_op",
+        [helper.make_node(kernels.ROUTED_EXPERTS["float32"], names, ["y"], domain=kernels.DOMAIN)], "one_op",
         [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in names],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(kernels.DOMAIN, 1)],
@@ -153,17 +185,18 @@ def test_the_demo_export_runs_its_experts_in_the_kernel_and_its_function_body_al
     """The float32 demo picks "kernel" (one RoutedExperts per MoE layer, strips in weights.bin); registered, onnxruntime
     keeps the nodes; not, it inlines the body. Prefill at 9 tokens and batched decode at 3 rows: the same logits to
     float32 summation order, the same greedy tokens."""
+    op_type = kernels.ROUTED_EXPERTS["float32"]
     saved = onnx.load(demo_export / "decode.onnx", load_external_data=False)
-    assert [(f.domain, f.name) for f in saved.functions] == [(kernels.DOMAIN, kernels.ROUTED_EXPERTS)]
+    assert [(f.domain, f.name) for f in saved.functions] == [(kernels.DOMAIN, op_type)]
     on, off = ExportedModel(demo_export), ExportedModel(demo_export, RuntimeOptions(kernels=False))
     assert on.manifest["experts"] == "kernel"
     moe_layers = on.config.num_hidden_layers - on.config.first_k_dense_replace
-    assert on.manifest["graphs"][io_spec.DECODE]["op_counts"][f"{kernels.DOMAIN}::{kernels.ROUTED_EXPERTS}"] == moe_layers
+    assert on.manifest["graphs"][io_spec.DECODE]["op_counts"][f"{kernels.DOMAIN}::{op_type}"] == moe_layers
     for kind in (io_spec.PREFILL, io_spec.DECODE):
         so = on.session_options()
         so.optimized_model_filepath = str(tmp_path / f"{kind}.onnx")
         ort.InferenceSession(str(demo_export / on.manifest["graphs"][kind]["file"]), so, providers=on.providers)
-        assert kernels.ROUTED_EXPERTS in {n.op_type for n in onnx.load(so.optimized_model_filepath, load_external_data=False).graph.node}
+        assert op_type in {n.op_type for n in onnx.load(so.optimized_model_filepath, load_external_data=False).graph.node}
     feed = prefill_feed(on.config, np.array([[1, 17, 300, 42, 9, 77, 5, 1000, 3]]))
     logits = [m.run(io_spec.PREFILL, feed)[io_spec.LOGITS] for m in (on, off)]
     assert float(np.abs(logits[0] - logits[1]).max()) <= 1e-4 * float(np.abs(logits[1]).max())

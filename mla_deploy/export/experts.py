@@ -2,16 +2,15 @@
 
 - "qmoe": quantized exports, one com.microsoft QMoE per MoE layer (faster than one If per expert at batch 1 and 8),
   where the experts' matrices are whole quantization blocks along K (QMoE's rule).
-- "kernel": float32 exports of layers with few experts per chosen one (the demo model's 8 and 2): one
-  mla_deploy.RoutedExperts per MoE layer (mla_deploy.kernels), each expert on the tokens that chose it, from strips
-  laid out at export. Against "moe" on the demo: the same at batch 1, the MoE op re-packs every expert matrix
-  with two tokens or more on every call (README, Serving). Its function body, where the kernel library is not
-  registered, is "dense".
-- "moe": float exports (half ones by default) of layers with few experts per chosen one (n_routed_experts <= DENSE_RATIO x
-  num_experts_per_tok, the demo model's 8 and 2): one com.microsoft MoE per MoE layer, given DeepSeek's routing
+- "kernel": float exports (float32, float16, bfloat16) of layers with few experts per chosen one
+  (n_routed_experts <= DENSE_RATIO x num_experts_per_tok, the demo model's 8 and 2): one mla_deploy.RoutedExperts
+  per MoE layer (mla_deploy.kernels), each expert on the tokens that chose it, from strips laid out at export and
+  read in the export's dtype. Faster than "moe" on the demo at batch 1 and 16 and in prefill (README, Float exports
+  choose too); where the kernel library is not registered its function body runs "dense".
+- "moe" (asked for): one com.microsoft MoE per MoE layer, given DeepSeek's routing
   through the log of its weights (export.layers.MoE._moe). onnxruntime's CPU kernel is float32 only, which every
   float export computes in (a half export's expert weights are widened at load); on the demo's float16 export it
-  beat "dense" by 1.3x in prefill and 1.5x in decode.
+  beat "dense" by 1.3x in prefill and 1.5x in decode. What auto chose before "kernel".
 - "dense" (asked for): every expert on every token in three large ops. It computes DENSE_RATIO times the chosen
   experts' work but skips one If per expert, which dominates at such sizes.
 - "branches": otherwise (DeepSeek-V2-Lite's 64 and 6, V3's 256 and 8), one If per expert: an expert no token
@@ -29,15 +28,14 @@ CHOICES = ("auto", "qmoe", "kernel", "moe", "dense", "branches")
 DENSE_RATIO = 4
 
 
-def resolve_experts(cfg: MLAConfig, requested: str, quantization: Quantization | None, dtype: str = "float32") -> str:
+def resolve_experts(cfg: MLAConfig, requested: str, quantization: Quantization | None) -> str:
     """What the graphs run, as the manifest records it. QMoE needs both expert matrices' K in whole quantization
     blocks; where they are not, the experts run in branches even if QMoE was asked for."""
     if requested not in CHOICES:
         raise ExportError(f"experts={requested!r}: expected one of {', '.join(CHOICES)}")
-    if requested == "kernel" and (quantization is not None or dtype != "float32"):
-        raise ExportError(f"experts='kernel' is for float32 exports (mla_deploy.RoutedExperts multiplies float32 "
-                          f"weights); this one is {f'int{quantization.bits}' if quantization else dtype}: use 'moe', "
-                          "'qmoe' or 'branches'")
+    if requested == "kernel" and quantization is not None:
+        raise ExportError(f"experts='kernel' is for float exports (mla_deploy.RoutedExperts multiplies float32, "
+                          f"float16 or bfloat16 weights); this one is int{quantization.bits}: use 'qmoe' or 'branches'")
     if requested == "qmoe" and quantization is None:
         raise ExportError("experts='qmoe' needs --quantize (QMoE multiplies by quantized experts)")
     if requested == "moe" and quantization is not None:
@@ -51,5 +49,5 @@ def resolve_experts(cfg: MLAConfig, requested: str, quantization: Quantization |
     if requested != "auto":
         return requested
     if cfg.n_routed_experts and cfg.n_routed_experts <= DENSE_RATIO * cfg.num_experts_per_tok:
-        return "kernel" if dtype == "float32" else "moe"
+        return "kernel"
     return "branches"

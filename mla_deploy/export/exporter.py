@@ -49,7 +49,7 @@ class ExportOptions:
     block_size: int = 32
     accuracy_level: int = 4  # MatMulNBits: 4 = int8 activations inside the kernel, 0 = float (exact)
     head_bits: int = 8  # the embedding and the output layer of a quantized export: 8, or 4 (smallest, fastest)
-    experts: str = "auto"  # routed experts: auto, qmoe (quantized), kernel (float32), moe (float), dense (float, few experts), branches (export.experts)
+    experts: str = "auto"  # routed experts: auto, qmoe (quantized), kernel, moe, dense (float), branches (export.experts)
 
     def quantization(self) -> Quantization | None:
         if self.quantize is None:
@@ -101,7 +101,7 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
                  f"config: factored {factored:.2f} MB, fused {fused:.2f} MB (bytes decide, not a timing)")
 
     source = RoundedCheckpoint(ckpt, precision.dtype)  # the weights as the export's dtype holds them
-    experts = resolve_experts(cfg, options.experts, quantization, options.dtype)
+    experts = resolve_experts(cfg, options.experts, quantization)
     if cfg.n_routed_experts:
         progress(f"routed experts: {experts} ({options.experts})")
     progress("hashing source weights")

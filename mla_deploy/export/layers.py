@@ -107,12 +107,16 @@ class Graph:
         self.builder.graph.opset_imports[kernels.DOMAIN] = 1
         return getattr(op, function.name)(x, strips, _domain=kernels.DOMAIN)  # [..., N]
 
-    def routed_experts(self, op, x: ir.Value, dispatch: ir.Value, fc1: ir.Value, fc2: ir.Value) -> ir.Value:
-        """mla_deploy.RoutedExperts(x [N, d], dispatch [N, E], fc1 strips, fc2 strips) -> [N, d] float32."""
-        function = routed_experts_function()
+    def routed_experts(self, op, x: ir.Value, dispatch: ir.Value, fc1: tuple[str, Callable[[], np.ndarray]],
+                       fc2: tuple[str, Callable[[], np.ndarray]]) -> ir.Value:
+        """mla_deploy.RoutedExperts (x [N, d] and dispatch [N, E] float32) -> [N, d] float32 over the strips `fc1`
+        and `fc2` (name, make), stored in the export's dtype and read as stored (RoutedExpertsF16 / BF16)."""
+        dtype = self.precision.dtype
+        function = routed_experts_function(dtype)
         self.functions[function.identifier()] = function
         self.builder.graph.opset_imports[kernels.DOMAIN] = 1
-        return getattr(op, function.name)(x, dispatch, fc1, fc2, _domain=kernels.DOMAIN)
+        weights = [self._initializer(name, make, dtype) for name, make in (fc1, fc2)]
+        return getattr(op, function.name)(x, dispatch, *weights, _domain=kernels.DOMAIN)
 
     def _initializer(self, name: str, make: Callable[[], np.ndarray], dtype: str) -> ir.Value:
         if name not in self._values:
@@ -209,11 +213,15 @@ def _half_matmul_proto(dtype: str) -> onnx.FunctionProto:
 
 
 @functools.cache
-def _routed_experts_proto() -> onnx.FunctionProto:
+def _routed_experts_proto(dtype: str) -> onnx.FunctionProto:
     h = onnx.helper
     node = h.make_node
-    return h.make_function(kernels.DOMAIN, kernels.ROUTED_EXPERTS, ["X", "dispatch", "fc1", "fc2"], ["Y"], [
-        node("Transpose", ["fc1"], ["fc1_d"], perm=[0, 2, 1, 3]),  # [E, J, d, 64] -> [E, d, J, 64]
+    widen = [] if dtype == "float32" else [node("Cast", ["fc1"], ["fc1_f"], to=onnx.TensorProto.FLOAT),
+                                           node("Cast", ["fc2"], ["fc2_f"], to=onnx.TensorProto.FLOAT)]
+    fc1, fc2 = ("fc1", "fc2") if dtype == "float32" else ("fc1_f", "fc2_f")
+    return h.make_function(kernels.DOMAIN, kernels.ROUTED_EXPERTS[dtype], ["X", "dispatch", "fc1", "fc2"], ["Y"], [
+        *widen,
+        node("Transpose", [fc1], ["fc1_d"], perm=[0, 2, 1, 3]),  # [E, J, d, 64] -> [E, d, J, 64]
         node("Constant", [], ["gate_up_shape"], value_ints=[0, 0, 0, 2, kernels.GATE_UP]),
         node("Reshape", ["fc1_d", "gate_up_shape"], ["gate_up"]),  # [E, d, J, 64] -> [E, d, J, 2, 32]
         node("Constant", [], ["zero"], value_int=0),
@@ -228,7 +236,7 @@ def _routed_experts_proto() -> onnx.FunctionProto:
         node("Sigmoid", ["g"], ["sig"]),
         node("Mul", ["g", "sig"], ["silu"]),
         node("Mul", ["silu", "u"], ["act"]),  # silu(gate) · up [E, T, I']
-        node("Transpose", ["fc2"], ["fc2_i"], perm=[0, 2, 1, 3]),  # [E, S, I', 64] -> [E, I', S, 64]
+        node("Transpose", [fc2], ["fc2_i"], perm=[0, 2, 1, 3]),  # [E, S, I', 64] -> [E, I', S, 64]
         node("Reshape", ["fc2_i", "e_d_i"], ["down"]),  # [E, I', S, 64] -> [E, I', d']
         node("MatMul", ["act", "down"], ["y_e"]),  # [E, T, d']
         node("Transpose", ["dispatch"], ["dispatch_e"], perm=[1, 0]),  # [T, E] -> [E, T]
@@ -242,15 +250,16 @@ def _routed_experts_proto() -> onnx.FunctionProto:
         node("Constant", [], ["columns"], value_ints=[1]),
         node("Slice", ["y_padded", "start", "d", "columns"], ["Y"]),  # [T, d'] -> [T, d]
     ], opset_imports=[h.make_opsetid("", OPSET)],
-        doc_string="Y = sum_e dispatch[:, e] · down_e(silu(gate_e X) · up_e X) over fc1 [E, I'/32, d, 64] and fc2 "
-                   "[E, d'/64, I', 64] (mla_deploy.kernels.expert_fc1_strips / expert_fc2_strips). mla-deploy's kernel "
+        doc_string=f"Y = sum_e dispatch[:, e] · down_e(silu(gate_e X) · up_e X) over {dtype} fc1 [E, I'/32, d, 64] and "
+                   "fc2 [E, d'/64, I', 64] (mla_deploy.kernels.expert_fc1_strips / expert_fc2_strips). mla-deploy's kernel "
                    "library runs only each expert's own tokens; this body, where that is not registered, runs every "
                    "expert on every token (weights re-laid out and folded at load).")
 
 
-def routed_experts_function() -> ir.Function:
-    """The body of mla_deploy.RoutedExperts: what onnxruntime runs where the kernel library is not registered."""
-    return ir.serde.deserialize_function(_routed_experts_proto())
+def routed_experts_function(dtype: str = "float32") -> ir.Function:
+    """The body of mla_deploy.RoutedExperts for `dtype` weights (float32, float16, bfloat16): what onnxruntime runs
+    where the kernel library is not registered."""
+    return ir.serde.deserialize_function(_routed_experts_proto(dtype))
 
 
 def half_matmul_function(dtype: str) -> ir.Function:
@@ -578,8 +587,8 @@ class MoE:
         return self.t(w + "down_proj.weight").T
 
     def _kernel(self, op, x2, dispatch) -> ir.Value:
-        """All routed experts in one mla_deploy.RoutedExperts (a float32 export's), weighted by DeepSeek's own
-        dispatch: each expert multiplies only the tokens that chose it, and reads its strips as stored."""
+        """All routed experts in one mla_deploy.RoutedExperts, weighted by DeepSeek's own dispatch (float32): each
+        expert multiplies only the tokens that chose it, reading its strips as stored (float32, float16, bfloat16)."""
         cfg, g, t, hf = self.cfg, self.g, self.t, self.hf
         inter = -(-cfg.moe_intermediate_size // kernels.GATE_UP) * kernels.GATE_UP  # I' (padded with zeros)
 
@@ -592,8 +601,9 @@ class MoE:
             return np.stack([kernels.expert_fc2_strips(t(f"{hf}experts.{e}.down_proj.weight"), inter)
                              for e in range(cfg.n_routed_experts)])
 
-        return g.routed_experts(op, x2, dispatch, g.weight(f"{self.name}.experts.fc1.strips", fc1),
-                                g.weight(f"{self.name}.experts.fc2.strips", fc2))  # [N, d]
+        routed = g.routed_experts(op, g.to_float(op, x2), dispatch, (f"{self.name}.experts.fc1.strips", fc1),
+                                  (f"{self.name}.experts.fc2.strips", fc2))  # [N, d] float32
+        return g.to_compute(op, routed)
 
     def _moe(self, op, x2, dispatch) -> ir.Value:
         """All routed experts in one com.microsoft MoE (float32 on the CPU), which selects and mixes by its own

@@ -6,10 +6,11 @@ float32 A and Y and a float16 or bfloat16 weight W, read as stored and widened i
 provider has no MatMul for either weight type (float16: without AVX512-FP16) and would multiply by float32 copies
 made at load, so a half export's decode step would read twice its file's bytes.
 
-`mla_deploy.RoutedExperts` (routed_experts.c): a float32 MoE layer's routed experts, each on the tokens that chose
-it, weighted by the router's dispatch [T, E] (0 where a token did not choose the expert). onnxruntime's MoE op does
-the same grouping but re-packs each expert's matrix on every call once the expert has two tokens; this op reads
-strips laid out at export (`expert_fc1_strips`, `expert_fc2_strips`) as they are.
+`mla_deploy.RoutedExperts` (routed_experts.c; `RoutedExpertsF16` / `RoutedExpertsBF16` for half weights): a MoE
+layer's routed experts, each on the tokens that chose it, weighted by the router's dispatch [T, E] (0 where a token
+did not choose the expert). onnxruntime's MoE op does the same grouping but re-packs each expert's matrix on every
+call once the expert has two tokens, and multiplies float32 only; this op reads strips laid out at export
+(`expert_fc1_strips`, `expert_fc2_strips`) as they are stored.
 
 Every graph that uses the ops also carries them as ONNX functions (export.layers: the same product through Cast and
 MatMul; every expert on every token, weighted by dispatch), which onnxruntime runs wherever the library is not
@@ -25,7 +26,7 @@ import numpy as np
 
 DOMAIN = "mla_deploy"
 HALF_MATMUL = {"float16": "MatMulF16", "bfloat16": "MatMulBF16"}  # by the weight's dtype
-ROUTED_EXPERTS = "RoutedExperts"
+ROUTED_EXPERTS = {"float32": "RoutedExperts", "float16": "RoutedExpertsF16", "bfloat16": "RoutedExpertsBF16"}  # by weight dtype
 STRIP = 64  # their weight layout: strips of 64 output columns, [N / 64, K, 64]
 GATE_UP = 32  # RoutedExperts' fc1 strip: 32 gate columns, then the same 32 columns of up
 

@@ -3,6 +3,7 @@
  *   MatMulBF16 (the same with B bfloat16)
  *   RoutedExperts (X float32 [T, d], dispatch float32 [T, E], fc1 float32 [E, I' / 32, d, 64],
  *                  fc2 float32 [E, d' / 64, I', 64]) -> Y float32 [T, d]   (routed_experts.h)
+ *   RoutedExpertsF16, RoutedExpertsBF16 (the same with fc1 and fc2 float16 or bfloat16)
  * registered by RegisterCustomOps, which onnxruntime calls on SessionOptions.register_custom_ops_library. The
  * arithmetic is strip_matmul.c's and routed_experts.c's; this file reads shapes, allocates Y and splits the work
  * over the session's intra-op threads. Every graph using these ops also carries them as ONNX functions
@@ -111,9 +112,7 @@ static void run_expert_step(void *data, size_t task) {
     s->step(s->job, (int64_t)task);
 }
 
-static OrtStatus *compute_routed_experts(void *kernel, OrtKernelContext *context) {
-    (void)kernel;
-    const char *op = "RoutedExperts";
+static OrtStatus *compute_routed_experts(OrtKernelContext *context, StripKind kind, const char *op) {
     const OrtValue *in[4];
     int64_t dims[4][MAX_RANK];
     size_t rank[4];
@@ -123,7 +122,7 @@ static OrtStatus *compute_routed_experts(void *kernel, OrtKernelContext *context
     }
     if (rank[0] != 2 || rank[1] != 2 || rank[2] != 4 || rank[3] != 4)
         return error(op, "expected X [T, d], dispatch [T, E], fc1 [E, I'/32, d, 64], fc2 [E, d'/64, I', 64]");
-    RoutedExperts job = {.kind = STRIP_F32, .tokens = dims[0][0], .d = dims[0][1], .experts = dims[1][1],
+    RoutedExperts job = {.kind = kind, .tokens = dims[0][0], .d = dims[0][1], .experts = dims[1][1],
                          .inter = dims[2][1] * GATE_UP, .out_strips = dims[3][1]};
     if (dims[1][0] != job.tokens || dims[2][0] != job.experts || dims[3][0] != job.experts)
         return error(op, "X, dispatch, fc1 and fc2 disagree on the tokens or the experts");
@@ -157,6 +156,19 @@ static OrtStatus *compute_routed_experts(void *kernel, OrtKernelContext *context
     return status;
 }
 
+static OrtStatus *compute_experts_f32(void *kernel, OrtKernelContext *context) {
+    (void)kernel;
+    return compute_routed_experts(context, STRIP_F32, "RoutedExperts");
+}
+static OrtStatus *compute_experts_f16(void *kernel, OrtKernelContext *context) {
+    (void)kernel;
+    return compute_routed_experts(context, STRIP_F16, "RoutedExpertsF16");
+}
+static OrtStatus *compute_experts_bf16(void *kernel, OrtKernelContext *context) {
+    (void)kernel;
+    return compute_routed_experts(context, STRIP_BF16, "RoutedExpertsBF16");
+}
+
 static OrtStatus *compute_f16(void *kernel, OrtKernelContext *context) {
     (void)kernel;
     return compute(context, STRIP_F16, "MatMulF16");
@@ -168,7 +180,9 @@ static OrtStatus *compute_bf16(void *kernel, OrtKernelContext *context) {
 
 static const char *name_f16(const OrtCustomOp *op) { (void)op; return "MatMulF16"; }
 static const char *name_bf16(const OrtCustomOp *op) { (void)op; return "MatMulBF16"; }
-static const char *name_routed_experts(const OrtCustomOp *op) { (void)op; return "RoutedExperts"; }
+static const char *name_experts_f32(const OrtCustomOp *op) { (void)op; return "RoutedExperts"; }
+static const char *name_experts_f16(const OrtCustomOp *op) { (void)op; return "RoutedExpertsF16"; }
+static const char *name_experts_bf16(const OrtCustomOp *op) { (void)op; return "RoutedExpertsBF16"; }
 static ONNXTensorElementDataType input_f16(const OrtCustomOp *op, size_t i) {
     (void)op;
     return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
@@ -178,6 +192,15 @@ static ONNXTensorElementDataType input_bf16(const OrtCustomOp *op, size_t i) {
     return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 }
 static ONNXTensorElementDataType input_float(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+/* RoutedExperts' X and dispatch are float32, its fc1 and fc2 (inputs 2 and 3) in the weights' type */
+static ONNXTensorElementDataType experts_f16(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    return i >= 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+static ONNXTensorElementDataType experts_bf16(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    return i >= 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
 static ONNXTensorElementDataType output_float(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
 static const char *cpu(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
 static size_t two(const OrtCustomOp *op) { (void)op; return 2; }
@@ -210,7 +233,9 @@ static void release_pairs(int *input_index, int *output_index) { (void)input_ind
         .ReleaseAliasMap = release_pairs,                                                                             \
     }
 static OrtCustomOp ops[] = {CPU_OP(name_f16, input_f16, two, compute_f16), CPU_OP(name_bf16, input_bf16, two, compute_bf16),
-                            CPU_OP(name_routed_experts, input_float, four, compute_routed_experts)};
+                            CPU_OP(name_experts_f32, input_float, four, compute_experts_f32),
+                            CPU_OP(name_experts_f16, experts_f16, four, compute_experts_f16),
+                            CPU_OP(name_experts_bf16, experts_bf16, four, compute_experts_bf16)};
 
 /* On a CPU without AVX2, FMA and F16C, or an onnxruntime older than the ABI slots used, it registers nothing and the
  * graphs run the ops' function bodies. */
