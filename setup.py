@@ -1,13 +1,15 @@
 """The one compiled piece: mla_deploy/kernels' onnxruntime custom-op library (MatMul by a float16 or bfloat16
-weight as stored; a MoE layer's routed experts), built at install time from the C sources there. Optional: where it
-does not build (no C compiler, not x86-64), the install goes on and the graphs run the ops' pure-ONNX function
-bodies instead (mla_deploy.kernels)."""
+weight as stored; a MoE layer's routed experts; MLA's decode attention over the latent cache), built at install time
+from the C sources there. Optional: where it does not build (no C compiler, not x86-64), the install goes on and
+the graphs run the ops' pure-ONNX function bodies instead (mla_deploy.kernels)."""
 
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension(
     "mla_deploy.kernels._kernels",
-    sources=[f"mla_deploy/kernels/{name}.c" for name in ("strip_matmul", "routed_experts", "custom_ops")],
-    depends=[f"mla_deploy/kernels/{name}.h" for name in ("strip_matmul", "routed_experts", "ort_abi")],
+    sources=[f"mla_deploy/kernels/{name}.c"
+             for name in ("strip_matmul", "routed_experts", "latent_attention", "custom_ops")],
+    depends=[f"mla_deploy/kernels/{name}.h"
+             for name in ("strip_matmul", "routed_experts", "latent_attention", "widen", "ort_abi")],
     extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-fvisibility=hidden"], optional=True,
 )])

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from mla_deploy.cli import main
 from mla_deploy.errors import ExportError, ExportLoadError, InputError
 from mla_deploy.export import ExportOptions, export
-from mla_deploy.runtime import ExportedModel, Generator, RuntimeOptions
+from mla_deploy.runtime import ExportedModel, Generator, RuntimeOptions, SamplingParams
 from mla_deploy.runtime.feeds import prefill_feed
 from mla_deploy.modeling import load_model
 from mla_deploy.verify import verify_export
@@ -139,6 +139,31 @@ def test_float_expert_forms_equal_the_branches(checkpoint_dir, exported, variant
         model = ExportedModel(directory)
         logits[name] = model.run("prefill", prefill_feed(model.config, ids))["logits"]
     assert np.abs(logits[experts] - logits["branches"]).max() <= 1e-4 * max(1.0, np.abs(logits["branches"]).max())
+
+
+@pytest.mark.parametrize("absorb", ["fused", "factored"])
+def test_decode_attention_in_onnxruntimes_ops_is_exact_and_equals_the_kernel(checkpoint_dir, exported, variant, absorb,
+                                                                             tmp_path):
+    """The tiny models' auto choice is mla_deploy.LatentAttention (4 heads, short caches); decode_attention="ops"
+    keeps onnxruntime's MatMul-Softmax-MatMul: exact against the torch source too, and the same decode logits."""
+    src, hf = checkpoint_dir(variant)
+    out = tmp_path / "ops"
+    result = export(src, out, ExportOptions(absorb=absorb, experts="branches", decode_attention="ops"))
+    assert result.manifest["decode_attention"] == "ops"
+    assert "mla_deploy::LatentAttention" not in result.manifest["graphs"]["decode"]["op_counts"]
+    kernel = exported(variant, absorb)
+    assert ExportedModel(kernel).manifest["decode_attention"] == "kernel"
+    report = verify_export(out, src, steps=4)
+    assert report.passed, report.lines
+    prompts = [[3, 5, 8, 13, 21], [4, 9, 2, 7]]  # rows decode the same token sequence in both: compare each step
+    logits = []
+    for directory in (out, kernel):
+        gen = Generator(ExportedModel(directory), SamplingParams(), stop_token_ids=())
+        state = gen.new_state([np.asarray(p) for p in prompts])
+        gen.prefill(state, prompts)
+        logits.append([gen.decode_step(state, np.array([t, t + 1])) for t in range(3, 9)])
+    logits = np.stack(logits)  # [2, steps, rows, vocab]
+    assert float(np.abs(logits[0] - logits[1]).max()) <= 1e-4 * max(1.0, float(np.abs(logits[1]).max()))
 
 
 @pytest.mark.parametrize("experts,op", [("moe", "com.microsoft::MoE"), ("kernel", "mla_deploy::RoutedExperts")])

@@ -156,14 +156,17 @@ def test_a_half_export_runs_the_kernel_and_its_function_body_alike(half_demo, dt
     strips), its routed experts through the dtype's RoutedExperts; with the library registered onnxruntime keeps
     those nodes, without it inlines their bodies; both give the same logits to float32 summation order and the same
     greedy tokens."""
-    out, op_type, experts = half_demo(dtype), kernels.HALF_MATMUL[dtype], kernels.ROUTED_EXPERTS[dtype]
+    out, op_type = half_demo(dtype), kernels.HALF_MATMUL[dtype]
+    experts, attention = kernels.ROUTED_EXPERTS[dtype], kernels.LATENT_ATTENTION[dtype]
     saved = onnx.load(out / "decode.onnx", load_external_data=False)
-    assert sorted((f.domain, f.name) for f in saved.functions) == sorted([(kernels.DOMAIN, op_type), (kernels.DOMAIN, experts)])
+    assert sorted((f.domain, f.name) for f in saved.functions) == sorted(
+        (kernels.DOMAIN, name) for name in (op_type, experts, attention))
     assert sum(n.op_type == op_type for n in saved.graph.node) >= 4 * 4  # per layer: q_a, q_b, o, mlp ...
     assert sum(n.op_type == experts for n in saved.graph.node) == 3  # the demo's MoE layers
+    assert sum(n.op_type == attention for n in saved.graph.node) == 4  # its layers' attention, on the half caches
     on, off = ExportedModel(out), ExportedModel(out, RuntimeOptions(kernels=False))
-    assert {op_type, experts} <= _optimized_op_types(on, io_spec.DECODE, tmp_path)
-    assert not {op_type, experts} & _optimized_op_types(off, io_spec.DECODE, tmp_path)
+    assert {op_type, experts, attention} <= _optimized_op_types(on, io_spec.DECODE, tmp_path)
+    assert not {op_type, experts, attention} & _optimized_op_types(off, io_spec.DECODE, tmp_path)
     feed = prefill_feed(on.config, np.array([[1, 17, 300, 42, 9, 77, 5]]), cache_dtype=dtype)
     logits = [m.run(io_spec.PREFILL, feed)[io_spec.LOGITS] for m in (on, off)]
     scale = float(np.abs(logits[1]).max())
@@ -179,10 +182,12 @@ def test_inspect_says_which_ops_need_the_library_and_whether_it_was_built(half_d
     out = half_demo("bfloat16")
     report = inspect_path(out)
     decode_ops = report["kernels"]["ops"]["decode"]
-    assert sorted(decode_ops) == ["mla_deploy::MatMulBF16", "mla_deploy::RoutedExpertsBF16"]
+    assert sorted(decode_ops) == ["mla_deploy::LatentAttentionBF16", "mla_deploy::MatMulBF16",
+                                  "mla_deploy::RoutedExpertsBF16"]
     assert decode_ops["mla_deploy::MatMulBF16"] >= 16 and decode_ops["mla_deploy::RoutedExpertsBF16"] == 3
     line = next(line for line in format_report(report) if line.startswith("kernels"))
-    assert "decode mla_deploy::MatMulBF16 x" in line and "prefill mla_deploy::MatMulBF16 x" in line
+    assert "decode mla_deploy::LatentAttentionBF16 x4 mla_deploy::MatMulBF16 x" in line
+    assert "prefill mla_deploy::MatMulBF16 x" in line
     assert ("built here: the weights are read as stored" in line) == BUILT
     monkeypatch.setattr(kernels, "library", lambda: None)
     line = next(line for line in format_report(inspect_path(out)) if line.startswith("kernels"))

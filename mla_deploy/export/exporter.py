@@ -25,9 +25,11 @@ from ..checkpoint import Checkpoint
 from ..errors import ExportError
 from ..manifest import MANIFEST_FILE, MANIFEST_VERSION, TOKENIZER_FILES, WEIGHTS_FILE, file_sha256
 from .absorb import AbsorbMode, absorbed_weight_bytes, resolve_absorb
+from .decode_attention import long_cache, resolve_decode_attention
 from .experts import resolve_experts
 from ..progress import progress_bar
 from .graphs import build_graph, op_counts
+from . import layers
 from .layers import OPSET
 from .precision import Precision, RoundedCheckpoint
 from .quantize import Quantization, quantized_hf_names
@@ -50,6 +52,7 @@ class ExportOptions:
     accuracy_level: int = 4  # MatMulNBits: 4 = int8 activations inside the kernel, 0 = float (exact)
     head_bits: int = 8  # the embedding and the output layer of a quantized export: 8, or 4 (smallest, fastest)
     experts: str = "auto"  # routed experts: auto, qmoe (quantized), kernel, moe, dense (float), branches (export.experts)
+    decode_attention: str = "auto"  # the decode graph's attention core: auto, kernel, ops (export.decode_attention)
 
     def quantization(self) -> Quantization | None:
         if self.quantize is None:
@@ -104,9 +107,13 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
     experts = resolve_experts(cfg, options.experts, quantization)
     if cfg.n_routed_experts:
         progress(f"routed experts: {experts} ({options.experts})")
+    decode_attention = resolve_decode_attention(
+        cfg, options.decode_attention, long_cache(cfg, max_seq_len, layers.LONG_CACHE_BYTES))
+    progress(f"decode attention: {decode_attention} ({options.decode_attention})")
     progress("hashing source weights")
     source_hash = ckpt.content_hash()
-    recipe = f"{source_hash}|{mode.value}|{options.dtype}|{max_seq_len}|{quantization}|{experts}|{__version__}"
+    recipe = (f"{source_hash}|{mode.value}|{options.dtype}|{max_seq_len}|{quantization}|{experts}|{decode_attention}|"
+              f"{__version__}")
     export_id = hashlib.sha256(recipe.encode()).hexdigest()[:32]
     metadata = {"producer": "mla-deploy", "mla_deploy_version": __version__, "export_id": export_id}
 
@@ -122,10 +129,12 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
                 with progress_bar(cfg.num_hidden_layers, f"{kind} layers", "layer") as advance:
                     graphs[kind] = build_graph(kind, cfg, source.tensor, max_seq_len, mode, weights, metadata,
                                                on_layer=lambda i: advance(1), quantization=quantization,
-                                               experts=experts, precision=precision)
+                                               experts=experts, precision=precision,
+                                               decode_attention=decode_attention)
         progress(f"wrote weights ({weights.nbytes / 1e9:.2f} GB)")
         manifest = _manifest(cfg, mode, options, max_seq_len, source_hash, export_id, ckpt)
         manifest["experts"] = experts if cfg.n_routed_experts else None
+        manifest["decode_attention"] = decode_attention
         manifest["precision"] = {"dtype": precision.dtype, "compute": precision.compute, "caches": precision.dtype,
                                  "float32": "norm weights, rope tables, routers, per-head W^UK / W^UV, fused absorbed "
                                             "matrices (the math around them runs in float32 too)"}

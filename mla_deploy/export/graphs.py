@@ -13,6 +13,7 @@ import onnx_ir as ir
 
 from .. import io_spec
 from ..config import MLAConfig
+from . import decode_attention as decode_attention_module
 from . import layers
 from .absorb import AbsorbMode
 from .precision import Precision
@@ -55,8 +56,9 @@ def decoder(g: layers.Graph, cfg: MLAConfig, t: layers.Tensors, max_seq_len: int
 def build_graph(kind: str, cfg: MLAConfig, t: layers.Tensors, max_seq_len: int, absorb: AbsorbMode,
                 weights: WeightsFile, metadata: dict[str, str], on_layer: Callable[[int], None] = lambda i: None,
                 quantization: Quantization | None = None, experts: str = "branches",
-                precision: Precision = Precision("float32")) -> ir.Model:
-    """prefill or decode over the io_spec contract; `weights` is the file both graphs' initializers live in."""
+                precision: Precision = Precision("float32"), decode_attention: str = "ops") -> ir.Model:
+    """prefill or decode over the io_spec contract; `weights` is the file both graphs' initializers live in;
+    `decode_attention`: export.decode_attention's choice."""
     g = layers.Graph(kind, weights, quantization, experts, precision)
     op = g.op
     specs_in, specs_out = io_spec.graph_io(kind, cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
@@ -65,7 +67,7 @@ def build_graph(kind: str, cfg: MLAConfig, t: layers.Tensors, max_seq_len: int, 
     write_indices = inputs[io_spec.WRITE_INDICES]
     bias = layers.attention_bias(op, inputs[io_spec.INPUT_IDS], inputs[io_spec.ATTENTION_MASK], write_indices)  # [b, 1, T, cap]
     caches: dict[str, ir.Value] = {}
-    long_cache = max_seq_len * cfg.kv_lora_rank * 4 > layers.LONG_CACHE_BYTES  # a row's float32 latent at full length
+    long_cache = decode_attention_module.long_cache(cfg, max_seq_len, layers.LONG_CACHE_BYTES)
 
     def attention(op, attn: layers.MLAttention, h, cos, sin):
         i = attn.layer
@@ -73,7 +75,8 @@ def build_graph(kind: str, cfg: MLAConfig, t: layers.Tensors, max_seq_len: int, 
         if kind == io_spec.PREFILL:
             out, latent, rope = attn.naive(op, h, cos, sin, bias, *cache)
         else:
-            out, latent, rope = attn.absorbed(op, h, cos, sin, bias, *cache, mode=absorb, long_cache=long_cache)
+            out, latent, rope = attn.absorbed(op, h, cos, sin, bias, *cache, mode=absorb, long_cache=long_cache,
+                                              attention=decode_attention)
         caches[io_spec.present_latent(i)], caches[io_spec.present_rope(i)] = latent, rope
         return out
 

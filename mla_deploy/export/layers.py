@@ -118,6 +118,14 @@ class Graph:
         weights = [self._initializer(name, make, dtype) for name, make in (fc1, fc2)]
         return getattr(op, function.name)(x, dispatch, *weights, _domain=kernels.DOMAIN)
 
+    def latent_attention(self, op, q_latent: ir.Value, q_rope: ir.Value, latent: ir.Value, rope: ir.Value,
+                         bias: ir.Value) -> ir.Value:
+        """mla_deploy.LatentAttention over the caches in their stored dtype -> [b, h, d_c] float32."""
+        function = latent_attention_function(self.precision.dtype)
+        self.functions[function.identifier()] = function
+        self.builder.graph.opset_imports[kernels.DOMAIN] = 1
+        return getattr(op, function.name)(q_latent, q_rope, latent, rope, bias, _domain=kernels.DOMAIN)
+
     def _initializer(self, name: str, make: Callable[[], np.ndarray], dtype: str) -> ir.Value:
         if name not in self._values:
             tensor = self.weights.tensor(name, make, dtype)
@@ -254,6 +262,39 @@ def _routed_experts_proto(dtype: str) -> onnx.FunctionProto:
                    "fc2 [E, d'/64, I', 64] (mla_deploy.kernels.expert_fc1_strips / expert_fc2_strips). mla-deploy's kernel "
                    "library runs only each expert's own tokens; this body, where that is not registered, runs every "
                    "expert on every token (weights re-laid out and folded at load).")
+
+
+@functools.cache
+def _latent_attention_proto(dtype: str) -> onnx.FunctionProto:
+    h = onnx.helper
+    node = h.make_node
+    widen = [] if dtype == "float32" else [node("Cast", ["latent"], ["latent_f"], to=onnx.TensorProto.FLOAT),
+                                           node("Cast", ["rope"], ["rope_f"], to=onnx.TensorProto.FLOAT)]
+    latent, rope = ("latent", "rope") if dtype == "float32" else ("latent_f", "rope_f")
+    return h.make_function(kernels.DOMAIN, kernels.LATENT_ATTENTION[dtype],
+                           ["q_latent", "q_rope", "latent", "rope", "bias"], ["out"], [
+        *widen,
+        node("Transpose", ["q_latent"], ["q_latent_t"], perm=[0, 2, 1]),  # [b, h, d_c] -> [b, d_c, h]
+        node("Transpose", ["q_rope"], ["q_rope_t"], perm=[0, 2, 1]),  # [b, h, d_r] -> [b, d_r, h]
+        node("MatMul", [latent, "q_latent_t"], ["latent_scores"]),  # [b, cap, d_c] @ [b, d_c, h] -> [b, cap, h]
+        node("MatMul", [rope, "q_rope_t"], ["rope_scores"]),  # [b, cap, d_r] @ [b, d_r, h] -> [b, cap, h]
+        node("Add", ["latent_scores", "rope_scores"], ["scores"]),
+        node("Transpose", ["scores"], ["scores_t"], perm=[0, 2, 1]),  # [b, cap, h] -> [b, h, cap]
+        node("Constant", [], ["row_shape"], value_ints=[0, 1, -1]),
+        node("Reshape", ["bias", "row_shape"], ["bias_rows"]),  # [b, 1, 1, cap] -> [b, 1, cap]
+        node("Add", ["scores_t", "bias_rows"], ["logits"]),
+        node("Softmax", ["logits"], ["probs"], axis=-1),  # [b, h, cap]
+        node("MatMul", ["probs", latent], ["out"]),  # [b, h, cap] @ [b, cap, d_c] -> [b, h, d_c]
+    ], opset_imports=[h.make_opsetid("", OPSET)],
+        doc_string=f"out = softmax(q_latent · latent + q_rope · rope + bias) @ latent over {dtype} caches (the queries "
+                   "already scaled). mla-deploy's kernel library reads the caches as stored and only the slots each "
+                   "row sees; this body, where that is not registered, reads every slot.")
+
+
+def latent_attention_function(dtype: str = "float32") -> ir.Function:
+    """The body of mla_deploy.LatentAttention for `dtype` caches: what onnxruntime runs where the kernel library is
+    not registered."""
+    return ir.serde.deserialize_function(_latent_attention_proto(dtype))
 
 
 def routed_experts_function(dtype: str = "float32") -> ir.Function:
@@ -425,9 +466,10 @@ class MLAttention:
         return op.MatMul(probs, latent)  # [b, h, cap] @ [b, cap, d_c] -> [b, h, d_c]
 
     def absorbed(self, op, x, cos, sin, bias, past_latent, past_rope, write_indices, mode: AbsorbMode,
-                 long_cache: bool = False):
+                 long_cache: bool = False, attention: str = "ops"):
         """Decode (T = 1): the query moves into latent space; attention reads ĉ directly; W^UV after. `long_cache`:
-        the cache may grow past LONG_CACHE_BYTES per row (_probs_at_latent)."""
+        the cache may grow past LONG_CACHE_BYTES per row (_probs_at_latent). `attention`: the core in
+        mla_deploy.LatentAttention ("kernel") or in onnxruntime's ops ("ops"; export.decode_attention)."""
         cfg, g = self.cfg, self.g
         h, dn, dr, dc, dv = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
                              cfg.kv_lora_rank, cfg.v_head_dim)
@@ -447,13 +489,16 @@ class MLAttention:
         q_pe = rope(op, q_pe, cos, sin)  # cos [b, 1, d_r/2] broadcasts over heads
         latent, k_pe = self.latent_and_rope(op, x, cos, sin)
         cache_latent, cache_rope = self.write_cache(op, latent, k_pe, past_latent, past_rope, write_indices)
-        latent_f = self.cached(op, cache_latent)
-
-        scores = op.Add(
-            op.MatMul(latent_f, op.Transpose(q_latent, perm=[0, 2, 1])),  # [b, cap, d_c] @ [b, d_c, h] -> [b, cap, h]
-            op.MatMul(self.cached(op, cache_rope), op.Transpose(q_pe, perm=[0, 2, 1])),  # [b, cap, d_r] @ [b, d_r, h] -> [b, cap, h]
-        )
-        o_latent = self._probs_at_latent(op, op.Mul(scores, self.scale), bias, latent_f, long_cache)  # [b, h, d_c]
+        if attention == "kernel":  # the softmax scale on the queries: h·(d_c + d_r) products, not h·cap
+            o_latent = g.latent_attention(op, op.Mul(q_latent, self.scale), op.Mul(q_pe, self.scale), cache_latent,
+                                          cache_rope, bias)  # [b, h, d_c]
+        else:
+            latent_f = self.cached(op, cache_latent)
+            scores = op.Add(
+                op.MatMul(latent_f, op.Transpose(q_latent, perm=[0, 2, 1])),  # [b, cap, d_c] @ [b, d_c, h] -> [b, cap, h]
+                op.MatMul(self.cached(op, cache_rope), op.Transpose(q_pe, perm=[0, 2, 1])),  # [b, cap, d_r] @ [b, d_r, h] -> [b, cap, h]
+            )
+            o_latent = self._probs_at_latent(op, op.Mul(scores, self.scale), bias, latent_f, long_cache)  # [b, h, d_c]
         o_weight = self._hf("o_proj.weight")
         if mode == AbsorbMode.FUSED:
             o = op.Reshape(o_latent, [0, 1, h * dc])  # [b, h, d_c] -> [b, 1, h·d_c]

@@ -12,8 +12,12 @@ did not choose the expert). onnxruntime's MoE op does the same grouping but re-p
 call once the expert has two tokens, and multiplies float32 only; this op reads strips laid out at export
 (`expert_fc1_strips`, `expert_fc2_strips`) as they are stored.
 
+`mla_deploy.LatentAttention` (latent_attention.c; `LatentAttentionF16` / `LatentAttentionBF16` for half caches): the
+absorbed decode attention's core, softmax(q_latent · latent + q_rope · rope + bias) @ latent, reading the caches as
+stored and only the slots each row sees (export.decode_attention).
+
 Every graph that uses the ops also carries them as ONNX functions (export.layers: the same product through Cast and
-MatMul; every expert on every token, weighted by dispatch), which onnxruntime runs wherever the library is not
+MatMul; every expert on every token, weighted by dispatch; MatMul, Softmax, MatMul), which onnxruntime runs wherever the library is not
 registered: not built (no C compiler), a CPU without AVX2/FMA/F16C, or turned off.
 """
 
@@ -28,6 +32,7 @@ DOMAIN = "mla_deploy"
 HALF_MATMUL = {"float16": "MatMulF16", "bfloat16": "MatMulBF16"}  # by the weight's dtype
 ROUTED_EXPERTS = {"float32": "RoutedExperts", "float16": "RoutedExpertsF16", "bfloat16": "RoutedExpertsBF16"}  # by weight dtype
 STRIP = 64  # their weight layout: strips of 64 output columns, [N / 64, K, 64]
+LATENT_ATTENTION = {"float32": "LatentAttention", "float16": "LatentAttentionF16", "bfloat16": "LatentAttentionBF16"}  # by cache dtype
 GATE_UP = 32  # RoutedExperts' fc1 strip: 32 gate columns, then the same 32 columns of up
 
 

@@ -4,14 +4,18 @@
  *   RoutedExperts (X float32 [T, d], dispatch float32 [T, E], fc1 float32 [E, I' / 32, d, 64],
  *                  fc2 float32 [E, d' / 64, I', 64]) -> Y float32 [T, d]   (routed_experts.h)
  *   RoutedExpertsF16, RoutedExpertsBF16 (the same with fc1 and fc2 float16 or bfloat16)
+ *   LatentAttention (q_latent float32 [b, h, d_c], q_rope float32 [b, h, d_r], latent cache [b, cap, d_c],
+ *                    rope cache [b, cap, d_r], bias float32 [b, 1, 1, cap]) -> float32 [b, h, d_c]
+ *                    (latent_attention.h; LatentAttentionF16 / BF16 with the caches in half precision)
  * registered by RegisterCustomOps, which onnxruntime calls on SessionOptions.register_custom_ops_library. The
- * arithmetic is strip_matmul.c's and routed_experts.c's; this file reads shapes, allocates Y and splits the work
- * over the session's intra-op threads. Every graph using these ops also carries them as ONNX functions
- * (export/layers.py), which onnxruntime runs where this library is not registered.
+ * arithmetic is strip_matmul.c's, routed_experts.c's and latent_attention.c's; this file reads shapes, allocates the
+ * outputs and splits the work over the session's intra-op threads. Every graph using these ops also carries them as
+ * ONNX functions (export/layers.py), which onnxruntime runs where this library is not registered.
  */
 #include <stdlib.h>
 #include <string.h>
 
+#include "latent_attention.h"
 #include "routed_experts.h"
 #include "strip_matmul.h"
 #include "ort_abi.h"
@@ -156,6 +160,65 @@ static OrtStatus *compute_routed_experts(OrtKernelContext *context, StripKind ki
     return status;
 }
 
+static void run_latent_range(void *data, size_t task) { latent_attention_range(data, (int64_t)task); }
+
+static OrtStatus *compute_latent_attention(OrtKernelContext *context, StripKind kind, const char *op) {
+    const OrtValue *in[5];
+    int64_t dims[5][MAX_RANK];
+    size_t rank[5];
+    for (size_t i = 0; i < 5; i++) {
+        ORT_FN(api, OrtKernelContextGetInputFn, ORT_KernelContext_GetInput)(context, i, &in[i]);
+        if (shape(in[i], dims[i], &rank[i])) return error(op, "cannot read an input's shape");
+    }
+    if (rank[0] != 3 || rank[1] != 3 || rank[2] != 3 || rank[3] != 3 || rank[4] < 1)
+        return error(op, "expected q_latent [b, h, d_c], q_rope [b, h, d_r], latent [b, cap, d_c], rope [b, cap, d_r], "
+                         "bias [b, 1, 1, cap]");
+    LatentAttention job = {.kind = kind, .rows = dims[0][0], .heads = dims[0][1], .latent = dims[0][2],
+                           .rope = dims[1][2], .capacity = dims[2][1]};
+    int64_t bias_size = 1;
+    for (size_t i = 0; i < rank[4]; i++) bias_size *= dims[4][i];
+    if (dims[1][0] != job.rows || dims[1][1] != job.heads || dims[2][0] != job.rows || dims[2][2] != job.latent ||
+        dims[3][0] != job.rows || dims[3][1] != job.capacity || dims[3][2] != job.rope)
+        return error(op, "the queries and the caches disagree on the rows, the heads or the widths");
+    if (dims[4][rank[4] - 1] != job.capacity || bias_size != job.rows * job.capacity)
+        return error(op, "bias must hold one value per row and cache slot [b, 1, 1, cap]");
+    if (job.latent % 16 || job.rope % 8) return error(op, "d_c must be a multiple of 16 and d_r of 8");
+    OrtValue *y_value;
+    void *data[5], *y;
+    if (ORT_FN(api, OrtKernelContextGetOutputFn, ORT_KernelContext_GetOutput)(context, 0, dims[0], 3, &y_value) ||
+        ORT_FN(api, OrtGetTensorMutableDataFn, ORT_GetTensorMutableData)(y_value, &y))
+        return error(op, "cannot allocate the output");
+    for (size_t i = 0; i < 5; i++)
+        if (ORT_FN(api, OrtGetTensorMutableDataFn, ORT_GetTensorMutableData)((OrtValue *)in[i], &data[i]))
+            return error(op, "cannot reach the inputs' data");
+    job.q_latent = data[0], job.q_rope = data[1], job.latent_cache = data[2], job.rope_cache = data[3];
+    job.bias = data[4], job.out = y;
+    if (job.rows == 0 || job.heads == 0 || job.latent == 0) return NULL;
+    if (job.capacity == 0) return error(op, "the cache has no slots");
+    if (latent_attention_plan(&job)) return error(op, "out of memory for the partial results");
+    /* as in RoutedExperts: below ~1M multiply-adds a pool thread's wake-up costs more than it saves */
+    int64_t work = job.rows * job.capacity * job.heads * (job.latent + job.rope);
+    OrtStatus *status = parallel_for(work < (1 << 20) ? NULL : context, run_latent_range,
+                                     (size_t)(job.rows * job.splits), &job);
+    for (int64_t r = 0; !status && r < job.rows; r++) latent_attention_combine(&job, r);
+    if (!status && __atomic_load_n(&job.failed, __ATOMIC_RELAXED)) status = error(op, "out of memory for a range's scores");
+    latent_attention_release(&job);
+    return status;
+}
+
+static OrtStatus *compute_attention_f32(void *kernel, OrtKernelContext *context) {
+    (void)kernel;
+    return compute_latent_attention(context, STRIP_F32, "LatentAttention");
+}
+static OrtStatus *compute_attention_f16(void *kernel, OrtKernelContext *context) {
+    (void)kernel;
+    return compute_latent_attention(context, STRIP_F16, "LatentAttentionF16");
+}
+static OrtStatus *compute_attention_bf16(void *kernel, OrtKernelContext *context) {
+    (void)kernel;
+    return compute_latent_attention(context, STRIP_BF16, "LatentAttentionBF16");
+}
+
 static OrtStatus *compute_experts_f32(void *kernel, OrtKernelContext *context) {
     (void)kernel;
     return compute_routed_experts(context, STRIP_F32, "RoutedExperts");
@@ -180,6 +243,9 @@ static OrtStatus *compute_bf16(void *kernel, OrtKernelContext *context) {
 
 static const char *name_f16(const OrtCustomOp *op) { (void)op; return "MatMulF16"; }
 static const char *name_bf16(const OrtCustomOp *op) { (void)op; return "MatMulBF16"; }
+static const char *name_attention_f32(const OrtCustomOp *op) { (void)op; return "LatentAttention"; }
+static const char *name_attention_f16(const OrtCustomOp *op) { (void)op; return "LatentAttentionF16"; }
+static const char *name_attention_bf16(const OrtCustomOp *op) { (void)op; return "LatentAttentionBF16"; }
 static const char *name_experts_f32(const OrtCustomOp *op) { (void)op; return "RoutedExperts"; }
 static const char *name_experts_f16(const OrtCustomOp *op) { (void)op; return "RoutedExpertsF16"; }
 static const char *name_experts_bf16(const OrtCustomOp *op) { (void)op; return "RoutedExpertsBF16"; }
@@ -192,6 +258,15 @@ static ONNXTensorElementDataType input_bf16(const OrtCustomOp *op, size_t i) {
     return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 }
 static ONNXTensorElementDataType input_float(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+/* LatentAttention's queries and bias are float32, its caches (inputs 2 and 3) in the caches' type */
+static ONNXTensorElementDataType attention_f16(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    return i == 2 || i == 3 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+static ONNXTensorElementDataType attention_bf16(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    return i == 2 || i == 3 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
 /* RoutedExperts' X and dispatch are float32, its fc1 and fc2 (inputs 2 and 3) in the weights' type */
 static ONNXTensorElementDataType experts_f16(const OrtCustomOp *op, size_t i) {
     (void)op;
@@ -205,6 +280,7 @@ static ONNXTensorElementDataType output_float(const OrtCustomOp *op, size_t i) {
 static const char *cpu(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
 static size_t two(const OrtCustomOp *op) { (void)op; return 2; }
 static size_t four(const OrtCustomOp *op) { (void)op; return 4; }
+static size_t five(const OrtCustomOp *op) { (void)op; return 5; }
 static size_t one(const OrtCustomOp *op) { (void)op; return 1; }
 static OrtCustomOpInputOutputCharacteristic required(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return INPUT_OUTPUT_REQUIRED; }
 static OrtMemType default_memory(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return OrtMemTypeDefault; }
@@ -235,7 +311,10 @@ static void release_pairs(int *input_index, int *output_index) { (void)input_ind
 static OrtCustomOp ops[] = {CPU_OP(name_f16, input_f16, two, compute_f16), CPU_OP(name_bf16, input_bf16, two, compute_bf16),
                             CPU_OP(name_experts_f32, input_float, four, compute_experts_f32),
                             CPU_OP(name_experts_f16, experts_f16, four, compute_experts_f16),
-                            CPU_OP(name_experts_bf16, experts_bf16, four, compute_experts_bf16)};
+                            CPU_OP(name_experts_bf16, experts_bf16, four, compute_experts_bf16),
+                            CPU_OP(name_attention_f32, input_float, five, compute_attention_f32),
+                            CPU_OP(name_attention_f16, attention_f16, five, compute_attention_f16),
+                            CPU_OP(name_attention_bf16, attention_bf16, five, compute_attention_bf16)};
 
 /* On a CPU without AVX2, FMA and F16C, or an onnxruntime older than the ABI slots used, it registers nothing and the
  * graphs run the ops' function bodies. */

@@ -15,31 +15,17 @@
  */
 #include "strip_matmul.h"
 
-#include <immintrin.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define KERNEL __attribute__((target("avx2,fma,f16c")))
-#define INLINE static inline __attribute__((always_inline)) KERNEL
+#include "widen.h"
+
 #define PANEL 16    /* columns of one register block */
 #define KC 256      /* rows of B per pass in the many-rows path */
 #define FEW_ROWS 12 /* up to this many rows of A, B is read as stored in each group's pass */
 #define FEW_KC 512  /* rows of B per pass in the few-rows path */
 #define WIDE STRIP_F32 /* a block's B already widened to float32 */
 #define PREFETCH 16 /* rows of B ahead */
-
-/* 8 consecutive weights at base[i] as float32 */
-INLINE __m256 load8(const void *base, int64_t i, int kind) {
-    if (kind == WIDE) return _mm256_loadu_ps((const float *)base + i);
-    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + i));
-    if (kind == STRIP_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    return _mm256_cvtph_ps(h);
-}
-
-/* the address of element i of a `kind` array */
-INLINE const void *element(const void *base, int64_t i, int kind) {
-    return (const char *)base + i * (kind == STRIP_F32 ? 4 : 2);
-}
 
 INLINE void widen(const void *h, float *f, int64_t count, int kind) {
     for (int64_t i = 0; i < count; i += 8) _mm256_storeu_ps(f + i, load8(h, i, kind)); /* count: a multiple of 16 */

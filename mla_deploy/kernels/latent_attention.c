@@ -1,0 +1,212 @@
+/* MLA's absorbed decode attention over the latent cache (latent_attention.h). Per range of slots: the scores of 4
+ * heads x 3 slots at a time in registers (each cache row read once per 4 heads, widened from its stored type), the
+ * softmax's exponentials 8 at a time, then p @ latent for 4 heads x 16 columns at a time. onnxruntime's MatMuls
+ * multiply the same shapes as batched GEMMs with 4-column panels (the demo's 4 heads) and read every slot of the
+ * capacity. */
+#include "latent_attention.h"
+
+#include <float.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "widen.h"
+
+#define HB 4 /* heads per register block */
+#define SB 3 /* slots per register block of the scores */
+
+/* e^x, 8 at a time: x = n ln 2 + r, a degree-6 polynomial for e^r on |r| <= ln 2 / 2 (Cephes' expf; relative error
+ * ~2e-7), x clamped to [-87.3, 88.3] (e^-87.3 ~ 1e-38: the softmax's far tail) */
+INLINE __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x); /* ln 2 in two parts: r exact to float32 */
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(two_n));
+}
+
+INLINE float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* accumulate q[h] . c[s] over `width` (a multiple of 8) into acc[s][h], for nh <= HB heads (rows of q, `width` apart)
+ * and ns <= SB cache rows */
+INLINE void dot_segment(const int nh, const int ns, const float *q, int64_t width, const void *const *c, int kind,
+                        __m256 acc[SB][HB]) {
+    for (int64_t d = 0; d < width; d += 8) {
+        __m256 cv[SB];
+        for (int s = 0; s < ns; s++) cv[s] = load8(c[s], d, kind);
+        for (int h = 0; h < nh; h++) {
+            __m256 qv = _mm256_loadu_ps(q + h * width + d);
+            for (int s = 0; s < ns; s++) acc[s][h] = _mm256_fmadd_ps(qv, cv[s], acc[s][h]);
+        }
+    }
+}
+
+/* score[h * n + s] = q_latent[h] . latent[s] + q_rope[h] . rope[s] for nh <= HB heads and ns <= SB slots; nh and ns
+ * constant where inlined, so the accumulators stay in registers, and one horizontal sum per score */
+INLINE void dots(const int nh, const int ns, const float *ql, int64_t dc, const void *const *latent, const float *qr,
+                 int64_t dr, const void *const *rope, int kind, float *score, int64_t n) {
+    __m256 acc[SB][HB];
+    for (int s = 0; s < ns; s++)
+        for (int h = 0; h < nh; h++) acc[s][h] = _mm256_setzero_ps();
+    dot_segment(nh, ns, ql, dc, latent, kind, acc);
+    dot_segment(nh, ns, qr, dr, rope, kind, acc);
+    for (int s = 0; s < ns; s++)
+        for (int h = 0; h < nh; h++) score[h * n + s] = hsum(acc[s][h]);
+}
+
+/* the same for any nh, ns: the edges of the blocks */
+KERNEL static void dots_edge(int nh, int ns, const float *ql, int64_t dc, const void *const *latent, const float *qr,
+                             int64_t dr, const void *const *rope, int kind, float *score, int64_t n) {
+    for (int h = 0; h < nh; h++)
+        for (int s = 0; s < ns; s++)
+            dots(1, 1, ql + h * dc, dc, latent + s, qr + h * dr, dr, rope + s, kind, score + h * n + s, n);
+}
+
+/* o[h, 0 .. 16) over the n slots: o[h] = sum_i p[h * n + i] * c_i[d0 .. d0 + 16) for nh <= HB heads */
+INLINE void weighted_rows(const int nh, const float *p, int64_t n, const void *const *rows, int64_t d0, int kind,
+                          float *o, int64_t ldo) {
+    __m256 lo[HB], hi[HB];
+    for (int h = 0; h < nh; h++) lo[h] = hi[h] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i++) {
+        __m256 c0 = load8(rows[i], d0, kind), c1 = load8(rows[i], d0 + 8, kind);
+        for (int h = 0; h < nh; h++) {
+            __m256 ph = _mm256_broadcast_ss(p + h * n + i);
+            lo[h] = _mm256_fmadd_ps(ph, c0, lo[h]);
+            hi[h] = _mm256_fmadd_ps(ph, c1, hi[h]);
+        }
+    }
+    for (int h = 0; h < nh; h++) {
+        _mm256_storeu_ps(o + h * ldo + d0, lo[h]);
+        _mm256_storeu_ps(o + h * ldo + d0 + 8, hi[h]);
+    }
+}
+
+int latent_attention_plan(LatentAttention *job) {
+    /* a range's cache rows within ~128 KiB (L2), so both passes over them (scores, then p @ latent per 4 heads and 16
+     * columns) read them from there: 256 slots of the demo's 80 floats, 56 of DeepSeek's 576 */
+    int64_t row_bytes = (job->latent + job->rope) * (job->kind == STRIP_F32 ? 4 : 2), slots = (128 << 10) / row_bytes;
+    job->split = slots < 16 ? 16 : slots > LATENT_SPLIT ? LATENT_SPLIT : slots / 8 * 8;
+    job->splits = (job->capacity + job->split - 1) / job->split;
+    size_t partial = (size_t)(job->rows * job->splits * job->heads * (job->latent + 2));
+    if (!(job->partial = malloc(partial * sizeof(float) + (size_t)job->rows))) return -1;
+    job->blind = (uint8_t *)(job->partial + partial);
+    for (int64_t r = 0; r < job->rows; r++) {
+        const float *bias = job->bias + r * job->capacity;
+        int64_t s = 0;
+        while (s < job->capacity && !(bias[s] > -FLT_MAX)) s++;
+        job->blind[r] = s == job->capacity;
+    }
+    return 0;
+}
+
+void latent_attention_release(LatentAttention *job) {
+    free(job->partial);
+    job->partial = NULL;
+}
+
+KERNEL static void range_of(LatentAttention *job, int64_t task, int kind) {
+    int64_t row = task / job->splits, s0 = task % job->splits * job->split, cap = job->capacity;
+    int64_t s1 = s0 + job->split < cap ? s0 + job->split : cap, heads = job->heads, dc = job->latent;
+    const float *bias = job->bias + row * cap;
+    float *part = job->partial + task * heads * (dc + 2); /* per head: o [d_c], max, sum */
+    const void *latent[LATENT_SPLIT], *rope[LATENT_SPLIT];
+    float added[LATENT_SPLIT];
+    int64_t n = 0;
+    for (int64_t s = s0; s < s1; s++)
+        if (job->blind[row] || bias[s] > -FLT_MAX) {
+            latent[n] = element(job->latent_cache, (row * cap + s) * dc, kind);
+            rope[n] = element(job->rope_cache, (row * cap + s) * job->rope, kind);
+            added[n++] = job->blind[row] ? 0.0f : bias[s];
+        }
+    float *score = n ? malloc(sizeof(float) * (size_t)(heads * n)) : NULL;
+    if (!score) {
+        if (n) __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);
+        for (int64_t h = 0; h < heads; h++) part[h * (dc + 2) + dc] = -INFINITY, part[h * (dc + 2) + dc + 1] = 0.0f;
+        return; /* no slot seen in this range: the combine skips it */
+    }
+    const float *ql = job->q_latent + row * heads * dc, *qr = job->q_rope + row * heads * job->rope;
+    if (job->blind[row]) memset(score, 0, sizeof(float) * (size_t)(heads * n)); /* equal scores: the plain mean */
+    for (int64_t h0 = 0; h0 < heads && !job->blind[row]; h0 += HB) {
+        int nh = heads - h0 < HB ? (int)(heads - h0) : HB;
+        for (int64_t i = 0; i < n; i += SB) {
+            int ns = n - i < SB ? (int)(n - i) : SB;
+            float *sc = score + h0 * n + i;
+            if (nh == HB && ns == SB)
+                dots(HB, SB, ql + h0 * dc, dc, latent + i, qr + h0 * job->rope, job->rope, rope + i, kind, sc, n);
+            else
+                dots_edge(nh, ns, ql + h0 * dc, dc, latent + i, qr + h0 * job->rope, job->rope, rope + i, kind, sc, n);
+        }
+    }
+    for (int64_t h = 0; h < heads; h++) { /* softmax over this range: p = e^(score - max), their sum */
+        float *p = score + h * n, top = -INFINITY, sum = 0.0f;
+        for (int64_t i = 0; i < n; i++) top = fmaxf(top, p[i] += added[i]);
+        int64_t i = 0;
+        __m256 total = _mm256_setzero_ps();
+        for (; i + 8 <= n; i += 8) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), _mm256_set1_ps(top)));
+            _mm256_storeu_ps(p + i, e);
+            total = _mm256_add_ps(total, e);
+        }
+        sum = hsum(total);
+        for (; i < n; i++) sum += p[i] = expf(p[i] - top);
+        part[h * (dc + 2) + dc] = top, part[h * (dc + 2) + dc + 1] = sum;
+    }
+    for (int64_t h0 = 0; h0 < heads; h0 += HB) {
+        int nh = heads - h0 < HB ? (int)(heads - h0) : HB;
+        for (int64_t d0 = 0; d0 < dc; d0 += 16) {
+            if (nh == HB)
+                weighted_rows(HB, score + h0 * n, n, latent, d0, kind, part + h0 * (dc + 2), dc + 2);
+            else
+                for (int h = 0; h < nh; h++)
+                    weighted_rows(1, score + (h0 + h) * n, n, latent, d0, kind, part + (h0 + h) * (dc + 2), dc + 2);
+        }
+    }
+    free(score);
+}
+
+KERNEL static void range_f32(LatentAttention *job, int64_t task) { range_of(job, task, STRIP_F32); }
+KERNEL static void range_f16(LatentAttention *job, int64_t task) { range_of(job, task, STRIP_F16); }
+KERNEL static void range_bf16(LatentAttention *job, int64_t task) { range_of(job, task, STRIP_BF16); }
+
+void latent_attention_range(LatentAttention *job, int64_t task) {
+    switch (job->kind) { /* one instantiation per kind */
+        case STRIP_F16: range_f16(job, task); break;
+        case STRIP_BF16: range_bf16(job, task); break;
+        default: range_f32(job, task); break;
+    }
+}
+
+void latent_attention_combine(LatentAttention *job, int64_t row) {
+    int64_t heads = job->heads, dc = job->latent, stride = heads * (dc + 2);
+    const float *parts = job->partial + row * job->splits * stride;
+    for (int64_t h = 0; h < heads; h++) {
+        float *out = job->out + (row * heads + h) * dc, top = -INFINITY, sum = 0.0f;
+        for (int64_t j = 0; j < job->splits; j++) {
+            const float *part = parts + j * stride + h * (dc + 2);
+            if (part[dc + 1] > 0.0f) top = fmaxf(top, part[dc]);
+        }
+        memset(out, 0, sizeof(float) * (size_t)dc);
+        if (top == -INFINITY) continue; /* no slot anywhere: only after a failed allocation */
+        for (int64_t j = 0; j < job->splits; j++) {
+            const float *part = parts + j * stride + h * (dc + 2);
+            if (!(part[dc + 1] > 0.0f)) continue;
+            float w = expf(part[dc] - top);
+            sum += w * part[dc + 1];
+            for (int64_t d = 0; d < dc; d++) out[d] += w * part[d];
+        }
+        for (int64_t d = 0; d < dc; d++) out[d] /= sum;
+    }
+}

@@ -1,0 +1,41 @@
+/* MLA's absorbed decode attention over the latent cache, one query token per row:
+ *   score[h, s] = q_latent[h] . latent[s] + q_rope[h] . rope[s] + bias[s]      (the queries already scaled)
+ *   out[h] = sum over slots s of softmax_s(score[h, s]) * latent[s]
+ * A slot whose bias is -FLT_MAX (not seen: beyond the row's length, or masked) is skipped, so a step reads a row's
+ * cache up to its own length, not the buffer's capacity; a row with no slot seen at all averages every slot, as
+ * the graph's softmax does (every score + -FLT_MAX rounds to the same float). The caches are read as stored (float32, float16 or bfloat16: StripKind).
+ * Slots go in ranges of up to LATENT_SPLIT per task (any thread), each with its own running maximum and sum; a second
+ * step combines a row's ranges. Plain C over plain arrays; custom_ops.c wires it to onnxruntime. */
+#ifndef MLA_DEPLOY_LATENT_ATTENTION_H
+#define MLA_DEPLOY_LATENT_ATTENTION_H
+
+#include <stdint.h>
+
+#include "strip_matmul.h"
+
+#define LATENT_SPLIT 256 /* slots per task, at most (fewer for wide caches: latent_attention_plan) */
+
+typedef struct {
+    StripKind kind;                              /* the caches' stored type */
+    int64_t rows, heads, latent, rope, capacity; /* b, h, d_c (a multiple of 16), d_r (a multiple of 8), cap */
+    const float *q_latent;                       /* [b, h, d_c] */
+    const float *q_rope;                         /* [b, h, d_r] */
+    const void *latent_cache;                    /* [b, cap, d_c] */
+    const void *rope_cache;                      /* [b, cap, d_r] */
+    const float *bias;                           /* [b, cap] */
+    float *out;                                  /* [b, h, d_c] */
+    int64_t split, splits;                       /* slots per range, ranges per row */
+    uint8_t *blind;                              /* [b]: the row sees no slot (every slot then counts, bias 0) */
+    float *partial;                              /* [b, splits, h, d_c + 2]: sum p * latent, max, sum p */
+    int failed;                                  /* a task could not get its scratch memory */
+} LatentAttention;
+
+/* Allocate the partial results and find the blind rows. 0 on success, -1 out of memory. */
+int latent_attention_plan(LatentAttention *job);
+void latent_attention_release(LatentAttention *job);
+/* One slot range of one row: task = row * splits + range. Tasks are independent. */
+void latent_attention_range(LatentAttention *job, int64_t task);
+/* One row's output from its ranges (after every range of the row). */
+void latent_attention_combine(LatentAttention *job, int64_t row);
+
+#endif

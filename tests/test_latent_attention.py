@@ -1,0 +1,188 @@
+"""mla_deploy.LatentAttention (and its F16 / BF16 forms for half caches): MLA's absorbed decode attention core in the
+kernel library against a float64 numpy reference with a float32 error bound, beside its ONNX function body; masks
+(rows of different lengths, holes, a row that sees nothing), several slot ranges per row, heads and slots off the
+register blocks; its errors; the choice an export makes; and the same export with the kernel and with onnxruntime's
+ops."""
+
+import dataclasses
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from mla_deploy import kernels
+from mla_deploy.config import MLAConfig
+from mla_deploy.errors import ExportError
+from mla_deploy.export import ExportOptions, export
+from mla_deploy.export.decode_attention import resolve_decode_attention
+from mla_deploy.export.layers import OPSET, latent_attention_function
+from mla_deploy.presets import DEMO_CHECKPOINT
+from mla_deploy.runtime import ExportedModel, Generator, SamplingParams
+from mla_deploy.runtime.feeds import prefill_feed
+from mla_deploy.safetensors_io import bf16_to_float32, float32_to_bf16
+
+needs_library = pytest.mark.skipif(kernels.library() is None,
+                                   reason="the kernel library did not build on this machine (no compiler)")
+NAMES = ["q_latent", "q_rope", "latent", "rope", "bias"]
+CACHE_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
+NOT_SEEN = float(np.finfo(np.float32).min)  # attention_bias's value for a slot a row does not see
+
+
+def _model(dtype: str) -> bytes:
+    types = [TensorProto.FLOAT, TensorProto.FLOAT, CACHE_TYPES[dtype], CACHE_TYPES[dtype], TensorProto.FLOAT]
+    graph = helper.make_graph(
+        [helper.make_node(kernels.LATENT_ATTENTION[dtype], NAMES, ["out"], domain=kernels.DOMAIN)], "one_op",
+        [helper.make_tensor_value_info(n, t, None) for n, t in zip(NAMES, types)],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(kernels.DOMAIN, 1)],
+                              functions=[ir.serde.serialize_function(latent_attention_function(dtype))], ir_version=11)
+    return model.SerializeToString()
+
+
+def _session(dtype: str, library: bool, threads: int) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    if library:
+        so.register_custom_ops_library(str(kernels.library()))
+    return ort.InferenceSession(_model(dtype), so, providers=["CPUExecutionProvider"])
+
+
+def _cache_value(x: np.ndarray, dtype: str) -> tuple[ort.OrtValue, np.ndarray]:
+    """The cache as the op gets it (bfloat16: its bit patterns bound with their ONNX type), and its values."""
+    if dtype == "float32":
+        return ort.OrtValue.ortvalue_from_numpy(x), x
+    if dtype == "float16":
+        h = x.astype(np.float16)
+        return ort.OrtValue.ortvalue_from_numpy(h), h.astype(np.float32)
+    bits = float32_to_bf16(x)
+    return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(bits, TensorProto.BFLOAT16), bf16_to_float32(bits)
+
+
+def _reference(ql, qr, latent, rope, bias) -> tuple[np.ndarray, np.ndarray]:
+    """The attention in float64 (a row that sees no slot: the mean of every slot, as the graph's softmax gives when
+    each score plus float32's lowest rounds to the same float), and a
+    float32 bound per output: score errors of (d_c + d_r) 2^-24 sum |q||c| (plus the exponential's ~1e-6 relative)
+    move each probability by at most twice that relatively, so the mixture moves by that times max |latent|; plus
+    the mixture's own float32 sum."""
+    b, h, dc = ql.shape
+    out, bound = np.zeros((b, h, dc)), np.zeros((b, h, dc))
+    for r in range(b):
+        seen = bias[r].reshape(-1) > NOT_SEEN
+        blind = not seen.any()
+        seen |= blind
+        lat, rop = latent[r][seen].astype(np.float64), rope[r][seen].astype(np.float64)
+        scores = ql[r].astype(np.float64) @ lat.T + qr[r].astype(np.float64) @ rop.T + bias[r].reshape(-1)[seen]
+        scores = np.zeros_like(scores) if blind else scores  # [h, n]
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        out[r] = p @ lat
+        magnitude = np.abs(ql[r]) @ np.abs(lat).T + np.abs(qr[r]) @ np.abs(rop).T  # [h, n]
+        score_error = (dc + qr.shape[-1]) * 2.0**-24 * magnitude.max(-1) + 1e-6  # [h]
+        bound[r] = (2 * score_error[:, None] + len(lat) * 2.0**-24) * np.abs(lat).max() + 1e-7
+    return out, bound
+
+
+def _case(rng, b, h, dc, dr, cap, lengths, holes=False):
+    ql = rng.standard_normal((b, h, dc)).astype(np.float32) * 0.3
+    qr = rng.standard_normal((b, h, dr)).astype(np.float32) * 0.3
+    latent = rng.standard_normal((b, cap, dc)).astype(np.float32)
+    rope = rng.standard_normal((b, cap, dr)).astype(np.float32)
+    bias = np.full((b, 1, 1, cap), NOT_SEEN, np.float32)
+    for r, n in enumerate(lengths):
+        bias[r, ..., :n] = 0.0
+        if holes and n > 4:
+            bias[r, ..., 1:n:3] = NOT_SEEN  # slots masked inside the row's length (attention_mask zeros)
+    return ql, qr, latent, rope, bias
+
+
+# (rows, heads, d_c, d_r, capacity, seen slots per row): one row (decode at batch 1), a batch of different lengths
+# (one row that sees nothing), heads and slots off the 4 x 3 blocks, a capacity of several ranges per row (256 slots
+# of 80-wide rows; 56 of DeepSeek's 576-wide), DeepSeek's widths
+SHAPES = [(1, 4, 64, 16, 256, [100]), (5, 4, 64, 16, 256, [1, 7, 256, 0, 130]), (3, 5, 32, 8, 40, [40, 11, 2]),
+          (2, 3, 48, 8, 700, [700, 301]), (2, 16, 512, 64, 130, [130, 57])]
+
+
+@pytest.mark.parametrize("library", [pytest.param(True, marks=needs_library, id="kernel"),
+                                     pytest.param(False, id="function-body")])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("b,h,dc,dr,cap,lengths", SHAPES)
+@pytest.mark.parametrize("holes", [False, True])
+def test_latent_attention_matches_numpy(b, h, dc, dr, cap, lengths, holes, threads, library):
+    _check(np.random.default_rng(b * 1000 + h * 100 + cap), b, h, dc, dr, cap, lengths, holes, threads, library, "float32")
+
+
+@pytest.mark.parametrize("library", [pytest.param(True, marks=needs_library, id="kernel"),
+                                     pytest.param(False, id="function-body")])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("b,h,dc,dr,cap,lengths", [SHAPES[1], SHAPES[3]])
+def test_half_caches_are_read_as_stored(b, h, dc, dr, cap, lengths, dtype, library):
+    """LatentAttentionF16 / BF16 widen the stored caches exactly: the same bound against the rounded caches."""
+    _check(np.random.default_rng(cap), b, h, dc, dr, cap, lengths, True, 2, library, dtype)
+
+
+def _check(rng, b, h, dc, dr, cap, lengths, holes, threads, library, dtype):
+    ql, qr, latent, rope, bias = _case(rng, b, h, dc, dr, cap, lengths, holes)
+    (latent_value, latent), (rope_value, rope) = _cache_value(latent, dtype), _cache_value(rope, dtype)
+    feed = {"q_latent": ort.OrtValue.ortvalue_from_numpy(ql), "q_rope": ort.OrtValue.ortvalue_from_numpy(qr),
+            "latent": latent_value, "rope": rope_value, "bias": ort.OrtValue.ortvalue_from_numpy(bias)}
+    out = _session(dtype, library, threads).run_with_ort_values(["out"], feed)[0].numpy()
+    assert out.dtype == np.float32 and out.shape == (b, h, dc)
+    exact, bound = _reference(ql, qr, latent, rope, bias)
+    assert np.all(np.abs(out - exact) <= bound)
+
+
+@needs_library
+@pytest.mark.parametrize("shapes,message", [
+    (([2, 4, 64], [2, 4, 16], [2, 10, 64], [2, 10, 16], [2, 1, 1, 10]), None),  # well-formed: runs
+    (([2, 4, 64], [2, 3, 16], [2, 10, 64], [2, 10, 16], [2, 1, 1, 10]), "disagree on the rows, the heads or the widths"),
+    (([2, 4, 64], [2, 4, 16], [2, 10, 32], [2, 10, 16], [2, 1, 1, 10]), "disagree on the rows, the heads or the widths"),
+    (([2, 4, 64], [2, 4, 16], [2, 10, 64], [2, 9, 16], [2, 1, 1, 10]), "disagree on the rows, the heads or the widths"),
+    (([2, 4, 64], [2, 4, 16], [2, 10, 64], [2, 10, 16], [2, 1, 1, 9]), r"bias must hold one value per row and cache slot"),
+    (([2, 4, 40], [2, 4, 16], [2, 10, 40], [2, 10, 16], [2, 1, 1, 10]), "d_c must be a multiple of 16 and d_r of 8"),
+    (([2, 4, 64], [2, 4, 16], [2, 10, 64], [2, 10, 16, 1], [2, 1, 1, 10]), r"expected q_latent \[b, h, d_c\]"),
+])
+def test_latent_attention_refuses_malformed_inputs_by_name(shapes, message):
+    session = _session("float32", True, 1)
+    feed = {n: np.zeros(s, np.float32) for n, s in zip(NAMES, shapes)}
+    if message is None:
+        assert session.run(None, feed)[0].shape == (2, 4, 64)
+    else:
+        with pytest.raises(Exception, match=message):
+            session.run(None, feed)
+
+
+def test_the_choice_follows_heads_length_and_widths():
+    demo = MLAConfig.from_hf_json(DEMO_CHECKPOINT / "config.json")  # 4 heads, d_c 64, d_r 16
+    v2lite = MLAConfig.from_hf_json(DEMO_CHECKPOINT.parent / "presets" / "v2lite.json")  # 16 heads
+    assert resolve_decode_attention(demo, "auto", long=False) == "kernel"
+    assert resolve_decode_attention(demo, "auto", long=True) == "ops"
+    assert resolve_decode_attention(v2lite, "auto", long=False) == "ops"
+    assert resolve_decode_attention(v2lite, "kernel", long=True) == "kernel"  # asked for: any length, any heads
+    odd = dataclasses.replace(demo, kv_lora_rank=40)
+    assert resolve_decode_attention(odd, "auto", long=False) == "ops"
+    with pytest.raises(ExportError, match="needs kv_lora_rank a multiple of 16 and qk_rope_head_dim of 8 .* 40 and 16"):
+        resolve_decode_attention(odd, "kernel", long=False)
+    with pytest.raises(ExportError, match="expected one of auto, kernel, ops"):
+        resolve_decode_attention(demo, "fused", long=False)
+
+
+@needs_library
+def test_the_demo_decodes_the_same_with_the_kernel_and_with_onnxruntimes_ops(tmp_path):
+    """The demo export's auto choice (the kernel) against the same export with decode_attention="ops": the same
+    greedy tokens over 24 steps of 3 rows of different lengths, logits within float32 summation order."""
+    outs = {}
+    for choice in ("auto", "ops"):
+        outs[choice] = tmp_path / choice
+        result = export(DEMO_CHECKPOINT, outs[choice], ExportOptions(decode_attention=choice), progress=lambda m: None)
+        counts = result.manifest["graphs"]["decode"]["op_counts"]
+        assert result.manifest["decode_attention"] == ("kernel" if choice == "auto" else "ops")
+        assert counts.get("mla_deploy::LatentAttention", 0) == (4 if choice == "auto" else 0)
+    prompts = [[1, 17, 300, 42], [1, 5], [1, 900, 901, 902, 903, 904, 905, 906]]
+    runs = {c: Generator(ExportedModel(d), SamplingParams(), stop_token_ids=()).generate(prompts, 24) for c, d in outs.items()}
+    assert runs["auto"].token_ids == runs["ops"].token_ids
+    models = {c: ExportedModel(d) for c, d in outs.items()}
+    feed = prefill_feed(models["ops"].config, np.array([prompts[2]]))
+    logits = {c: m.run("prefill", feed)["logits"] for c, m in models.items()}  # the prefill graph is the same
+    assert np.array_equal(logits["auto"], logits["ops"])
