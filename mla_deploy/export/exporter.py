@@ -30,7 +30,7 @@ from .experts import resolve_experts
 from ..progress import progress_bar
 from .graphs import build_graph, op_counts
 from . import layers
-from .layers import OPSET
+from .opset import OPSET
 from .precision import Precision, RoundedCheckpoint
 from .quantize import Quantization, quantized_hf_names
 from .weights import WeightsFile
