@@ -117,7 +117,7 @@ def test_latent_attention_matches_numpy(b, h, dc, dr, cap, lengths, holes, threa
 @pytest.mark.parametrize("library", [pytest.param(True, marks=needs_library, id="kernel"),
                                      pytest.param(False, id="function-body")])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("b,h,dc,dr,cap,lengths", [SHAPES[1], SHAPES[3]])
+@pytest.mark.parametrize("b,h,dc,dr,cap,lengths", [SHAPES[1], SHAPES[3], SHAPES[4]])
 def test_half_caches_are_read_as_stored(b, h, dc, dr, cap, lengths, dtype, library):
     """LatentAttentionF16 / BF16 widen the stored caches exactly: the same bound against the rounded caches."""
     _check(np.random.default_rng(cap), b, h, dc, dr, cap, lengths, True, 2, library, dtype)
@@ -159,7 +159,9 @@ def test_the_choice_follows_heads_length_and_widths():
     v2lite = MLAConfig.from_hf_json(DEMO_CHECKPOINT.parent / "presets" / "v2lite.json")  # 16 heads
     assert resolve_decode_attention(demo, "auto", long=False) == "kernel"
     assert resolve_decode_attention(demo, "auto", long=True) == "ops"
-    assert resolve_decode_attention(v2lite, "auto", long=False) == "ops"
+    assert resolve_decode_attention(v2lite, "auto", long=False) == "ops"  # 16 heads over float32 caches: MLAS wins
+    assert resolve_decode_attention(v2lite, "auto", long=False, cache_dtype="bfloat16") == "kernel"  # no cast
+    assert resolve_decode_attention(v2lite, "auto", long=True, cache_dtype="float16") == "ops"
     assert resolve_decode_attention(v2lite, "kernel", long=True) == "kernel"  # asked for: any length, any heads
     odd = dataclasses.replace(demo, kv_lora_rank=40)
     assert resolve_decode_attention(odd, "auto", long=False) == "ops"

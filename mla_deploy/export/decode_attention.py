@@ -8,12 +8,15 @@ export's length (each choice measured: README, Serving).
 - "ops": onnxruntime's MatMul, Softmax and MatMul (export.layers.MLAttention._probs_at_latent), the cache as the B
   operand, or the A operand where a row's cache can outgrow LONG_CACHE_BYTES (MLAS packs B on every call).
 
-auto: "kernel" for models with fewer than 16 heads whose cache stays short (the kernel's function body would pack a
-long cache as B on every step) and whose widths fit the kernel's blocks (d_c a multiple of 16, d_r of 8); else "ops".
-The heads decide because onnxruntime's MatMuls multiply the scores as [cap, d_c] @ [d_c, h] in 16-column panels:
-one thread, 16 rows x 200 of 256 slots seen, the kernel against its own function body (the "ops" form): 4 heads of
-the demo's widths (64 + 16) 2-3x faster, 4 heads of DeepSeek's (512 + 64) 1.9x, 8 heads (128 + 32) 1.2x, 16 heads
-0.8x (16 heads of 512 + 64 at 4096 slots, one row: 2.8 vs 2.0 ms).
+auto: "kernel" where the cache stays short (the kernel's function body would pack a long cache as B on every step)
+and its widths fit the kernel's blocks (d_c a multiple of 16, d_r of 8), for half caches always and for float32
+caches below 16 heads; else "ops". Measured against its own function body (the "ops" form):
+- float32 caches: the heads decide, as onnxruntime's MatMuls multiply the scores as [cap, d_c] @ [d_c, h] in
+  16-column panels. One thread, 16 rows x 200 of 256 slots seen: 4 heads of the demo's widths (64 + 16) 2-3x faster,
+  4 heads of DeepSeek's (512 + 64) 1.9x, 8 heads (128 + 32) 1.2x, 16 heads 0.8x (one row, 4096 slots: 2.8 vs 2.0 ms).
+- half caches: the ops cast the whole cache to float32 in every layer of every step; the kernel widens what it
+  reads. 16 heads of DeepSeek's widths, 2 threads: one row at 4096 slots 1.21 vs 2.15 ms (float16), 1.35 vs 3.64
+  (bfloat16); at 16384 slots 5.3 vs 9.7 ms (float16); 8 rows x 3000 of 4096 slots 7.4 vs 17.0 ms (float16).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from ..config import MLAConfig
 from ..errors import ExportError
 
 CHOICES = ("auto", "kernel", "ops")
-KERNEL_HEADS_BELOW = 16  # auto picks the kernel for fewer heads than this
+KERNEL_HEADS_BELOW = 16  # auto picks the kernel over float32 caches for fewer heads than this
 
 
 def long_cache(cfg: MLAConfig, max_seq_len: int, limit_bytes: int) -> bool:
@@ -34,8 +37,8 @@ def kernel_fits(cfg: MLAConfig) -> bool:
     return cfg.kv_lora_rank % 16 == 0 and cfg.qk_rope_head_dim % 8 == 0
 
 
-def resolve_decode_attention(cfg: MLAConfig, requested: str, long: bool) -> str:
-    """What the decode graph runs, as the manifest records it (`long`: long_cache)."""
+def resolve_decode_attention(cfg: MLAConfig, requested: str, long: bool, cache_dtype: str = "float32") -> str:
+    """What the decode graph runs, as the manifest records it (`long`: long_cache; `cache_dtype`: the export's)."""
     if requested not in CHOICES:
         raise ExportError(f"decode_attention={requested!r}: expected one of {', '.join(CHOICES)}")
     if requested == "kernel" and not kernel_fits(cfg):
@@ -43,4 +46,5 @@ def resolve_decode_attention(cfg: MLAConfig, requested: str, long: bool) -> str:
                           f"(this config: {cfg.kv_lora_rank} and {cfg.qk_rope_head_dim}); use 'ops'")
     if requested != "auto":
         return requested
-    return "kernel" if kernel_fits(cfg) and not long and cfg.num_attention_heads < KERNEL_HEADS_BELOW else "ops"
+    few_heads = cfg.num_attention_heads < KERNEL_HEADS_BELOW
+    return "kernel" if kernel_fits(cfg) and not long and (few_heads or cache_dtype != "float32") else "ops"

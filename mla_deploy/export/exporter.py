@@ -108,7 +108,7 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
     if cfg.n_routed_experts:
         progress(f"routed experts: {experts} ({options.experts})")
     decode_attention = resolve_decode_attention(
-        cfg, options.decode_attention, long_cache(cfg, max_seq_len, layers.LONG_CACHE_BYTES))
+        cfg, options.decode_attention, long_cache(cfg, max_seq_len, layers.LONG_CACHE_BYTES), precision.dtype)
     progress(f"decode attention: {decode_attention} ({options.decode_attention})")
     progress("hashing source weights")
     source_hash = ckpt.content_hash()
