@@ -188,8 +188,9 @@ def test_moe_ops_stay_finite_when_every_routing_weight_is_zero(tmp_path, experts
 @pytest.mark.parametrize("absorb", ["fused", "factored"])
 def test_a_long_cache_is_the_a_operand_and_exact(checkpoint_dir, exported, variant, absorb, tmp_path, monkeypatch):
     """An export whose cache can outgrow LONG_CACHE_BYTES per row multiplies probs by the cache as the A operand
-    (FusedMatMul transA, one per layer); lowered to 8 slots, that export still matches the torch source. The default
-    tiny exports keep the plain MatMul."""
+    (FusedMatMul transA, one per layer) in onnxruntime's ops, and its kernel op is LatentAttentionLong, whose function
+    body does the same; lowered to 8 slots, both exports match the torch source, the kernel's with and without the
+    library. The default tiny exports keep the plain MatMul (ops) and LatentAttention (kernel)."""
     from mla_deploy.export import layers
 
     def transposed_a(directory) -> int:
@@ -199,12 +200,25 @@ def test_a_long_cache_is_the_a_operand_and_exact(checkpoint_dir, exported, varia
 
     src, hf = checkpoint_dir(variant)
     assert transposed_a(exported(variant, absorb)) == 0
+    assert "mla_deploy::LatentAttention" in ExportedModel(exported(variant, absorb)).manifest["graphs"]["decode"]["op_counts"]
     monkeypatch.setattr(layers, "LONG_CACHE_BYTES", 4 * hf.config.kv_lora_rank * 8)
-    out = tmp_path / "long"
-    export(src, out, ExportOptions(absorb=absorb, experts="branches"))
-    assert transposed_a(out) == hf.config.num_hidden_layers
-    report = verify_export(out, src, steps=4)
-    assert report.passed, report.lines
+    ops, kernel = tmp_path / "ops", tmp_path / "kernel"
+    export(src, ops, ExportOptions(absorb=absorb, experts="branches", decode_attention="ops"))
+    assert transposed_a(ops) == hf.config.num_hidden_layers
+    result = export(src, kernel, ExportOptions(absorb=absorb, experts="branches"))
+    assert result.manifest["graphs"]["decode"]["op_counts"]["mla_deploy::LatentAttentionLong"] == hf.config.num_hidden_layers
+    for directory in (ops, kernel):
+        report = verify_export(directory, src, steps=4)
+        assert report.passed, report.lines
+    prompts = [[3, 5, 8, 13, 21], [4, 9, 2, 7]]  # the long body (no library) against the kernel, step by step
+    logits = []
+    for options in (RuntimeOptions(), RuntimeOptions(kernels=False)):
+        gen = Generator(ExportedModel(kernel, options), SamplingParams(), stop_token_ids=())
+        state = gen.new_state([np.asarray(p) for p in prompts])
+        gen.prefill(state, prompts)
+        logits.append([gen.decode_step(state, np.array([t, t + 1])) for t in range(3, 9)])
+    logits = np.stack(logits)
+    assert float(np.abs(logits[0] - logits[1]).max()) <= 1e-4 * max(1.0, float(np.abs(logits[1]).max()))
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 9])

@@ -31,23 +31,26 @@ CACHE_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bf
 NOT_SEEN = float(np.finfo(np.float32).min)  # attention_bias's value for a slot a row does not see
 
 
-def _model(dtype: str) -> bytes:
+def _model(dtype: str, long: bool = False) -> bytes:
+    """LatentAttention (or LatentAttentionLong: the same kernel, the long-cache function body) as a one-op model."""
     types = [TensorProto.FLOAT, TensorProto.FLOAT, CACHE_TYPES[dtype], CACHE_TYPES[dtype], TensorProto.FLOAT]
+    name = (kernels.LATENT_ATTENTION_LONG if long else kernels.LATENT_ATTENTION)[dtype]
     graph = helper.make_graph(
-        [helper.make_node(kernels.LATENT_ATTENTION[dtype], NAMES, ["out"], domain=kernels.DOMAIN)], "one_op",
+        [helper.make_node(name, NAMES, ["out"], domain=kernels.DOMAIN)], "one_op",
         [helper.make_tensor_value_info(n, t, None) for n, t in zip(NAMES, types)],
         [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(kernels.DOMAIN, 1)],
-                              functions=[ir.serde.serialize_function(latent_attention_function(dtype))], ir_version=11)
+    opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid(kernels.DOMAIN, 1), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=11,
+                              functions=[ir.serde.serialize_function(latent_attention_function(dtype, long))])
     return model.SerializeToString()
 
 
-def _session(dtype: str, library: bool, threads: int) -> ort.InferenceSession:
+def _session(dtype: str, library: bool, threads: int, long: bool = False) -> ort.InferenceSession:
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     if library:
         so.register_custom_ops_library(str(kernels.library()))
-    return ort.InferenceSession(_model(dtype), so, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(_model(dtype, long), so, providers=["CPUExecutionProvider"])
 
 
 def _cache_value(x: np.ndarray, dtype: str) -> tuple[ort.OrtValue, np.ndarray]:
@@ -123,12 +126,21 @@ def test_half_caches_are_read_as_stored(b, h, dc, dr, cap, lengths, dtype, libra
     _check(np.random.default_rng(cap), b, h, dc, dr, cap, lengths, True, 2, library, dtype)
 
 
-def _check(rng, b, h, dc, dr, cap, lengths, holes, threads, library, dtype):
+@pytest.mark.parametrize("library", [pytest.param(True, marks=needs_library, id="kernel"),
+                                     pytest.param(False, id="function-body")])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("b,h,dc,dr,cap,lengths", SHAPES)
+def test_the_long_cache_form_matches_numpy(b, h, dc, dr, cap, lengths, dtype, library):
+    """LatentAttentionLong: the kernel under another name, and its body with the cache as MatMul's A operand."""
+    _check(np.random.default_rng(cap + h), b, h, dc, dr, cap, lengths, True, 2, library, dtype, long=True)
+
+
+def _check(rng, b, h, dc, dr, cap, lengths, holes, threads, library, dtype, long=False):
     ql, qr, latent, rope, bias = _case(rng, b, h, dc, dr, cap, lengths, holes)
     (latent_value, latent), (rope_value, rope) = _cache_value(latent, dtype), _cache_value(rope, dtype)
     feed = {"q_latent": ort.OrtValue.ortvalue_from_numpy(ql), "q_rope": ort.OrtValue.ortvalue_from_numpy(qr),
             "latent": latent_value, "rope": rope_value, "bias": ort.OrtValue.ortvalue_from_numpy(bias)}
-    out = _session(dtype, library, threads).run_with_ort_values(["out"], feed)[0].numpy()
+    out = _session(dtype, library, threads, long).run_with_ort_values(["out"], feed)[0].numpy()
     assert out.dtype == np.float32 and out.shape == (b, h, dc)
     exact, bound = _reference(ql, qr, latent, rope, bias)
     assert np.all(np.abs(out - exact) <= bound)
@@ -154,21 +166,21 @@ def test_latent_attention_refuses_malformed_inputs_by_name(shapes, message):
             session.run(None, feed)
 
 
-def test_the_choice_follows_heads_length_and_widths():
+def test_the_choice_follows_heads_cache_dtype_and_widths():
     demo = MLAConfig.from_hf_json(DEMO_CHECKPOINT / "config.json")  # 4 heads, d_c 64, d_r 16
     v2lite = MLAConfig.from_hf_json(DEMO_CHECKPOINT.parent / "presets" / "v2lite.json")  # 16 heads
-    assert resolve_decode_attention(demo, "auto", long=False) == "kernel"
-    assert resolve_decode_attention(demo, "auto", long=True) == "ops"
-    assert resolve_decode_attention(v2lite, "auto", long=False) == "ops"  # 16 heads over float32 caches: MLAS wins
-    assert resolve_decode_attention(v2lite, "auto", long=False, cache_dtype="bfloat16") == "kernel"  # no cast
-    assert resolve_decode_attention(v2lite, "auto", long=True, cache_dtype="float16") == "ops"
-    assert resolve_decode_attention(v2lite, "kernel", long=True) == "kernel"  # asked for: any length, any heads
+    assert resolve_decode_attention(demo, "auto") == "kernel"
+    assert resolve_decode_attention(v2lite, "auto") == "ops"  # 16 heads over float32 caches: MLAS wins
+    assert resolve_decode_attention(v2lite, "auto", cache_dtype="bfloat16") == "kernel"  # no cast of the cache
+    assert resolve_decode_attention(v2lite, "auto", cache_dtype="float16") == "kernel"
+    assert resolve_decode_attention(v2lite, "kernel") == "kernel"  # asked for
+    assert resolve_decode_attention(demo, "ops") == "ops"
     odd = dataclasses.replace(demo, kv_lora_rank=40)
-    assert resolve_decode_attention(odd, "auto", long=False) == "ops"
+    assert resolve_decode_attention(odd, "auto", cache_dtype="float16") == "ops"
     with pytest.raises(ExportError, match="needs kv_lora_rank a multiple of 16 and qk_rope_head_dim of 8 .* 40 and 16"):
-        resolve_decode_attention(odd, "kernel", long=False)
+        resolve_decode_attention(odd, "kernel")
     with pytest.raises(ExportError, match="expected one of auto, kernel, ops"):
-        resolve_decode_attention(demo, "fused", long=False)
+        resolve_decode_attention(demo, "fused")
 
 
 @needs_library

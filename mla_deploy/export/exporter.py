@@ -25,7 +25,7 @@ from ..checkpoint import Checkpoint
 from ..errors import ExportError
 from ..manifest import MANIFEST_FILE, MANIFEST_VERSION, TOKENIZER_FILES, WEIGHTS_FILE, file_sha256
 from .absorb import AbsorbMode, absorbed_weight_bytes, resolve_absorb
-from .decode_attention import long_cache, resolve_decode_attention
+from .decode_attention import resolve_decode_attention
 from .experts import resolve_experts
 from ..progress import progress_bar
 from .graphs import build_graph, op_counts
@@ -107,8 +107,7 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
     experts = resolve_experts(cfg, options.experts, quantization)
     if cfg.n_routed_experts:
         progress(f"routed experts: {experts} ({options.experts})")
-    decode_attention = resolve_decode_attention(
-        cfg, options.decode_attention, long_cache(cfg, max_seq_len, layers.LONG_CACHE_BYTES), precision.dtype)
+    decode_attention = resolve_decode_attention(cfg, options.decode_attention, precision.dtype)
     progress(f"decode attention: {decode_attention} ({options.decode_attention})")
     progress("hashing source weights")
     source_hash = ckpt.content_hash()

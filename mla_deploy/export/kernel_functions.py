@@ -80,34 +80,50 @@ def _routed_experts_proto(dtype: str) -> onnx.FunctionProto:
 
 
 @functools.cache
-def _latent_attention_proto(dtype: str) -> onnx.FunctionProto:
+def _latent_attention_proto(dtype: str, long: bool) -> onnx.FunctionProto:
     h = onnx.helper
     node = h.make_node
     widen, (latent, rope) = _widened(dtype, "latent", "rope")
-    return h.make_function(kernels.DOMAIN, kernels.LATENT_ATTENTION[dtype],
-                           ["q_latent", "q_rope", "latent", "rope", "bias"], ["out"], [
-        *widen,
+    scores = [
         node("Transpose", ["q_latent"], ["q_latent_t"], perm=[0, 2, 1]),  # [b, h, d_c] -> [b, d_c, h]
         node("Transpose", ["q_rope"], ["q_rope_t"], perm=[0, 2, 1]),  # [b, h, d_r] -> [b, d_r, h]
         node("MatMul", [latent, "q_latent_t"], ["latent_scores"]),  # [b, cap, d_c] @ [b, d_c, h] -> [b, cap, h]
         node("MatMul", [rope, "q_rope_t"], ["rope_scores"]),  # [b, cap, d_r] @ [b, d_r, h] -> [b, cap, h]
         node("Add", ["latent_scores", "rope_scores"], ["scores"]),
-        node("Transpose", ["scores"], ["scores_t"], perm=[0, 2, 1]),  # [b, cap, h] -> [b, h, cap]
-        node("Constant", [], ["row_shape"], value_ints=[0, 1, -1]),
-        node("Reshape", ["bias", "row_shape"], ["bias_rows"]),  # [b, 1, 1, cap] -> [b, 1, cap]
-        node("Add", ["scores_t", "bias_rows"], ["logits"]),
-        node("Softmax", ["logits"], ["probs"], axis=-1),  # [b, h, cap]
-        node("MatMul", ["probs", latent], ["out"]),  # [b, h, cap] @ [b, cap, d_c] -> [b, h, d_c]
-    ], opset_imports=[h.make_opsetid("", OPSET)],
-        doc_string=f"out = softmax(q_latent · latent + q_rope · rope + bias) @ latent over {dtype} caches (the queries "
-                   "already scaled). mla-deploy's kernel library reads the caches as stored and only the slots each "
-                   "row sees; this body, where that is not registered, reads every slot.")
+    ]
+    if long:  # MLAS packs a MatMul's B on every call: a long cache stays the A operand (layers.MLAttention._probs_at_latent)
+        mixture = [
+            node("Constant", [], ["column_shape"], value_ints=[0, -1, 1]),
+            node("Reshape", ["bias", "column_shape"], ["bias_column"]),  # [b, 1, 1, cap] -> [b, cap, 1]
+            node("Add", ["scores", "bias_column"], ["logits"]),
+            node("Softmax", ["logits"], ["probs"], axis=1),  # over the cache [b, cap, h]
+            node("FusedMatMul", [latent, "probs"], ["out_t"], domain="com.microsoft", transA=1),  # [b, d_c, h]
+            node("Transpose", ["out_t"], ["out"], perm=[0, 2, 1]),  # [b, d_c, h] -> [b, h, d_c]
+        ]
+    else:
+        mixture = [
+            node("Transpose", ["scores"], ["scores_t"], perm=[0, 2, 1]),  # [b, cap, h] -> [b, h, cap]
+            node("Constant", [], ["row_shape"], value_ints=[0, 1, -1]),
+            node("Reshape", ["bias", "row_shape"], ["bias_rows"]),  # [b, 1, 1, cap] -> [b, 1, cap]
+            node("Add", ["scores_t", "bias_rows"], ["logits"]),
+            node("Softmax", ["logits"], ["probs"], axis=-1),  # [b, h, cap]
+            node("MatMul", ["probs", latent], ["out"]),  # [b, h, cap] @ [b, cap, d_c] -> [b, h, d_c]
+        ]
+    names = kernels.LATENT_ATTENTION_LONG if long else kernels.LATENT_ATTENTION
+    opsets = [h.make_opsetid("", OPSET)] + ([h.make_opsetid("com.microsoft", 1)] if long else [])
+    return h.make_function(kernels.DOMAIN, names[dtype], ["q_latent", "q_rope", "latent", "rope", "bias"], ["out"],
+                           [*widen, *scores, *mixture], opset_imports=opsets,
+                           doc_string=f"out = softmax(q_latent · latent + q_rope · rope + bias) @ latent over {dtype} "
+                                      "caches (the queries already scaled). mla-deploy's kernel library reads the "
+                                      "caches as stored and only the slots each row sees; this body, where that is "
+                                      "not registered, reads every slot" + (", the cache as the A operand" if long else ""))
 
 
-def latent_attention_function(dtype: str = "float32") -> ir.Function:
-    """The body of mla_deploy.LatentAttention for `dtype` caches: what onnxruntime runs where the kernel library is
-    not registered."""
-    return ir.serde.deserialize_function(_latent_attention_proto(dtype))
+def latent_attention_function(dtype: str = "float32", long: bool = False) -> ir.Function:
+    """The body of mla_deploy.LatentAttention for `dtype` caches (LatentAttentionLong: a cache that can outgrow
+    layers.LONG_CACHE_BYTES a row, multiplied as MatMul's A operand): what onnxruntime runs where the kernel library
+    is not registered."""
+    return ir.serde.deserialize_function(_latent_attention_proto(dtype, long))
 
 
 def routed_experts_function(dtype: str = "float32") -> ir.Function:

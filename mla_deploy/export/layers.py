@@ -112,15 +112,20 @@ class Graph:
         return self.kernel_op(op, routed_experts_function(dtype), x, dispatch, *weights)
 
     def latent_attention(self, op, q_latent: ir.Value, q_rope: ir.Value, latent: ir.Value, rope: ir.Value,
-                         bias: ir.Value) -> ir.Value:
-        """mla_deploy.LatentAttention over the caches in their stored dtype -> [b, h, d_c] float32."""
-        return self.kernel_op(op, latent_attention_function(self.precision.dtype), q_latent, q_rope, latent, rope, bias)
+                         bias: ir.Value, long: bool = False) -> ir.Value:
+        """mla_deploy.LatentAttention (LatentAttentionLong for a `long` cache) over the caches in their stored dtype
+        -> [b, h, d_c] float32."""
+        function = latent_attention_function(self.precision.dtype, long)
+        return self.kernel_op(op, function, q_latent, q_rope, latent, rope, bias)
 
     def kernel_op(self, op, function: ir.Function, *inputs: ir.Value) -> ir.Value:
-        """A node of mla-deploy's kernel library (mla_deploy.kernels), its ONNX body carried by the model."""
+        """A node of mla-deploy's kernel library (mla_deploy.kernels), its ONNX body carried by the model. Its output
+        is float32, declared here: onnx's shape inference cannot type a body that uses com.microsoft ops."""
         self.functions[function.identifier()] = function
         self.builder.graph.opset_imports[kernels.DOMAIN] = 1
-        return getattr(op, function.name)(*inputs, _domain=kernels.DOMAIN)
+        out = getattr(op, function.name)(*inputs, _domain=kernels.DOMAIN)
+        out.dtype = FLOAT
+        return out
 
     def _initializer(self, name: str, make: Callable[[], np.ndarray], dtype: str) -> ir.Value:
         if name not in self._values:
@@ -384,7 +389,7 @@ class MLAttention:
         cache_latent, cache_rope = self.write_cache(op, latent, k_pe, past_latent, past_rope, write_indices)
         if attention == "kernel":  # the softmax scale on the queries: h·(d_c + d_r) products, not h·cap
             o_latent = g.latent_attention(op, op.Mul(q_latent, self.scale), op.Mul(q_pe, self.scale), cache_latent,
-                                          cache_rope, bias)  # [b, h, d_c]
+                                          cache_rope, bias, long_cache)  # [b, h, d_c]
         else:
             latent_f = self.cached(op, cache_latent)
             scores = op.Add(

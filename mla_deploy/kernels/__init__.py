@@ -33,6 +33,8 @@ HALF_MATMUL = {"float16": "MatMulF16", "bfloat16": "MatMulBF16"}  # by the weigh
 ROUTED_EXPERTS = {"float32": "RoutedExperts", "float16": "RoutedExpertsF16", "bfloat16": "RoutedExpertsBF16"}  # by weight dtype
 STRIP = 64  # their weight layout: strips of 64 output columns, [N / 64, K, 64]
 LATENT_ATTENTION = {"float32": "LatentAttention", "float16": "LatentAttentionF16", "bfloat16": "LatentAttentionBF16"}  # by cache dtype
+# the same kernel, for caches that can outgrow export.layers.LONG_CACHE_BYTES a row: only their function bodies differ
+LATENT_ATTENTION_LONG = {dtype: name.replace("Attention", "AttentionLong") for dtype, name in LATENT_ATTENTION.items()}
 GATE_UP = 32  # RoutedExperts' fc1 strip: 32 gate columns, then the same 32 columns of up
 
 

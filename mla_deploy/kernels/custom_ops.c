@@ -6,7 +6,8 @@
  *   RoutedExpertsF16, RoutedExpertsBF16 (the same with fc1 and fc2 float16 or bfloat16)
  *   LatentAttention (q_latent float32 [b, h, d_c], q_rope float32 [b, h, d_r], latent cache [b, cap, d_c],
  *                    rope cache [b, cap, d_r], bias float32 [b, 1, 1, cap]) -> float32 [b, h, d_c]
- *                    (latent_attention.h; LatentAttentionF16 / BF16 with the caches in half precision)
+ *                    (latent_attention.h; LatentAttentionF16 / BF16 with the caches in half precision;
+ *                    LatentAttentionLong* the same kernels under other names, whose function bodies suit long caches)
  * registered by RegisterCustomOps, which onnxruntime calls on SessionOptions.register_custom_ops_library. The
  * arithmetic is strip_matmul.c's, routed_experts.c's and latent_attention.c's; this file reads shapes, allocates the
  * outputs and splits the work over the session's intra-op threads. Every graph using these ops also carries them as
@@ -246,6 +247,9 @@ static const char *name_bf16(const OrtCustomOp *op) { (void)op; return "MatMulBF
 static const char *name_attention_f32(const OrtCustomOp *op) { (void)op; return "LatentAttention"; }
 static const char *name_attention_f16(const OrtCustomOp *op) { (void)op; return "LatentAttentionF16"; }
 static const char *name_attention_bf16(const OrtCustomOp *op) { (void)op; return "LatentAttentionBF16"; }
+static const char *name_long_f32(const OrtCustomOp *op) { (void)op; return "LatentAttentionLong"; }
+static const char *name_long_f16(const OrtCustomOp *op) { (void)op; return "LatentAttentionLongF16"; }
+static const char *name_long_bf16(const OrtCustomOp *op) { (void)op; return "LatentAttentionLongBF16"; }
 static const char *name_experts_f32(const OrtCustomOp *op) { (void)op; return "RoutedExperts"; }
 static const char *name_experts_f16(const OrtCustomOp *op) { (void)op; return "RoutedExpertsF16"; }
 static const char *name_experts_bf16(const OrtCustomOp *op) { (void)op; return "RoutedExpertsBF16"; }
@@ -314,7 +318,10 @@ static OrtCustomOp ops[] = {CPU_OP(name_f16, input_f16, two, compute_f16), CPU_O
                             CPU_OP(name_experts_bf16, experts_bf16, four, compute_experts_bf16),
                             CPU_OP(name_attention_f32, input_float, five, compute_attention_f32),
                             CPU_OP(name_attention_f16, attention_f16, five, compute_attention_f16),
-                            CPU_OP(name_attention_bf16, attention_bf16, five, compute_attention_bf16)};
+                            CPU_OP(name_attention_bf16, attention_bf16, five, compute_attention_bf16),
+                            CPU_OP(name_long_f32, input_float, five, compute_attention_f32),
+                            CPU_OP(name_long_f16, attention_f16, five, compute_attention_f16),
+                            CPU_OP(name_long_bf16, attention_bf16, five, compute_attention_bf16)};
 
 /* On a CPU without AVX2, FMA and F16C, or an onnxruntime older than the ABI slots used, it registers nothing and the
  * graphs run the ops' function bodies. */
