@@ -13,7 +13,9 @@
 #include "widen.h"
 
 #define HB 4 /* heads per register block */
-#define SB 3 /* slots per register block of the scores */
+#define SB 3 /* slots per register block of the scores (dot products) */
+#define OS 6 /* slots per register block of the scores (outer products: float32 caches, heads a multiple of 8) */
+#define OHB 6 /* heads per register block of p @ latent */
 
 /* e^x, 8 at a time: x = n ln 2 + r, a degree-6 polynomial for e^r on |r| <= ln 2 / 2 (Cephes' expf; relative error
  * ~2e-7), x clamped to [-87.3, 88.3] (e^-87.3 ~ 1e-38: the softmax's far tail) */
@@ -75,10 +77,50 @@ KERNEL static void dots_edge(int nh, int ns, const float *ql, int64_t dc, const 
             dots(1, 1, ql + h * dc, dc, latent + s, qr + h * dr, dr, rope + s, kind, score + h * n + s, n);
 }
 
-/* o[h, 0 .. 16) over the n slots: o[h] = sum_i p[h * n + i] * c_i[d0 .. d0 + 16) for nh <= HB heads */
+/* score[(h0 + j) * n + s] for the 8 np heads from h0 and ns <= OS slots, float32 caches: outer products of each
+ * slot's cache values (broadcast) with the queries packed [k][heads] (qt, `heads` floats a row), so a cache row is
+ * read once for all these heads and no horizontal sums are needed; np and ns constant where inlined */
+INLINE void outer_scores(const int np, const int ns, const float *qt, int64_t heads, int64_t h0,
+                         const void *const *latent, int64_t dc, const void *const *rope, int64_t dr, float *score,
+                         int64_t n) {
+    __m256 acc[OS][2];
+    for (int s = 0; s < ns; s++) acc[s][0] = acc[s][1] = _mm256_setzero_ps();
+    for (int part = 0; part < 2; part++) { /* the latent's d_c columns, then the rope's d_r */
+        const void *const *rows = part ? rope : latent;
+        int64_t width = part ? dr : dc;
+        const float *q = qt + (part ? dc : 0) * heads + h0;
+        for (int64_t k = 0; k < width; k++, q += heads) {
+            __m256 q0 = _mm256_loadu_ps(q), q1 = np == 2 ? _mm256_loadu_ps(q + 8) : q0;
+            for (int s = 0; s < ns; s++) {
+                __m256 a = _mm256_broadcast_ss((const float *)rows[s] + k);
+                acc[s][0] = _mm256_fmadd_ps(a, q0, acc[s][0]);
+                if (np == 2) acc[s][1] = _mm256_fmadd_ps(a, q1, acc[s][1]);
+            }
+        }
+    }
+    float tmp[OS][16];
+    for (int s = 0; s < ns; s++) {
+        _mm256_storeu_ps(tmp[s], acc[s][0]);
+        if (np == 2) _mm256_storeu_ps(tmp[s] + 8, acc[s][1]);
+    }
+    for (int j = 0; j < 8 * np; j++)
+        for (int s = 0; s < ns; s++) score[(h0 + j) * n + s] = tmp[s][j];
+}
+
+KERNEL static void outer_scores_edge(int np, int ns, const float *qt, int64_t heads, int64_t h0,
+                                     const void *const *latent, int64_t dc, const void *const *rope, int64_t dr,
+                                     float *score, int64_t n) {
+    for (int s = 0; s < ns; s++)
+        if (np == 2)
+            outer_scores(2, 1, qt, heads, h0, latent + s, dc, rope + s, dr, score + s, n);
+        else
+            outer_scores(1, 1, qt, heads, h0, latent + s, dc, rope + s, dr, score + s, n);
+}
+
+/* o[h, 0 .. 16) over the n slots: o[h] = sum_i p[h * n + i] * c_i[d0 .. d0 + 16) for nh <= OHB heads */
 INLINE void weighted_rows(const int nh, const float *p, int64_t n, const void *const *rows, int64_t d0, int kind,
                           float *o, int64_t ldo) {
-    __m256 lo[HB], hi[HB];
+    __m256 lo[OHB], hi[OHB];
     for (int h = 0; h < nh; h++) lo[h] = hi[h] = _mm256_setzero_ps();
     for (int64_t i = 0; i < n; i++) {
         __m256 c0 = load8(rows[i], d0, kind), c1 = load8(rows[i], d0 + 8, kind);
@@ -101,8 +143,20 @@ int latent_attention_plan(LatentAttention *job) {
     job->split = slots < 16 ? 16 : slots > LATENT_SPLIT ? LATENT_SPLIT : slots / 8 * 8;
     job->splits = (job->capacity + job->split - 1) / job->split;
     size_t partial = (size_t)(job->rows * job->splits * job->heads * (job->latent + 2));
-    if (!(job->partial = malloc(partial * sizeof(float) + (size_t)job->rows))) return -1;
-    job->blind = (uint8_t *)(job->partial + partial);
+    int outer = job->kind == STRIP_F32 && job->heads % 8 == 0;
+    size_t packed = outer ? (size_t)(job->rows * (job->latent + job->rope) * job->heads) : 0;
+    if (!(job->partial = malloc((partial + packed) * sizeof(float) + (size_t)job->rows))) return -1;
+    job->q_packed = outer ? job->partial + partial : NULL;
+    job->blind = (uint8_t *)(job->partial + partial + packed);
+    for (int64_t r = 0; outer && r < job->rows; r++) { /* [k][h]: the latent's d_c values, then the rope's d_r */
+        float *qt = job->q_packed + r * (job->latent + job->rope) * job->heads;
+        for (int64_t h = 0; h < job->heads; h++) {
+            const float *ql = job->q_latent + (r * job->heads + h) * job->latent;
+            const float *qr = job->q_rope + (r * job->heads + h) * job->rope;
+            for (int64_t k = 0; k < job->latent; k++) qt[k * job->heads + h] = ql[k];
+            for (int64_t k = 0; k < job->rope; k++) qt[(job->latent + k) * job->heads + h] = qr[k];
+        }
+    }
     for (int64_t r = 0; r < job->rows; r++) {
         const float *bias = job->bias + r * job->capacity;
         int64_t s = 0;
@@ -139,7 +193,21 @@ KERNEL static void range_of(LatentAttention *job, int64_t task, int kind) {
     }
     const float *ql = job->q_latent + row * heads * dc, *qr = job->q_rope + row * heads * job->rope;
     if (job->blind[row]) memset(score, 0, sizeof(float) * (size_t)(heads * n)); /* equal scores: the plain mean */
-    for (int64_t h0 = 0; h0 < heads && !job->blind[row]; h0 += HB) {
+    else if (job->q_packed) { /* float32 caches, heads a multiple of 8: outer products, 16 (or 8) heads a panel */
+        const float *qt = job->q_packed + row * (dc + job->rope) * heads;
+        int np = heads % 16 == 0 ? 2 : 1;
+        for (int64_t h0 = 0; h0 < heads; h0 += 8 * np)
+            for (int64_t i = 0; i < n; i += OS) {
+                int ns = n - i < OS ? (int)(n - i) : OS;
+                if (ns == OS && np == 2)
+                    outer_scores(2, OS, qt, heads, h0, latent + i, dc, rope + i, job->rope, score + i, n);
+                else if (ns == OS)
+                    outer_scores(1, OS, qt, heads, h0, latent + i, dc, rope + i, job->rope, score + i, n);
+                else
+                    outer_scores_edge(np, ns, qt, heads, h0, latent + i, dc, rope + i, job->rope, score + i, n);
+            }
+    }
+    for (int64_t h0 = 0; h0 < heads && !job->blind[row] && !job->q_packed; h0 += HB) {
         int nh = heads - h0 < HB ? (int)(heads - h0) : HB;
         for (int64_t i = 0; i < n; i += SB) {
             int ns = n - i < SB ? (int)(n - i) : SB;
@@ -164,11 +232,13 @@ KERNEL static void range_of(LatentAttention *job, int64_t task, int kind) {
         for (; i < n; i++) sum += p[i] = expf(p[i] - top);
         part[h * (dc + 2) + dc] = top, part[h * (dc + 2) + dc + 1] = sum;
     }
-    for (int64_t h0 = 0; h0 < heads; h0 += HB) {
-        int nh = heads - h0 < HB ? (int)(heads - h0) : HB;
+    for (int64_t h0 = 0; h0 < heads; h0 += OHB) {
+        int nh = heads - h0 < OHB ? (int)(heads - h0) : OHB;
         for (int64_t d0 = 0; d0 < dc; d0 += 16) {
-            if (nh == HB)
-                weighted_rows(HB, score + h0 * n, n, latent, d0, kind, part + h0 * (dc + 2), dc + 2);
+            if (nh == OHB)
+                weighted_rows(OHB, score + h0 * n, n, latent, d0, kind, part + h0 * (dc + 2), dc + 2);
+            else if (nh == 4)
+                weighted_rows(4, score + h0 * n, n, latent, d0, kind, part + h0 * (dc + 2), dc + 2);
             else
                 for (int h = 0; h < nh; h++)
                     weighted_rows(1, score + (h0 + h) * n, n, latent, d0, kind, part + (h0 + h) * (dc + 2), dc + 2);

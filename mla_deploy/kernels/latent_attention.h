@@ -27,6 +27,7 @@ typedef struct {
     int64_t split, splits;                       /* slots per range, ranges per row */
     uint8_t *blind;                              /* [b]: the row sees no slot (every slot then counts, bias 0) */
     float *partial;                              /* [b, splits, h, d_c + 2]: sum p * latent, max, sum p */
+    float *q_packed;                             /* [b, d_c + d_r, h]: the queries by column (float32 caches, h % 8 == 0) */
     int failed;                                  /* a task could not get its scratch memory */
 } LatentAttention;
 
