@@ -25,6 +25,7 @@ def inspect_path(path: str | Path) -> dict:
         cfg, absorb, dtype = manifest["config_obj"], AbsorbMode(manifest["absorb"]), manifest["dtype"]
         quantization = manifest.get("quantization")
         report = {"kind": "export", "path": str(path), "absorb": absorb.value, "dtype": dtype,
+                  "decode_attention": manifest.get("decode_attention"), "experts": manifest.get("experts"),
                   "precision": manifest.get("precision"), "quantization": quantization,
                   "max_seq_len": manifest["max_seq_len"], "weights_file_bytes": manifest["weights"]["bytes"],
                   "graphs": {kind: {"inputs": g["inputs"], "outputs": g["outputs"], "op_counts": g.get("op_counts")}
@@ -52,6 +53,11 @@ def inspect_path(path: str | Path) -> dict:
                      for kind, per_token in cache.items()},
     )
     return report
+
+
+_CORE = {"kernel": "mla_deploy.LatentAttention", "ops": "onnxruntime's MatMul-Softmax-MatMul"}  # export.decode_attention
+_EXPERTS = {"kernel": "in mla_deploy.RoutedExperts", "moe": "in com.microsoft MoE", "qmoe": "in com.microsoft QMoE",
+            "dense": "dense (every expert on every token)", "branches": "in one If per expert"}  # export.experts
 
 
 def _kernel_ops(graphs: dict) -> dict | None:
@@ -87,7 +93,9 @@ def format_report(r: dict) -> list[str]:
              f"{m['experts_per_token']}), vocab {m['vocab_size']}, context {m['max_position_embeddings']}",
              f"parameters {p['total'] / 1e9:.3f} B total, {p['active_per_token'] / 1e9:.3f} B active per token "
              f"(embedding {p['embedding'] / 1e9:.3f} B)",
-             f"precision  {r['dtype']}; decode attention {r['absorb']}"]
+             f"precision  {r['dtype']}; decode attention {r['absorb']}"
+             + (f", its core in {_CORE[r['decode_attention']]}" if r.get("decode_attention") in _CORE else "")
+             + (f"; routed experts {_EXPERTS.get(r['experts'], r['experts'])}" if r.get("experts") else "")]
     precision = r.get("precision")
     if precision and precision["dtype"] != "float32":
         lines.append(f"           weights and caches {precision['dtype']}, computed in {precision['compute']}; "
@@ -95,7 +103,8 @@ def format_report(r: dict) -> list[str]:
     k = r.get("kernels")
     if k:
         counts = ", ".join(f"{kind} {' '.join(f'{op} x{n}' for op, n in ops.items())}" for kind, ops in k["ops"].items())
-        how = ("run by mla-deploy's kernel library, built here: the weights are read as stored" if k["library"] else
+        how = ("run by mla-deploy's kernel library, built here: the weights are read as stored (and the caches, by "
+               "LatentAttention)" if k["library"] else
                "mla-deploy's kernel library was not built here (no C compiler at install): onnxruntime runs their "
                "function bodies, on float32 copies of the weights made at load" +
                ("; RoutedExperts' body runs every expert on every token" if any(

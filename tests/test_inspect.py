@@ -42,6 +42,16 @@ def test_export_report_matches_its_graphs_and_weights(exported, checkpoint_dir):
         assert [s["name"] for s in r["graphs"][kind]["inputs"]] == [i.name for i in graph.input]
 
 
+def test_the_report_says_how_attention_and_experts_run(exported):
+    """The export fixtures run their experts in If branches and, with 4 heads, the attention core in the kernel."""
+    out = exported(VARIANT)
+    r = json.loads(CliRunner().invoke(main, ["inspect", str(out), "--json"]).stdout)
+    assert (r["decode_attention"], r["experts"]) == ("kernel", "branches")
+    text = CliRunner().invoke(main, ["inspect", str(out)]).stdout
+    line = next(line for line in text.splitlines() if line.startswith("precision"))
+    assert line.endswith("its core in mla_deploy.LatentAttention; routed experts in one If per expert")
+
+
 def test_deepseek_v2_lite_counts_are_its_published_ones():
     """15.7 B parameters, 2.4 B activated (DeepSeek-V2-Lite's model card), from the full-size preset's config."""
     cfg = MLAConfig.from_hf_dict(preset_config("v2lite"))
