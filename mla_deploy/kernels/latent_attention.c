@@ -137,11 +137,7 @@ INLINE void weighted_rows(const int nh, const float *p, int64_t n, const void *c
 }
 
 int latent_attention_plan(LatentAttention *job) {
-    /* a range's cache rows within ~128 KiB (L2), so both passes over them (scores, then p @ latent per 4 heads and 16
-     * columns) read them from there: 256 slots of the demo's 80 floats, 56 of DeepSeek's 576 */
-    int64_t row_bytes = (job->latent + job->rope) * (job->kind == STRIP_F32 ? 4 : 2), slots = (128 << 10) / row_bytes;
-    job->split = slots < 16 ? 16 : slots > LATENT_SPLIT ? LATENT_SPLIT : slots / 8 * 8;
-    job->splits = (job->capacity + job->split - 1) / job->split;
+    job->splits = (job->capacity + LATENT_SPLIT - 1) / LATENT_SPLIT;
     size_t partial = (size_t)(job->rows * job->splits * job->heads * (job->latent + 2));
     int outer = job->kind == STRIP_F32 && job->heads % 8 == 0;
     size_t packed = outer ? (size_t)(job->rows * (job->latent + job->rope) * job->heads) : 0;
@@ -172,8 +168,8 @@ void latent_attention_release(LatentAttention *job) {
 }
 
 KERNEL static void range_of(LatentAttention *job, int64_t task, int kind) {
-    int64_t row = task / job->splits, s0 = task % job->splits * job->split, cap = job->capacity;
-    int64_t s1 = s0 + job->split < cap ? s0 + job->split : cap, heads = job->heads, dc = job->latent;
+    int64_t row = task / job->splits, s0 = task % job->splits * LATENT_SPLIT, cap = job->capacity;
+    int64_t s1 = s0 + LATENT_SPLIT < cap ? s0 + LATENT_SPLIT : cap, heads = job->heads, dc = job->latent;
     const float *bias = job->bias + row * cap;
     float *part = job->partial + task * heads * (dc + 2); /* per head: o [d_c], max, sum */
     const void *latent[LATENT_SPLIT], *rope[LATENT_SPLIT];

@@ -4,7 +4,7 @@
  * A slot whose bias is -FLT_MAX (not seen: beyond the row's length, or masked) is skipped, so a step reads a row's
  * cache up to its own length, not the buffer's capacity; a row with no slot seen at all averages every slot, as
  * the graph's softmax does (every score + -FLT_MAX rounds to the same float). The caches are read as stored (float32, float16 or bfloat16: StripKind).
- * Slots go in ranges of up to LATENT_SPLIT per task (any thread), each with its own running maximum and sum; a second
+ * Slots go in ranges of LATENT_SPLIT per task (any thread), each with its own running maximum and sum; a second
  * step combines a row's ranges. Plain C over plain arrays; custom_ops.c wires it to onnxruntime. */
 #ifndef MLA_DEPLOY_LATENT_ATTENTION_H
 #define MLA_DEPLOY_LATENT_ATTENTION_H
@@ -13,7 +13,7 @@
 
 #include "strip_matmul.h"
 
-#define LATENT_SPLIT 256 /* slots per task, at most (fewer for wide caches: latent_attention_plan) */
+#define LATENT_SPLIT 256 /* slots per task (a range) */
 
 typedef struct {
     StripKind kind;                              /* the caches' stored type */
@@ -24,7 +24,7 @@ typedef struct {
     const void *rope_cache;                      /* [b, cap, d_r] */
     const float *bias;                           /* [b, cap] */
     float *out;                                  /* [b, h, d_c] */
-    int64_t split, splits;                       /* slots per range, ranges per row */
+    int64_t splits;                              /* slot ranges per row */
     uint8_t *blind;                              /* [b]: the row sees no slot (every slot then counts, bias 0) */
     float *partial;                              /* [b, splits, h, d_c + 2]: sum p * latent, max, sum p */
     float *q_packed;                             /* [b, d_c + d_r, h]: the queries by column (float32 caches, h % 8 == 0) */
