@@ -100,9 +100,14 @@ def main(ctx, debug):
 @click.option("--head-bits", type=click.Choice(["4", "8"]), default="8", show_default=True,
               help="A quantized export's embedding and output layer: 8 loses less quality, 4 makes the smallest file "
                    "and the fastest decode (README, Quantized exports).")
+@click.option("--experts", type=click.Choice(["auto", "kernel", "qmoe", "moe", "dense", "branches"]), default="auto",
+              show_default=True, help="How MoE layers run their routed experts (README, Quantized exports).")
+@click.option("--decode-attention", type=click.Choice(["auto", "kernel", "ops"]), default="auto", show_default=True,
+              help="The decode attention core: mla-deploy's LatentAttention kernel or onnxruntime's ops (README, "
+                   "Serving).")
 @click.option("--force", is_flag=True, help="Replace an existing output directory.")
 def export(checkpoint, out, absorb, dtype, max_seq_len, no_verify, steps, quantize, block_size, accuracy_level,
-           head_bits, force):
+           head_bits, experts, decode_attention, force):
     """Export CHECKPOINT (default: the bundled demo model) to prefill.onnx + decode.onnx."""
     from .export import ExportOptions
     from .export import export as run_export
@@ -119,7 +124,8 @@ def export(checkpoint, out, absorb, dtype, max_seq_len, no_verify, steps, quanti
             raise MLADeployError(f"verification failed ({report.lines[-1]}); nothing was written")
 
     options = ExportOptions(absorb=absorb, dtype=dtype, max_seq_len=max_seq_len, force=force, quantize=quantize,
-                            block_size=int(block_size), accuracy_level=int(accuracy_level), head_bits=int(head_bits))
+                            block_size=int(block_size), accuracy_level=int(accuracy_level), head_bits=int(head_bits),
+                            experts=experts, decode_attention=decode_attention)
     run_export(checkpoint, out, options, progress=progress, verify=None if no_verify else verify)
 
 

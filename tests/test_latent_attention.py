@@ -201,3 +201,23 @@ def test_the_demo_decodes_the_same_with_the_kernel_and_with_onnxruntimes_ops(tmp
     feed = prefill_feed(models["ops"].config, np.array([prompts[2]]))
     logits = {c: m.run("prefill", feed)["logits"] for c, m in models.items()}  # the prefill graph is the same
     assert np.array_equal(logits["auto"], logits["ops"])
+
+
+def test_the_export_command_takes_both_choices(tmp_path):
+    """`mla-deploy export --experts ... --decode-attention ...` reach the manifest; an unknown choice is refused by
+    name, nothing written."""
+    from click.testing import CliRunner
+
+    from mla_deploy.cli import main
+    from mla_deploy.presets import preset_config, write_random_checkpoint
+
+    ckpt = write_random_checkpoint(preset_config("tiny-v3"), tmp_path / "ckpt", seed=0)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["export", str(ckpt), "-o", str(out), "--experts", "dense",
+                                       "--decode-attention", "ops", "--no-verify"])
+    assert result.exit_code == 0, result.output
+    manifest = ExportedModel(out).manifest
+    assert (manifest["experts"], manifest["decode_attention"]) == ("dense", "ops")
+    refused = CliRunner().invoke(main, ["export", str(ckpt), "-o", str(tmp_path / "no"), "--decode-attention", "fast"])
+    assert refused.exit_code == 2 and "--decode-attention" in refused.output and "'fast' is not one of" in refused.output
+    assert not (tmp_path / "no").exists()
