@@ -26,9 +26,20 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 def inv_freq(cfg: MLAConfig) -> np.ndarray:
     """θ_i for i < d_r/2, with the YaRN blend of interpolated and extrapolated frequencies. [d_r/2] float32."""
+    return yarn_blend(cfg, position_frequencies(cfg))
+
+
+def position_frequencies(cfg: MLAConfig) -> np.ndarray:
+    """base^(2i / d_r) for i < d_r/2, in float32 as transformers computes it. The one step whose last bit depends on
+    the CPU: numpy's and torch's float32 pow pick their code by instruction set (1-2 ulp apart)."""
     dim = cfg.qk_rope_head_dim
-    base = np.float32(cfg.rope_theta)
-    pos_freqs = base ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))  # [d_r/2]
+    return np.float32(cfg.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))  # [d_r/2]
+
+
+def yarn_blend(cfg: MLAConfig, pos_freqs: np.ndarray) -> np.ndarray:
+    """The frequencies 1 / pos_freqs, or under YaRN their blend with 1 / (factor · pos_freqs) by the linear ramp over
+    the correction range: float32 division, products and sums, each rounded as transformers rounds it."""
+    dim = cfg.qk_rope_head_dim
     extrapolated = (1.0 / pos_freqs).astype(np.float32)
     if cfg.rope_type == "default":
         return extrapolated

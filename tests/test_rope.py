@@ -42,8 +42,22 @@ def test_yarn_frequencies_and_attention_factor_match_transformers(top, scaling):
     hf = DeepseekV2Config(**raw)
     inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
     cfg = MLAConfig.from_hf_dict(raw)
-    np.testing.assert_array_equal(rope.inv_freq(cfg), inv_freq.numpy())  # float32 as transformers computes it, bit for bit
+    # base ** x in float32 is the one step whose last bits depend on the CPU (numpy and torch choose their pow by
+    # instruction set: 1-2 ulp apart on an AVX-512 machine); 4 ulp holds on any x86-64, a wrong ramp is ~1e5 ulp off
+    np.testing.assert_array_max_ulp(rope.inv_freq(cfg), inv_freq.numpy(), maxulp=4)
+    # the rest is float32 division, products and sums, the same bits on every CPU: fed torch's own powers, the blend
+    # equals transformers' bit for bit (a float64 intermediate anywhere in it is 1-2 ulp off, which this catches)
+    torch_pos_freqs = _torch_pos_freqs(cfg)
+    np.testing.assert_array_equal(rope.yarn_blend(cfg, torch_pos_freqs), inv_freq.numpy())
     assert rope.attention_factor(cfg) == pytest.approx(factor, rel=1e-12)
+
+
+def _torch_pos_freqs(cfg: MLAConfig) -> np.ndarray:
+    """base^(2i / d_r) exactly as transformers' yarn initialisation computes it, with torch's pow on this CPU."""
+    import torch
+
+    dim = cfg.qk_rope_head_dim
+    return (cfg.rope_theta ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)).numpy()
 
 
 def test_without_mscale_fields_the_attention_factor_is_mscale_of_the_factor_alone():
