@@ -27,8 +27,6 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-import side_by_side
-
 
 def profile(export: str, batch: int, context: int, steps: int, threads: int,
             prepack: bool, prefill: int = 0) -> tuple[float, float, dict]:
@@ -64,12 +62,13 @@ def profile(export: str, batch: int, context: int, steps: int, threads: int,
 
 def _timed_steps(model, batch: int, context: int, steps: int) -> float:
     """Milliseconds per decode step over `steps` steps after 5 warm-up steps, caches holding random data."""
+    from mla_deploy.bench.engines import random_decode_state
     from mla_deploy.runtime import Generator, SamplingParams
 
     gen = Generator(model, SamplingParams(), stop_token_ids=())
     warmup = 5
     rng = np.random.default_rng(0)
-    state = side_by_side.decode_state(gen, batch, context, warmup + steps + 1, rng)
+    state = random_decode_state(gen, batch, context, warmup + steps + 1, rng)
     tokens = rng.integers(0, model.config.vocab_size, batch)
     for _ in range(warmup):
         gen.decode_step(state, tokens)

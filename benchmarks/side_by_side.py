@@ -13,18 +13,10 @@ import numpy as np
 CONTEXTS = (128, 4096)
 
 
-def decode_state(gen, batch: int, context: int, room: int, rng: np.random.Generator):
-    """mla_deploy.bench's random decode state (caches of random values in their dtype). This script used to write
-    float32 values into a bfloat16 cache's uint16 bit patterns, which made them NaNs and infinities: bfloat16 decode
-    steps timed here before that fix ran on NaN logits (a MoE layer then routed its tokens to no expert, or all)."""
-    from mla_deploy.bench.engines import random_decode_state
-
-    return random_decode_state(gen, batch, context, room, rng)
-
-
 def speed(models: dict, rounds: int = 5, warmup: int = 3, contexts: tuple[int, ...] = CONTEXTS) -> dict[str, dict[str, float]]:
     """{label: ExportedModel} -> {point: {label: median ms}}."""
     points = ("prefill 512", *(f"decode ctx {ctx}" for ctx in contexts))
+    from mla_deploy.bench.engines import random_decode_state
     from mla_deploy.runtime import Generator, SamplingParams
 
     gens = {label: Generator(model, SamplingParams(), stop_token_ids=()) for label, model in models.items()}
@@ -34,7 +26,7 @@ def speed(models: dict, rounds: int = 5, warmup: int = 3, contexts: tuple[int, .
     states = {}
     for label, gen in gens.items():
         for ctx in contexts:
-            states[label, ctx] = decode_state(gen, 1, ctx, 4 * (rounds + warmup) + 2, rng)
+            states[label, ctx] = random_decode_state(gen, 1, ctx, 4 * (rounds + warmup) + 2, rng)
     runs = {}
     for label, gen in gens.items():
         runs[label, points[0]] = lambda gen=gen: gen.prefill(gen.new_state([np.asarray(prompt)]), [prompt])

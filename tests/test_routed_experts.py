@@ -35,7 +35,7 @@ def test_fc1_strips_pair_32_gate_columns_with_the_same_up_columns_zero_padded():
 
 def test_fc2_strips_are_downs_transpose_zero_padded_to_whole_strips():
     down = np.arange(70 * 24, dtype=np.float32).reshape(70, 24) + 1  # HF [d, I], d = 70 -> d' = 128, I = 24 -> I' 32
-    fc2 = kernels.expert_fc2_strips(down, 32)
+    fc2 = kernels.expert_fc2_strips(down)
     assert fc2.shape == (2, 32, 64)
     assert fc2[0, 5, 9] == down[9, 5] and fc2[1, 23, 5] == down[69, 23]
     assert not fc2[:, 24:].any() and not fc2[1, :, 6:].any()
@@ -65,10 +65,9 @@ def _stored(strips: np.ndarray, name: str, dtype: str) -> onnx.TensorProto:
 
 
 def _one_op_model(gate, up, down, dtype: str = "float32") -> bytes:
-    e, inter, d = gate.shape
-    padded = -(-inter // kernels.GATE_UP) * kernels.GATE_UP
+    e, _, d = gate.shape
     fc1 = np.stack([kernels.expert_fc1_strips(gate[i], up[i]) for i in range(e)])
-    fc2 = np.stack([kernels.expert_fc2_strips(down[i], padded) for i in range(e)])
+    fc2 = np.stack([kernels.expert_fc2_strips(down[i]) for i in range(e)])
     graph = helper.make_graph(
         [helper.make_node(kernels.ROUTED_EXPERTS[dtype], ["x", "dispatch", "fc1", "fc2"], ["y"], domain=kernels.DOMAIN)],
         "one_op", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", d]),

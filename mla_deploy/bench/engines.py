@@ -52,7 +52,6 @@ def _median_ms(fn, steps: int) -> float:
     return statistics.median(times)
 
 
-
 def random_decode_state(gen, batch: int, context: int, room: int, rng: np.random.Generator):
     """A Generator's state of `batch` rows at `context` slots, caches grown by `room` more and holding standard normal
     values in every slot, in the caches' dtype (bfloat16: its bit patterns, runtime.dtypes): never the zero page."""
@@ -62,6 +61,7 @@ def random_decode_state(gen, batch: int, context: int, room: int, rng: np.random
         values = rng.standard_normal(arr.shape, dtype=np.float32)
         arr[:] = float32_to_bf16(values) if state.caches.dtype == "bfloat16" else values
     return state
+
 
 class OnnxEngine:
     """An mla-deploy export driven by the runtime: in-place latent caches, IO binding."""

@@ -1,5 +1,5 @@
 """How the decode graph runs its attention core (softmax(q · cache) @ latent), chosen from the config and the
-export's length (each choice measured: README, Serving).
+caches' dtype (each choice measured: README, Serving); the export's length picks the function body (long_cache).
 
 - "kernel": mla_deploy.LatentAttention (LatentAttentionF16 / BF16 for half caches; mla_deploy.kernels): scores,
   softmax and probs @ latent in one op that reads the caches as stored and skips slots the row does not see, so a

@@ -14,8 +14,8 @@ MoE runs only the experts some token chose. Float exports: one `If` per routed e
 that expert's tokens, runs its SwiGLU on them and scatter-adds the weighted result; an expert nobody chose
 costs one skipped branch and reads none of its weights. Quantized exports: one com.microsoft QMoE per layer
 over block-quantized experts, fed the router's own choice and weights. Float layers with few experts per chosen
-one run all routed experts in one op: mla_deploy.RoutedExperts (float32), com.microsoft MoE (half), or densely on
-request (export.experts; each choice measured: README).
+one run all routed experts in one op, mla_deploy.RoutedExperts (com.microsoft MoE or densely on request;
+export.experts; each choice measured: README).
 
 Precision (`--dtype`, export.precision): weights and caches are stored in the export's dtype and the layers
 compute in its compute dtype (float32 for every dtype on the CPU; a half weight goes through mla_deploy's MatMulF16 /
@@ -533,7 +533,6 @@ class MoE:
         """All routed experts in one mla_deploy.RoutedExperts, weighted by DeepSeek's own dispatch (float32): each
         expert multiplies only the tokens that chose it, reading its strips as stored (float32, float16, bfloat16)."""
         cfg, g, t, hf = self.cfg, self.g, self.t, self.hf
-        inter = -(-cfg.moe_intermediate_size // kernels.GATE_UP) * kernels.GATE_UP  # I' (padded with zeros)
 
         def fc1() -> np.ndarray:  # [E, I'/32, d, 64]
             return np.stack([kernels.expert_fc1_strips(t(f"{hf}experts.{e}.gate_proj.weight"),
@@ -541,7 +540,7 @@ class MoE:
                              for e in range(cfg.n_routed_experts)])
 
         def fc2() -> np.ndarray:  # [E, d'/64, I', 64]
-            return np.stack([kernels.expert_fc2_strips(t(f"{hf}experts.{e}.down_proj.weight"), inter)
+            return np.stack([kernels.expert_fc2_strips(t(f"{hf}experts.{e}.down_proj.weight"))
                              for e in range(cfg.n_routed_experts)])
 
         routed = g.routed_experts(op, g.to_float(op, x2), dispatch, (f"{self.name}.experts.fc1.strips", fc1),

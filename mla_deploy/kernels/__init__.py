@@ -16,9 +16,9 @@ call once the expert has two tokens, and multiplies float32 only; this op reads 
 absorbed decode attention's core, softmax(q_latent · latent + q_rope · rope + bias) @ latent, reading the caches as
 stored and only the slots each row sees (export.decode_attention).
 
-Every graph that uses the ops also carries them as ONNX functions (export.layers: the same product through Cast and
-MatMul; every expert on every token, weighted by dispatch; MatMul, Softmax, MatMul), which onnxruntime runs wherever the library is not
-registered: not built (no C compiler), a CPU without AVX2/FMA/F16C, or turned off.
+Every graph that uses the ops also carries them as ONNX functions (export.kernel_functions: the same product through
+Cast and MatMul; every expert on every token, weighted by dispatch; MatMul, Softmax, MatMul), which onnxruntime runs
+wherever the library is not registered: not built (no C compiler), a CPU without AVX2/FMA/F16C, or turned off.
 """
 
 from __future__ import annotations
@@ -57,21 +57,25 @@ def column_strips(w_in_out: np.ndarray) -> np.ndarray:
     return w_in_out.reshape(k, n // STRIP, STRIP).transpose(1, 0, 2)  # [K, N] -> [K, N/64, 64] -> [N/64, K, 64]
 
 
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def expert_fc1_strips(gate_out_in: np.ndarray, up_out_in: np.ndarray) -> np.ndarray:
     """One expert's gate and up (HF [I, d] each) as RoutedExperts' fc1 [I' / 32, d, 64]: strip j holds gate's
     columns 32 j .. 32 j + 31 of x @ gateᵀ, then up's same columns; I' is I rounded up to 32, its padding zero."""
     inter, d = gate_out_in.shape
-    padded = -(-inter // GATE_UP) * GATE_UP
+    padded = _round_up(inter, GATE_UP)
     both = np.zeros((2, padded, d), np.float32)
     both[0, :inter], both[1, :inter] = gate_out_in, up_out_in
     both = both.reshape(2, padded // GATE_UP, GATE_UP, d)  # [2, I', d] -> [2, J, 32, d]
     return both.transpose(1, 3, 0, 2).reshape(padded // GATE_UP, d, STRIP)  # [J, d, 2, 32] -> [J, d, 64]
 
 
-def expert_fc2_strips(down_out_in: np.ndarray, inter_padded: int) -> np.ndarray:
+def expert_fc2_strips(down_out_in: np.ndarray) -> np.ndarray:
     """One expert's down (HF [d, I]) as RoutedExperts' fc2 [d' / 64, I', 64]: downᵀ [I, d] zero-padded to
-    [I', d'] (d' = d rounded up to 64) in column strips."""
+    [I', d'] (I' = I rounded up to 32, as in fc1; d' = d rounded up to 64) in column strips."""
     d, inter = down_out_in.shape
-    w = np.zeros((inter_padded, -(-d // STRIP) * STRIP), np.float32)
+    w = np.zeros((_round_up(inter, GATE_UP), _round_up(d, STRIP)), np.float32)
     w[:inter, :d] = down_out_in.T
     return np.ascontiguousarray(column_strips(w))

@@ -107,6 +107,25 @@ static OrtStatus *compute(OrtKernelContext *context, StripKind kind, const char 
     return status;
 }
 
+/* an op's n inputs: their shapes and data; a status naming `op` where one cannot be read */
+static OrtStatus *inputs(OrtKernelContext *context, const char *op, size_t n, int64_t dims[][MAX_RANK], size_t *rank,
+                         void **data) {
+    for (size_t i = 0; i < n; i++) {
+        const OrtValue *value;
+        ORT_FN(api, OrtKernelContextGetInputFn, ORT_KernelContext_GetInput)(context, i, &value);
+        if (shape(value, dims[i], &rank[i])) return error(op, "cannot read an input's shape");
+        if (ORT_FN(api, OrtGetTensorMutableDataFn, ORT_GetTensorMutableData)((OrtValue *)value, &data[i]))
+            return error(op, "cannot reach the inputs' data");
+    }
+    return NULL;
+}
+
+/* below ~1M multiply-adds (one token through two of the demo's experts: ~15 us), waking a pool thread costs more than
+ * it saves (measured: 51 vs 34 us at one token on two threads): the work then runs on this thread alone */
+static OrtKernelContext *pool_for(OrtKernelContext *context, int64_t multiply_adds) {
+    return multiply_adds < (1 << 20) ? NULL : context;
+}
+
 typedef struct {
     RoutedExperts *job;
     void (*step)(RoutedExperts *, int64_t);
@@ -118,13 +137,11 @@ static void run_expert_step(void *data, size_t task) {
 }
 
 static OrtStatus *compute_routed_experts(OrtKernelContext *context, StripKind kind, const char *op) {
-    const OrtValue *in[4];
     int64_t dims[4][MAX_RANK];
     size_t rank[4];
-    for (size_t i = 0; i < 4; i++) {
-        ORT_FN(api, OrtKernelContextGetInputFn, ORT_KernelContext_GetInput)(context, i, &in[i]);
-        if (shape(in[i], dims[i], &rank[i])) return error(op, "cannot read an input's shape");
-    }
+    void *data[4], *y;
+    OrtStatus *status = inputs(context, op, 4, dims, rank, data);
+    if (status) return status;
     if (rank[0] != 2 || rank[1] != 2 || rank[2] != 4 || rank[3] != 4)
         return error(op, "expected X [T, d], dispatch [T, E], fc1 [E, I'/32, d, 64], fc2 [E, d'/64, I', 64]");
     RoutedExperts job = {.kind = kind, .tokens = dims[0][0], .d = dims[0][1], .experts = dims[1][1],
@@ -135,22 +152,15 @@ static OrtStatus *compute_routed_experts(OrtKernelContext *context, StripKind ki
         job.out_strips * STRIP < job.d || job.out_strips * STRIP - job.d >= STRIP)
         return error(op, "fc1 must be [E, I'/32, d, 64] and fc2 [E, d'/64, I', 64] (d' = d rounded up to 64)");
     OrtValue *y_value;
-    void *data[4], *y;
     if (ORT_FN(api, OrtKernelContextGetOutputFn, ORT_KernelContext_GetOutput)(context, 0, dims[0], 2, &y_value) ||
         ORT_FN(api, OrtGetTensorMutableDataFn, ORT_GetTensorMutableData)(y_value, &y))
         return error(op, "cannot allocate Y");
-    for (size_t i = 0; i < 4; i++)
-        if (ORT_FN(api, OrtGetTensorMutableDataFn, ORT_GetTensorMutableData)((OrtValue *)in[i], &data[i]))
-            return error(op, "cannot reach the inputs' data");
     job.x = data[0], job.dispatch = data[1], job.fc1 = data[2], job.fc2 = data[3], job.y = y;
     if (job.tokens == 0 || job.d == 0) return NULL;
     if (routed_experts_plan(&job)) return error(op, "out of memory planning the experts' rows");
-    OrtStatus *status = NULL;
     if (job.active) { /* gathering and packing copy a few rows: on this thread, between the two products */
         ExpertStep fc1 = {&job, routed_experts_fc1}, fc2 = {&job, routed_experts_fc2};
-        /* below ~1M multiply-adds (one token through two of the demo's experts: ~15 us), waking a pool thread
-         * costs more than it saves (measured: 51 vs 34 us at one token on two threads) */
-        OrtKernelContext *pool = (job.first[job.active] * 3 * job.inter * job.d < (1 << 20)) ? NULL : context;
+        OrtKernelContext *pool = pool_for(context, job.first[job.active] * 3 * job.inter * job.d);
         for (int64_t i = 0; i < job.active; i++) routed_experts_gather(&job, i);
         status = parallel_for(pool, run_expert_step, (size_t)(job.active * job.inter / GATE_UP), &fc1);
         for (int64_t i = 0; !status && i < job.active; i++) routed_experts_pack(&job, i);
@@ -164,13 +174,11 @@ static OrtStatus *compute_routed_experts(OrtKernelContext *context, StripKind ki
 static void run_latent_range(void *data, size_t task) { latent_attention_range(data, (int64_t)task); }
 
 static OrtStatus *compute_latent_attention(OrtKernelContext *context, StripKind kind, const char *op) {
-    const OrtValue *in[5];
     int64_t dims[5][MAX_RANK];
     size_t rank[5];
-    for (size_t i = 0; i < 5; i++) {
-        ORT_FN(api, OrtKernelContextGetInputFn, ORT_KernelContext_GetInput)(context, i, &in[i]);
-        if (shape(in[i], dims[i], &rank[i])) return error(op, "cannot read an input's shape");
-    }
+    void *data[5], *y;
+    OrtStatus *status = inputs(context, op, 5, dims, rank, data);
+    if (status) return status;
     if (rank[0] != 3 || rank[1] != 3 || rank[2] != 3 || rank[3] != 3 || rank[4] < 1)
         return error(op, "expected q_latent [b, h, d_c], q_rope [b, h, d_r], latent [b, cap, d_c], rope [b, cap, d_r], "
                          "bias [b, 1, 1, cap]");
@@ -185,74 +193,44 @@ static OrtStatus *compute_latent_attention(OrtKernelContext *context, StripKind 
         return error(op, "bias must hold one value per row and cache slot [b, 1, 1, cap]");
     if (job.latent % 16 || job.rope % 8) return error(op, "d_c must be a multiple of 16 and d_r of 8");
     OrtValue *y_value;
-    void *data[5], *y;
     if (ORT_FN(api, OrtKernelContextGetOutputFn, ORT_KernelContext_GetOutput)(context, 0, dims[0], 3, &y_value) ||
         ORT_FN(api, OrtGetTensorMutableDataFn, ORT_GetTensorMutableData)(y_value, &y))
         return error(op, "cannot allocate the output");
-    for (size_t i = 0; i < 5; i++)
-        if (ORT_FN(api, OrtGetTensorMutableDataFn, ORT_GetTensorMutableData)((OrtValue *)in[i], &data[i]))
-            return error(op, "cannot reach the inputs' data");
     job.q_latent = data[0], job.q_rope = data[1], job.latent_cache = data[2], job.rope_cache = data[3];
     job.bias = data[4], job.out = y;
     if (job.rows == 0 || job.heads == 0 || job.latent == 0) return NULL;
     if (job.capacity == 0) return error(op, "the cache has no slots");
     if (latent_attention_plan(&job)) return error(op, "out of memory for the partial results");
-    /* as in RoutedExperts: below ~1M multiply-adds a pool thread's wake-up costs more than it saves */
-    int64_t work = job.rows * job.capacity * job.heads * (job.latent + job.rope);
-    OrtStatus *status = parallel_for(work < (1 << 20) ? NULL : context, run_latent_range,
-                                     (size_t)(job.rows * job.splits), &job);
+    status = parallel_for(pool_for(context, job.rows * job.capacity * job.heads * (job.latent + job.rope)),
+                          run_latent_range, (size_t)(job.rows * job.splits), &job);
     for (int64_t r = 0; !status && r < job.rows; r++) latent_attention_combine(&job, r);
     if (!status && __atomic_load_n(&job.failed, __ATOMIC_RELAXED)) status = error(op, "out of memory for a range's scores");
     latent_attention_release(&job);
     return status;
 }
 
-static OrtStatus *compute_attention_f32(void *kernel, OrtKernelContext *context) {
-    (void)kernel;
-    return compute_latent_attention(context, STRIP_F32, "LatentAttention");
-}
-static OrtStatus *compute_attention_f16(void *kernel, OrtKernelContext *context) {
-    (void)kernel;
-    return compute_latent_attention(context, STRIP_F16, "LatentAttentionF16");
-}
-static OrtStatus *compute_attention_bf16(void *kernel, OrtKernelContext *context) {
-    (void)kernel;
-    return compute_latent_attention(context, STRIP_BF16, "LatentAttentionBF16");
-}
+/* each registered op: its name, and its compute as one of the three above with the weights' (caches') type */
+#define OP_FUNCTIONS(ID, COMPUTE, KIND, NAME)                                                                         \
+    static OrtStatus *compute_##ID(void *kernel, OrtKernelContext *context) {                                        \
+        (void)kernel;                                                                                                 \
+        return COMPUTE(context, KIND, NAME);                                                                          \
+    }                                                                                                                 \
+    static const char *name_##ID(const OrtCustomOp *op) {                                                            \
+        (void)op;                                                                                                     \
+        return NAME;                                                                                                  \
+    }
+OP_FUNCTIONS(f16, compute, STRIP_F16, "MatMulF16")
+OP_FUNCTIONS(bf16, compute, STRIP_BF16, "MatMulBF16")
+OP_FUNCTIONS(experts_f32, compute_routed_experts, STRIP_F32, "RoutedExperts")
+OP_FUNCTIONS(experts_f16, compute_routed_experts, STRIP_F16, "RoutedExpertsF16")
+OP_FUNCTIONS(experts_bf16, compute_routed_experts, STRIP_BF16, "RoutedExpertsBF16")
+OP_FUNCTIONS(attention_f32, compute_latent_attention, STRIP_F32, "LatentAttention")
+OP_FUNCTIONS(attention_f16, compute_latent_attention, STRIP_F16, "LatentAttentionF16")
+OP_FUNCTIONS(attention_bf16, compute_latent_attention, STRIP_BF16, "LatentAttentionBF16")
+OP_FUNCTIONS(long_f32, compute_latent_attention, STRIP_F32, "LatentAttentionLong")
+OP_FUNCTIONS(long_f16, compute_latent_attention, STRIP_F16, "LatentAttentionLongF16")
+OP_FUNCTIONS(long_bf16, compute_latent_attention, STRIP_BF16, "LatentAttentionLongBF16")
 
-static OrtStatus *compute_experts_f32(void *kernel, OrtKernelContext *context) {
-    (void)kernel;
-    return compute_routed_experts(context, STRIP_F32, "RoutedExperts");
-}
-static OrtStatus *compute_experts_f16(void *kernel, OrtKernelContext *context) {
-    (void)kernel;
-    return compute_routed_experts(context, STRIP_F16, "RoutedExpertsF16");
-}
-static OrtStatus *compute_experts_bf16(void *kernel, OrtKernelContext *context) {
-    (void)kernel;
-    return compute_routed_experts(context, STRIP_BF16, "RoutedExpertsBF16");
-}
-
-static OrtStatus *compute_f16(void *kernel, OrtKernelContext *context) {
-    (void)kernel;
-    return compute(context, STRIP_F16, "MatMulF16");
-}
-static OrtStatus *compute_bf16(void *kernel, OrtKernelContext *context) {
-    (void)kernel;
-    return compute(context, STRIP_BF16, "MatMulBF16");
-}
-
-static const char *name_f16(const OrtCustomOp *op) { (void)op; return "MatMulF16"; }
-static const char *name_bf16(const OrtCustomOp *op) { (void)op; return "MatMulBF16"; }
-static const char *name_attention_f32(const OrtCustomOp *op) { (void)op; return "LatentAttention"; }
-static const char *name_attention_f16(const OrtCustomOp *op) { (void)op; return "LatentAttentionF16"; }
-static const char *name_attention_bf16(const OrtCustomOp *op) { (void)op; return "LatentAttentionBF16"; }
-static const char *name_long_f32(const OrtCustomOp *op) { (void)op; return "LatentAttentionLong"; }
-static const char *name_long_f16(const OrtCustomOp *op) { (void)op; return "LatentAttentionLongF16"; }
-static const char *name_long_bf16(const OrtCustomOp *op) { (void)op; return "LatentAttentionLongBF16"; }
-static const char *name_experts_f32(const OrtCustomOp *op) { (void)op; return "RoutedExperts"; }
-static const char *name_experts_f16(const OrtCustomOp *op) { (void)op; return "RoutedExpertsF16"; }
-static const char *name_experts_bf16(const OrtCustomOp *op) { (void)op; return "RoutedExpertsBF16"; }
 static ONNXTensorElementDataType input_f16(const OrtCustomOp *op, size_t i) {
     (void)op;
     return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
@@ -319,9 +297,9 @@ static OrtCustomOp ops[] = {CPU_OP(name_f16, input_f16, two, compute_f16), CPU_O
                             CPU_OP(name_attention_f32, input_float, five, compute_attention_f32),
                             CPU_OP(name_attention_f16, attention_f16, five, compute_attention_f16),
                             CPU_OP(name_attention_bf16, attention_bf16, five, compute_attention_bf16),
-                            CPU_OP(name_long_f32, input_float, five, compute_attention_f32),
-                            CPU_OP(name_long_f16, attention_f16, five, compute_attention_f16),
-                            CPU_OP(name_long_bf16, attention_bf16, five, compute_attention_bf16)};
+                            CPU_OP(name_long_f32, input_float, five, compute_long_f32),
+                            CPU_OP(name_long_f16, attention_f16, five, compute_long_f16),
+                            CPU_OP(name_long_bf16, attention_bf16, five, compute_long_bf16)};
 
 /* On a CPU without AVX2, FMA and F16C, or an onnxruntime older than the ABI slots used, it registers nothing and the
  * graphs run the ops' function bodies. */

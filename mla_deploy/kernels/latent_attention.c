@@ -202,18 +202,19 @@ KERNEL static void range_of(LatentAttention *job, int64_t task, int kind) {
                 else
                     outer_scores_edge(np, ns, qt, heads, h0, latent + i, dc, rope + i, job->rope, score + i, n);
             }
-    }
-    for (int64_t h0 = 0; h0 < heads && !job->blind[row] && !job->q_packed; h0 += HB) {
-        int nh = heads - h0 < HB ? (int)(heads - h0) : HB;
-        for (int64_t i = 0; i < n; i += SB) {
-            int ns = n - i < SB ? (int)(n - i) : SB;
-            float *sc = score + h0 * n + i;
-            if (nh == HB && ns == SB)
-                dots(HB, SB, ql + h0 * dc, dc, latent + i, qr + h0 * job->rope, job->rope, rope + i, kind, sc, n);
-            else
-                dots_edge(nh, ns, ql + h0 * dc, dc, latent + i, qr + h0 * job->rope, job->rope, rope + i, kind, sc, n);
+    } else /* dot products, 4 heads x 3 slots a block */
+        for (int64_t h0 = 0; h0 < heads; h0 += HB) {
+            int nh = heads - h0 < HB ? (int)(heads - h0) : HB;
+            for (int64_t i = 0; i < n; i += SB) {
+                int ns = n - i < SB ? (int)(n - i) : SB;
+                float *sc = score + h0 * n + i;
+                if (nh == HB && ns == SB)
+                    dots(HB, SB, ql + h0 * dc, dc, latent + i, qr + h0 * job->rope, job->rope, rope + i, kind, sc, n);
+                else
+                    dots_edge(nh, ns, ql + h0 * dc, dc, latent + i, qr + h0 * job->rope, job->rope, rope + i, kind,
+                              sc, n);
+            }
         }
-    }
     for (int64_t h = 0; h < heads; h++) { /* softmax over this range: p = e^(score - max), their sum */
         float *p = score + h * n, top = -INFINITY, sum = 0.0f;
         for (int64_t i = 0; i < n; i++) top = fmaxf(top, p[i] += added[i]);

@@ -12,7 +12,7 @@
 static int64_t packed_slots(int64_t rows) { return rows == 1 ? 0 : strip_matmul_groups(rows) * MR; }
 
 static const void *expert_strips(const RoutedExperts *job, const void *base, int64_t e, int64_t per_expert) {
-    return (const char *)base + e * per_expert * (job->kind == STRIP_F32 ? 4 : 2);
+    return (const char *)base + e * per_expert * strip_kind_bytes(job->kind);
 }
 
 /* expert i's product by its fc1 (which = 1) or fc2 (which = 2) strips, as a StripMatMul over its routed rows */
@@ -34,14 +34,12 @@ static StripMatMul product(const RoutedExperts *job, int64_t i, int which) {
 }
 
 int routed_experts_plan(RoutedExperts *job) {
-    int64_t routed = 0;
-    for (int64_t t = 0; t < job->tokens * job->experts; t++) routed += job->dispatch[t] != 0.0f;
     int64_t *rows = calloc((size_t)job->experts, sizeof(int64_t)); /* per expert */
     if (!rows) return -1;
     for (int64_t t = 0; t < job->tokens; t++)
         for (int64_t e = 0; e < job->experts; e++) rows[e] += job->dispatch[t * job->experts + e] != 0.0f;
-    int64_t active = 0, slots = 0;
-    for (int64_t e = 0; e < job->experts; e++) active += rows[e] > 0, slots += packed_slots(rows[e]);
+    int64_t active = 0, slots = 0, routed = 0;
+    for (int64_t e = 0; e < job->experts; e++) active += rows[e] > 0, slots += packed_slots(rows[e]), routed += rows[e];
     int64_t d_out = job->out_strips * STRIP;
     size_t ints = (size_t)(active + active + 1 + routed + active);
     size_t floats = (size_t)(routed + slots * job->d + routed * 2 * job->inter + routed * job->inter +

@@ -12,6 +12,9 @@
 
 typedef enum { STRIP_F16, STRIP_BF16, STRIP_F32 } StripKind; /* the weight's stored type */
 
+/* bytes of one stored value */
+static inline int64_t strip_kind_bytes(StripKind kind) { return kind == STRIP_F32 ? 4 : 2; }
+
 typedef struct {
     StripKind kind;
     const float *a;    /* A [m, k]; with more than one row, after strip_matmul_pack: groups packed [k, MR] each */

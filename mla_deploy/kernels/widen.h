@@ -21,7 +21,7 @@ INLINE __m256 load8(const void *base, int64_t i, int kind) {
 
 /* the address of element i of a `kind` array */
 INLINE const void *element(const void *base, int64_t i, int kind) {
-    return (const char *)base + i * (kind == STRIP_F32 ? 4 : 2);
+    return (const char *)base + i * strip_kind_bytes(kind);
 }
 
 #endif
