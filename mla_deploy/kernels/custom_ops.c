@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "dispatch.h"
 #include "latent_attention.h"
 #include "routed_experts.h"
 #include "strip_matmul.h"
@@ -301,11 +302,11 @@ static OrtCustomOp ops[] = {CPU_OP(name_f16, input_f16, two, compute_f16), CPU_O
                             CPU_OP(name_long_f16, attention_f16, five, compute_long_f16),
                             CPU_OP(name_long_bf16, attention_bf16, five, compute_long_bf16)};
 
-/* On a CPU without AVX2, FMA and F16C, or an onnxruntime older than the ABI slots used, it registers nothing and the
- * graphs run the ops' function bodies. */
+/* Below the AVX2 level (a CPU without AVX2, FMA and F16C, or MLA_DEPLOY_ISA=scalar: dispatch.h), or on an onnxruntime
+ * older than the ABI slots used, it registers nothing and the graphs run the ops' function bodies. */
 __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
     api = base->GetApi(ORT_ABI_VERSION);
-    if (!api || !strip_matmul_supported()) return NULL;
+    if (!api || mla_isa() < ISA_AVX2) return NULL;
     OrtCustomOpDomain *domain; /* lives as long as the process: sessions keep referring to it */
     OrtStatus *status = ORT_FN(api, OrtCreateCustomOpDomainFn, ORT_CreateCustomOpDomain)("mla_deploy", &domain);
     for (size_t i = 0; !status && i < sizeof(ops) / sizeof(ops[0]); i++)

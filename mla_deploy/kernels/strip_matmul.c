@@ -155,8 +155,3 @@ void strip_matmul_pack(const StripMatMul *job, const float *a, float *packed, in
     for (int64_t r = 0, row = g * job->group; r < MR; r++, row++) rows[r] = row < job->m ? a + row * job->k : NULL;
     strip_matmul_pack_rows(job, rows, packed, g);
 }
-
-int strip_matmul_supported(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-}

@@ -36,7 +36,5 @@ void strip_matmul_pack(const StripMatMul *job, const float *a, float *packed, in
 void strip_matmul_pack_rows(const StripMatMul *job, const float *const *rows, float *packed, int64_t g);
 /* Y's 64 columns of strip s, every row. Strips are independent: run them on any threads. */
 void strip_matmul_strip(StripMatMul *job, int64_t s);
-/* Whether this CPU has what the kernels use (AVX2, FMA, F16C). */
-int strip_matmul_supported(void);
 
 #endif
