@@ -98,12 +98,13 @@ def evaluate(export_dir: str | Path, text_file: str | Path, window: int = 256,
     nll, top1 = [], []
     torch_progress = _Progress(progress, "torch source", len(batch), window)
     for done, w in enumerate(batch, 1):
+        t = len(w) - 1
         ids = torch.from_numpy(w[None, :-1])
-        logits = torch_model(ids, torch.arange(window)[None], new_caches(torch_model.cfg, 1, window),
-                             torch.zeros(1, dtype=torch.long), torch.ones(1, window), form=AttentionForm.NAIVE)
+        logits = torch_model(ids, torch.arange(t)[None], new_caches(torch_model.cfg, 1, t),
+                             torch.zeros(1, dtype=torch.long), torch.ones(1, t), form=AttentionForm.NAIVE)
         nll.append(log_softmax_nll(logits.numpy()[0], w[1:]))
         top1.append(logits.numpy()[0].argmax(-1))
         torch_progress(done)
-    agreement = float((export_top1 == np.stack(top1)).mean())
-    return EvalReport(int(batch.shape[0] * window), int(batch.shape[0]), float(export_nll.mean()), float(np.mean(nll)),
+    agreement = float((export_top1 == np.concatenate(top1)).mean())
+    return EvalReport(len(export_nll), len(batch), float(export_nll.mean()), float(np.concatenate(nll).mean()),
                       agreement, model.manifest.get("quantization"), model.manifest["dtype"])

@@ -76,11 +76,18 @@ def test_eval_loss_equals_torch_cross_entropy_computed_independently(demo_export
     report = evaluate(demo_export, text, window=window)
     ids = Tokenizer(DEMO / "tokenizer.json").encode(text.read_text())
     n = (len(ids) - 1) // window
+    assert (len(ids) - 1) % window, "the text must end in a partial window, which eval scores too"
     rows = torch.tensor([ids[i * window: i * window + window + 1] for i in range(n)])  # [n, window + 1]
+    tail = torch.tensor(ids[n * window:])[None]  # [1, the rest]
     model = load_model(DEMO)
-    logits = model(rows[:, :-1], torch.arange(window)[None].expand(n, -1), new_caches(model.cfg, n, window),
-                   torch.zeros(n, dtype=torch.long), torch.ones(n, window))  # [n, window, vocab]
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).double(), rows[:, 1:].reshape(-1))
-    assert report.tokens == n * window
+    losses = []
+    for w in (rows, tail):
+        b, t = w.shape[0], w.shape[1] - 1
+        logits = model(w[:, :-1], torch.arange(t)[None].expand(b, -1), new_caches(model.cfg, b, t),
+                       torch.zeros(b, dtype=torch.long), torch.ones(b, t))  # [b, t, vocab]
+        losses.append(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).double(),
+                                                        w[:, 1:].reshape(-1), reduction="sum"))
+    loss = sum(losses) / (len(ids) - 1)
+    assert report.tokens == len(ids) - 1  # every token after the first, the partial last window's too
     assert abs(report.torch_loss - loss.item()) < 1e-5
     assert abs(report.export_loss - loss.item()) < 1e-4
