@@ -191,6 +191,8 @@ def inspect_command(path, as_json):
 
     report = inspect_path(path)
     click.echo(json.dumps(report) if as_json else "\n".join(format_report(report)))
+    if report.get("damage"):  # reported, and the exit status says so, as `check` does
+        raise SystemExit(1)
 
 
 @main.command()

@@ -9,10 +9,10 @@ from pathlib import Path
 
 from . import footprint, kernels
 from .checkpoint import Checkpoint
-from .errors import InputError
+from .errors import ExportLoadError, InputError
 from .export.absorb import AbsorbMode, resolve_absorb
 from .export.quantize import Quantization
-from .manifest import MANIFEST_FILE, read_manifest
+from .manifest import MANIFEST_FILE, check_files, read_manifest
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -31,6 +31,7 @@ def inspect_path(path: str | Path) -> dict:
                   "graphs": {kind: {"inputs": g["inputs"], "outputs": g["outputs"], "op_counts": g.get("op_counts")}
                              for kind, g in manifest["graphs"].items()}}
         report["kernels"] = _kernel_ops(report["graphs"])
+        report["damage"] = _damage(path, manifest)
     elif (path / "config.json").is_file():
         ckpt = Checkpoint(path)
         cfg, dtype, quantization = ckpt.config, "float32", None
@@ -60,6 +61,16 @@ _EXPERTS = {"kernel": "in mla_deploy.RoutedExperts", "moe": "in com.microsoft Mo
             "dense": "dense (every expert on every token)", "branches": "in one If per expert"}  # export.experts
 
 
+def _damage(path: Path, manifest: dict) -> str | None:
+    """What a load would refuse in the export's files (check_files' cheap check: graph hashes, the weights file's
+    size and a sample of its blocks), or None."""
+    try:
+        check_files(path, manifest, "sampled")
+    except ExportLoadError as e:
+        return str(e)
+    return None
+
+
 def _kernel_ops(graphs: dict) -> dict | None:
     """The export's mla-deploy custom ops per graph, and whether this install built the library that runs them."""
     ops = {kind: {op: n for op, n in (g["op_counts"] or {}).items() if op.startswith(f"{kernels.DOMAIN}::")}
@@ -87,7 +98,10 @@ def _size(n: float) -> str:
 
 def format_report(r: dict) -> list[str]:
     m, p = r["model"], r["parameters"]
-    lines = [f"{r['kind']} {r['path']}",
+    lines = [f"{r['kind']} {r['path']}"]
+    if r.get("damage"):
+        lines.append(f"DAMAGED    {r['damage']} (mla-deploy check names every damaged block)")
+    lines += [
              f"model      {m['model_type']}: {m['layers']} layers, hidden {m['hidden_size']}, {m['heads']} heads, latent "
              f"{m['kv_lora_rank']} + rope {m['qk_rope_head_dim']}, {m['routed_experts']} routed experts (top "
              f"{m['experts_per_token']}), vocab {m['vocab_size']}, context {m['max_position_embeddings']}",

@@ -77,3 +77,24 @@ def test_checkpoint_report_in_text(tmp_path):
 def test_neither_export_nor_checkpoint_is_named(tmp_path):
     result = CliRunner().invoke(main, ["inspect", str(tmp_path)])
     assert result.exit_code == 1 and "neither an export" in result.stderr and result.stdout == ""
+
+
+@pytest.mark.parametrize("damage", ["truncated", "graph"])
+def test_a_damaged_export_is_reported_and_exits_1(exported, tmp_path, damage):
+    import shutil
+
+    out = tmp_path / "damaged"
+    shutil.copytree(exported(VARIANT), out)
+    if damage == "truncated":
+        weights = out / "weights.bin"
+        with open(weights, "r+b") as f:
+            f.truncate(weights.stat().st_size - 100)
+    else:
+        with open(out / "decode.onnx", "ab") as f:
+            f.write(b"\0")
+    for args in ([], ["--json"]):
+        result = CliRunner().invoke(main, ["inspect", str(out), *args])
+        assert result.exit_code == 1, result.output
+        problem = "truncated or replaced" if damage == "truncated" else "sha256 differs"
+        assert problem in (json.loads(result.stdout)["damage"] if args else result.stdout)
+    assert CliRunner().invoke(main, ["inspect", str(exported(VARIANT))]).exit_code == 0
