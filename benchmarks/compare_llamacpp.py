@@ -128,8 +128,10 @@ def gguf_files(work: Path, tree: Path, bins: Path, checkpoint: Path) -> dict[str
         (source / "config.json").unlink()
         (source / "config.json").write_text(json.dumps(config))
         if not (source / "tokenizer.json").exists():
+            from mla_deploy.presets import DEMO_CHECKPOINT
+
             for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-                shutil.copyfile(ROOT / "models" / "demo" / name, source / name)
+                shutil.copyfile(DEMO_CHECKPOINT / name, source / name)
         script = work / "convert.py"
         script.write_text(CONVERT.format(tree=str(tree), gguf=str(tree / "gguf-py")))
         run([converter_python(work), script, "convert_hf_to_gguf.py", source, "--outtype", "f32", "--outfile",

@@ -241,7 +241,7 @@ def eval_command(export_dir, text_file, window, checkpoint):
 
 @main.command()
 @click.option("--quick", is_flag=True, help="ctx 128 and 4k, batch 1, four engines: a few minutes.")
-@click.option("--preset", default="v2lite-2L", show_default=True, help="Preset to build and benchmark (models/presets).")
+@click.option("--preset", default="v2lite-2L", show_default=True, help="Preset to build and benchmark (mla_deploy/models/presets).")
 @click.option("--checkpoint", type=click.Path(path_type=Path), default=None, help="Benchmark this checkpoint instead of a preset.")
 @click.option("--contexts", default=None, help="Comma-separated context lengths (default 128,1024,4096,16384).")
 @click.option("--batches", default=None, help="Comma-separated batch sizes (default 1,8).")
@@ -315,7 +315,7 @@ def serve(export_dir, host, port, max_batch, max_queue, prefill_chunk, api_key, 
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--layers", type=int, default=None, help="Keep only the first N decoder layers (a cut of the full model).")
 def preset(name, out, seed, layers):
-    """Write a random-weight checkpoint for preset NAME (models/presets/NAME.json), in its published dtype and shards."""
+    """Write a random-weight checkpoint for preset NAME (mla_deploy/models/presets/NAME.json), in its published dtype and shards."""
     from .presets import build_preset
 
     click.echo(build_preset(name, out, seed, layers))

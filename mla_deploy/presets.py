@@ -1,4 +1,4 @@
-"""Preset configs (data files in models/presets/) and random-weight checkpoints built from them. Torch-free.
+"""Preset configs (data files in mla_deploy/models/presets/) and random-weight checkpoints built from them. Torch-free.
 
 A preset checkpoint is an ordinary HF directory (config.json plus model.safetensors, or shards with a
 model.safetensors.index.json, per-expert keys), so it goes through exactly the loading path of a
@@ -28,7 +28,7 @@ from .errors import ConfigError
 from .progress import progress_bar
 from .safetensors_io import SafetensorsWriter, float32_to_bf16
 
-MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
+MODELS_DIR = Path(__file__).resolve().parent / "models"  # package data: installed with the wheel
 PRESET_DIR = MODELS_DIR / "presets"
 DEMO_CHECKPOINT = MODELS_DIR / "demo"  # the bundled demo model: `export`'s default checkpoint
 SHARD_BYTES = 5 * 1024**3  # transformers' default max_shard_size

@@ -1,7 +1,7 @@
 """Write the demo model's card from measurements: export it, score heldout.txt with `mla-deploy eval`'s code,
 record eval.json, and fill README.md from training.json and eval.json.
 
-    .venv/bin/python scripts/model_card.py models/demo
+    .venv/bin/python scripts/model_card.py mla_deploy/models/demo
 """
 
 from __future__ import annotations
@@ -48,14 +48,14 @@ checkpoint in the DeepseekV3 layout and loads through exactly the code path of a
 
 Reproduce the held-out figure on an export:
 
-    mla-deploy export models/demo -o out/demo
-    mla-deploy eval out/demo --text models/demo/heldout.txt
+    mla-deploy export mla_deploy/models/demo -o out/demo
+    mla-deploy eval out/demo --text mla_deploy/models/demo/heldout.txt
 
 Retrain from scratch (same seed, same files, same numbers up to floating-point reduction order):
 
-    .venv/bin/python scripts/train_demo.py --out models/demo
+    .venv/bin/python scripts/train_demo.py --out mla_deploy/models/demo
 """)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "models/demo")
+    main(sys.argv[1] if len(sys.argv) > 1 else "mla_deploy/models/demo")

@@ -1,6 +1,6 @@
 """Train the bundled demo model: a small DeepseekV3-layout MLA model on the Python standard library's source.
 
-    .venv/bin/python scripts/train_demo.py --out models/demo        # about 20 minutes on 2 cores
+    .venv/bin/python scripts/train_demo.py --out mla_deploy/models/demo        # about 20 minutes on 2 cores
 
 Reproducible from --seed: the file list is sorted, the held-out split is by file, batches come from
 one seeded generator, and torch runs deterministic CPU kernels. The model is transformers' own
@@ -102,7 +102,7 @@ def balance_router_bias(model, counts: dict, rate: float) -> None:
 
 def main(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("--out", type=Path, default=Path("models/demo"))
+    p.add_argument("--out", type=Path, default=Path("mla_deploy/models/demo"))
     p.add_argument("--steps", type=int, default=1200)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=16)
