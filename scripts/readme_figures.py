@@ -1,0 +1,141 @@
+"""The figures README.md states, rendered from benchmarks/results/*.json: the README never carries a hand-copied figure.
+
+    .venv/bin/python scripts/readme_figures.py            # print the rendered blocks
+    .venv/bin/python scripts/readme_figures.py --write    # write them into README.md
+    .venv/bin/python scripts/readme_figures.py --check    # exit 1 (with a diff) where README.md differs
+
+A rendered block sits between `<!-- figures: NAME ... -->` and `<!-- /figures -->`; everything between the two
+markers belongs to this script (tests/test_docs.py fails when README.md differs from what it renders).
+
+Blocks:
+- `llamacpp-summary`: ours / llama.cpp tokens/s per precision pair (prefill 512, decode at contexts 128 / 4096 /
+  16384, batch 8), from `benchmarks/results/llamacpp*.json` as `benchmarks/compare_llamacpp.py` writes them. Each
+  precision comes from the latest file holding it (by its date; on the same date the file with fewer pairs wins: a
+  `--pairs` run re-measures a subset after the full one), with that file's date and machine.
+
+A result file's date is its "date" field; a file without one is dated by git: today where the working tree changes
+it (a measurement about to be committed), else the day of the last commit that changed it. A shallow clone cannot
+date it and is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import difflib
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+README = ROOT / "README.md"
+
+SUMMARY_ORDER = ("int8", "int4", "int4-head4", "float16")  # mla-deploy's names of the precisions, as in the JSON
+COLUMNS = (("prefill_512", "prefill 512"), ("decode_128", "decode, ctx 128"), ("decode_4096", "ctx 4096"),
+           ("decode_16384", "ctx 16384"), ("batch8_128", "batch 8, ctx 128"))
+LABELS = {"int4-head4": "int4 `--head-bits 4`"}
+BLOCK = re.compile(r"(<!-- figures: (?P<name>[\w-]+)[^>]*-->\n)(?P<body>.*?)(<!-- /figures -->)", re.S)
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def measured_on(path: Path, data: dict) -> str:
+    """The date (YYYY-MM-DD) the figures in `path` were measured: its "date" field, else git's record of the file."""
+    if data.get("date"):
+        return str(data["date"])
+    rel = str(path.relative_to(ROOT))
+    if _git("status", "--porcelain", "--", rel):  # changed in the working tree: measured just now
+        return datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    if _git("rev-parse", "--is-shallow-repository") == "true":
+        raise SystemExit(f"{rel}: no \"date\" field, and a shallow clone cannot date it from git history")
+    day = _git("log", "-1", "--format=%cs", "--", rel)
+    if not day:
+        raise SystemExit(f"{rel}: no \"date\" field and no commit to date it by")
+    return day
+
+
+def machine(data: dict) -> str:
+    """The machine a llama.cpp comparison ran on, as the file records it."""
+    return f"{data.get('cpu', 'CPU not recorded')}, {data.get('threads', '?')} threads"
+
+
+def llamacpp_pairs(results: Path = RESULTS) -> dict[str, dict]:
+    """{our precision: its latest pair, with 'date', 'machine' and 'source' added}."""
+    best: dict[str, tuple] = {}
+    for path in sorted(results.glob("llamacpp*.json")):
+        data = json.loads(path.read_text())
+        day = measured_on(path, data)
+        for pair in data["pairs"]:
+            key = (day, -len(data["pairs"]))
+            if pair["mla_deploy"] not in best or key > best[pair["mla_deploy"]][0]:
+                best[pair["mla_deploy"]] = (key, {**pair, "date": day, "machine": machine(data), "source": path.name})
+    return {name: entry for name, (_, entry) in best.items()}
+
+
+def _tokens_per_s(value: float) -> str:
+    return f"{value:.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def _ratio(ours: float, theirs: float) -> str:
+    ratio = ours / theirs
+    text = f"{ratio:.2f}x ({_tokens_per_s(ours)} / {_tokens_per_s(theirs)})"
+    return f"**{text}**" if ratio < 1 else text  # bold where llama.cpp is faster
+
+
+def llamacpp_summary(results: Path = RESULTS) -> str:
+    pairs = llamacpp_pairs(results)
+    missing = [name for name in SUMMARY_ORDER if name not in pairs]
+    if missing:
+        raise SystemExit(f"benchmarks/results/llamacpp*.json: no measurement of {', '.join(missing)}")
+    head = ["mla-deploy vs llama.cpp", *(title for _, title in COLUMNS), "measured"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in SUMMARY_ORDER:
+        pair = pairs[name]
+        cells = [f"{LABELS.get(name, name)} vs {pair['llama.cpp']}"]
+        cells += [_ratio(pair["ours"][key], pair["theirs"][key]) for key, _ in COLUMNS]
+        cells.append(f"{pair['date']}, {pair['machine']} (`{pair['source']}`)")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+RENDERERS = {"llamacpp-summary": llamacpp_summary}
+
+
+def render(text: str, results: Path = RESULTS) -> str:
+    """`text` with every figures block re-rendered; an unknown block name is an error."""
+    def block(match: re.Match) -> str:
+        name = match["name"]
+        if name not in RENDERERS:
+            raise SystemExit(f"unknown figures block {name!r} (known: {', '.join(RENDERERS)})")
+        return match[1] + RENDERERS[name](results) + match[4]
+
+    return BLOCK.sub(block, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true", help="write the rendered blocks into README.md")
+    mode.add_argument("--check", action="store_true", help="exit 1 where README.md differs from the rendering")
+    args = parser.parse_args(argv)
+    text = README.read_text()
+    rendered = render(text)
+    if args.write:
+        README.write_text(rendered)
+    elif args.check:
+        diff = list(difflib.unified_diff(text.splitlines(True), rendered.splitlines(True), "README.md", "rendered"))
+        sys.stdout.writelines(diff)
+        return 1 if diff else 0
+    else:
+        for name, renderer in RENDERERS.items():
+            print(f"<!-- figures: {name} -->\n{renderer()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
