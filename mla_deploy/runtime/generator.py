@@ -193,10 +193,12 @@ class Generator:
         return d.logits[:, 0]
 
 
-def check_prompts(prompts, max_new_tokens: int, vocab: int, limit: int) -> list[list[int]]:
-    """Token-id rows, each checked: non-empty, integer, in the vocabulary, within the export's length."""
-    if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-        raise InputError(f"max_new_tokens={max_new_tokens!r}: must be a positive integer")
+def check_prompts(prompts, max_new_tokens: int, vocab: int, limit: int, least: int = 1) -> list[list[int]]:
+    """Token-id rows, each checked: non-empty, integer, in the vocabulary, within the export's length. `least`: the
+    fewest new tokens allowed (the scheduler's 0: a request that only scores its prompt)."""
+    if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens < least:
+        raise InputError(f"max_new_tokens={max_new_tokens!r}: must be an integer >= {least}"
+                         if least != 1 else f"max_new_tokens={max_new_tokens!r}: must be a positive integer")
     if isinstance(prompts, np.ndarray):
         prompts = prompts.tolist() if prompts.ndim == 2 else [prompts.tolist()]
     if not isinstance(prompts, (list, tuple)) or not prompts:
