@@ -85,10 +85,12 @@ class Generator:
         generated: list[list[int]] = [[] for _ in range(b)]
         finished = np.zeros(b, bool)
         reasons = ["length"] * b
+        vocab = self.model.config.vocab_size
+        counts = [np.zeros(vocab, np.int32) for _ in range(b)] if self.sampling.counts_tokens else None
         try:
             logits = self.prefill(state, rows)
             for step in range(max_new_tokens):
-                tokens = sample(logits, self.sampling, state.rng, state.history)
+                tokens = sample(logits, self.sampling, state.rng, state.history, counts)
                 out: list[int | None] = []
                 for r in range(b):
                     if finished[r]:
@@ -97,6 +99,8 @@ class Generator:
                     token = int(tokens[r])
                     generated[r].append(token)
                     state.history[r] = np.append(state.history[r], token)
+                    if counts is not None:
+                        counts[r][token] += 1
                     out.append(token)
                     if token in self.stop_token_ids:
                         finished[r], reasons[r] = True, "stop"
