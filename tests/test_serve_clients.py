@@ -271,3 +271,14 @@ def test_concurrent_clients_mixing_the_options_equal_each_request_alone(server):
         if kw.get("logprobs"):
             assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(  # batched decode rounds differently
                 reply.choices[0].logprobs.token_logprobs[1:], expected.choices[0].logprobs.token_logprobs[1:]))
+
+
+def test_run_calls_text_that_is_not_utf8_a_usage_error(tmp_path):
+    """Bytes that are not UTF-8 on a command line reach Python as lone surrogates: `run` names the problem as a usage
+    error (exit 2) before loading anything, not an internal error."""
+    from click.testing import CliRunner
+
+    from mla_deploy.cli import main
+
+    result = CliRunner().invoke(main, ["run", str(tmp_path), "--prompt", "caf\udce9"])
+    assert result.exit_code == 2 and "not valid UTF-8" in result.output and "internal error" not in result.output

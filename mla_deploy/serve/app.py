@@ -330,7 +330,7 @@ async def _sse(service: Service, req: GenerationRequest, rid: str, runs: list[Ru
 
     async def pump(run: Run) -> None:
         index = run.prompt_index * req.n + run.candidate
-        pieces, sent = service.pieces(req, run), 0
+        pieces = service.pieces(req, run)
         try:
             if req.kind == "chat":
                 await queue.put(protocol.chunk(req, rid, index, "", first=True))
@@ -338,9 +338,10 @@ async def _sse(service: Service, req: GenerationRequest, rid: str, runs: list[Ru
                 logprobs = service.logprobs(req, piece.tokens) if piece.tokens else None
                 if piece.text or logprobs or piece.finish_reason:
                     await queue.put(protocol.chunk(req, rid, index, piece.text, piece.finish_reason, logprobs))
-                sent += len(piece.text)
                 if piece.finish_reason is not None:
                     await queue.put(piece)
+        except Exception as e:  # the engine failed: end the whole stream with it, not hang the other choices
+            await queue.put(e)
         finally:
             await pieces.aclose()
 
@@ -350,6 +351,8 @@ async def _sse(service: Service, req: GenerationRequest, rid: str, runs: list[Ru
     try:
         while finished < len(runs):
             item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
             if isinstance(item, Piece):
                 finished += 1
                 completion_tokens += item.completion_tokens
