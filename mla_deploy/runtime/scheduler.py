@@ -4,9 +4,9 @@ The scheduler owns `max_batch` cache rows (one CacheBuffers of [max_batch, capac
 and the two sessions. Each `step()`:
   1. drops cancelled requests (a client gone frees its row here, within one step);
   2. admits queued requests into free rows (lowest row first, so the occupied rows stay a prefix);
-  3. prefills admitted prompts chunk by chunk, at most `prefill_chunk` tokens per step (a chunk already
-     begun finishes), so a long prompt is spread over several steps while the running streams keep
-     decoding between them;
+  3. prefills admitted prompts chunk by chunk, chunks starting while fewer than `prefill_chunk` tokens were
+     prefilled this step (so about one chunk's worth a step), so a long prompt is spread over several steps
+     while the running streams keep decoding between them;
      every chunk is a batch-1 prefill into that row's slice of the cache, `prefill_chunk` tokens from
      a fixed boundary, so a prompt's numbers do not depend on what else is running;
   4. decodes one token for every running row in one decode call over rows [0, hi), where hi is one past
