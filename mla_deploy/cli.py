@@ -131,7 +131,8 @@ def export(checkpoint, out, absorb, dtype, max_seq_len, no_verify, steps, quanti
 
 @main.command()
 @click.argument("export_dir", type=click.Path(path_type=Path))
-@click.option("--prompt", default=None, help="Prompt text (needs the export's tokenizer).")
+@click.option("--prompt", default=None, callback=lambda ctx, param, value: _utf8(value),
+              help="Prompt text (needs the export's tokenizer).")
 @click.option("--prompt-ids", default=None, help="Prompt as comma-separated token ids, e.g. 1,2,3.")
 @click.option("-n", "--max-new-tokens", type=int, default=64, show_default=True)
 @click.option("--temperature", type=float, default=None, help="0 is greedy. Default for this and the next three: the "
@@ -328,6 +329,19 @@ def _parse_ints(text, flag):
         return tuple(int(t) for t in text.split(",") if t)
     except ValueError:
         raise MLADeployError(f"{flag} {text!r}: expected comma-separated integers") from None
+
+
+def _utf8(text: str | None) -> str | None:
+    """A usage error for bytes that are not UTF-8 (Python hands them over as lone surrogates): no tokenizer reads them."""
+    from .errors import InputError
+    from .runtime.text import check_utf8
+
+    if text is not None:
+        try:
+            check_utf8(text, "the text")
+        except InputError as e:
+            raise click.BadParameter(str(e)) from None
+    return text
 
 
 def _parse_ids(text: str) -> list[int]:

@@ -51,7 +51,8 @@ def read_json(path, error: type[MLADeployError], what: str):
 # Optional dependencies by top-level module: the extra that installs each (pyproject.toml).
 EXTRAS = {"torch": "export", "onnx": "export", "onnxscript": "export", "onnx_ir": "export", "tqdm": "export",
           "psutil": "bench", "matplotlib": "bench", "transformers": "bench",
-          "fastapi": "serve", "uvicorn": "serve", "starlette": "serve", "jinja2": "serve", "ray": "ray"}
+          "fastapi": "serve", "uvicorn": "serve", "starlette": "serve", "jinja2": "serve", "llguidance": "serve",
+          "ray": "ray"}
 
 
 def missing_extra(module: str | None) -> str | None:

@@ -13,6 +13,7 @@ from transformers import (RepetitionPenaltyLogitsProcessor, TemperatureLogitsWar
                           TopPLogitsWarper)
 
 from mla_deploy import io_spec
+from mla_deploy.errors import InputError
 from mla_deploy.runtime import ExportedModel, Generator, SamplingParams
 from mla_deploy.runtime.feeds import prefill_feed
 from mla_deploy.runtime.sampling import (NUCLEUS_MAX_CANDIDATES, NUCLEUS_RATIOS, apply_repetition_penalty,
@@ -268,3 +269,79 @@ def test_rows_with_their_own_generators_draw_as_each_alone():
     for _ in range(50):
         tokens = sample(logits, params, together, [HISTORY] * 3)
         assert tokens.tolist() == [sample(LOGITS[None], params, g, [HISTORY]).item() for g in alone]
+
+
+def openai_penalised_logits(logits: np.ndarray, generated: list[int], presence: float, frequency: float,
+                            bias: dict[int, float]) -> np.ndarray:
+    """OpenAI's definition, token by token: mu[j] - c[j] * frequency_penalty - (c[j] > 0) * presence_penalty, c[j]
+    the times token j was generated so far, then logit_bias added."""
+    mu = logits.astype(np.float64).copy()
+    for j in range(len(mu)):
+        c = generated.count(j)
+        mu[j] = mu[j] - c * frequency - (1.0 if c > 0 else 0.0) * presence
+    for token, value in bias.items():
+        mu[token] += value
+    return mu
+
+
+GENERATED = [1, 1, 1, 3, 9, 9, 0]  # token 1 three times, 9 twice, 0 and 3 once: counts matter, not just presence
+
+
+def counts_of(generated: list[int], vocab: int) -> np.ndarray:
+    return np.bincount(np.array(generated, np.int64), minlength=vocab).astype(np.int32)
+
+
+PENALTY_CASES = {
+    "presence 1.5": SamplingParams(temperature=1.0, presence_penalty=1.5, seed=21),
+    "frequency 0.8": SamplingParams(temperature=1.0, frequency_penalty=0.8, seed=22),
+    "both negative": SamplingParams(temperature=1.0, presence_penalty=-0.7, frequency_penalty=-0.4, seed=23),
+    "bias": SamplingParams(temperature=1.0, logit_bias=((2, -3.0), (7, 2.5), (10, 100.0)), seed=24),
+    "all, top-p": SamplingParams(temperature=0.8, top_p=0.9, presence_penalty=0.6, frequency_penalty=0.5,
+                                 logit_bias=((4, 1.5),), seed=25),
+}
+
+
+@pytest.mark.parametrize("params", PENALTY_CASES.values(), ids=PENALTY_CASES.keys())
+def test_presence_frequency_and_bias_match_openais_definition(params):
+    counts = counts_of(GENERATED, len(LOGITS))
+    mu = openai_penalised_logits(LOGITS, GENERATED, params.presence_penalty, params.frequency_penalty,
+                                 dict(params.logit_bias))
+    rng = np.random.default_rng(params.seed)
+    tokens = sample(np.tile(LOGITS, (DRAWS, 1)), params, rng, [HISTORY] * DRAWS, [counts] * DRAWS)
+    reference = reference_probs(mu.astype(np.float32), np.array([], np.int64),
+                                SamplingParams(temperature=params.temperature, top_p=params.top_p))
+    assert_same_distribution(tokens, reference)
+
+
+def test_penalties_shift_the_logits_by_exactly_the_formula():
+    from mla_deploy.runtime.sampling import apply_logit_bias, apply_presence_frequency
+
+    counts = counts_of(GENERATED, len(LOGITS))
+    got = apply_logit_bias(apply_presence_frequency(LOGITS[None].astype(np.float64), [counts], 0.3, 1.1),
+                           ((5, -2.0), (11, 4.0)))
+    assert np.allclose(got[0], openai_penalised_logits(LOGITS, GENERATED, 0.3, 1.1, {5: -2.0, 11: 4.0}),
+                       rtol=0, atol=1e-12)
+    assert got[0, 1] == pytest.approx(LOGITS[1] - 3 * 1.1 - 0.3)  # three times generated: three frequency steps
+
+
+def test_greedy_takes_the_argmax_after_penalties_bias_and_mask():
+    counts = counts_of([0, 0], len(LOGITS))
+    params = SamplingParams(frequency_penalty=0.15)  # token 0 (2.0) loses 0.3: 1.7 still above token 1 (1.6)
+    assert sample(LOGITS[None], params, np.random.default_rng(0), [HISTORY], [counts]).tolist() == [0]
+    params = SamplingParams(frequency_penalty=0.3)  # 2.0 - 0.6 = 1.4 < 1.6
+    assert sample(LOGITS[None], params, np.random.default_rng(0), [HISTORY], [counts]).tolist() == [1]
+    params = SamplingParams(logit_bias=((7, 5.0),))
+    assert sample(LOGITS[None], params, np.random.default_rng(0), [HISTORY]).tolist() == [7]
+    allowed = np.zeros((1, len(LOGITS)), bool)
+    allowed[0, [5, 6]] = True
+    assert sample(LOGITS[None], SamplingParams(), np.random.default_rng(0), [HISTORY], allowed=allowed).tolist() == [5]
+    drawn = {int(sample(LOGITS[None], SamplingParams(temperature=2.0), np.random.default_rng(s), [HISTORY],
+                        allowed=allowed)[0]) for s in range(200)}
+    assert drawn == {5, 6}
+
+
+@pytest.mark.parametrize("field, value", [("presence_penalty", 2.5), ("frequency_penalty", float("nan")),
+                                          ("logit_bias", ((3, 101.0),)), ("logit_bias", ((-1, 1.0),))])
+def test_penalty_and_bias_bounds_are_checked(field, value):
+    with pytest.raises(InputError, match=field):
+        SamplingParams(**{field: value}).validate()

@@ -7,6 +7,7 @@ import pytest
 
 from mla_deploy.errors import InputError
 from mla_deploy.presets import DEMO_CHECKPOINT
+from mla_deploy.presets import DEMO_CHECKPOINT
 from mla_deploy.runtime import ExportedModel, Generator, SamplingParams
 from mla_deploy.runtime.cache import BLOCK
 from mla_deploy.runtime.engine import Engine
@@ -47,7 +48,7 @@ class Collect:
         self.events.append(event)
         if isinstance(event, TokenEvent):
             self.tokens.append(event.token)
-        else:
+        elif isinstance(event, Finished):
             assert self.finished is None, "Finished emitted twice"
             self.finished = event
 
@@ -258,3 +259,96 @@ def test_an_engine_outlives_the_event_loops_of_its_callers(model):
         assert engine.error is None
     finally:
         engine.close()
+
+
+def last_logits(model, ids):
+    """The export's next-token logits after `ids`, by one full prefill (no cache reuse): an independent path."""
+    from mla_deploy import io_spec
+    from mla_deploy.runtime.feeds import prefill_feed
+
+    return model.run(io_spec.PREFILL, prefill_feed(model.config, np.array([ids])))[io_spec.LOGITS][0, -1]
+
+
+def test_prompt_logprobs_equal_the_exports_scoring_across_chunks(model):
+    """A request for its prompt's logprobs (0 new tokens) gets, for every position after the first, the same
+    log-likelihood `mla-deploy eval` computes (runtime.scoring over one window), though prefilled in 7-token chunks;
+    the top-k is the k likeliest, the actual token's logprob among them where it is one of them."""
+    from mla_deploy.runtime.scheduler import PromptLogprobs
+    from mla_deploy.runtime.scoring import export_scores, windows
+
+    p = prompts(1, seed=7, lo=30, hi=31)[0]
+    nll, _ = export_scores(model, windows(p, len(p) - 1))
+    scheduler = Scheduler(model, max_batch=2, prefill_chunk=7)
+    out = Collect()
+    scheduler.add(Request(p, 0, out, prompt_logprobs=3))
+    drain(scheduler)
+    (scored,) = [e for e in out.events if isinstance(e, PromptLogprobs)]
+    assert out.tokens == [] and out.finished == Finished("length", len(p), 0)
+    assert len(scored.entries) == len(p) - 1
+    assert np.allclose([lp for lp, _ in scored.entries], -nll[0], atol=1e-4)
+    for (lp, top), token in zip(scored.entries, p[1:]):
+        assert len(top) == 3 and [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+        assert lp <= top[0][1] and (token not in dict(top) or dict(top)[token] == lp)
+
+
+def test_presence_and_frequency_penalties_follow_openais_formula_step_by_step(model):
+    """Greedy with both penalties: each token is the argmax of the export's logits (one full prefill of everything so
+    far) minus OpenAI's penalties over the tokens generated so far (not the prompt), plus the logit_bias."""
+    p = [5, 6, 7, 8, 9]
+    params = SamplingParams(presence_penalty=1.2, frequency_penalty=0.9, logit_bias=((13, 3.0),))
+    scheduler = Scheduler(model, max_batch=2)
+    penalised = submit(scheduler, p, 14, params)[1]
+    plain = submit(scheduler, p, 14)[1]
+    drain(scheduler)
+    generated = []
+    for _ in range(14):
+        mu = last_logits(model, p + generated).astype(np.float64)
+        counts = np.bincount(generated, minlength=len(mu)) if generated else np.zeros(len(mu))
+        mu = mu - counts * 0.9 - (counts > 0) * 1.2
+        mu[13] += 3.0
+        generated.append(int(mu.argmax()))
+    assert penalised.tokens == generated and penalised.tokens != plain.tokens
+    alone = Generator(model, params, stop_token_ids=()).generate([p], 14).token_ids[0]
+    assert alone == generated  # the Generator applies them the same way
+
+
+def test_each_choice_of_a_seed_draws_its_own_stream(model):
+    sampled = SamplingParams(temperature=1.0, seed=3)
+    scheduler = Scheduler(model, max_batch=3)
+    outs = []
+    for choice in (0, 1, 1):
+        out = Collect()
+        scheduler.add(Request([5, 6, 7], 12, out, sampled, choice=choice))
+        outs.append(out)
+    drain(scheduler)
+    assert outs[0].tokens == Generator(model, sampled, stop_token_ids=()).generate([[5, 6, 7]], 12).token_ids[0]
+    assert outs[1].tokens == outs[2].tokens != outs[0].tokens
+
+
+def test_a_grammar_masks_its_row_in_a_mixed_batch(model):
+    """Rows with JSON schemas (greedy and sampled) beside a plain row, in one batch: every constrained row finishes
+    ("stop") when its document is complete, and the text parses and validates; the plain row is what it is alone."""
+    import json
+
+    jsonschema = pytest.importorskip("jsonschema")
+    from mla_deploy.runtime.grammar import Grammars
+    from mla_deploy.runtime.text import Tokenizer
+
+    tokenizer = Tokenizer(DEMO_CHECKPOINT / "tokenizer.json")
+    grammars = Grammars(tokenizer.path, model.config.vocab_size, [2])
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "ok": {"type": "boolean"}, "tag": {"enum": ["a", "b"]}},
+              "required": ["n", "ok", "tag"], "additionalProperties": False}
+    p = tokenizer.encode("config = ")
+    scheduler = Scheduler(model, max_batch=4)
+    constrained = []
+    for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=1.0, seed=2)):
+        out = Collect()
+        scheduler.add(Request(p, 60, out, params, frozenset({2}), constraint=grammars.json_schema(schema)))
+        constrained.append(out)
+    plain = submit(scheduler, p, 20)[1]
+    drain(scheduler)
+    for out in constrained:
+        assert out.finished.reason == "stop"
+        jsonschema.validate(json.loads(tokenizer.decode(out.tokens)), schema)
+    assert plain.tokens == Generator(model, SamplingParams(), stop_token_ids=()).generate([p], 20).token_ids[0]

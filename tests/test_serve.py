@@ -220,12 +220,28 @@ BAD_REQUESTS = [
     ("no prompt", {"model": MODEL}, 400, "prompt"),
     ("prompt of wrong type", {"model": MODEL, "prompt": 5}, 400, "prompt"),
     ("max_tokens a string", {"model": MODEL, "prompt": "x", "max_tokens": "10"}, 400, "max_tokens"),
-    ("max_tokens zero", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens zero without echo", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("too long", {"model": MODEL, "prompt": "x", "max_tokens": 5000}, 400, "max_tokens"),
     ("temperature negative", {"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
     ("top_p zero", {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
     ("top_k a float", {"model": MODEL, "prompt": "x", "top_k": 2.5}, 400, "top_k"),
-    ("n = 2", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+    ("n = 0", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
+    ("n past 128", {"model": MODEL, "prompt": "x", "n": 129}, 400, "n"),
+    ("best_of below n", {"model": MODEL, "prompt": "x", "n": 3, "best_of": 2}, 400, "best_of"),
+    ("best_of streamed", {"model": MODEL, "prompt": "x", "best_of": 2, "stream": True}, 400, "best_of"),
+    ("suffix", {"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ("tools", {"model": MODEL, "prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("presence_penalty past 2", {"model": MODEL, "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("logit_bias key", {"model": MODEL, "prompt": "x", "logit_bias": {"a": 1}}, 400, "logit_bias"),
+    ("logit_bias value", {"model": MODEL, "prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias[5]"),
+    ("logit_bias id", {"model": MODEL, "prompt": "x", "logit_bias": {"4096": 1}}, 400, "logit_bias"),
+    ("response_format type", {"model": MODEL, "prompt": "x", "response_format": {"type": "xml"}}, 400,
+     "response_format"),
+    ("response_format schema", {"model": MODEL, "prompt": "x", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "strin"}}}}, 400, "response_format"),
+    ("lone surrogate", b'{"model": "demo", "prompt": "a\\ud800b"}', 400, "prompt"),
+    ("lone surrogate in a list", b'{"model": "demo", "prompt": ["ok", "\\udfff"]}', 400, "prompt"),
+    ("an empty prompt in a list", {"model": MODEL, "prompt": ["x", ""]}, 400, "prompt"),
     ("stop of wrong type", {"model": MODEL, "prompt": "x", "stop": [{}]}, 400, "stop"),
     ("token id outside vocabulary", {"model": MODEL, "prompt": [1, 99999]}, 400, "prompt"),
     ("stream not a bool", {"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream"),
@@ -243,6 +259,14 @@ def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving(serve
         assert error["message"] and error["type"] and error["param"] == param, name
     chat = httpx.post(base + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "robot", "content": "x"}]})
     assert chat.status_code == 400 and "role" in chat.json()["error"]["message"]
+    for field, value in (("top_logprobs", 2), ("tool_choice", "auto")):
+        chat = httpx.post(base + "/v1/chat/completions",
+                          json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], field: value})
+        assert chat.status_code == 400 and chat.json()["error"]["param"] == field, field
+    surrogate = httpx.post(base + "/v1/chat/completions", headers={"content-type": "application/json"},
+                           content=b'{"model": "demo", "messages": [{"role": "user", "content": "\\ud800"}]}')
+    assert surrogate.status_code == 400 and "lone surrogate" in surrogate.json()["error"]["message"]
+    assert surrogate.json()["error"]["param"] == "messages"
     huge = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "x" * 100_000})
     assert huge.status_code == 413 and "exceeds the limit" in huge.json()["error"]["message"]
     route = httpx.get(base + "/v1/nothing")
@@ -289,6 +313,7 @@ def test_tokens_that_arrive_together_leave_as_one_chunk(server):
     """A stream whose event loop fell behind gets every waiting token in one piece (one SSE chunk), text and
     logprob tokens complete and in order; a stop string inside a batch still cuts there."""
     from mla_deploy.runtime.scheduler import Finished, TokenEvent
+    from mla_deploy.serve.app import Run
     from mla_deploy.serve.protocol import GenerationRequest
 
     service = server[1]
@@ -300,13 +325,15 @@ def test_tokens_that_arrive_together_leave_as_one_chunk(server):
                 yield batch
 
         async def collect():
-            return [p async for p in service.pieces(GenerationRequest("completion", MODEL, stop=stop), source(), 3)]
+            req = GenerationRequest("completion", MODEL, stop=stop)
+            return [p async for p in service.pieces(req, Run(0, 0, [1], source()))]
         return asyncio.run(collect())
 
     events = [TokenEvent(t) for t in ids]
     pieces = run([], [events[:3], events[3:] + [Finished("length", 3, len(ids))]])
     assert len(pieces) == 2 and pieces[-1].finish_reason == "length"
     assert "".join(p.text for p in pieces) == service.tokenizer.decode(ids)
-    assert [e.token for p in pieces for e in p.tokens] == ids
+    assert [o.event.token for p in pieces for o in p.tokens] == ids
     cut = run(["return"], [events])
     assert len(cut) == 1 and cut[0].finish_reason == "stop" and cut[0].text == "def add(a, b):\n    "
+    assert "".join(o.text for o in cut[0].tokens) == cut[0].text

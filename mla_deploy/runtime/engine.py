@@ -17,11 +17,11 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
-from .scheduler import Finished, QueueFull, Request, Scheduler, TokenEvent
+from .scheduler import Finished, PromptLogprobs, QueueFull, Request, Scheduler, TokenEvent
 from .sampling import SamplingParams
 from .session import ExportedModel
 
-__all__ = ["Engine", "EngineStats", "Finished", "Histogram", "QueueFull", "TokenEvent"]
+__all__ = ["Engine", "EngineStats", "Finished", "Histogram", "PromptLogprobs", "QueueFull", "TokenEvent"]
 
 
 class Histogram:
@@ -52,10 +52,9 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, model: ExportedModel, max_batch: int = 16, max_queue: int = 256, prefill_chunk: int = 256,
-                 prefill_budget: int | None = None):
+    def __init__(self, model: ExportedModel, max_batch: int = 16, max_queue: int = 256, prefill_chunk: int = 256):
         self.model = model
-        self.scheduler = Scheduler(model, max_batch, max_queue, prefill_chunk, prefill_budget)
+        self.scheduler = Scheduler(model, max_batch, max_queue, prefill_chunk)
         self.stats = EngineStats()
         self._lock = threading.Condition()
         self._inbox: list[Request] = []
@@ -67,38 +66,55 @@ class Engine:
 
     # ---- public ----
     def submit(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams | None = None,
-               stop_token_ids: Sequence[int] | None = None, logprobs: int = 0) -> AsyncIterator[TokenEvent | Finished]:
+               stop_token_ids: Sequence[int] | None = None, **options) -> AsyncIterator[TokenEvent | Finished]:
         """Queue a request; raises InputError (bad prompt or parameters) or QueueFull before anything runs.
-        sampling and stop_token_ids default to the export's generation_config.json (model.generation).
-        Must be called from the event loop that consumes the returned iterator."""
-        return _flatten(self.submit_batches(prompt_ids, max_new_tokens, sampling, stop_token_ids, logprobs))
+        sampling and stop_token_ids default to the export's generation_config.json (model.generation); `options`
+        are Request's (logprobs, prompt_logprobs, constraint, choice). Must be called from the event loop that
+        consumes the returned iterator."""
+        return _flatten(self.submit_batches(prompt_ids, max_new_tokens, sampling, stop_token_ids, **options))
 
     def submit_batches(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams | None = None,
                        stop_token_ids: Sequence[int] | None = None,
-                       logprobs: int = 0) -> AsyncIterator[list[TokenEvent | Finished]]:
+                       **options) -> AsyncIterator[list[TokenEvent | Finished]]:
         """`submit`, but each item is every event that has arrived since the consumer last asked: one token per step
         while it keeps up, several when it falls behind (a server then writes them as one chunk, so a loaded event
         loop does less work per token instead of falling further behind)."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
+        return self.submit_all([self.request(prompt_ids, max_new_tokens, sampling, stop_token_ids, **options)])[0]
+
+    def request(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams | None = None,
+                stop_token_ids: Sequence[int] | None = None, **options) -> Request:
+        """A checked Request (InputError naming what is wrong), the export's defaults filled in, for submit_all."""
         sampling = self.model.generation.sampling if sampling is None else sampling
         stops = self.model.stop_token_ids if stop_token_ids is None else stop_token_ids
-        def emit(event) -> None:  # runs on the scheduler thread: collected, handed over once per phase (_hand_over)
-            self._outbox.setdefault(loop, []).append((request, queue, event))
+        request = Request(list(prompt_ids), max_new_tokens, _unsent, sampling,
+                          frozenset(int(t) for t in stops), **options)
+        self.scheduler.check_request(request)
+        return request
 
-        request = Request(list(prompt_ids), max_new_tokens, emit, sampling.validate(),
-                          frozenset(int(t) for t in stops), logprobs)
-        request.prompt_ids = self.scheduler.check(request.prompt_ids, max_new_tokens)
+    def submit_all(self, requests: Sequence[Request]) -> list[AsyncIterator[list[TokenEvent | Finished]]]:
+        """Queue several requests at once (one HTTP request's prompts and choices): the scheduler takes them in the
+        same step, so they prefill and decode together; all are queued or, past max_queue, none (QueueFull)."""
+        loop = asyncio.get_running_loop()
+        queues = []
+        for request in requests:
+            queue: asyncio.Queue = asyncio.Queue()
+            request.emit = self._emitter(loop, request, queue)
+            queues.append(queue)
         with self._lock:
             if self.error is not None or self._closed:
                 raise RuntimeError("the engine is stopped" + (f" ({self.error!r})" if self.error else ""))
-            if len(self._inbox) + len(self.scheduler.waiting) >= self.scheduler.max_queue:
-                self.stats.rejected += 1
+            if len(self._inbox) + len(self.scheduler.waiting) + len(requests) > self.scheduler.max_queue:
+                self.stats.rejected += len(requests)
                 raise QueueFull(f"{self.queue_depth} requests are waiting (max_queue {self.scheduler.max_queue})")
-            self._inbox.append(request)
-            self.stats.requests += 1
+            self._inbox.extend(requests)
+            self.stats.requests += len(requests)
             self._lock.notify()
-        return self._batches(request, queue)
+        return [self._batches(r, q) for r, q in zip(requests, queues)]
+
+    def _emitter(self, loop, request: Request, queue: asyncio.Queue):
+        def emit(event) -> None:  # runs on the scheduler thread: collected, handed over once per phase (_hand_over)
+            self._outbox.setdefault(loop, []).append((request, queue, event))
+        return emit
 
     def _hand_over(self) -> None:
         """One call_soon_threadsafe per event loop per phase, not per event: 16 streams wake the loop once a step."""
@@ -132,7 +148,7 @@ class Engine:
                 for event in events:
                     if isinstance(event, _Failed):
                         raise RuntimeError(f"the scheduler failed: {event.error!r}")
-                    if isinstance(event, TokenEvent):
+                    if isinstance(event, TokenEvent):  # (PromptLogprobs is not a token)
                         if last is None:
                             self.stats.ttft.observe(now - request.submitted_at)
                         else:
@@ -169,6 +185,10 @@ class Engine:
             for request in list(scheduler.waiting) + scheduler.running + self._inbox:
                 request.emit(_Failed(e))
             self._hand_over()
+
+
+def _unsent(event) -> None:
+    raise RuntimeError("a Request from Engine.request() runs only through Engine.submit_all()")
 
 
 async def _flatten(batches: AsyncIterator[list]) -> AsyncIterator:

@@ -85,10 +85,12 @@ class Generator:
         generated: list[list[int]] = [[] for _ in range(b)]
         finished = np.zeros(b, bool)
         reasons = ["length"] * b
+        vocab = self.model.config.vocab_size
+        counts = [np.zeros(vocab, np.int32) for _ in range(b)] if self.sampling.counts_tokens else None
         try:
             logits = self.prefill(state, rows)
             for step in range(max_new_tokens):
-                tokens = sample(logits, self.sampling, state.rng, state.history)
+                tokens = sample(logits, self.sampling, state.rng, state.history, counts)
                 out: list[int | None] = []
                 for r in range(b):
                     if finished[r]:
@@ -97,6 +99,8 @@ class Generator:
                     token = int(tokens[r])
                     generated[r].append(token)
                     state.history[r] = np.append(state.history[r], token)
+                    if counts is not None:
+                        counts[r][token] += 1
                     out.append(token)
                     if token in self.stop_token_ids:
                         finished[r], reasons[r] = True, "stop"
@@ -193,10 +197,12 @@ class Generator:
         return d.logits[:, 0]
 
 
-def check_prompts(prompts, max_new_tokens: int, vocab: int, limit: int) -> list[list[int]]:
-    """Token-id rows, each checked: non-empty, integer, in the vocabulary, within the export's length."""
-    if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-        raise InputError(f"max_new_tokens={max_new_tokens!r}: must be a positive integer")
+def check_prompts(prompts, max_new_tokens: int, vocab: int, limit: int, least: int = 1) -> list[list[int]]:
+    """Token-id rows, each checked: non-empty, integer, in the vocabulary, within the export's length. `least`: the
+    fewest new tokens allowed (the scheduler's 0: a request that only scores its prompt)."""
+    if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens < least:
+        raise InputError(f"max_new_tokens={max_new_tokens!r}: must be an integer >= {least}"
+                         if least != 1 else f"max_new_tokens={max_new_tokens!r}: must be a positive integer")
     if isinstance(prompts, np.ndarray):
         prompts = prompts.tolist() if prompts.ndim == 2 else [prompts.tolist()]
     if not isinstance(prompts, (list, tuple)) or not prompts:

@@ -21,6 +21,12 @@ class SamplingParams:
     top_p: float = 1.0  # 1: no nucleus filter
     repetition_penalty: float = 1.0  # 1: off; >1 discourages tokens already in the sequence
     seed: int | None = None
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted once per time a token was generated
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value added to its logit), ids ascending
+
+    PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's bounds on presence_penalty and frequency_penalty
+    BIAS_RANGE = (-100.0, 100.0)  # and on logit_bias values
 
     def validate(self) -> "SamplingParams":
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
@@ -34,11 +40,33 @@ class SamplingParams:
             raise InputError(f"repetition_penalty={self.repetition_penalty!r}: must be a finite number > 0")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise InputError(f"seed={self.seed!r}: must be a non-negative integer")
+        lo, hi = self.PENALTY_RANGE
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and lo <= value <= hi):
+                raise InputError(f"{name}={value!r}: must be a number in [{lo:g}, {hi:g}] (0 is off)")
+        lo, hi = self.BIAS_RANGE
+        for entry in self.logit_bias:
+            token, bias = entry if isinstance(entry, tuple) and len(entry) == 2 else (None, None)
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise InputError(f"logit_bias: {entry!r}: expected (token id >= 0, bias)")
+            if not (isinstance(bias, (int, float)) and not isinstance(bias, bool) and lo <= bias <= hi):
+                raise InputError(f"logit_bias[{token}]={bias!r}: must be a number in [{lo:g}, {hi:g}]")
         return self
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def counts_tokens(self) -> bool:
+        """Whether sampling reads how often each token was generated (presence or frequency penalty)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def plain(self) -> bool:
+        """The logits as the model gives them: no penalty and no bias (greedy is then their argmax)."""
+        return self.repetition_penalty == 1.0 and not self.counts_tokens and not self.logit_bias
 
 
 def apply_repetition_penalty(logits: np.ndarray, history: list[np.ndarray], penalty: float) -> np.ndarray:
@@ -55,11 +83,41 @@ def apply_repetition_penalty(logits: np.ndarray, history: list[np.ndarray], pena
     return logits
 
 
+def apply_presence_frequency(logits: np.ndarray, counts: Sequence[np.ndarray], presence: float,
+                             frequency: float) -> np.ndarray:
+    """OpenAI's rule: logit[j] -= count[j] * frequency + (count[j] > 0) * presence, where count[j] is how often
+    token j was generated so far in this completion (the prompt does not count). counts: per row, [vocab]."""
+    if presence == 0 and frequency == 0:
+        return logits
+    c = np.stack(counts).astype(np.float64)  # [b, vocab]
+    return logits - c * frequency - (c > 0) * presence
+
+
+def apply_logit_bias(logits: np.ndarray, bias: tuple[tuple[int, float], ...]) -> np.ndarray:
+    """OpenAI's logit_bias: each value added to its token's logit before sampling (ids outside the vocabulary are
+    refused when the request is checked)."""
+    if not bias:
+        return logits
+    ids, values = zip(*bias)
+    logits = logits.copy()
+    logits[:, list(ids)] += np.array(values, np.float64)
+    return logits
+
+
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator | Sequence[np.random.Generator],
-           history: list[np.ndarray]) -> np.ndarray:
+           history: list[np.ndarray], counts: Sequence[np.ndarray] | None = None,
+           allowed: np.ndarray | None = None) -> np.ndarray:
     """logits [b, vocab] float32 -> token ids [b] int64. `rng`: one generator for every row, or one per row (a
-    request's seed then draws the same tokens whichever rows share the call)."""
+    request's seed then draws the same tokens whichever rows share the call). In order: repetition penalty
+    (`history`: each row's prompt and generated ids), presence and frequency penalties (`counts`: each row's
+    generated-token counts [vocab]), logit_bias, the `allowed` mask [b, vocab] (a grammar's: the others get
+    probability 0), then temperature, top-k and top-p."""
     logits = apply_repetition_penalty(logits.astype(np.float64), history, params.repetition_penalty)
+    if params.counts_tokens:
+        logits = apply_presence_frequency(logits, counts, params.presence_penalty, params.frequency_penalty)
+    logits = apply_logit_bias(logits, params.logit_bias)
+    if allowed is not None:
+        logits = np.where(allowed, logits, -np.inf)
     if params.greedy:
         return logits.argmax(-1).astype(np.int64)
     # subtract the max first: every scaled logit is <= 0; one far below the max may scale to -inf,

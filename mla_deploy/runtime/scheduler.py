@@ -4,8 +4,9 @@ The scheduler owns `max_batch` cache rows (one CacheBuffers of [max_batch, capac
 and the two sessions. Each `step()`:
   1. drops cancelled requests (a client gone frees its row here, within one step);
   2. admits queued requests into free rows (lowest row first, so the occupied rows stay a prefix);
-  3. prefills admitted prompts chunk by chunk, at most `prefill_budget` tokens per step, so a long
-     prompt is spread over several steps while the running streams keep decoding between them;
+  3. prefills admitted prompts chunk by chunk, chunks starting while fewer than `prefill_chunk` tokens were
+     prefilled this step (so about one chunk's worth a step), so a long prompt is spread over several steps
+     while the running streams keep decoding between them;
      every chunk is a batch-1 prefill into that row's slice of the cache, `prefill_chunk` tokens from
      a fixed boundary, so a prompt's numbers do not depend on what else is running;
   4. decodes one token for every running row in one decode call over rows [0, hi), where hi is one past
@@ -15,8 +16,11 @@ and the two sessions. Each `step()`:
 Rows share the cache capacity, which grows by CacheBuffers.BLOCK slots to the longest row's need and
 never past the export's maximum length; a request that could not fit is refused when submitted.
 
-Each request carries its own SamplingParams and random generator (its seed), stop ids and token budget.
-Events go to the request's `emit` callback from inside `step()`: TokenEvent per token, then Finished.
+Each request carries its own SamplingParams and random generator (its seed), stop ids, token budget and
+optionally a grammar constraint (runtime.grammar), which masks its row's logits before sampling. Events go to
+the request's `emit` callback from inside `step()`: PromptLogprobs once its prompt is prefilled (when asked
+for: the prefill graph returns the logits of every prompt position, no second pass), TokenEvent per token,
+then Finished. A request for 0 new tokens (prompt logprobs only) finishes after its prefill.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from .. import io_spec
 from ..errors import InputError, MLADeployError
 from .cache import CacheBuffers, DecodeBinding
 from .generator import check_prompts
+from .grammar import Constraint, allowed_tokens
 from .sampling import SamplingParams, sample
 from .session import ExportedModel
 
@@ -49,6 +54,13 @@ class TokenEvent:
 
 
 @dataclass
+class PromptLogprobs:
+    """Each prompt token's log-probability given the tokens before it, and the k likeliest there: one entry per
+    prompt position from the second on (the first has no context)."""
+    entries: list[tuple[float, list[tuple[int, float]]]]
+
+
+@dataclass
 class Finished:
     reason: str  # "stop" (a stop id), "length" (max_new_tokens), "cancelled"
     prompt_tokens: int
@@ -62,7 +74,10 @@ class Request:
     emit: Callable[[TokenEvent | Finished], None]
     sampling: SamplingParams = SamplingParams()
     stop_token_ids: frozenset[int] = frozenset()
-    logprobs: int = 0  # top log-probabilities per token; 0: none
+    logprobs: int | None = None  # log-probability of each token and the top `logprobs` beside it; None: none
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (PromptLogprobs); None: none
+    constraint: Constraint | None = None  # a grammar the output must follow (response_format)
+    choice: int = 0  # the i-th choice of one prompt: a seed draws its own stream for each (seed, choice)
     id: int = field(default_factory=itertools.count().__next__)
     # scheduler state
     row: int | None = None
@@ -70,6 +85,8 @@ class Request:
     generated: list[int] = field(default_factory=list)
     pending: int | None = None  # the last sampled token, not yet in the cache
     history: np.ndarray | None = None
+    counts: np.ndarray | None = None  # [vocab] generated-token counts (presence / frequency penalties)
+    prompt_lp: list | None = None  # PromptLogprobs entries gathered chunk by chunk
     rng: np.random.Generator | None = None
     cancelled: bool = False
     submitted_at: float = field(default_factory=time.perf_counter)
@@ -86,8 +103,7 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, model: ExportedModel, max_batch: int = 16, max_queue: int = 256, prefill_chunk: int = 256,
-                 prefill_budget: int | None = None):
+    def __init__(self, model: ExportedModel, max_batch: int = 16, max_queue: int = 256, prefill_chunk: int = 256):
         if model.device != "cpu":
             raise InputError("the scheduler runs on the CPU provider only (its cache rows are numpy views)")
         if io_spec.PREFILL not in model.sessions:
@@ -96,9 +112,6 @@ class Scheduler:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InputError(f"{name}={value!r}: must be a positive integer")
         self.model, self.max_batch, self.max_queue, self.prefill_chunk = model, max_batch, max_queue, prefill_chunk
-        self.prefill_budget = prefill_chunk if prefill_budget is None else prefill_budget
-        if self.prefill_budget < 1:
-            raise InputError(f"prefill_budget={prefill_budget!r}: must be a positive integer")
         self.caches = CacheBuffers(model.config, max_batch, 1, model.max_seq_len, "cpu", model.cache_dtype)
         self.lengths = np.zeros(max_batch, np.int64)  # tokens held in each row's cache
         self.rows: list[Request | None] = [None] * max_batch
@@ -108,13 +121,25 @@ class Scheduler:
 
     # ---- requests ----
     def check(self, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
-        """The prompt as ints, or InputError naming what is wrong (vocabulary, length limit): the Generator's check."""
-        return check_prompts([prompt_ids], max_new_tokens, self.model.config.vocab_size, self.model.max_seq_len)[0]
+        """The prompt as ints, or InputError naming what is wrong (vocabulary, length limit): the Generator's check,
+        with 0 new tokens allowed (a request for its prompt's logprobs only)."""
+        return check_prompts([prompt_ids], max_new_tokens, self.model.config.vocab_size, self.model.max_seq_len,
+                             least=0)[0]
+
+    def check_request(self, request: Request) -> None:
+        """InputError for what the scheduler cannot run: prompt, length, sampling, logit_bias ids."""
+        request.prompt_ids = self.check(request.prompt_ids, request.max_new_tokens)
+        request.sampling.validate()
+        vocab = self.model.config.vocab_size
+        outside = [t for t, _ in request.sampling.logit_bias if t >= vocab]
+        if outside:
+            raise InputError(f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {vocab})")
+        if request.max_new_tokens == 0 and request.prompt_logprobs is None:
+            raise InputError("max_new_tokens=0: only a request for its prompt's logprobs may generate nothing")
 
     def add(self, request: Request) -> None:
         """Check a request and queue it; QueueFull beyond max_queue."""
-        request.prompt_ids = self.check(request.prompt_ids, request.max_new_tokens)
-        request.sampling.validate()
+        self.check_request(request)
         if len(self.waiting) >= self.max_queue:
             raise QueueFull(f"{len(self.waiting)} requests are waiting (max_queue {self.max_queue})")
         self.enqueue(request)
@@ -122,7 +147,10 @@ class Scheduler:
     def enqueue(self, request: Request) -> None:
         """Queue a request already checked (an Engine checks on the submitting thread and bounds the queue itself)."""
         request.history = np.asarray(request.prompt_ids, np.int64)
-        request.rng = np.random.default_rng(request.sampling.seed)
+        if request.sampling.counts_tokens:
+            request.counts = np.zeros(self.model.config.vocab_size, np.int32)
+        seed = request.sampling.seed
+        request.rng = np.random.default_rng(seed if seed is None or request.choice == 0 else [seed, request.choice])
         self.waiting.append(request)
 
     def cancel(self, request: Request) -> None:
@@ -166,7 +194,7 @@ class Scheduler:
             self.lengths[row] = 0
 
     def _prefill(self) -> None:
-        budget = self.prefill_budget
+        budget = self.prefill_chunk
         for request in [r for r in self.rows if r is not None and r.pending is None]:
             while request.prefilled < len(request.prompt_ids) and budget > 0:
                 # a chunk always starts at a multiple of prefill_chunk: a prompt's chunks do not depend on the load
@@ -187,7 +215,9 @@ class Scheduler:
         binding.bind_cpu_input(io_spec.POSITION_IDS, np.arange(start, start + t, dtype=np.int64)[None])  # [1, t]
         binding.bind_cpu_input(io_spec.ATTENTION_MASK, np.ones((1, self.caches.capacity), np.int64))
         binding.bind_cpu_input(io_spec.WRITE_INDICES, np.array([start], np.int64))
-        binding.bind_cpu_input(io_spec.LOGITS_POSITIONS, np.array([[t - 1]], np.int64))
+        every = request.prompt_logprobs is not None  # the logits of every position: the prompt's logprobs
+        positions = np.arange(t, dtype=np.int64)[None] if every else np.array([[t - 1]], np.int64)
+        binding.bind_cpu_input(io_spec.LOGITS_POSITIONS, positions)
         binding.bind_output(io_spec.LOGITS, "cpu")
         views = self.caches.bind(binding, slice(row, row + 1))  # in place, this row's slice only
         session.run_with_iobinding(binding)
@@ -195,9 +225,20 @@ class Scheduler:
         request.prefilled += t
         self.lengths[row] = request.prefilled
         self.stats.prefill_tokens += t
+        logits = binding.get_outputs()[0].numpy()  # [1, positions, vocab]
+        if every:
+            # position start + j predicts prompt token start + j + 1 (the chunk's last predicts the next chunk's first)
+            targets = request.prompt_ids[start + 1 : start + t + 1]
+            request.prompt_lp = (request.prompt_lp or []) + _token_logprobs(logits[0, :len(targets)], targets,
+                                                                            request.prompt_logprobs)
         if request.prefilled == len(request.prompt_ids):
-            logits = binding.get_outputs()[0].numpy()[:, 0]  # [1, 1, vocab] -> [1, vocab]
-            self._sample_and_emit(request, logits)
+            if every:
+                request.emit(PromptLogprobs(request.prompt_lp))
+                request.prompt_lp = None
+            if request.max_new_tokens == 0:
+                self._finish(request, "length")
+                return
+            self._sample_and_emit(request, logits[:, -1])  # [1, vocab]
 
     def _decode_step(self, decoding: list[Request]) -> None:
         hi = max(r.row for r in decoding) + 1
@@ -215,14 +256,15 @@ class Scheduler:
             self.lengths[r.row] += 1
         self.stats.decode_steps += 1
         self.stats.decoded_rows += len(decoding)
-        plain = [r for r in decoding if _plain_greedy(r.sampling)]  # one argmax for all of them
+        plain = [r for r in decoding if _plain_greedy(r)]  # one argmax for all of them
         chosen = dict(zip((r.id for r in plain), d.logits[[r.row for r in plain], 0].argmax(-1).tolist()))
         alike: dict[SamplingParams, list[Request]] = {}  # the other rows by their sampling, seeds aside
         for r in decoding:
             if r.id not in chosen:
                 alike.setdefault(replace(r.sampling, seed=None), []).append(r)
         for params, rows in alike.items():  # one sample() per setting; each row draws from its own generator
-            tokens = sample(d.logits[[r.row for r in rows], 0], params, [r.rng for r in rows], [r.history for r in rows])
+            tokens = sample(d.logits[[r.row for r in rows], 0], params, [r.rng for r in rows], [r.history for r in rows],
+                            [r.counts for r in rows], self._allowed(rows))
             chosen.update(zip((r.id for r in rows), tokens.tolist()))
         for r in decoding:
             self._sample_and_emit(r, d.logits[r.row : r.row + 1, 0], chosen[r.id])
@@ -231,16 +273,21 @@ class Scheduler:
         """logits [1, vocab]: sample this request's next token (unless already chosen), emit it, and finish the
         request if it stops."""
         if token is None:
-            token = int(sample(logits, request.sampling, request.rng, [request.history])[0])
+            token = int(sample(logits, request.sampling, request.rng, [request.history], [request.counts],
+                               self._allowed([request]))[0])
         request.generated.append(token)
         if request.sampling.repetition_penalty != 1.0:  # the only reader of the history
             request.history = np.append(request.history, token)
+        if request.counts is not None:
+            request.counts[token] += 1
+        if request.constraint is not None:
+            request.constraint.consume(token)
         self.stats.generated_tokens += 1
         event = TokenEvent(token)
-        if request.logprobs:
-            event.logprob, event.top_logprobs = _logprobs(logits[0], token, request.logprobs)
+        if request.logprobs is not None:
+            (event.logprob, event.top_logprobs), = _token_logprobs(logits, [token], request.logprobs)
         request.emit(event)
-        if token in request.stop_token_ids:
+        if token in request.stop_token_ids or request.constraint is not None and request.constraint.done:
             self._finish(request, "stop")
         elif len(request.generated) >= request.max_new_tokens:
             self._finish(request, "length")
@@ -257,13 +304,25 @@ class Scheduler:
         request.emit(Finished(reason, len(request.prompt_ids), len(request.generated)))
 
 
-def _plain_greedy(params: SamplingParams) -> bool:
-    """Greedy without a repetition penalty: the argmax of the logits, the same for every such row."""
-    return params.greedy and params.repetition_penalty == 1.0
+    def _allowed(self, rows: list[Request]) -> np.ndarray | None:
+        """The grammar masks of these rows [rows, vocab], or None when none has a grammar."""
+        return allowed_tokens([r.constraint for r in rows], self.model.config.vocab_size)
 
 
-def _logprobs(logits: np.ndarray, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+def _plain_greedy(request: Request) -> bool:
+    """Greedy on the model's own logits (no penalty, bias or grammar): their argmax, the same for every such row."""
+    return request.sampling.greedy and request.sampling.plain and request.constraint is None
+
+
+def _token_logprobs(logits: np.ndarray, tokens: Sequence[int], k: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """logits [n, vocab] and the token that followed each position -> (its log-probability, the k likeliest
+    (token, log-probability) pairs, likeliest first, ties by id), under the model's own distribution."""
     z = logits.astype(np.float64)
-    logp = z - z.max() - np.log(np.exp(z - z.max()).sum())  # log-softmax [vocab]
-    top = np.argsort(-logp, kind="stable")[:k]
-    return float(logp[token]), [(int(i), float(logp[i])) for i in top]
+    z -= z.max(-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))  # log-softmax [n, vocab]
+    out = []
+    for row, token in zip(logp, tokens):
+        top = np.argpartition(-row, k - 1)[:k] if 0 < k < len(row) else np.arange(len(row) if k else 0)
+        top = top[np.lexsort((top, -row[top]))]  # likeliest first, ties by id
+        out.append((float(row[token]), [(int(i), float(row[i])) for i in top]))
+    return out

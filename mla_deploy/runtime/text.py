@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from functools import lru_cache
 from pathlib import Path
 
 from ..errors import ExportLoadError, InputError
@@ -15,6 +17,9 @@ class Tokenizer:
             self._tok = HFTokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises its own exception type for a corrupt file
             raise ExportLoadError(f"{path}: cannot read tokenizer ({e})") from None
+        self.path = Path(path)
+        self._bytes: list[bytes] | None = None
+        self.special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
 
     @classmethod
     def from_export(cls, directory: str | Path, manifest: dict) -> "Tokenizer | None":
@@ -22,13 +27,66 @@ class Tokenizer:
             return None
         return cls(Path(directory) / "tokenizer.json")
 
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
     def encode(self, text: str) -> list[int]:
         if not isinstance(text, str) or not text:
             raise InputError("prompt text is empty")
+        check_utf8(text, "prompt")
         return self._tok.encode(text).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a token stands for (a special token: its own text, e.g. b"<|eos|>"). Byte-level BPE (DeepSeek's
+        and the demo's) spells each byte as one character of GPT-2's byte table: reversed here. Other tokenizers: the
+        token decoded alone."""
+        if self._bytes is None:
+            self._bytes = self._vocab_bytes()
+        return self._bytes[token] if 0 <= token < len(self._bytes) else b""
+
+    def _vocab_bytes(self) -> list[bytes]:
+        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+        byte_level = decoder.get("type") == "ByteLevel" or any(
+            d.get("type") == "ByteLevel" for d in decoder.get("decoders") or [])
+        table = _unicode_to_byte()
+        out = []
+        for i in range(self.vocab_size):
+            piece = self._tok.id_to_token(i) or ""
+            if i in self.special_ids:
+                out.append(piece.encode())
+            elif byte_level and all(c in table for c in piece):
+                out.append(bytes(table[c] for c in piece))
+            else:
+                out.append(self._tok.decode([i], skip_special_tokens=False).encode())
+        return out
+
+
+def check_utf8(text: str, what: str) -> None:
+    """InputError for text that is not valid Unicode: a lone surrogate (JSON's "\\ud800", or bytes that are not UTF-8
+    on a command line, which Python decodes to surrogates) has no UTF-8 encoding, so no tokenizer can read it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InputError(f"{what}: not valid UTF-8 text: {text[e.start:e.end]!r} at character {e.start} is a lone "
+                         "surrogate (an unpaired \\ud800-\\udfff escape, or bytes that are not UTF-8)") from None
+
+
+@lru_cache(maxsize=1)
+def _unicode_to_byte() -> dict[str, int]:
+    """GPT-2's byte-level table reversed: printable bytes stand for themselves, the other 68 for chr(256 + n)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, n = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
 
 
 class TextStream:

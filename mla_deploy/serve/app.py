@@ -1,13 +1,18 @@
 """The OpenAI-compatible HTTP routes over one Engine (runtime.engine): FastAPI, server-sent events for streams.
 
     POST /v1/completions, POST /v1/chat/completions (stream: true -> SSE, stream_options.include_usage)
-    GET /v1/models, GET /health, GET /metrics (Prometheus text)
+    GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics (Prometheus text)
+
+A request's prompts (completions take a list) times its choices (n, or best_of candidates) run as that many
+engine requests, queued together; each choice's text is assembled by serve.choices.
 
 With an api_key, every route but /health needs `Authorization: Bearer KEY`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import json
 from dataclasses import dataclass
@@ -19,10 +24,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import InputError
 from ..runtime.chat import ChatTemplate, GenerationDefaults
-from ..runtime.engine import Engine, Finished, QueueFull, TokenEvent
-from ..runtime.stop import StopStrings
-from ..runtime.text import TextStream, Tokenizer
+from ..runtime.engine import Engine, Finished, PromptLogprobs, QueueFull, TokenEvent
+from ..runtime.grammar import Constraint, Grammars
+from ..runtime.text import Tokenizer
 from . import protocol
+from .choices import ChoiceText, Out, chat_logprobs, completion_logprobs
 from .metrics import render_metrics
 from .protocol import APIError, GenerationRequest, bad
 
@@ -31,11 +37,22 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 
 @dataclass
 class Piece:
-    """Generated text as it becomes safe to send, with the tokens behind it and the end of the request."""
+    """A choice's text as it becomes safe to send, with the tokens behind it, and at the end of the choice its
+    finish_reason, generated-token count and cumulative logprob (best_of ranks candidates by it)."""
     text: str
-    tokens: list[TokenEvent]
+    tokens: list[Out]
     finish_reason: str | None = None
-    usage: dict | None = None
+    completion_tokens: int = 0
+    cumulative_logprob: float = 0.0
+
+
+@dataclass
+class Run:
+    """One generation of a request: the `candidate`-th for prompt number `prompt_index`, and its engine events."""
+    prompt_index: int
+    candidate: int
+    prompt_ids: list[int]
+    events: AsyncIterator
 
 
 class Service:
@@ -49,6 +66,7 @@ class Service:
         self.stop_ids = set(model.stop_token_ids)
         self.status_counts: dict[int, int] = {}
         self.instance: str | None = None  # set by a Ray Serve replica: sent back as X-MLA-Replica
+        self._grammars: Grammars | None = None
 
     # ---- requests ----
     def authorize(self, request: Request) -> None:
@@ -75,94 +93,133 @@ class Service:
                            "model", "model_not_found")
         return req
 
-    def start(self, req: GenerationRequest) -> tuple[AsyncIterator, int]:
-        """Validate against the export and queue the request: every refusal happens here, before a reply starts."""
-        ids = self._prompt_ids(req)
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "mla-deploy",
+                "max_model_len": self.engine.model.max_seq_len}
+
+    def start(self, req: GenerationRequest) -> list[Run]:
+        """Validate against the export and queue every prompt's candidates together (one scheduler step admits
+        them all): every refusal happens here, before a reply starts."""
+        prompts = self._prompt_ids(req)
         limit = self.engine.model.max_seq_len
-        max_tokens = req.max_tokens if req.max_tokens is not None else limit - len(ids)
-        if len(ids) >= limit or len(ids) + max_tokens > limit:
-            raise bad(f"{len(ids)} prompt tokens + {max_tokens} max_tokens = {len(ids) + max_tokens} exceeds this "
-                      f"model's maximum length of {limit} tokens", "max_tokens", "context_length_exceeded")
+        for i, ids in enumerate(prompts):
+            max_tokens = req.max_tokens if req.max_tokens is not None else limit - len(ids)
+            if len(ids) + max_tokens > limit or max_tokens < 1 and not req.echo:
+                where = f"prompt {i}: " if len(prompts) > 1 else ""
+                raise bad(f"{where}{len(ids)} prompt tokens + {max_tokens} max_tokens = {len(ids) + max_tokens} "
+                          f"exceeds this model's maximum length of {limit} tokens", "max_tokens",
+                          "context_length_exceeded")
         try:
-            sampling = self.defaults.override(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
-                                              repetition_penalty=req.repetition_penalty, seed=req.seed)
+            sampling = self.defaults.override(
+                temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, repetition_penalty=req.repetition_penalty,
+                seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                logit_bias=req.logit_bias)
         except InputError as e:
             raise bad(str(e)) from None
+        ranked = req.best_of is not None and req.best_of > req.n  # best_of ranks by the cumulative logprob
+        logprobs = req.logprobs if req.logprobs is not None else (0 if ranked else None)
+        prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+        stops = sorted(self.stop_ids | set(req.stop_token_ids))
+        runs, requests = [], []
         try:
-            events = self.engine.submit_batches(ids, max_tokens, sampling,
-                                                sorted(self.stop_ids | set(req.stop_token_ids)), logprobs=req.logprobs)
+            for i, ids in enumerate(prompts):
+                max_tokens = req.max_tokens if req.max_tokens is not None else limit - len(ids)
+                for j in range(req.candidates):
+                    requests.append(self.engine.request(
+                        ids, max_tokens, sampling, stops, logprobs=logprobs,
+                        prompt_logprobs=0 if max_tokens == 0 and prompt_logprobs is None else prompt_logprobs,
+                        constraint=self._constraint(req), choice=j))
+                    runs.append(Run(i, j, ids, None))
+        except InputError as e:  # the length was checked above: what is left is the prompt's ids or logit_bias
+            message = str(e)
+            raise bad(message, "logit_bias" if message.startswith("logit_bias") else "prompt") from None
+        try:
+            for run, events in zip(runs, self.engine.submit_all(requests)):
+                run.events = events
         except QueueFull as e:
             raise APIError(429, f"server busy: {e}; retry shortly", code="queue_full", headers={"Retry-After": "1"})
-        except InputError as e:  # the length was checked above: what is left is the prompt's ids (vocabulary)
-            raise bad(str(e), "prompt") from None
         except RuntimeError as e:
             raise APIError(503, f"the engine is not running ({e})", headers={"Retry-After": "5"}) from None
-        return events, len(ids)
+        return runs
 
-    def _prompt_ids(self, req: GenerationRequest) -> list[int]:
+    def _constraint(self, req: GenerationRequest) -> Constraint | None:
+        if req.response_format is None:
+            return None
+        if self.tokenizer is None:
+            raise bad("response_format: this export has no tokenizer.json to build the grammar over",
+                      "response_format")
+        try:
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer.path, self.engine.model.config.vocab_size,
+                                          sorted(self.stop_ids))
+            kind, schema = req.response_format
+            return self._grammars.json_object() if kind == "json_object" else self._grammars.json_schema(schema)
+        except InputError as e:
+            raise bad(f"response_format: {e}", "response_format") from None
+
+    def _prompt_ids(self, req: GenerationRequest) -> list[list[int]]:
         if req.kind == "chat":
             if self.chat_template is None:
                 raise bad("this model has no chat template (tokenizer_config.json chat_template); "
                           "use /v1/completions", "messages")
             try:
-                text = self.chat_template.render(req.messages, add_generation_prompt=True)
+                texts = [self.chat_template.render(req.messages, add_generation_prompt=True)]
             except InputError as e:
                 raise bad(str(e), "messages") from None
-        elif isinstance(req.prompt, list):  # token ids: the engine checks them against the vocabulary
-            return req.prompt
         else:
-            text = req.prompt
-        if self.tokenizer is None:
-            raise bad("this export has no tokenizer: send the prompt as a list of token ids", "prompt")
-        try:
-            ids = self.tokenizer.encode(text)
-        except InputError as e:
-            raise bad(str(e), "prompt") from None
-        if not ids:
-            raise bad("prompt: encodes to no tokens", "prompt")
-        return ids
+            texts = req.prompts
+        out = []
+        for i, text in enumerate(texts):
+            if isinstance(text, list):  # token ids: the engine checks them against the vocabulary
+                out.append(text)
+                continue
+            where = "prompt" if len(texts) == 1 else f"prompt[{i}]"
+            if self.tokenizer is None:
+                raise bad(f"{where}: this export has no tokenizer: send the prompt as a list of token ids", "prompt")
+            try:
+                ids = self.tokenizer.encode(text)
+            except InputError as e:
+                raise bad(f"{where}: {e}", "prompt") from None
+            if not ids:
+                raise bad(f"{where}: encodes to no tokens", "prompt")
+            out.append(ids)
+        return out
 
-    async def pieces(self, req: GenerationRequest, batches: AsyncIterator, prompt_tokens: int) -> AsyncIterator[Piece]:
-        """Text pieces, stop strings applied, ending with one Piece carrying finish_reason and usage: one piece per
-        batch of events (Engine.submit_batches), so a stream that fell behind catches up in one chunk."""
-        text = TextStream(self.tokenizer) if self.tokenizer is not None else None
-        stops = StopStrings(req.stop)
-        generated = 0
+    async def pieces(self, req: GenerationRequest, run: Run) -> AsyncIterator[Piece]:
+        """A choice's pieces, stop strings applied, the last carrying finish_reason: one piece per batch of events
+        (Engine.submit_batches), so a stream that fell behind catches up in one chunk."""
+        choice = ChoiceText(self.tokenizer, req.stop, set(req.stop_token_ids))
+        if req.echo and req.logprobs is None:
+            choice.echo(run.prompt_ids, None)
+        generated, cumulative = 0, 0.0
         try:
-            async for batch in batches:
-                out, tokens = [], []
+            async for batch in run.events:
                 for event in batch:
-                    if isinstance(event, TokenEvent):
+                    if isinstance(event, PromptLogprobs):
+                        if req.echo and req.logprobs is not None:
+                            choice.echo(run.prompt_ids, event.entries)
+                    elif isinstance(event, TokenEvent):
                         generated += 1
-                        if event.token in req.stop_token_ids:  # a stop id ends the text, like a stop string: not in it
-                            continue
-                        tokens.append(event)
-                        out.append(stops.push(text.push(event.token) if text is not None else f" {event.token}"))
-                        if stops.stopped:
-                            yield Piece("".join(out), tokens, "stop", protocol.usage(prompt_tokens, generated))
+                        cumulative += event.logprob or 0.0
+                        choice.push(event)
+                        if choice.stopped:
+                            yield Piece(*choice.take(), "stop", generated, cumulative)
                             return
                     elif isinstance(event, Finished):
+                        choice.finish()
                         reason = "length" if event.reason == "length" else "stop"
-                        out.append(stops.flush())
-                        yield Piece("".join(out), tokens, reason, protocol.usage(prompt_tokens, event.completion_tokens))
+                        yield Piece(*choice.take(), reason, event.completion_tokens, cumulative)
                         return
-                yield Piece("".join(out), tokens)
+                yield Piece(*choice.take())
         finally:
-            await batches.aclose()  # cancels the request if it is still running (stop string, client gone)
+            await run.events.aclose()  # cancels the request if it is still running (stop string, client gone)
 
-    def logprobs(self, tokens: list[TokenEvent], offset: int) -> dict:
-        """OpenAI completions' logprobs object for these tokens."""
-        def text(t: int) -> str:
-            return self.tokenizer.decode([t]) if self.tokenizer is not None else str(t)
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for e in tokens:
-            piece = text(e.token)
-            out["tokens"].append(piece)
-            out["token_logprobs"].append(e.logprob)
-            out["top_logprobs"].append({text(t): lp for t, lp in e.top_logprobs})
-            out["text_offset"].append(offset)
-            offset += len(piece)
-        return out
+    def logprobs(self, req: GenerationRequest, tokens: list[Out]) -> dict | None:
+        if req.logprobs is None:
+            return None
+        if req.kind == "chat":
+            return chat_logprobs(self.tokenizer, tokens)
+        return completion_logprobs(self.tokenizer, tokens)
 
 
 def create_app(service: Service) -> FastAPI:
@@ -197,9 +254,15 @@ def create_app(service: Service) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request):
         service.authorize(request)
-        model = service.engine.model
-        return {"object": "list", "data": [{"id": service.model_name, "object": "model", "created": 0,
-                                            "owned_by": "mla-deploy", "max_model_len": model.max_seq_len}]}
+        return {"object": "list", "data": [service.model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str):
+        service.authorize(request)
+        if model_id != service.model_name:
+            raise APIError(404, f"model {model_id!r} does not exist; this server serves {service.model_name!r}",
+                           "model", "model_not_found")
+        return service.model_card()
 
     @app.get("/metrics")
     async def metrics(request: Request):
@@ -219,44 +282,89 @@ def create_app(service: Service) -> FastAPI:
 
 async def _generate(service: Service, request: Request, kind: str):
     req = await service.read(request, kind)
-    events, prompt_tokens = service.start(req)
+    runs = service.start(req)
     rid = protocol.new_id(kind)
-    pieces = service.pieces(req, events, prompt_tokens)
     if req.stream:
         _count(service, 200)
-        return StreamingResponse(_sse(service, req, rid, pieces), media_type="text/event-stream",
+        return StreamingResponse(_sse(service, req, rid, runs), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    text, tokens = [], []
-    try:
-        async for piece in pieces:
+
+    async def collect(run: Run) -> tuple[Run, list[str], list[Out], Piece]:
+        text, tokens = [], []
+        async for piece in service.pieces(req, run):
             text.append(piece.text)
             tokens += piece.tokens
-            if piece.finish_reason is None and await request.is_disconnected():
-                break  # nobody to answer: free the row now (closing `pieces` cancels the request)
             if piece.finish_reason is not None:
-                logprobs = service.logprobs(tokens, 0) if req.logprobs else None
-                _count(service, 200)
-                return protocol.response(req, rid, "".join(text), piece.finish_reason, piece.usage, logprobs)
-    finally:
-        await pieces.aclose()
-    return JSONResponse({}, status_code=499)
+                return run, text, tokens, piece
 
-
-async def _sse(service: Service, req: GenerationRequest, rid: str, pieces: AsyncIterator[Piece]):
-    sent = 0
+    everything = asyncio.gather(*(collect(run) for run in runs))
     try:
-        if req.kind == "chat":
-            yield _event(protocol.chunk(req, rid, "", first=True))
-        async for piece in pieces:
-            logprobs = service.logprobs(piece.tokens, sent) if req.logprobs and piece.tokens else None
-            if piece.text or logprobs or piece.finish_reason:
-                yield _event(protocol.chunk(req, rid, piece.text, piece.finish_reason, logprobs))
-            sent += len(piece.text)
-            if piece.finish_reason is not None and req.include_usage:
-                yield _event(protocol.usage_chunk(req, rid, piece.usage))
+        while not everything.done():
+            await asyncio.wait([everything], timeout=0.5)
+            if not everything.done() and await request.is_disconnected():
+                everything.cancel()  # nobody to answer: free the rows now (closing each choice cancels its request)
+                with contextlib.suppress(asyncio.CancelledError):
+                    await everything
+                return JSONResponse({}, status_code=499)
+        results = everything.result()
+    finally:
+        if not everything.done():
+            everything.cancel()
+    choices = []
+    for i in range(len(req.prompts) if kind == "completion" else 1):
+        candidates = [r for r in results if r[0].prompt_index == i]
+        if req.candidates > req.n:  # best_of: the n likeliest candidates (stable: ties keep their order)
+            candidates = sorted(candidates, key=lambda r: -r[3].cumulative_logprob)[: req.n]
+        for j, (run, text, tokens, last) in enumerate(candidates):
+            make = protocol.completion_choice if kind == "completion" else protocol.chat_choice
+            choices.append(make(i * req.n + j, "".join(text), last.finish_reason, service.logprobs(req, tokens)))
+    use = protocol.usage(sum(len(ids) for ids in {r[0].prompt_index: r[0].prompt_ids for r in results}.values()),
+                         sum(r[3].completion_tokens for r in results))
+    _count(service, 200)
+    return protocol.response(req, rid, choices, use)
+
+
+async def _sse(service: Service, req: GenerationRequest, rid: str, runs: list[Run]):
+    """Every choice's chunks as they come (each chunk one choice, by index), then the usage chunk and [DONE]."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(run: Run) -> None:
+        index = run.prompt_index * req.n + run.candidate
+        pieces = service.pieces(req, run)
+        try:
+            if req.kind == "chat":
+                await queue.put(protocol.chunk(req, rid, index, "", first=True))
+            async for piece in pieces:
+                logprobs = service.logprobs(req, piece.tokens) if piece.tokens else None
+                if piece.text or logprobs or piece.finish_reason:
+                    await queue.put(protocol.chunk(req, rid, index, piece.text, piece.finish_reason, logprobs))
+                if piece.finish_reason is not None:
+                    await queue.put(piece)
+        except Exception as e:  # the engine failed: end the whole stream with it, not hang the other choices
+            await queue.put(e)
+        finally:
+            await pieces.aclose()
+
+    tasks = [asyncio.create_task(pump(run)) for run in runs]
+    prompt_tokens = sum(len(ids) for ids in {r.prompt_index: r.prompt_ids for r in runs}.values())
+    finished, completion_tokens = 0, 0
+    try:
+        while finished < len(runs):
+            item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if isinstance(item, Piece):
+                finished += 1
+                completion_tokens += item.completion_tokens
+                continue
+            yield _event(item)
+        if req.include_usage:
+            yield _event(protocol.usage_chunk(req, rid, protocol.usage(prompt_tokens, completion_tokens)))
         yield "data: [DONE]\n\n"
     finally:
-        await pieces.aclose()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _event(obj: dict) -> str:

@@ -32,25 +32,45 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> APIE
     return APIError(400, message, param, code)
 
 
+MAX_CHOICES = 128  # n and best_of, as OpenAI bounds them
+REFUSED = {  # fields this server does not implement: a 400 naming them, never silently ignored
+    "tools": "tools / function calling is not supported",
+    "functions": "function calling is not supported",
+    "suffix": "suffix (insertion after the completion) is not supported",
+}
+
+
 @dataclass
 class GenerationRequest:
     """One validated completion or chat request. Sampling fields are None where the request left them unset
     (the export's generation_config.json fills them)."""
     kind: str  # "completion" or "chat"
     model: str
-    prompt: str | list[int] | None = None
+    prompts: list[str | list[int]] = field(default_factory=list)  # completions: one or more
     messages: list[dict] | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
-    logprobs: int = 0
+    n: int = 1
+    best_of: int | None = None  # completions: candidates per prompt, the n with the highest cumulative logprob kept
+    echo: bool = False
+    logprobs: int | None = None  # None: none; k: each token's logprob and the k likeliest (chat: top_logprobs)
+    response_format: tuple[str, dict | None] | None = None  # ("json_object", None) or ("json_schema", schema)
     stream: bool = False
     include_usage: bool = False
+
+    @property
+    def candidates(self) -> int:
+        """Generations per prompt: best_of when it asks for more than n."""
+        return max(self.n, self.best_of or 0)
 
 
 def parse_body(raw: bytes) -> dict:
@@ -60,24 +80,51 @@ def parse_body(raw: bytes) -> dict:
         raise bad(f"request body is not valid JSON ({e})") from None
     if not isinstance(body, dict):
         raise bad("request body must be a JSON object")
+    _check_unicode(body, "")
     return body
+
+
+def _check_unicode(value, path: str) -> None:
+    """A lone surrogate ("\\ud800" in the JSON) decodes to a str with no UTF-8 form: refused here, naming its field,
+    before a tokenizer or the reply's encoder meets it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            name = path or "body"
+            raise bad(f"{name}: not valid UTF-8 text: character {e.start} is a lone surrogate "
+                      f"({ascii(value[e.start])}); send a valid Unicode string", path.split("[")[0].split(".")[0] or None) \
+                from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_unicode(k, path)
+            _check_unicode(v, f"{path}.{k}" if path else k)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_unicode(v, f"{path}[{i}]")
 
 
 def parse_request(body: dict, kind: str) -> GenerationRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("model: required, a string (GET /v1/models lists the one served)", "model")
+    for name, why in REFUSED.items():
+        if body.get(name) not in (None, [], ""):
+            raise bad(f"{name}: {why} by this server", name)
+    if body.get("tool_choice") not in (None, "none"):
+        raise bad("tool_choice: tools / function calling is not supported by this server", "tool_choice")
     req = GenerationRequest(kind, model)
     if kind == "completion":
-        req.prompt = _prompt(body.get("prompt"))
+        req.prompts = _prompts(body.get("prompt"))
         if "messages" in body:
             raise bad("messages: not a completions field; use /v1/chat/completions", "messages")
+        req.echo = _bool(body.get("echo"), "echo")
     else:
         req.messages = _messages(body.get("messages"))
         if "prompt" in body:
-            raise bad("prompt: not a chat field; use /v1/completions", "prompt")
+            raise bad("prompt: not a chat field; use /v1/chat/completions with messages", "prompt")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) if kind == "chat" else body.get("max_tokens")
-    req.max_tokens = _int(max_tokens, "max_tokens", minimum=1)
+    req.max_tokens = _int(max_tokens, "max_tokens", minimum=0 if req.echo else 1)
     if req.max_tokens is None and kind == "completion":
         req.max_tokens = 16  # OpenAI's default for completions; chat defaults to the rest of the export's length
     req.temperature = _number(body.get("temperature"), "temperature", 0.0, 2.0)
@@ -90,22 +137,29 @@ def parse_request(body: dict, kind: str) -> GenerationRequest:
     req.repetition_penalty = _number(body.get("repetition_penalty"), "repetition_penalty", 0.0, 100.0)
     if req.repetition_penalty == 0.0:
         raise bad("repetition_penalty: must be > 0 (1 is off)", "repetition_penalty")
+    req.presence_penalty = _number(body.get("presence_penalty"), "presence_penalty", -2.0, 2.0)
+    req.frequency_penalty = _number(body.get("frequency_penalty"), "frequency_penalty", -2.0, 2.0)
+    req.logit_bias = _logit_bias(body.get("logit_bias"))
     req.seed = _int(body.get("seed"), "seed", minimum=0)
     req.stop, req.stop_token_ids = _stops(body.get("stop"))
     req.stop_token_ids += _token_ids(body.get("stop_token_ids"), "stop_token_ids") or []
-    n = _int(body.get("n"), "n", minimum=1)
-    if n not in (None, 1):
-        raise bad(f"n: {n} choices are not supported; this server returns one choice per request (n = 1)", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _number(body.get(name), name, -2.0, 2.0) not in (None, 0.0):
-            raise bad(f"{name}: not supported; use repetition_penalty", name)
-    if kind == "completion":
-        req.logprobs = _int(body.get("logprobs"), "logprobs", minimum=0, maximum=20) or 0
-        if body.get("echo"):
-            raise bad("echo: not supported", "echo")
-    elif body.get("logprobs") not in (None, False):
-        raise bad("logprobs: not supported on chat completions; use /v1/completions with logprobs", "logprobs")
+    req.n = _int(body.get("n"), "n", minimum=1, maximum=MAX_CHOICES) or 1
     req.stream = _bool(body.get("stream"), "stream")
+    if kind == "completion":
+        req.best_of = _int(body.get("best_of"), "best_of", minimum=1, maximum=MAX_CHOICES)
+        if req.best_of is not None and req.best_of < req.n:
+            raise bad(f"best_of: {req.best_of} must be >= n ({req.n})", "best_of")
+        if req.best_of not in (None, 1) and req.best_of > req.n and req.stream:
+            raise bad("best_of: cannot be used with stream: true (the best candidates are known only at the end)",
+                      "best_of")
+        req.logprobs = _int(body.get("logprobs"), "logprobs", minimum=0, maximum=20)
+    else:
+        wanted = _bool(body.get("logprobs"), "logprobs")
+        top = _int(body.get("top_logprobs"), "top_logprobs", minimum=0, maximum=20)
+        if top is not None and not wanted:
+            raise bad("top_logprobs: needs logprobs: true", "top_logprobs")
+        req.logprobs = (top or 0) if wanted else None
+    req.response_format = _response_format(body.get("response_format"))
     options = body.get("stream_options")
     if options is not None:
         if not isinstance(options, dict):
@@ -116,18 +170,62 @@ def parse_request(body: dict, kind: str) -> GenerationRequest:
     return req
 
 
-def _prompt(value) -> str | list[int]:
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]  # a batch of one
-    if isinstance(value, str):
-        if not value:
-            raise bad("prompt: empty", "prompt")
-        return value
-    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        return value
-    if isinstance(value, list) and len(value) > 1 and all(isinstance(p, (str, list)) for p in value):
-        raise bad("prompt: one prompt per request (send several requests; they are batched together)", "prompt")
-    raise bad("prompt: required, a non-empty string or a list of token ids", "prompt")
+def _prompts(value) -> list[str | list[int]]:
+    """OpenAI's four forms: a string, a list of token ids, a list of strings, a list of token-id lists."""
+    def one(p, name):
+        if isinstance(p, str):
+            if not p:
+                raise bad(f"{name}: empty", "prompt")
+            return p
+        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            return p
+        raise bad(f"{name}: expected a non-empty string or a non-empty list of token ids", "prompt")
+
+    if isinstance(value, str) or isinstance(value, list) and value and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return [one(value, "prompt")]
+    if isinstance(value, list) and value:
+        return [one(p, f"prompt[{i}]") for i, p in enumerate(value)]
+    raise bad("prompt: required, a string, a list of token ids, or a list of either", "prompt")
+
+
+def _logit_bias(value) -> tuple[tuple[int, float], ...] | None:
+    """{"token id": bias} (JSON keys are strings) -> ((id, bias), ...), ids ascending."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad('logit_bias: expected an object mapping token ids to biases, e.g. {"50256": -100}', "logit_bias")
+    out = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad(f"logit_bias: key {key!r} is not a token id", "logit_bias") from None
+        if token < 0:
+            raise bad(f"logit_bias: token id {token} is negative", "logit_bias")
+        out[token] = _number(bias, f"logit_bias[{key}]", -100.0, 100.0)
+    return tuple(sorted(out.items()))
+
+
+def _response_format(value) -> tuple[str, dict | None] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise bad('response_format: expected an object with a type ("text", "json_object" or "json_schema")',
+                  "response_format")
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ("json_object", None)
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise bad("response_format.json_schema: expected {\"name\": ..., \"schema\": {a JSON Schema object}}",
+                      "response_format")
+        return ("json_schema", spec["schema"])
+    raise bad(f"response_format.type: {kind!r} is not supported; use text, json_object or json_schema",
+              "response_format")
 
 
 def _messages(value) -> list[dict]:
@@ -216,23 +314,27 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def response(req: GenerationRequest, rid: str, text: str, finish_reason: str, use: dict,
-             logprobs: dict | None = None) -> dict:
-    if req.kind == "completion":
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-    else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}
-    return {**_envelope(req, rid, "chat.completion"), "choices": [choice], "usage": use}
+def response(req: GenerationRequest, rid: str, choices: list[dict], use: dict) -> dict:
+    obj = "text_completion" if req.kind == "completion" else "chat.completion"
+    return {**_envelope(req, rid, obj), "choices": choices, "usage": use}
 
 
-def chunk(req: GenerationRequest, rid: str, text: str | None, finish_reason: str | None = None,
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_choice(index: int, text: str, finish_reason: str, logprobs: dict | None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": finish_reason}
+
+
+def chunk(req: GenerationRequest, rid: str, index: int, text: str | None, finish_reason: str | None = None,
           logprobs: dict | None = None, first: bool = False) -> dict:
     if req.kind == "completion":
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = completion_choice(index, text or "", finish_reason, logprobs)
     else:
         delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return {**_envelope(req, rid, "chat.completion.chunk"), "choices": [choice]}
 
 

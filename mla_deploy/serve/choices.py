@@ -1,0 +1,124 @@
+"""One choice's text and tokens as they are generated, and OpenAI's logprobs objects for them.
+
+The tokens sent always join to the text sent: each token carries the text it added (incremental decoding:
+"" for a token that ends inside a multi-byte character, whose text then comes with the token completing it),
+and a stop string cuts the text and the tokens together (the token that reaches into the stop string keeps only
+its text before it; later tokens are dropped). A piece of text that may begin a stop string is held back, and
+its tokens with it, until the next token shows whether it does.
+
+Top-logprob keys: every candidate token is keyed by its own text when its bytes are valid UTF-8 by themselves, else
+by OpenAI's "bytes:\\xNN" spelling of its bytes (a special token by its name), so no two candidates share a key
+and none is lost; chat's content list carries each token's `bytes` as well.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..runtime.scheduler import TokenEvent
+from ..runtime.stop import StopStrings
+from ..runtime.text import TextStream, Tokenizer
+
+
+@dataclass
+class Out:
+    """A token as sent: its event (logprobs), the text it added, and where that text starts in the choice's text."""
+    event: TokenEvent
+    text: str
+    offset: int
+
+
+class ChoiceText:
+    def __init__(self, tokenizer: Tokenizer | None, stops: list[str], stop_ids: set[int]):
+        self.tokenizer = tokenizer
+        self.stream = TextStream(tokenizer) if tokenizer is not None else None
+        self.stops = StopStrings(stops)
+        self.stop_ids = stop_ids
+        self.base = 0  # characters of echoed prompt before the generated text
+        self.held: list[Out] = []  # generated tokens whose text is not all released yet
+        self.pushed = self.released = 0  # generated characters decoded / safe to send
+        self.ready_text: list[str] = []
+        self.ready: list[Out] = []
+
+    def _piece(self, token: int) -> str:
+        return self.stream.push(token) if self.stream is not None else f" {token}"
+
+    def echo(self, prompt_ids: list[int], entries: list | None) -> None:
+        """The prompt as the start of the choice (echo): every prompt token, the first without a logprob."""
+        for i, token in enumerate(prompt_ids):
+            lp, top = entries[i - 1] if entries is not None and i > 0 else (None, None)
+            piece = self._piece(token)
+            self.ready.append(Out(TokenEvent(token, lp, top), piece, self.base))
+            self.ready_text.append(piece)
+            self.base += len(piece)
+
+    def push(self, event: TokenEvent) -> None:
+        if event.token in self.stop_ids or self.stops.stopped:  # a stop id ends the text, like a stop string
+            return
+        piece = self._piece(event.token)
+        self.held.append(Out(event, piece, self.base + self.pushed))
+        self.pushed += len(piece)
+        out = self.stops.push(piece)
+        self.released += len(out)
+        self.ready_text.append(out)
+        self._release()
+
+    @property
+    def stopped(self) -> bool:
+        return self.stops.stopped
+
+    def finish(self) -> None:
+        out = self.stops.flush()
+        self.released += len(out)
+        self.ready_text.append(out)
+        self._release()
+
+    def take(self) -> tuple[str, list[Out]]:
+        """The text and tokens safe to send since the last call."""
+        text, outs = "".join(self.ready_text), self.ready
+        self.ready_text, self.ready = [], []
+        return text, outs
+
+    def _release(self) -> None:
+        end = self.base + self.released
+        keep = []
+        for out in self.held:
+            if out.offset + len(out.text) <= end:
+                self.ready.append(out)
+            elif self.stops.stopped and out.offset < end:  # reaches into the stop string: its text before it
+                self.ready.append(Out(out.event, out.text[: end - out.offset], out.offset))
+            elif not self.stops.stopped:
+                keep.append(out)
+        self.held = keep
+
+
+def token_key(tokenizer: Tokenizer | None, token: int) -> str:
+    if tokenizer is None:
+        return str(token)
+    raw = tokenizer.token_bytes(token)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def completion_logprobs(tokenizer: Tokenizer | None, outs: list[Out]) -> dict:
+    """OpenAI completions' logprobs: tokens (joining to the text), token_logprobs, top_logprobs, text_offset."""
+    return {
+        "tokens": [o.text for o in outs],
+        "token_logprobs": [o.event.logprob for o in outs],
+        "top_logprobs": [None if o.event.top_logprobs is None else
+                         {token_key(tokenizer, t): lp for t, lp in o.event.top_logprobs} for o in outs],
+        "text_offset": [o.offset for o in outs],
+    }
+
+
+def chat_logprobs(tokenizer: Tokenizer | None, outs: list[Out]) -> dict:
+    """OpenAI chat's logprobs: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
+    def entry(token: int, lp: float) -> dict:
+        raw = tokenizer.token_bytes(token) if tokenizer is not None else str(token).encode()
+        return {"token": token_key(tokenizer, token), "logprob": lp, "bytes": list(raw)}
+
+    return {"content": [{**entry(o.event.token, o.event.logprob),
+                         "top_logprobs": [entry(t, lp) for t, lp in o.event.top_logprobs or []]} for o in outs],
+            "refusal": None}
