@@ -56,8 +56,8 @@ def inspect_path(path: str | Path) -> dict:
 
 
 _CORE = {"kernel": "mla_deploy.LatentAttention", "ops": "onnxruntime's MatMul-Softmax-MatMul"}  # export.decode_attention
-_EXPERTS = {"kernel": "in mla_deploy.RoutedExperts", "moe": "in com.microsoft MoE", "qmoe": "in com.microsoft QMoE",
-            "dense": "dense (every expert on every token)", "branches": "in one If per expert"}  # export.experts
+_EXPERTS = {"kernel": "in mla_deploy.RoutedExperts", "qmoe": "in com.microsoft QMoE",
+            "branches": "in one If per expert"}  # export.experts
 
 
 def _kernel_ops(graphs: dict) -> dict | None:

@@ -5,16 +5,11 @@
 - "kernel": float exports (float32, float16, bfloat16) of layers with few experts per chosen one
   (n_routed_experts <= DENSE_RATIO x num_experts_per_tok, the demo model's 8 and 2): one mla_deploy.RoutedExperts
   per MoE layer (mla_deploy.kernels), each expert on the tokens that chose it, from strips laid out at export and
-  read in the export's dtype. Faster than "moe" on the demo at batch 1 and 16 and in prefill (README, Float exports
-  choose too); where the kernel library is not registered its function body runs "dense".
-- "moe" (asked for): one com.microsoft MoE per MoE layer, given DeepSeek's routing
-  through the log of its weights (export.layers.MoE._moe). onnxruntime's CPU kernel is float32 only, which every
-  float export computes in (a half export's expert weights are widened at load); on the demo's float16 export it
-  beat "dense" by 1.3x in prefill and 1.5x in decode. What auto chose before "kernel".
-- "dense" (asked for): every expert on every token in three large ops. It computes DENSE_RATIO times the chosen
-  experts' work but skips one If per expert, which dominates at such sizes.
-- "branches": otherwise (DeepSeek-V2-Lite's 64 and 6, V3's 256 and 8), one If per expert: an expert no token
-  chose reads none of its weights. (The MoE op was measured there too: equal at batch 1, and at batch 8 faster
+  read in the export's dtype (README, Float exports choose too); where the kernel library is not registered its
+  function body runs every expert on every token, DENSE_RATIO times the chosen experts' work at most.
+- "branches": the portable form (stock ONNX that runs anywhere, CUDA included) and auto's choice otherwise
+  (DeepSeek-V2-Lite's 64 and 6, V3's 256 and 8): one If per expert, so an expert no token chose reads none of its
+  weights. (The MoE op was measured there too: equal at batch 1, and at batch 8 faster
   than unpacked branches but slower than prepacked ones; README, Quantized exports.)
 """
 
@@ -24,7 +19,7 @@ from ..config import MLAConfig
 from ..errors import ExportError
 from .quantize import Quantization
 
-CHOICES = ("auto", "qmoe", "kernel", "moe", "dense", "branches")
+CHOICES = ("auto", "qmoe", "kernel", "branches")
 DENSE_RATIO = 4
 
 
@@ -38,11 +33,6 @@ def resolve_experts(cfg: MLAConfig, requested: str, quantization: Quantization |
                           f"float16 or bfloat16 weights); this one is int{quantization.bits}: use 'qmoe' or 'branches'")
     if requested == "qmoe" and quantization is None:
         raise ExportError("experts='qmoe' needs --quantize (QMoE multiplies by quantized experts)")
-    if requested == "moe" and quantization is not None:
-        raise ExportError(f"experts='moe' is for float exports (onnxruntime's CPU MoE kernel multiplies float32 "
-                          f"weights); this one is int{quantization.bits}: use 'qmoe' or 'branches'")
-    if requested == "dense" and quantization is not None:
-        raise ExportError("experts='dense' is for float exports; a quantized export uses 'qmoe' or 'branches'")
     if requested in ("auto", "qmoe") and quantization is not None:
         whole_blocks = cfg.hidden_size % quantization.block == 0 and cfg.moe_intermediate_size % quantization.block == 0
         return "qmoe" if whole_blocks else "branches"

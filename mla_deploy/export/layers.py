@@ -14,8 +14,7 @@ MoE runs only the experts some token chose. Float exports: one `If` per routed e
 that expert's tokens, runs its SwiGLU on them and scatter-adds the weighted result; an expert nobody chose
 costs one skipped branch and reads none of its weights. Quantized exports: one com.microsoft QMoE per layer
 over block-quantized experts, fed the router's own choice and weights. Float layers with few experts per chosen
-one run all routed experts in one op, mla_deploy.RoutedExperts (com.microsoft MoE or densely on request;
-export.experts; each choice measured: README).
+one run all routed experts in one op, mla_deploy.RoutedExperts (export.experts; each choice measured: README).
 
 Precision (`--dtype`, export.precision): weights and caches are stored in the export's dtype and the layers
 compute in its compute dtype (float32 for every dtype on the CPU; a half weight goes through mla_deploy's MatMulF16 /
@@ -478,15 +477,11 @@ class MoE:
         if cfg.n_shared_experts:
             shared = SwiGLU(g, f"{self.name}.shared", hf + "shared_experts.", t,
                             cfg.moe_intermediate_size * cfg.n_shared_experts)(op, x2)
-        if self.g.experts in ("qmoe", "moe", "dense", "kernel"):
+        if self.g.experts in ("qmoe", "kernel"):
             if self.g.experts == "qmoe":
                 routed = self._qmoe(op, x2, g.to_compute(op, chosen), dispatch_c)
-            elif self.g.experts == "kernel":
-                routed = self._kernel(op, x2, dispatch)
-            elif self.g.experts == "moe":
-                routed = self._moe(op, x2, dispatch)
             else:
-                routed = self._dense(op, x2, dispatch_c)
+                routed = self._kernel(op, x2, dispatch)
             out = routed if shared is None else op.Add(shared, routed)
         else:
             active = op.Greater(op.ReduceSum(chosen, [0], keepdims=0), 0.0)  # [E]
@@ -498,28 +493,6 @@ class MoE:
                 out = self._expert(op, e, flag, x2, chosen, dispatch, out)
             out = g.to_compute(op, out)
         return op.Reshape(out, shape)  # [N, d] -> [b, T, d]
-
-    def _dense(self, op, x2, dispatch) -> ir.Value:
-        """Every routed expert on every token, weighted by `dispatch` (0 for experts a token did not choose): three
-        large ops instead of one If per expert. Reads all experts' weights, so it is chosen only where a layer has
-        few experts per chosen one (export.experts)."""
-        cfg, g, t, hf = self.cfg, self.g, self.t, self.hf
-        n_e, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
-
-        def gate_up() -> np.ndarray:  # [d, E·2I]: expert e's gate then up columns at [e·2I, (e+1)·2I)
-            return np.concatenate([absorb.gate_up_weight(t(f"{hf}experts.{e}.gate_proj.weight"),
-                                                         t(f"{hf}experts.{e}.up_proj.weight")) for e in range(n_e)], axis=1)
-
-        def down() -> np.ndarray:  # [E, I, d]
-            return np.stack([t(f"{hf}experts.{e}.down_proj.weight").T for e in range(n_e)])
-
-        gu = op.MatMul(x2, g.weight(f"{self.name}.experts.gate_up", gate_up))  # [N, E·2I]
-        gu = op.Reshape(gu, [0, n_e, 2 * inter])  # [N, E·2I] -> [N, E, 2I]
-        gate, up = op.Split(gu, [inter, inter], axis=-1, _outputs=2)  # [N, E, I] each
-        hidden = op.Transpose(op.Mul(op.Mul(gate, op.Sigmoid(gate)), up), perm=[1, 0, 2])  # silu(gate)·up [E, N, I]
-        y = op.MatMul(hidden, g.weight(f"{self.name}.experts.down", down))  # [E, N, d]
-        weights = op.Unsqueeze(op.Transpose(dispatch, perm=[1, 0]), [-1])  # [N, E] -> [E, N, 1]
-        return op.ReduceSum(op.Mul(y, weights), [0], keepdims=0)  # [N, d]
 
     def _fused_expert_weight(self, kind: str, e: int) -> np.ndarray:
         """Routed expert e's weight in the MoE ops' SwiGLU layout, as a MatMul B [K, N]: "fc1" gate and up [d, 2I]
@@ -546,28 +519,6 @@ class MoE:
         routed = g.routed_experts(op, g.to_float(op, x2), dispatch, (f"{self.name}.experts.fc1.strips", fc1),
                                   (f"{self.name}.experts.fc2.strips", fc2))  # [N, d] float32
         return g.to_compute(op, routed)
-
-    def _moe(self, op, x2, dispatch) -> ir.Value:
-        """All routed experts in one com.microsoft MoE (float32 on the CPU), which selects and mixes by its own
-        softmax(router_probs) and top-k. It is given log(dispatch): the softmax of the log is each chosen expert's
-        weight over the chosen weights' sum S (the others, floored at float32's smallest normal, weigh ~1e-38), so the
-        op's top-k is DeepSeek's choice, and the output times S per token is sum_e dispatch_e · expert_e(x). The
-        floor keeps the op's input finite where every chosen weight underflows to 0 (S = 0, so the row's routed
-        output is 0 whichever experts the op then picks; onnxruntime 1.31's CPU kernel also returns 0 for an all
-        -inf row, but the floor does not rely on how a kernel treats -inf). SwiGLU as in _qmoe."""
-        cfg, g = self.cfg, self.g
-
-        def fc(kind: str) -> np.ndarray:  # [E, N, K]: fc1 [E, 2I, d] (gate and up rows interleaved), fc2 [E, d, I]
-            return np.stack([self._fused_expert_weight(kind, e).T for e in range(cfg.n_routed_experts)])
-
-        total = op.ReduceSum(dispatch, [1], keepdims=1)  # [N, 1] S
-        router_logits = op.Log(op.Max(dispatch, float(np.finfo(np.float32).tiny)))  # [N, E]
-        fc1 = g.weight(f"{self.name}.experts.fc1", lambda: fc("fc1"))
-        fc2 = g.weight(f"{self.name}.experts.fc2", lambda: fc("fc2"))
-        mixed = op.MoE(x2, router_logits, fc1, None, fc2, k=cfg.num_experts_per_tok, activation_type="swiglu",
-                       swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0, normalize_routing_weights=0,
-                       _domain="com.microsoft")  # [N, d]: sum_e (dispatch_e / S) · expert_e(x)
-        return op.Mul(mixed, total)
 
     def _qmoe(self, op, x2, chosen, dispatch) -> ir.Value:
         """All routed experts in one com.microsoft QMoE: it selects by `router_probs` (the router's choice, 1.0 on
