@@ -191,7 +191,7 @@ def test_a_long_cache_is_the_a_operand_and_exact(checkpoint_dir, exported, varia
     (FusedMatMul transA, one per layer) in onnxruntime's ops, and its kernel op is LatentAttentionLong, whose function
     body does the same; lowered to 8 slots, both exports match the torch source, the kernel's with and without the
     library. The default tiny exports keep the plain MatMul (ops) and LatentAttention (kernel)."""
-    from mla_deploy.export import layers
+    from mla_deploy.export import plan
 
     def transposed_a(directory) -> int:
         decode = onnx.load(directory / "decode.onnx", load_external_data=False)
@@ -201,7 +201,7 @@ def test_a_long_cache_is_the_a_operand_and_exact(checkpoint_dir, exported, varia
     src, hf = checkpoint_dir(variant)
     assert transposed_a(exported(variant, absorb)) == 0
     assert "mla_deploy::LatentAttention" in ExportedModel(exported(variant, absorb)).manifest["graphs"]["decode"]["op_counts"]
-    monkeypatch.setattr(layers, "LONG_CACHE_BYTES", 4 * hf.config.kv_lora_rank * 8)
+    monkeypatch.setattr(plan, "LONG_CACHE_BYTES", 4 * hf.config.kv_lora_rank * 8)
     ops, kernel = tmp_path / "ops", tmp_path / "kernel"
     export(src, ops, ExportOptions(absorb=absorb, experts="branches", decode_attention="ops"))
     assert transposed_a(ops) == hf.config.num_hidden_layers

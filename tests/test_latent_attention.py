@@ -16,8 +16,8 @@ from mla_deploy import kernels
 from mla_deploy.config import MLAConfig
 from mla_deploy.errors import ExportError
 from mla_deploy.export import ExportOptions, export
-from mla_deploy.export.decode_attention import resolve_decode_attention
-from mla_deploy.export.kernel_functions import latent_attention_function
+from mla_deploy.export.attention import latent_attention_function
+from mla_deploy.export.plan import resolve_decode_attention
 from mla_deploy.export.opset import OPSET
 from mla_deploy.presets import DEMO_CHECKPOINT
 from mla_deploy.runtime import ExportedModel, Generator, SamplingParams

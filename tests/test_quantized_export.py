@@ -214,7 +214,7 @@ def test_qmoe_and_if_branches_compute_the_same_experts(tmp_path, variant, bits, 
 
 def test_expert_choices_are_checked_and_auto_follows_the_config():
     from mla_deploy.config import MLAConfig
-    from mla_deploy.export.experts import resolve_experts
+    from mla_deploy.export.plan import resolve_experts
 
     demo = Checkpoint(DEMO_CHECKPOINT).config  # 8 experts, top 2
     v2lite = MLAConfig.from_hf_json(DEMO_CHECKPOINT.parent / "presets" / "v2lite.json")  # 64 experts, top 6
