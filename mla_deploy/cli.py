@@ -107,7 +107,8 @@ def main(ctx, debug):
 @click.option("--decode-attention", type=click.Choice(["auto", "kernel", "ops"]), default="auto", show_default=True,
               help="The decode attention core: mla-deploy's LatentAttention kernel, or onnxruntime's ops (stock ONNX "
                    "that runs anywhere, CUDA included; README, Serving).")
-@click.option("--force", is_flag=True, help="Replace an existing output directory.")
+@click.option("--force", is_flag=True, help="Replace an earlier export at the output path (nothing else is ever "
+              "replaced).")
 def export(checkpoint, out, absorb, dtype, max_seq_len, no_verify, steps, quantize, block_size, accuracy_level,
            head_bits, experts, decode_attention, force):
     """Export CHECKPOINT (default: the bundled demo model) to prefill.onnx + decode.onnx."""

@@ -23,7 +23,7 @@ import onnx_ir as ir
 from .. import __version__, integrity, io_spec
 from ..checkpoint import Checkpoint
 from ..errors import ExportError
-from ..manifest import MANIFEST_FILE, MANIFEST_VERSION, TOKENIZER_FILES, WEIGHTS_FILE, file_sha256
+from ..manifest import MANIFEST_FILE, MANIFEST_VERSION, TOKENIZER_FILES, WEIGHTS_FILE, file_sha256, not_an_export
 from ..progress import progress_bar
 from .absorb import AbsorbMode, absorbed_weight_bytes
 from .graphs import build_graph, op_counts
@@ -48,8 +48,7 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
     """Export a checkpoint; `verify(tmp_dir)` (raising on failure) runs before the directory is moved into place."""
     out = Path(out_dir)
     options.check()
-    if out.exists() and not options.force:
-        raise ExportError(f"{out}: output directory exists (use --force to replace it)")
+    _check_output(out, options.force)
     progress(f"loading checkpoint {checkpoint_dir}")
     ckpt = Checkpoint(checkpoint_dir)
     cfg = ckpt.config
@@ -92,7 +91,7 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
             progress("verifying against the torch source")
             verify(tmp)
         _fsync_tree(tmp)
-        _move_into_place(tmp, out)
+        _move_into_place(tmp, out, options.force)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError):
@@ -144,7 +143,21 @@ def _fsync_tree(directory: Path) -> None:
             os.fsync(f.fileno())
 
 
-def _move_into_place(tmp: Path, out: Path) -> None:
+def _check_output(out: Path, force: bool) -> None:
+    """Nothing at `out`, or an earlier export there and --force: the one thing --force replaces. Anything else is
+    refused, nothing deleted."""
+    if not (out.exists() or out.is_symlink()):
+        return
+    what = not_an_export(out)
+    if what is None and not force:
+        raise ExportError(f"{out}: output directory exists (use --force to replace it)")
+    if what is not None:
+        raise ExportError(f"{out}: {what}; " + ("--force replaces only an earlier mla-deploy export, so nothing was "
+                                                 "deleted: " if force else "") + "choose another output path")
+
+
+def _move_into_place(tmp: Path, out: Path, force: bool) -> None:
+    _check_output(out, force)  # still nothing, or an earlier export, after the build
     if out.exists():  # --force: swap, then remove the old export
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         out.rename(old)
