@@ -37,6 +37,12 @@ typedef const char *(*ProbeGetErrorMessageFn)(const OrtStatus *status);
 
 static const OrtApi *api;
 
+#if __GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 33)
+static double heap_in_use(void) { return (double)mallinfo2().uordblks; }
+#else /* mallinfo2 is glibc 2.33's */
+static double heap_in_use(void) { return (double)mallinfo().uordblks; }
+#endif
+
 static void mark(void *data, size_t i) { ((int *)data)[i] += 1; }
 
 static OrtStatus *compute(void *kernel, OrtKernelContext *context) {
@@ -73,12 +79,12 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *context) {
     y[8] = ORT_FN(api, ProbeGetErrorCodeFn, PROBE_GetErrorCode)(made);
     y[9] = strcmp(ORT_FN(api, ProbeGetErrorMessageFn, PROBE_GetErrorMessage)(made), PROBE_MESSAGE) == 0;
 
-    size_t before = mallinfo2().uordblks;
+    double before = heap_in_use();
     for (int i = 0; i < PROBE_CYCLES; i++) {
         if (ORT_FN(api, OrtGetTensorTypeAndShapeFn, SLOT(ORT_GetTensorTypeAndShape))(x, &info)) return NULL;
         ORT_FN(api, OrtReleaseTensorTypeAndShapeInfoFn, SLOT(ORT_ReleaseTensorTypeAndShapeInfo))(info);
     }
-    y[10] = (double)mallinfo2().uordblks - (double)before;
+    y[10] = heap_in_use() - before;
 
     int64_t shape[1] = {PROBE_OUT};
     OrtValue *out;
