@@ -104,3 +104,9 @@ def test_gate_up_columns_alternate_16_gate_columns_with_the_same_up_columns(bits
     fc = layouts.routed_experts_layout([gate, gate], [up, up], [quantize(rng.standard_normal((inter, d)).astype(np.float32), bits, 16, scale_dtype="float16")] * 2)
     assert fc["fc1_codes"].shape == (2, 4, 3, 32 * bits) and fc["fc1_scales"].shape == (2, 4, 3, 16)
     assert fc["fc2_codes"].shape == (2, 3, 2, 32 * bits) and fc["fc2_scales"].shape == (2, 3, 2, 16)
+
+
+def test_a_manifest_can_say_how_to_read_the_layout():
+    entry = layouts.describe(4, 32)
+    assert entry["layout"] == layouts.NAME and entry["zero_point"] == 8 and entry["scale_dtype"] == "float16"
+    assert layouts.describe(8, 64)["zero_point"] == 128 and "64q+4c+t" in layouts.describe(8, 64)["run"]

@@ -30,10 +30,22 @@ from .quantize import QuantizedWeight, dequantize, unpack_codes
 
 COLUMNS = 16  # output columns per group: one 512-bit register of int32 sums
 SCALE_DTYPE = np.float16
+NAME = "mla_deploy.q16"  # the layout's name in a manifest
 
 
 def groups(n: int) -> int:
     return -(-n // COLUMNS)
+
+
+def describe(bits: int, block: int) -> dict:
+    """What a manifest records of a weight stored in this layout: enough to read it back without this module."""
+    zero = 2 ** (bits - 1)
+    return {"layout": NAME, "bits": bits, "block": block, "columns_per_group": COLUMNS, "scale_dtype": "float16",
+            "zero_point": zero, "codes": "uint8 [ceil(N/16), ceil(K/block), 2*block*bits]",
+            "scales": "float16 [ceil(N/16), ceil(K/block), 16]",
+            "run": ("int8: byte 64q+4c+t = code of column 16g+c at k = j*block+4q+t" if bits == 8 else
+                    "int4: byte 64p+4c+t = code at k = j*block+8p+t (low nibble) | code at k+4 (high nibble)"),
+            "value": f"(code - {zero}) * scale; padding columns and the last block's padding dequantize to 0"}
 
 
 def qmatmul_layout(qw: QuantizedWeight) -> tuple[np.ndarray, np.ndarray]:

@@ -8,17 +8,18 @@
  *                    rope cache [b, cap, d_r], bias float32 [b, 1, 1, cap]) -> float32 [b, h, d_c]
  *                    (latent_attention.h; LatentAttentionF16 / BF16 with the caches in half precision;
  *                    LatentAttentionLong* the same kernels under other names, whose function bodies suit long caches)
- *   QMatMul4, QMatMul8 (A float32 [..., K], codes uint8 [G, KB, 2·B·bits], scales float16 [G, KB, 16]; attributes K, N,
- *                       block_size, accuracy_level) -> Y float32 [..., N]   (qmatmul.h: int4 / int8 weights as stored)
+ *   QMatMul4, QMatMul8 (A float32 [..., K], codes uint8 [G, KB, 2·B·bits], scales float16 [G, KB, 16]; attributes
+ *                       K, N, block_size, accuracy_level) -> Y float32 [..., N]   (qmatmul.h: int4 / int8 weights)
  *   QRoutedExperts4, QRoutedExperts8 (X float32 [T, d], dispatch float32 [T, E], fc1 codes and scales, fc2 codes and
  *                       scales, each [E, ...] of qmatmul.h's layout; attributes block_size, accuracy_level) -> Y [T, d]
  *                       (qexperts.h)
  *   QGather4, QGather8 (ids int64 [...], codes, scales; attributes K, N, block_size) -> rows float32 [..., K]
  *                       (qgather.h: columns of W [K, N], a tied head's embedding rows)
  * registered by RegisterCustomOps, which onnxruntime calls on SessionOptions.register_custom_ops_library. The
- * arithmetic is strip_matmul.c's, routed_experts.c's, latent_attention.c's and the q*.c files'; this file reads shapes, allocates the
- * outputs and splits the work over the session's intra-op threads. Every graph using these ops also carries them as
- * ONNX functions (export/layers.py), which onnxruntime runs where this library is not registered.
+ * arithmetic is strip_matmul.c's, routed_experts.c's, latent_attention.c's, qmatmul.c's, qexperts.c's and qgather.c's;
+ * this file reads shapes, allocates the outputs and splits the work over the session's intra-op threads. Every graph
+ * using these ops also carries them as ONNX functions (export/kernel_functions.py, export/quantized_functions.py),
+ * which onnxruntime runs where this library is not registered.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -231,7 +232,8 @@ typedef struct {
 } QKernel;
 
 static OrtStatus *attribute(const OrtKernelInfo *info, const char *op, const char *name, int64_t *value, int required) {
-    OrtStatus *status = ORT_FN(api, OrtKernelInfoGetAttributeInt64Fn, ORT_KernelInfoGetAttribute_int64)(info, name, value);
+    OrtStatus *status =
+        ORT_FN(api, OrtKernelInfoGetAttributeInt64Fn, ORT_KernelInfoGetAttribute_int64)(info, name, value);
     if (!status) return NULL;
     ORT_FN(api, OrtReleaseStatusFn, ORT_ReleaseStatus)(status);
     if (!required) return NULL;
@@ -252,7 +254,8 @@ static OrtStatus *create_quantized(const OrtCustomOp *op, const OrtApi *a, const
     if (!status) status = attribute(info, q.op, "block_size", &q.block, 1);
     if (!status && !gather) status = attribute(info, q.op, "accuracy_level", &q.level, 0);
     if (status) return status;
-    if (q.block != 16 && q.block != 32 && q.block != 64 && q.block != 128) return error(q.op, "block_size must be 16, 32, 64 or 128");
+    if (q.block != 16 && q.block != 32 && q.block != 64 && q.block != 128)
+        return error(q.op, "block_size must be 16, 32, 64 or 128");
     if (q.level != 0 && q.level != 4) return error(q.op, "accuracy_level must be 0 (float activations) or 4 (int8)");
     if (!experts && (q.k < 1 || q.n < 1)) return error(q.op, "K and N must be positive");
     QKernel *node = malloc(sizeof(QKernel));
@@ -268,12 +271,13 @@ static void destroy_quantized(void *kernel) { free(kernel); }
  * disagrees */
 static OrtStatus *quantized_weight(const QKernel *node, const char *what, int64_t k, int64_t n, const int64_t *c,
                                    const int64_t *s, const void *codes, const void *scales, QWeight *w) {
-    *w = (QWeight){.bits = (int)node->bits, .block = (int)node->block, .k = k, .n = n,
-                   .kb = (k + node->block - 1) / node->block, .groups = (n + QCOLS - 1) / QCOLS, .codes = codes, .scales = scales};
-    if (c[0] != w->groups || c[1] != w->kb || c[2] != qweight_run_bytes(w) || s[0] != w->groups || s[1] != w->kb || s[2] != QCOLS) {
+    *w = (QWeight){.bits = (int)node->bits, .block = (int)node->block, .k = k, .n = n, .codes = codes, .scales = scales,
+                   .kb = (k + node->block - 1) / node->block, .groups = (n + QCOLS - 1) / QCOLS};
+    if (c[0] != w->groups || c[1] != w->kb || c[2] != qweight_run_bytes(w) || s[0] != w->groups || s[1] != w->kb ||
+        s[2] != QCOLS) {
         char problem[200];
-        snprintf(problem, sizeof(problem), "%s must be codes [%lld, %lld, %lld] and scales [%lld, %lld, 16] for a %lld-bit "
-                 "[%lld, %lld] weight in blocks of %lld", what, (long long)w->groups, (long long)w->kb,
+        snprintf(problem, sizeof(problem), "%s must be codes [%lld, %lld, %lld] and scales [%lld, %lld, 16] for a "
+                 "%lld-bit [%lld, %lld] weight in blocks of %lld", what, (long long)w->groups, (long long)w->kb,
                  (long long)qweight_run_bytes(w), (long long)w->groups, (long long)w->kb, (long long)node->bits,
                  (long long)k, (long long)n, (long long)node->block);
         return error(node->op, problem);
@@ -286,6 +290,10 @@ typedef struct {
     const QWeight *w;
     const float *a;
     QActs acts;
+    int8_t *q;        /* level 4: where the quantized rows go (acts' codes, scales and offsets) */
+    float *scale;
+    int32_t *offset;
+    float *padded;    /* level 0: the rows zero-padded to whole blocks */
     int64_t m, row_chunk, rows_chunks, group_chunk;
     float *y;
 } QProduct;
@@ -295,10 +303,10 @@ static void run_quantize(void *data, size_t task) {
     int64_t end = ((int64_t)task + 1) * p->row_chunk < p->m ? ((int64_t)task + 1) * p->row_chunk : p->m;
     for (int64_t r = (int64_t)task * p->row_chunk; r < end; r++) {
         if (p->acts.level == 4)
-            qmatmul_quantize_row(p->node->isa, p->a + r * p->w->k, p->w->k, p->w->block, (int8_t *)p->acts.q + r * p->acts.lda,
-                                 (float *)p->acts.scale + r * p->w->kb, (int32_t *)p->acts.sum + r * p->w->kb);
+            qmatmul_quantize_row(p->node->isa, p->a + r * p->w->k, p->w->k, p->w->block, 1 << (p->w->bits - 1),
+                                 p->q + r * p->acts.lda, p->scale + r * p->w->kb, p->offset + r * p->w->kb);
         else
-            qmatmul_pad_row(p->a + r * p->w->k, p->w->k, p->acts.lda, (float *)p->acts.f + r * p->acts.lda);
+            qmatmul_pad_row(p->a + r * p->w->k, p->w->k, p->acts.lda, p->padded + r * p->acts.lda);
     }
 }
 
@@ -319,11 +327,13 @@ static OrtStatus *compute_qmatmul(void *kernel, OrtKernelContext *context) {
     void *data[3], *y;
     OrtStatus *status = inputs(context, node->op, 3, dims, rank, data);
     if (status) return status;
-    if (rank[0] < 1 || rank[1] != 3 || rank[2] != 3) return error(node->op, "expected A [..., K], codes [G, KB, bytes], scales [G, KB, 16]");
+    if (rank[0] < 1 || rank[1] != 3 || rank[2] != 3)
+        return error(node->op, "expected A [..., K], codes [G, KB, bytes], scales [G, KB, 16]");
     if (dims[0][rank[0] - 1] != node->k) return error(node->op, "A's last dimension must equal the attribute K");
     QWeight w;
     if ((status = quantized_weight(node, "B", node->k, node->n, dims[1], dims[2], data[1], data[2], &w))) return status;
-    QProduct p = {.node = node, .w = &w, .a = data[0], .m = 1, .acts = {.level = (int)node->level, .lda = w.kb * w.block}};
+    QProduct p = {.node = node, .w = &w, .a = data[0], .m = 1,
+                  .acts = {.level = (int)node->level, .lda = w.kb * w.block}};
     for (size_t i = 0; i + 1 < rank[0]; i++) p.m *= dims[0][i];
     memcpy(y_dims, dims[0], sizeof(int64_t) * rank[0]);
     y_dims[rank[0] - 1] = node->n;
@@ -333,14 +343,17 @@ static OrtStatus *compute_qmatmul(void *kernel, OrtKernelContext *context) {
         return error(node->op, "cannot allocate Y");
     if (p.m == 0) return NULL;
     p.y = y;
-    int64_t lda = p.acts.lda, copies = node->level == 4 ? p.m * lda + 8 * p.m * w.kb : node->k % node->block ? 4 * p.m * lda : 0;
+    /* level 4: A's rows quantized (codes, scales, offsets); level 0: copied zero-padded where K is not whole blocks */
+    int64_t lda = p.acts.lda, copies = node->level == 4 ? p.m * lda + 8 * p.m * w.kb
+                                      : node->k % node->block ? 4 * p.m * lda : 0;
     char *scratch = NULL;
     if (copies && !(scratch = malloc((size_t)copies))) return error(node->op, "out of memory for A's rows");
     if (node->level == 4) {
-        p.acts.scale = (float *)scratch, p.acts.sum = (int32_t *)(scratch + 4 * p.m * w.kb);
-        p.acts.q = (int8_t *)(scratch + 8 * p.m * w.kb);
+        p.acts.scale = p.scale = (float *)scratch, p.acts.offset = p.offset = (int32_t *)(scratch + 4 * p.m * w.kb);
+        p.acts.q = p.q = (int8_t *)(scratch + 8 * p.m * w.kb);
     } else {
-        p.acts.f = scratch ? (float *)scratch : p.a;
+        p.acts.f = p.padded = scratch ? (float *)scratch : NULL;
+        if (!scratch) p.acts.f = p.a;
         p.acts.lda = scratch ? lda : node->k;
     }
     OrtKernelContext *pool = pool_for(context, p.m * node->k * node->n);
@@ -380,15 +393,16 @@ static OrtStatus *compute_qexperts(void *kernel, OrtKernelContext *context) {
     QExperts job = {.isa = node->isa, .level = (int)node->level, .bits = (int)node->bits, .block = (int)node->block,
                     .tokens = dims[0][0], .d = dims[0][1], .experts = dims[1][1], .groups1 = dims[2][1],
                     .groups2 = dims[4][1], .kb2 = dims[4][2]};
-    if (dims[1][0] != job.tokens || dims[2][0] != job.experts || dims[3][0] != job.experts || dims[4][0] != job.experts ||
-        dims[5][0] != job.experts)
+    if (dims[1][0] != job.tokens || dims[2][0] != job.experts || dims[3][0] != job.experts ||
+        dims[4][0] != job.experts || dims[5][0] != job.experts)
         return error(node->op, "X, dispatch and the expert weights disagree on the tokens or the experts");
     if (job.groups1 % 2) return error(node->op, "fc1 must hold pairs of gate and up groups (2 I' / 16 even)");
     job.inter = job.groups1 / 2 * QCOLS;
     QWeight fc1, fc2;
-    if ((status = quantized_weight(node, "fc1", job.d, 2 * job.inter, dims[2] + 1, dims[3] + 1, data[2], data[3], &fc1)) ||
-        (status = quantized_weight(node, "fc2", job.kb2 * job.block, job.d, dims[4] + 1, dims[5] + 1, data[4], data[5], &fc2)))
-        return status;
+    status = quantized_weight(node, "fc1", job.d, 2 * job.inter, dims[2] + 1, dims[3] + 1, data[2], data[3], &fc1);
+    if (!status)
+        status = quantized_weight(node, "fc2", job.kb2 * job.block, job.d, dims[4] + 1, dims[5] + 1, data[4], data[5], &fc2);
+    if (status) return status;
     if (job.kb2 * job.block < job.inter || (job.kb2 - 1) * job.block >= job.inter)
         return error(node->op, "fc2's K blocks must cover fc1's I' activations (ceil(I / block) blocks)");
     job.kb1 = fc1.kb;
@@ -433,21 +447,25 @@ static OrtStatus *compute_qgather(void *kernel, OrtKernelContext *context) {
     void *data[3], *y;
     OrtStatus *status = inputs(context, node->op, 3, dims, rank, data);
     if (status) return status;
-    if (rank[0] + 1 > MAX_RANK || rank[1] != 3 || rank[2] != 3) return error(node->op, "expected ids [...], codes [G, KB, bytes], scales [G, KB, 16]");
+    if (rank[0] + 1 > MAX_RANK || rank[1] != 3 || rank[2] != 3)
+        return error(node->op, "expected ids [...], codes [G, KB, bytes], scales [G, KB, 16]");
     QWeight w;
-    if ((status = quantized_weight(node, "the table", node->k, node->n, dims[1], dims[2], data[1], data[2], &w))) return status;
+    status = quantized_weight(node, "the table", node->k, node->n, dims[1], dims[2], data[1], data[2], &w);
+    if (status) return status;
     int64_t count = 1;
     for (size_t i = 0; i < rank[0]; i++) count *= dims[0][i], y_dims[i] = dims[0][i];
     const int64_t *ids = data[0];
     for (int64_t i = 0; i < count; i++)
         if (ids[i] < -node->n || ids[i] >= node->n) {
             char problem[128];
-            snprintf(problem, sizeof(problem), "id %lld is outside [-%lld, %lld)", (long long)ids[i], (long long)node->n, (long long)node->n);
+            snprintf(problem, sizeof(problem), "id %lld is outside [-%lld, %lld)", (long long)ids[i], (long long)node->n,
+                     (long long)node->n);
             return error(node->op, problem);
         }
     y_dims[rank[0]] = node->k;
     OrtValue *y_value;
-    if (ORT_FN(api, OrtKernelContextGetOutputFn, ORT_KernelContext_GetOutput)(context, 0, y_dims, rank[0] + 1, &y_value) ||
+    if (ORT_FN(api, OrtKernelContextGetOutputFn, ORT_KernelContext_GetOutput)(context, 0, y_dims, rank[0] + 1,
+                                                                               &y_value) ||
         ORT_FN(api, OrtGetTensorMutableDataFn, ORT_GetTensorMutableData)(y_value, &y))
         return error(node->op, "cannot allocate the rows");
     QGatherJob job = {&w, ids, y};

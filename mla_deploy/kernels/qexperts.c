@@ -43,11 +43,11 @@ int qexperts_plan(QExperts *job) {
     for (int64_t e = 0; e < job->experts; e++) active += rows[e] > 0, routed += rows[e];
     int64_t lda1 = job->kb1 * job->block, lda2 = job->kb2 * job->block, t = job->tokens;
     int64_t level4 = job->level == 4, pad_x = !level4 && lda1 != job->d;
-    int64_t total = 64 + round_up(8 * active, 64) + round_up(8 * (active + 1), 64) + round_up(8 * routed, 64) +
-                    round_up(4 * routed, 64) + round_up(4 * routed * lda2, 64) +
-                    level4 * (round_up(t * lda1, 64) + 2 * round_up(4 * t * job->kb1, 64) + round_up(routed * lda2, 64) +
-                              2 * round_up(4 * routed * job->kb2, 64)) +
-                    pad_x * round_up(4 * t * lda1, 64);
+    int64_t plan = round_up(8 * active, 64) + round_up(8 * (active + 1), 64) + round_up(8 * routed, 64) +
+                   round_up(4 * routed, 64) + round_up(4 * routed * lda2, 64);
+    int64_t int8 = round_up(t * lda1, 64) + 2 * round_up(4 * t * job->kb1, 64) + round_up(routed * lda2, 64) +
+                   2 * round_up(4 * routed * job->kb2, 64);
+    int64_t total = 64 + plan + level4 * int8 + pad_x * round_up(4 * t * lda1, 64);
     char *memory = malloc((size_t)total);
     if (!memory) {
         free(rows);
@@ -59,12 +59,13 @@ int qexperts_plan(QExperts *job) {
     job->expert = take(&cursor, 8 * active), job->first = take(&cursor, 8 * (active + 1));
     job->token = take(&cursor, 8 * routed), job->weight = take(&cursor, 4 * routed);
     job->act = take(&cursor, 4 * routed * lda2);
-    job->x_q = NULL, job->x_scale = job->x_f = job->act_scale = NULL, job->x_sum = job->act_sum = NULL, job->act_q = NULL;
+    job->x_q = job->act_q = NULL, job->x_scale = job->x_f = job->act_scale = NULL;
+    job->x_offset = job->act_offset = NULL;
     if (level4) {
         job->x_q = take(&cursor, t * lda1), job->x_scale = take(&cursor, 4 * t * job->kb1);
-        job->x_sum = take(&cursor, 4 * t * job->kb1);
+        job->x_offset = take(&cursor, 4 * t * job->kb1);
         job->act_q = take(&cursor, routed * lda2), job->act_scale = take(&cursor, 4 * routed * job->kb2);
-        job->act_sum = take(&cursor, 4 * routed * job->kb2);
+        job->act_offset = take(&cursor, 4 * routed * job->kb2);
     } else if (pad_x) {
         job->x_f = take(&cursor, 4 * t * lda1);
     }
@@ -89,7 +90,7 @@ int qexperts_plan(QExperts *job) {
 /* fc1's input: the tokens' rows, through the routed rows' token index */
 static QActs x_rows(const QExperts *job) {
     QActs a = {.level = job->level, .lda = job->kb1 * job->block, .q = job->x_q, .scale = job->x_scale,
-               .sum = job->x_sum, .f = job->x_f, .index = job->token};
+               .offset = job->x_offset, .f = job->x_f, .index = job->token};
     if (job->level == 0 && !job->x_f) a.f = job->x, a.lda = job->d;
     return a;
 }
@@ -97,7 +98,7 @@ static QActs x_rows(const QExperts *job) {
 /* fc2's input: the routed rows' activations */
 static QActs act_rows(const QExperts *job) {
     return (QActs){.level = job->level, .lda = job->kb2 * job->block, .q = job->act_q, .scale = job->act_scale,
-                   .sum = job->act_sum, .f = job->act};
+                   .offset = job->act_offset, .f = job->act};
 }
 
 void qexperts_release(QExperts *job) {
@@ -115,8 +116,8 @@ void qexperts_x(QExperts *job, int64_t task) {
     for (int64_t t = task * CHUNK_ROWS; t < end; t++) {
         const float *x = job->x + t * job->d;
         if (job->level == 4)
-            qmatmul_quantize_row(job->isa, x, job->d, job->block, job->x_q + t * lda1, job->x_scale + t * job->kb1,
-                                 job->x_sum + t * job->kb1);
+            qmatmul_quantize_row(job->isa, x, job->d, job->block, 1 << (job->bits - 1), job->x_q + t * lda1,
+                                 job->x_scale + t * job->kb1, job->x_offset + t * job->kb1);
         else
             qmatmul_pad_row(x, job->d, lda1, job->x_f + t * lda1);
     }
@@ -140,7 +141,7 @@ void qexperts_fc1(QExperts *job, int64_t task) {
             for (int64_t g = g0; g < g1; g += 2) {
                 const float *gate = hidden + (r - r0) * ldh + (g - g0) * QCOLS, *up = gate + QCOLS;
                 float *act = job->act + r * lda2 + g / 2 * QCOLS;
-                for (int c = 0; c < QCOLS; c++) act[c] = gate[c] / (1.0f + expf(-gate[c])) * up[c]; /* silu(gate) · up */
+                for (int c = 0; c < QCOLS; c++) act[c] = gate[c] / (1.0f + expf(-gate[c])) * up[c]; /* silu(g) · u */
             }
         }
     }
@@ -154,8 +155,8 @@ void qexperts_acts(QExperts *job, int64_t task) {
     int64_t routed = job->first[job->active], end = (task + 1) * CHUNK_ROWS < routed ? (task + 1) * CHUNK_ROWS : routed;
     int64_t lda2 = job->kb2 * job->block;
     for (int64_t r = task * CHUNK_ROWS; r < end; r++)
-        qmatmul_quantize_row(job->isa, job->act + r * lda2, lda2, job->block, job->act_q + r * lda2,
-                             job->act_scale + r * job->kb2, job->act_sum + r * job->kb2);
+        qmatmul_quantize_row(job->isa, job->act + r * lda2, lda2, job->block, 1 << (job->bits - 1),
+                             job->act_q + r * lda2, job->act_scale + r * job->kb2, job->act_offset + r * job->kb2);
 }
 
 int64_t qexperts_fc2_tasks(const QExperts *job) { return (job->groups2 + QEXPERT_GROUPS - 1) / QEXPERT_GROUPS; }

@@ -19,7 +19,8 @@ typedef struct {
     Isa isa;
     int level, bits, block;
     int64_t tokens, d, experts, inter;    /* inter: I' = fc1's columns / 2 */
-    int64_t groups1, kb1, groups2, kb2;   /* fc1: 2 I' / 16 groups of ceil(d / B) blocks; fc2: ceil(d / 16), ceil(I / B) */
+    int64_t groups1, kb1, groups2, kb2;   /* fc1: 2 I' / 16 groups of ceil(d / B) blocks; fc2: ceil(d / 16) groups of
+                                           * ceil(I / B) blocks */
     const float *x, *dispatch;            /* [tokens, d], [tokens, experts] */
     const uint8_t *fc1_codes, *fc2_codes;
     const uint16_t *fc1_scales, *fc2_scales;
@@ -30,15 +31,15 @@ typedef struct {
     int64_t *first;   /* [active + 1]: expert i's routed rows are first[i] .. first[i + 1] - 1 */
     int64_t *token;   /* [routed]: the token of each routed row */
     float *weight;    /* [routed]: its dispatch weight */
-    /* fc1's input, the tokens' rows: level 4 codes [tokens, kb1 · B], scales and sums [tokens, kb1]; level 0 the
+    /* fc1's input, the tokens' rows: level 4 codes [tokens, kb1 · B], scales and offsets [tokens, kb1]; level 0 the
      * rows zero-padded to kb1 · B (NULL where d is whole blocks: x is read in place) */
     int8_t *x_q;
     float *x_scale, *x_f;
-    int32_t *x_sum;
+    int32_t *x_offset;
     float *act;       /* [routed, kb2 · B] silu(gate) · up, zero past I' */
-    int8_t *act_q;    /* level 4: act quantized [routed, kb2 · B], scales and sums [routed, kb2] */
+    int8_t *act_q;    /* level 4: act quantized [routed, kb2 · B], scales and offsets [routed, kb2] */
     float *act_scale;
-    int32_t *act_sum;
+    int32_t *act_offset;
     void *memory;
 } QExperts;
 

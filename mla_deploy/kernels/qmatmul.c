@@ -6,8 +6,8 @@
  * - AVX2: the same on 256-bit halves of a group (8 columns), vpmaddubsw + vpmaddwd instead of vpdpbusd: int4
  *   codes (0..15) times activations stay below 2^15 in 16-bit lanes for 8 quads, int8 codes go through
  *   vpsignb (|w| times a with w's sign) so that no 16-bit lane saturates.
- * The unsigned weight codes are the multiplicand vpdpbusd and vpmaddubsw want; the zero point's share z · sum(a)
- * starts each block's sum, from the per-block sums qmatmul_quantize_row stores.
+ * The unsigned weight codes are the multiplicand vpdpbusd and vpmaddubsw want; each block's sum starts at the zero
+ * point's share -z · sum(a), which qmatmul_quantize_row stores beside the codes (a load, not a multiply, per block).
  *
  * A product runs in tiles of R rows x G groups (R·G 16-column accumulators in registers across all of K): each
  * weight run is unpacked once per tile and multiplied by R rows from registers, each activation broadcast once per
@@ -30,7 +30,7 @@ typedef struct {
     int last;                   /* columns of the tile's last group to write (1..16) */
     const int8_t *q[MAX_TILE];  /* level 4: row r's codes */
     const float *as[MAX_TILE];  /* level 4: row r's block scales */
-    const int32_t *sum[MAX_TILE];
+    const int32_t *offset[MAX_TILE];
     const float *f[MAX_TILE];   /* level 0: row r */
     float *y[MAX_TILE];         /* row r of Y at the tile's first column */
 } Tile;
@@ -81,7 +81,8 @@ static void scalar_product(const QWeight *w, const QActs *a, int64_t r0, int64_t
                     } else {
                         const float *f = a->f + row * a->lda + j * block;
                         float sum = 0.0f;
-                        for (int kk = 0; kk < block; kk++) sum = fmaf(f[kk], (float)(code_at(codes, w->bits, kk, c) - z), sum);
+                        for (int kk = 0; kk < block; kk++)
+                            sum = fmaf(f[kk], (float)(code_at(codes, w->bits, kk, c) - z), sum);
                         acc[c] = fmaf(sum, ws, acc[c]);
                     }
                 }
@@ -104,7 +105,21 @@ static void quantize_block_scalar(const float *x, int block, int8_t *q, float *s
     *scale = amax / 127.0f, *sum = total;
 }
 
+/* group g's 16 scales of block j (g counted from the tile's first group) */
+static inline const uint16_t *scales_at(const Tile *t, int g, int64_t j) {
+    return t->w->scales + ((t->g + g) * t->w->kb + j) * QCOLS;
+}
+
 /* ---------- AVX2 ---------- */
+
+/* the 32 bytes of half i (group i / 2, its columns 8 (i % 2) .. 8 (i % 2) + 7) at byte `at` of the groups' runs */
+INLINE_AVX2 __m256i load_half(const uint8_t *runs, int64_t stride, int i, int64_t at) {
+    return _mm256_loadu_si256((const __m256i *)(runs + i / 2 * stride + at + 32 * (i % 2)));
+}
+
+INLINE_AVX2 __m256 half_scales(const Tile *t, int i, int64_t j) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales_at(t, i / 2, j) + 8 * (i % 2))));
+}
 
 INLINE_AVX2 void store_half(float *dst, __m256 v, int cols) { /* cols of 8 */
     if (cols >= 8) {
@@ -116,10 +131,10 @@ INLINE_AVX2 void store_half(float *dst, __m256 v, int cols) { /* cols of 8 */
     }
 }
 
-/* level 4, R rows x G groups as 2G halves of 8 columns; the float sums live in `out` (L1) between blocks */
+/* level 4, R rows x G groups as 2G halves of 8 columns (16 registers: the compiler keeps some sums in L1) */
 INLINE_AVX2 void int_tile_avx2(const Tile *t, const int R, const int G, const int bits) {
     const QWeight *w = t->w;
-    const int block = w->block, z = 1 << (bits - 1);
+    const int block = w->block;
     const int64_t run = 2 * (int64_t)block * bits, stride = w->kb * run;
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80);
     __m256 out[MAX_TILE * 2];
@@ -128,7 +143,7 @@ INLINE_AVX2 void int_tile_avx2(const Tile *t, const int R, const int G, const in
         const uint8_t *wp = w->codes + (t->g * w->kb + j) * run;
         __m256i acc[MAX_TILE * 2];
         for (int r = 0; r < R; r++)
-            for (int i = 0; i < G * 2; i++) acc[r * G * 2 + i] = _mm256_set1_epi32(bits == 4 ? -z * t->sum[r][j] : 0);
+            for (int i = 0; i < G * 2; i++) acc[r * G * 2 + i] = _mm256_set1_epi32(bits == 4 ? t->offset[r][j] : 0);
         if (bits == 4) { /* 16-bit partial sums, at most 8 quads (|sum| <= 8 · 2 · 15 · 127) before widening */
             for (int p0 = 0; p0 < block / 8; p0 += 4) {
                 __m256i part[MAX_TILE * 2];
@@ -136,7 +151,7 @@ INLINE_AVX2 void int_tile_avx2(const Tile *t, const int R, const int G, const in
                 for (int p = p0; p < p0 + 4 && p < block / 8; p++) {
                     __m256i lo[4], hi[4];
                     for (int i = 0; i < G * 2; i++) {
-                        __m256i v = _mm256_loadu_si256((const __m256i *)(wp + i / 2 * stride + 64 * p + 32 * (i % 2)));
+                        __m256i v = load_half(wp, stride, i, 64 * p);
                         lo[i] = _mm256_and_si256(v, low), hi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
                     }
                     for (int r = 0; r < R; r++) {
@@ -153,7 +168,7 @@ INLINE_AVX2 void int_tile_avx2(const Tile *t, const int R, const int G, const in
             for (int qd = 0; qd < block / 4; qd++) {
                 __m256i mag[4], sgn[4];
                 for (int i = 0; i < G * 2; i++) {
-                    sgn[i] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wp + i / 2 * stride + 64 * qd + 32 * (i % 2))), flip);
+                    sgn[i] = _mm256_xor_si256(load_half(wp, stride, i, 64 * qd), flip);
                     mag[i] = _mm256_abs_epi8(sgn[i]);
                 }
                 for (int r = 0; r < R; r++) {
@@ -165,10 +180,11 @@ INLINE_AVX2 void int_tile_avx2(const Tile *t, const int R, const int G, const in
             }
         }
         for (int i = 0; i < G * 2; i++) {
-            __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->scales + ((t->g + i / 2) * w->kb + j) * QCOLS + 8 * (i % 2))));
-            for (int r = 0; r < R; r++)
-                out[r * G * 2 + i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r * G * 2 + i]),
-                                                     _mm256_mul_ps(ws, _mm256_set1_ps(t->as[r][j])), out[r * G * 2 + i]);
+            __m256 ws = half_scales(t, i, j);
+            for (int r = 0; r < R; r++) {
+                __m256 scale = _mm256_mul_ps(ws, _mm256_set1_ps(t->as[r][j]));
+                out[r * G * 2 + i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r * G * 2 + i]), scale, out[r * G * 2 + i]);
+            }
         }
     }
     for (int r = 0; r < R; r++)
@@ -192,9 +208,9 @@ INLINE_AVX2 void float_tile_avx2(const Tile *t, const int R, const int G, const 
             __m256i quad[4]; /* signed codes, 8 columns x 4 k */
             for (int i = 0; i < G * 2; i++) {
                 if (bits == 8) {
-                    quad[i] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wp + i / 2 * stride + 64 * qd + 32 * (i % 2))), flip);
+                    quad[i] = _mm256_xor_si256(load_half(wp, stride, i, 64 * qd), flip);
                 } else {
-                    __m256i v = _mm256_loadu_si256((const __m256i *)(wp + i / 2 * stride + 64 * (qd / 2) + 32 * (i % 2)));
+                    __m256i v = load_half(wp, stride, i, 64 * (qd / 2));
                     v = qd % 2 ? _mm256_srli_epi16(v, 4) : v;
                     quad[i] = _mm256_sub_epi8(_mm256_and_si256(v, low), eight);
                 }
@@ -202,14 +218,17 @@ INLINE_AVX2 void float_tile_avx2(const Tile *t, const int R, const int G, const 
             for (int tk = 0; tk < 4; tk++) {
                 for (int i = 0; i < G * 2; i++) {
                     __m256 wf = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(quad[i], 24 - 8 * tk), 24));
-                    for (int r = 0; r < R; r++)
-                        sum[r * G * 2 + i] = _mm256_fmadd_ps(_mm256_set1_ps(t->f[r][j * block + 4 * qd + tk]), wf, sum[r * G * 2 + i]);
+                    for (int r = 0; r < R; r++) {
+                        __m256 a = _mm256_set1_ps(t->f[r][j * block + 4 * qd + tk]);
+                        sum[r * G * 2 + i] = _mm256_fmadd_ps(a, wf, sum[r * G * 2 + i]);
+                    }
                 }
             }
         }
         for (int i = 0; i < G * 2; i++) {
-            __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->scales + ((t->g + i / 2) * w->kb + j) * QCOLS + 8 * (i % 2))));
-            for (int r = 0; r < R; r++) out[r * G * 2 + i] = _mm256_fmadd_ps(sum[r * G * 2 + i], ws, out[r * G * 2 + i]);
+            __m256 ws = half_scales(t, i, j);
+            for (int r = 0; r < R; r++)
+                out[r * G * 2 + i] = _mm256_fmadd_ps(sum[r * G * 2 + i], ws, out[r * G * 2 + i]);
         }
     }
     for (int r = 0; r < R; r++)
@@ -217,9 +236,11 @@ INLINE_AVX2 void float_tile_avx2(const Tile *t, const int R, const int G, const 
             store_half(t->y[r] + 8 * i, out[r * G * 2 + i], i / 2 < G - 1 ? 8 : t->last - 8 * (i % 2));
 }
 
-static void quantize_block_avx2(const float *x, int block, int8_t *q, float *scale, int32_t *sum);
-
 /* ---------- AVX-512 VNNI ---------- */
+
+INLINE_AVX512 __m512 group_scales(const Tile *t, int g, int64_t j) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales_at(t, g, j)));
+}
 
 INLINE_AVX512 void store_group(float *dst, __m512 v, int cols) {
     if (cols >= QCOLS) _mm512_storeu_ps(dst, v);
@@ -229,7 +250,7 @@ INLINE_AVX512 void store_group(float *dst, __m512 v, int cols) {
 /* level 4, R rows x G groups, the R·G float sums in registers across K */
 INLINE_AVX512 void int_tile_avx512(const Tile *t, const int R, const int G, const int bits) {
     const QWeight *w = t->w;
-    const int block = w->block, z = 1 << (bits - 1);
+    const int block = w->block;
     const int64_t run = 2 * (int64_t)block * bits, stride = w->kb * run;
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 out[MAX_TILE];
@@ -238,7 +259,7 @@ INLINE_AVX512 void int_tile_avx512(const Tile *t, const int R, const int G, cons
         const uint8_t *wp = w->codes + (t->g * w->kb + j) * run;
         __m512i acc[MAX_TILE];
         for (int r = 0; r < R; r++) {
-            __m512i start = _mm512_set1_epi32(-z * t->sum[r][j]);
+            __m512i start = _mm512_set1_epi32(t->offset[r][j]);
             for (int g = 0; g < G; g++) acc[r * G + g] = start;
         }
         if (bits == 8) {
@@ -261,14 +282,17 @@ INLINE_AVX512 void int_tile_avx512(const Tile *t, const int R, const int G, cons
                     const int8_t *q = t->q[r] + j * block + 8 * p;
                     __m512i a0 = _mm512_set1_epi32(load4(q)), a1 = _mm512_set1_epi32(load4(q + 4));
                     for (int g = 0; g < G; g++)
-                        acc[r * G + g] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[r * G + g], lo[g], a0), hi[g], a1);
+                        acc[r * G + g] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[r * G + g], lo[g], a0), hi[g],
+                                                             a1);
                 }
             }
         }
         for (int g = 0; g < G; g++) {
-            __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->scales + ((t->g + g) * w->kb + j) * QCOLS)));
-            for (int r = 0; r < R; r++)
-                out[r * G + g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r * G + g]), _mm512_mul_ps(ws, _mm512_set1_ps(t->as[r][j])), out[r * G + g]);
+            __m512 ws = group_scales(t, g, j);
+            for (int r = 0; r < R; r++) {
+                __m512 scale = _mm512_mul_ps(ws, _mm512_set1_ps(t->as[r][j]));
+                out[r * G + g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r * G + g]), scale, out[r * G + g]);
+            }
         }
     }
     for (int r = 0; r < R; r++)
@@ -301,13 +325,15 @@ INLINE_AVX512 void float_tile_avx512(const Tile *t, const int R, const int G, co
             for (int tk = 0; tk < 4; tk++) {
                 for (int g = 0; g < G; g++) {
                     __m512 wf = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(quad[g], 24 - 8 * tk), 24));
-                    for (int r = 0; r < R; r++)
-                        sum[r * G + g] = _mm512_fmadd_ps(_mm512_set1_ps(t->f[r][j * block + 4 * qd + tk]), wf, sum[r * G + g]);
+                    for (int r = 0; r < R; r++) {
+                        __m512 a = _mm512_set1_ps(t->f[r][j * block + 4 * qd + tk]);
+                        sum[r * G + g] = _mm512_fmadd_ps(a, wf, sum[r * G + g]);
+                    }
                 }
             }
         }
         for (int g = 0; g < G; g++) {
-            __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->scales + ((t->g + g) * w->kb + j) * QCOLS)));
+            __m512 ws = group_scales(t, g, j);
             for (int r = 0; r < R; r++) out[r * G + g] = _mm512_fmadd_ps(sum[r * G + g], ws, out[r * G + g]);
         }
     }
@@ -323,7 +349,8 @@ typedef void (*TileFn)(const Tile *);
     static TARGET void int_##PATH##_##R##_##G##_##BITS(const Tile *t) { int_tile_##PATH(t, R, G, BITS); }            \
     static TARGET void float_##PATH##_##R##_##G##_##BITS(const Tile *t) { float_tile_##PATH(t, R, G, BITS); }
 #define CASE_TILE(PATH, TARGET, R, G, BITS)                                                                          \
-    case (BITS) * 10000 + (G) * 100 + (R): return level == 4 ? int_##PATH##_##R##_##G##_##BITS : float_##PATH##_##R##_##G##_##BITS;
+    case (BITS) * 10000 + (G) * 100 + (R):                                                                           \
+        return level == 4 ? int_##PATH##_##R##_##G##_##BITS : float_##PATH##_##R##_##G##_##BITS;
 
 /* AVX-512: 4 groups for up to 3 rows, 2 for up to 6, 1 for up to 12 */
 #define SHAPES_AVX512(X, BITS)                                                                                       \
@@ -346,21 +373,32 @@ SHAPES_AVX2(DEFINE_TILE, 8)
 
 static TileFn tile_fn(Isa isa, int level, int bits, int rows, int groups) {
     if (isa == ISA_AVX512) {
-        switch (bits * 10000 + groups * 100 + rows) { SHAPES_AVX512(CASE_TILE, 4) SHAPES_AVX512(CASE_TILE, 8) default: break; }
+        switch (bits * 10000 + groups * 100 + rows) {
+            SHAPES_AVX512(CASE_TILE, 4)
+            SHAPES_AVX512(CASE_TILE, 8)
+            default: break;
+        }
     } else {
-        switch (bits * 10000 + groups * 100 + rows) { SHAPES_AVX2(CASE_TILE, 4) SHAPES_AVX2(CASE_TILE, 8) default: break; }
+        switch (bits * 10000 + groups * 100 + rows) {
+            SHAPES_AVX2(CASE_TILE, 4)
+            SHAPES_AVX2(CASE_TILE, 8)
+            default: break;
+        }
     }
     return NULL;
 }
 
-/* rows and groups of the main tile for a product of `rows` rows */
+/* Rows and groups of the main tile for a product of `rows` rows. AVX-512, measured on one Zen 4 core (K 2048,
+ * int4, block 32): up to 8 rows (batched decode, the weights streamed from memory) 3 x 4 tiles keep 4 streams of
+ * runs in flight and ran 10 % faster than 6 x 2 or 8 x 1; more rows (prefill, the column tile's runs in L1/L2 for
+ * every row tile) 6 x 2 ran at 73 % of one vpdpbusd per cycle against 68 % for 12 x 1 and 64 % for 8 x 1. */
 static void tile_shape(Isa isa, int64_t rows, int *r, int *g) {
     if (isa == ISA_AVX2) {
         *r = rows < 4 ? (int)rows : 4, *g = 1;
-    } else if (rows <= 3) {
-        *r = (int)rows, *g = 4;
+    } else if (rows <= 8) {
+        *r = rows < 3 ? (int)rows : 3, *g = 4;
     } else {
-        *r = rows < 6 ? (int)rows : 6, *g = 2;
+        *r = 6, *g = 2;
     }
 }
 
@@ -384,7 +422,8 @@ void qmatmul_rows_groups(Isa isa, const QWeight *w, const QActs *a, int64_t r0, 
             for (int i = 0; i < rows; i++) {
                 int64_t row = a->index ? a->index[r + i] : r + i;
                 if (a->level == 4) {
-                    t.q[i] = a->q + row * a->lda, t.as[i] = a->scale + row * w->kb, t.sum[i] = a->sum + row * w->kb;
+                    t.q[i] = a->q + row * a->lda, t.as[i] = a->scale + row * w->kb;
+                    t.offset[i] = a->offset + row * w->kb;
                 } else {
                     t.f[i] = a->f + row * a->lda;
                 }
@@ -413,7 +452,7 @@ TARGET_AVX2 static void quantize_block_avx2(const float *x, int block, int8_t *q
         __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), iv));
         __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8), iv));
         total = _mm256_add_epi32(total, _mm256_add_epi32(lo, hi));
-        __m256i words = _mm256_packs_epi32(lo, hi);                                   /* lanes: lo0-3 hi0-3 lo4-7 hi4-7 */
+        __m256i words = _mm256_packs_epi32(lo, hi); /* lanes: lo0-3 hi0-3 lo4-7 hi4-7 */
         __m128i bytes = _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
         _mm_storeu_si128((__m128i *)(q + i), _mm_shuffle_epi32(bytes, _MM_SHUFFLE(3, 1, 2, 0)));
     }
@@ -438,7 +477,8 @@ TARGET_AVX512 static void quantize_block_avx512(const float *x, int block, int8_
     *scale = amax / 127.0f, *sum = _mm512_reduce_add_epi32(total);
 }
 
-void qmatmul_quantize_row(Isa isa, const float *a, int64_t k, int block, int8_t *q, float *scale, int32_t *sum) {
+void qmatmul_quantize_row(Isa isa, const float *a, int64_t k, int block, int zero, int8_t *q, float *scale,
+                          int32_t *offset) {
     float tail[QMAX_BLOCK];
     for (int64_t j = 0, start = 0; start < k; j++, start += block) {
         const float *x = a + start;
@@ -447,9 +487,11 @@ void qmatmul_quantize_row(Isa isa, const float *a, int64_t k, int block, int8_t 
             memset(tail + (k - start), 0, sizeof(float) * (size_t)(block - (k - start)));
             x = tail;
         }
-        if (isa == ISA_AVX512) quantize_block_avx512(x, block, q + start, scale + j, sum + j);
-        else if (isa == ISA_AVX2) quantize_block_avx2(x, block, q + start, scale + j, sum + j);
-        else quantize_block_scalar(x, block, q + start, scale + j, sum + j);
+        int32_t sum;
+        if (isa == ISA_AVX512) quantize_block_avx512(x, block, q + start, scale + j, &sum);
+        else if (isa == ISA_AVX2) quantize_block_avx2(x, block, q + start, scale + j, &sum);
+        else quantize_block_scalar(x, block, q + start, scale + j, &sum);
+        offset[j] = -zero * sum;
     }
 }
 

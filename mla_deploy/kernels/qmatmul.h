@@ -40,7 +40,7 @@ typedef struct {
     int64_t lda;             /* values per row: kb * block, zero past k */
     const int8_t *q;         /* level 4: codes [rows, lda] */
     const float *scale;      /* level 4: a_s [rows, kb] */
-    const int32_t *sum;      /* level 4: each block's sum of codes [rows, kb] (the zero point's share: z · sum) */
+    const int32_t *offset;   /* level 4: -z · (the block's sum of codes) [rows, kb]: the zero point's share */
     const float *f;          /* level 0: the rows [rows, lda] */
     const int64_t *index;
 } QActs;
@@ -48,8 +48,10 @@ typedef struct {
 /* bytes of one group's run of one block */
 static inline int64_t qweight_run_bytes(const QWeight *w) { return 2 * (int64_t)w->block * w->bits; }
 
-/* Level 4: row a[0 .. k) quantized into q [kb * block] (zero past k), scale [kb] and sum [kb]. */
-void qmatmul_quantize_row(Isa isa, const float *a, int64_t k, int block, int8_t *q, float *scale, int32_t *sum);
+/* Level 4: row a[0 .. k) quantized into q [kb * block] (zero past k), scale [kb] and offset [kb] (for weights whose
+ * zero point is `zero`). */
+void qmatmul_quantize_row(Isa isa, const float *a, int64_t k, int block, int zero, int8_t *q, float *scale,
+                          int32_t *offset);
 /* Level 0: row a[0 .. k) copied into out [padded], zero past k. */
 void qmatmul_pad_row(const float *a, int64_t k, int64_t padded, float *out);
 
