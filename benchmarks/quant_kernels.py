@@ -9,7 +9,8 @@ MatMulNBits' scales the same float16-rounded values held as float32), and mla_de
 com.microsoft QMoE for one MoE layer (64 experts, 6 chosen per token). Timings alternate the two models run by run
 (median of --repeats), so machine noise lands on both. At 1 and 8 rows the weights come from memory, as in a decode
 step whose layers take turns: a linear case runs as a chain of distinct copies of its weight (192 MB or more in all,
-six times the L3; the time per copy is reported), the MoE layer after a 64 MiB buffer has been read; GB/s (weight
+six times the L3; the time per copy is reported; the copies' bytes differ, as onnxruntime shares identical
+initializers), the MoE layer after a 64 MiB buffer has been read; GB/s (weight
 bytes read per second, codes and scales) is set against the memory bandwidth probed in the same run (onnxruntime's
 float32 MatMul streaming 512 MiB at batch 1). Anonymous memory: each one-op model alone in a child process,
 smaps_rollup's Anonymous after loading and one run minus before (what a session copies beyond the mapped file).
@@ -89,9 +90,9 @@ def linear_models(weight, out: Path, copies: int) -> tuple[str, str, int, int]:
     k, n, bits, block = qw.k, qw.n, qw.bits, qw.block
     a = [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])]
     ours_w, theirs_w, ours_ops, theirs_ops = {}, {}, [], []
-    for i in range(copies):
-        ours_w |= {f"codes{i}": codes, f"scales{i}": scales}
-        theirs_w |= {f"B{i}": qw.codes, f"scales{i}": qw.scales.astype(np.float32)}
+    for i in range(copies):  # copies differ (rolled by i columns): onnxruntime shares identical initializers
+        ours_w |= {f"codes{i}": np.roll(codes, i, axis=0), f"scales{i}": np.roll(scales, i, axis=0)}
+        theirs_w |= {f"B{i}": np.roll(qw.codes, i, axis=0), f"scales{i}": np.roll(qw.scales, i, axis=0).astype(np.float32)}
         ours_ops.append(helper.make_node(kernels.QMATMUL[bits], ["A", f"codes{i}", f"scales{i}"], [f"Y{i}"],
                                          domain=kernels.DOMAIN, K=k, N=n, block_size=block, accuracy_level=4))
         theirs_ops.append(helper.make_node("MatMulNBits", ["A", f"B{i}", f"scales{i}"], [f"Y{i}"], domain="com.microsoft",
