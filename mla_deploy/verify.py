@@ -11,10 +11,11 @@ max(1, max |logit|), rtol by the export's dtype: 1e-4 in float32; float16 and bf
 with the source on their rounded weights and caches (export.precision.RoundedCheckpoint), computing in float32
 like it, at the rtol measured over every test configuration with a margin (RTOL; README, Precision).
 
-A quantized export is compared with the checkpoint's weights dequantized (export.quantize), exactly: its
-sessions run unpacked, where MatMulNBits dequantizes and multiplies in float. How far the deployed kernel
-(prepacked, int8 activations at accuracy_level 4) moves the logits is reported beside it; whether that
-costs quality is measured against the float model by `mla-deploy eval`.
+A quantized export is compared with the checkpoint's weights dequantized (export.quantize), exactly: its graphs
+run with float activations (mla_deploy's quantized ops at accuracy_level 0, in sessions made from the graphs with
+that attribute changed; MatMulNBits unpacked, where it dequantizes and multiplies in float). How far the deployed
+kernels (int8 activations at accuracy_level 4) move the logits is reported beside it; whether that costs quality is
+measured against the float model by `mla-deploy eval`.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import onnx
+import onnxruntime as ort
 import torch
 
-from . import io_spec
+from . import io_spec, kernels
 from .checkpoint import Checkpoint
 from .errors import ExportError
 from .export.precision import RoundedCheckpoint
@@ -49,7 +52,8 @@ class VerifyReport:
     # a quantized or half-precision export against the original float32 source (reported, not held to rtol): top-1
     # agreement over the teacher-forced positions, max and mean |Δlogit|
     quality: dict | None = None
-    # a quantized export, prefill: the deployed session (prepacked, accuracy_level as exported) against the exact one
+    # a quantized export, prefill: the deployed session (default options, accuracy_level as exported) against the
+    # exact one
     deployed_drift: float | None = None
 
     @property
@@ -65,9 +69,12 @@ class VerifyReport:
 def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = None, steps: int = 8,
                   rtol: float | None = None, lengths: tuple[int, ...] = (13, 7, 3), seed: int = 0) -> VerifyReport:
     """`rtol`: default by the export's dtype (RTOL)."""
-    # Unpacked, MatMulNBits dequantizes and multiplies in float whatever its accuracy_level: the check is exact.
+    # Unpacked, MatMulNBits dequantizes and multiplies in float whatever its accuracy_level; mla_deploy's quantized
+    # ops are given accuracy_level 0: the check is exact.
     model = ExportedModel(export_dir, RuntimeOptions(prepack=False))
     manifest = model.manifest
+    if manifest.get("quantization"):
+        float_activations(model)
     source = Path(checkpoint_dir or manifest["source"]["path"])
     ckpt = Checkpoint(source)
     if ckpt.content_hash() != manifest["source"]["sha256"]:
@@ -137,14 +144,43 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
         report.lines.append(f"quality  against the float32 source, {q['positions']} teacher-forced positions: top-1 "
                             f"agreement {q['top1']:.1%}, max |Δlogit| {q['max_abs']:.3e}, mean {q['mean_abs']:.3e} "
                             "(perplexity: mla-deploy eval)")
-    if quantization:  # as deployed: prepacked, with int8 activations at accuracy_level 4
-        deployed = ExportedModel(export_dir, RuntimeOptions(prepack=True)).run(io_spec.PREFILL, prefill)
+    if quantization:  # as deployed: default options, int8 activations at accuracy_level 4
+        deployed_model = ExportedModel(export_dir)
+        deployed = deployed_model.run(io_spec.PREFILL, prefill)
         report.deployed_drift = drift = float(np.abs(deployed[io_spec.LOGITS] - prefill_logits)[valid].max())
-        report.lines.append(f"deployed prefill with prepacked MatMulNBits (accuracy_level {quantization['accuracy_level']}): "
+        ops = "prepacked MatMulNBits" if deployed_model.prepack else "mla-deploy's quantized kernels"
+        report.lines.append(f"deployed prefill with {ops} (accuracy_level {quantization['accuracy_level']}): "
                             f"max |Δlogit| {drift:.3e} from the exact run (quality against the float model: mla-deploy eval)")
     report.lines.append(f"{'PASS' if report.passed else 'FAIL'}: tolerance {report.tolerance:.3e} "
                         f"(rtol {rtol:g} x logit scale {max(1.0, report.logit_scale):.2f})")
     return report
+
+
+def float_activations(model: ExportedModel) -> None:
+    """Replace `model`'s sessions with ones whose mla_deploy quantized ops run at accuracy_level 0 (float
+    activations: exact against the dequantized weights), made from its graphs with that attribute changed in memory;
+    the weights still come from the export's weights.bin, mapped as in any session."""
+    quantized = {f"{family}{bits}" for family in ("QMatMul", "QRoutedExperts") for bits in (4, 8)}
+    for kind in list(model.sessions):
+        graph = onnx.load(str(model.directory / model.manifest["graphs"][kind]["file"]), load_external_data=False)
+        levels = [a for node in _nodes(graph.graph) if node.domain == kernels.DOMAIN and node.op_type in quantized
+                  for a in node.attribute if a.name == "accuracy_level" and a.i != 0]
+        for level in levels:
+            level.i = 0
+        if levels:
+            options = model.session_options()
+            options.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                             str(model.directory))
+            model.sessions[kind] = ort.InferenceSession(graph.SerializeToString(), options, providers=model.providers)
+
+
+def _nodes(graph: onnx.GraphProto):
+    """Every node of `graph`, those of its If branches included."""
+    for node in graph.node:
+        yield node
+        for a in node.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                yield from _nodes(a.g)
 
 
 def greedy_agreement(before: np.ndarray, tokens: np.ndarray, tolerance: float) -> tuple[int, int]:

@@ -43,9 +43,10 @@ class RuntimeOptions:
     threads: int = 0  # 0: onnxruntime's default (one per physical core)
     log_severity: int = 3  # onnxruntime's own log: 0 verbose .. 3 errors only
     check_weights: str = "sampled"  # "full": hash every block of weights.bin at load (mla_deploy.integrity)
-    # onnxruntime's prepacking copies every MatMul weight into a per-session packed buffer. None (auto): off for a
-    # float export, so both sessions read the one memory-mapped weights.bin (README, "One copy of the weights");
-    # on for a quantized one, whose MatMulNBits runs ~60x slower unpacked (it dequantizes on every call).
+    # onnxruntime's prepacking copies every MatMul weight into a per-session packed buffer. None (auto): off, so both
+    # sessions read the one memory-mapped weights.bin (README, "One copy of the weights"; mla-deploy's own ops never
+    # prepack), except for an export whose graphs use onnxruntime's MatMulNBits or QMoE, which run ~60x slower
+    # unpacked (they dequantize on every call).
     prepack: bool | None = None
     # onnxruntime's intra-op threads spin between ops waiting for work: fastest for one caller, but in a server they
     # take the cores the HTTP event loop needs (README, "Serving"). serve turns it off. Spinning stops at the end of
@@ -58,6 +59,18 @@ class RuntimeOptions:
     # mla-deploy's own custom-op library (mla_deploy.kernels), registered on every CPU session where it was built;
     # off, the graphs run those ops' ONNX function bodies (a half export then reads float32 copies of its weights)
     kernels: bool = True
+
+
+PREPACKED_OPS = ("com.microsoft::MatMulNBits", "com.microsoft::QMoE")  # slow unless onnxruntime prepacks them
+
+
+def needs_prepacking(manifest: dict) -> bool:
+    """Whether an export's graphs use an op that onnxruntime must prepack to be fast (RuntimeOptions.prepack's auto):
+    from the manifest's operator counts, or, for a manifest without them, whether it is quantized."""
+    counts = [graph.get("op_counts") for graph in manifest["graphs"].values()]
+    if any(c is None for c in counts):
+        return bool(manifest.get("quantization"))
+    return any(op in c for c in counts for op in PREPACKED_OPS)
 
 
 class ExportedModel:
@@ -83,7 +96,7 @@ class ExportedModel:
         self.device = "cuda" if self.providers[0] == PROVIDERS["cuda"] else "cpu"
         self.generation = GenerationDefaults.from_export(self.directory)  # generation_config.json's defaults
         self.stop_token_ids: tuple[int, ...] = self.generation.eos_token_ids or tuple(self.config.eos_token_id)
-        self.prepack = bool(self.manifest.get("quantization")) if self.options.prepack is None else self.options.prepack
+        self.prepack = needs_prepacking(self.manifest) if self.options.prepack is None else self.options.prepack
         started = time.perf_counter()
         self.sessions = {kind: self._session(kind) for kind in graphs}
         self.load_seconds = time.perf_counter() - started
