@@ -92,25 +92,32 @@ def main(ctx, debug):
 @click.option("--steps", type=click.IntRange(min=1), default=8, show_default=True,
               help="Teacher-forced decode steps the verification compares (after the prefill).")
 @click.option("--quantize", type=click.Choice(["int4", "int8"]), default=None,
-              help="Weight-only block-wise quantization of the MatMul weights (onnxruntime's MatMulNBits).")
+              help="Weight-only block-wise quantization of the MatMul weights, the embedding and the routed experts.")
 @click.option("--block-size", type=click.Choice(["16", "32", "64", "128"]), default="32", show_default=True,
-              help="Weights per quantization block (one float32 scale each).")
+              help="Weights per quantization block (one scale each: float16 for mla-deploy's kernels).")
 @click.option("--accuracy-level", type=click.Choice(["0", "4"]), default="4", show_default=True,
-              help="MatMulNBits compute: 4 quantizes activations to int8 inside the kernel (fast), 0 multiplies in float.")
+              help="Quantized compute: 4 quantizes activations to int8 inside the kernel (fast), 0 multiplies in float.")
+@click.option("--quantized-ops", type=click.Choice(["auto", "kernel", "onnxruntime"]), default="auto",
+              show_default=True,
+              help="The ops over quantized weights: auto (kernel) is mla-deploy's QMatMul / QGather / QRoutedExperts, "
+                   "reading the weights where they lie (one copy for both graphs; stock-ONNX bodies elsewhere); "
+                   "onnxruntime is its MatMulNBits / GatherBlockQuantized / QMoE, prepacked per session (CPU and "
+                   "CUDA kernels of its own; README, Choosing a precision).")
 @click.option("--head-bits", type=click.Choice(["4", "8"]), default="8", show_default=True,
               help="A quantized export's embedding and output layer: 8 loses less quality, 4 makes the smallest file "
                    "and the fastest decode (README, Quantized exports).")
 @click.option("--experts", type=click.Choice(["auto", "kernel", "qmoe", "branches"]), default="auto", show_default=True,
-              help="How MoE layers run their routed experts: auto picks mla-deploy's RoutedExperts kernel (float "
-                   "exports of few-expert layers) or QMoE (quantized); branches (one If per expert) is stock ONNX that "
-                   "runs anywhere, CUDA included (README, Quantized exports).")
+              help="How MoE layers run their routed experts: auto picks mla-deploy's kernel (QRoutedExperts for "
+                   "quantized exports, RoutedExperts for float exports of few-expert layers), QMoE with "
+                   "--quantized-ops onnxruntime, else branches (one If per expert: stock ONNX that runs anywhere, "
+                   "CUDA included).")
 @click.option("--decode-attention", type=click.Choice(["auto", "kernel", "ops"]), default="auto", show_default=True,
               help="The decode attention core: mla-deploy's LatentAttention kernel, or onnxruntime's ops (stock ONNX "
                    "that runs anywhere, CUDA included; README, Serving).")
 @click.option("--force", is_flag=True, help="Replace an earlier export at the output path (nothing else is ever "
               "replaced).")
 def export(checkpoint, out, absorb, dtype, max_seq_len, no_verify, steps, quantize, block_size, accuracy_level,
-           head_bits, experts, decode_attention, force):
+           quantized_ops, head_bits, experts, decode_attention, force):
     """Export CHECKPOINT (default: the bundled demo model) to prefill.onnx + decode.onnx."""
     from .export import ExportOptions
     from .export import export as run_export
@@ -128,7 +135,7 @@ def export(checkpoint, out, absorb, dtype, max_seq_len, no_verify, steps, quanti
 
     options = ExportOptions(absorb=absorb, dtype=dtype, max_seq_len=max_seq_len, force=force, quantize=quantize,
                             block_size=int(block_size), accuracy_level=int(accuracy_level), head_bits=int(head_bits),
-                            experts=experts, decode_attention=decode_attention)
+                            quantized_ops=quantized_ops, experts=experts, decode_attention=decode_attention)
     run_export(checkpoint, out, options, progress=progress, verify=None if no_verify else verify)
 
 
@@ -150,11 +157,12 @@ def export(checkpoint, out, absorb, dtype, max_seq_len, no_verify, steps, quanti
 @click.option("--check-weights", is_flag=True, help="Hash every block of weights.bin before loading (default: a sample).")
 @click.option("--prepack/--no-prepack", default=None,
               help="Let onnxruntime prepack the MatMul weights: faster steps, but each graph's session holds its own "
-                   "copy of the weights and loading takes longer. Default: off for a float export (both graphs read "
-                   "the one memory-mapped weights.bin), on for a quantized one (MatMulNBits needs it).")
+                   "copy of the weights and loading takes longer. Default: off (both graphs read the one "
+                   "memory-mapped weights.bin), on for an export that uses onnxruntime's MatMulNBits or QMoE "
+                   "(--quantized-ops onnxruntime: they need it).")
 @click.option("--decode-only", is_flag=True,
               help="Load only the decode graph and feed the prompt through it a token at a time: one prepacked copy of "
-                   "a quantized export's weights instead of two (a model near the machine's memory).")
+                   "the weights instead of two, where they are prepacked (a model near the machine's memory).")
 @_session_config_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, provider,

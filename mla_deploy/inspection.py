@@ -124,12 +124,15 @@ def format_report(r: dict) -> list[str]:
                "mla-deploy's kernel library was not built here (no C compiler at install): onnxruntime runs their "
                "function bodies, on float32 copies of the weights made at load" +
                ("; RoutedExperts' body runs every expert on every token" if any(
-                   "::RoutedExperts" in op for ops in k["ops"].values() for op in ops) else ""))
+                   "RoutedExperts" in op for ops in k["ops"].values() for op in ops) else ""))
         lines.append(f"kernels    {counts}; {how}")
     q = r.get("quantization")
     if q:
-        lines.append(f"quantized  int{q['bits']} weights, int{q['head_bits']} embedding and head ({q['quantized_weights']} tensors), blocks of {q['block']}, "
-                     f"accuracy_level {q['accuracy_level']} ({q['method']}); float: {q['float']}")
+        lines.append(f"quantized  int{q['bits']} weights, int{q['head_bits']} embedding and head ({q['quantized_weights']} "
+                     f"tensors), blocks of {q['block']}, {q.get('scale_dtype', 'float32')} scales, accuracy_level "
+                     f"{q['accuracy_level']}; float: {q['float']}")
+        for bits, layout in (q.get("layouts") or {}).items():
+            lines.append(f"  {bits} layout {layout['layout']}: codes {layout['codes']}, scales {layout['scales']}")
     if r["kind"] == "export":
         lines.append(f"weights    {_size(r['weights_file_bytes'])} in weights.bin, max_seq_len {r['max_seq_len']}")
     else:

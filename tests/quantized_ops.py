@@ -14,7 +14,8 @@ from mla_deploy import kernels
 from mla_deploy.export import layouts
 from mla_deploy.export.opset import IR_VERSION, OPSET
 from mla_deploy.export.quantize import dequantize, quantize, unpack_codes
-from mla_deploy.export.quantized_functions import qgather_function, qmatmul_function, qrouted_experts_function
+from mla_deploy.export.linear import qgather_function, qmatmul_function
+from mla_deploy.export.moe import qrouted_experts_function
 
 U = 2.0**-24  # float32's unit roundoff
 

@@ -28,6 +28,7 @@ OPTION_SETS = {
     "bfloat16 portable": ExportOptions(dtype="bfloat16", experts="branches", decode_attention="ops"),
     "int4 head4": ExportOptions(quantize="int4", head_bits=4, absorb="fused", block_size=16, accuracy_level=0),
     "int8 short": ExportOptions(quantize="int8", max_seq_len=64),
+    "int8 onnxruntime": ExportOptions(quantize="int8", quantized_ops="onnxruntime", dtype="float16"),
 }
 
 
@@ -47,10 +48,14 @@ def test_the_manifest_records_the_plan_and_the_graphs_follow_it(tiny, tmp_path, 
     decode = manifest["graphs"]["decode"]["op_counts"]
     kernel_ops = {op.split("::")[1] for op in decode if op.startswith("mla_deploy::")}
     assert any(op.startswith("LatentAttention") for op in kernel_ops) == (plan.decode_attention == "kernel")
-    assert any(op.startswith("RoutedExperts") for op in kernel_ops) == (plan.experts == "kernel")
+    assert any("RoutedExperts" in op for op in kernel_ops) == (plan.experts == "kernel")
+    assert any(op.startswith(("QMatMul", "QGather")) for op in kernel_ops) == (plan.quantized_ops == "kernel")
+    assert ("com.microsoft::MatMulNBits" in decode) == (plan.quantized_ops == "onnxruntime")
     assert ("com.microsoft::QMoE" in decode) == (plan.experts == "qmoe")
     assert ("If" in decode) == (plan.experts == "branches")
-    assert any(op.startswith("MatMulF16") or op.startswith("MatMulBF16") for op in kernel_ops) == plan.half_weights
+    prefill_ops = {op.split("::")[1] for op in manifest["graphs"]["prefill"]["op_counts"] if op.startswith("mla_deploy::")}
+    half = {"MatMulF16", "MatMulBF16"}
+    assert bool((kernel_ops | prefill_ops) & half) == plan.half_weights  # quantized: kv_b, a prefill weight
     model = onnx.load(str(out / "decode.onnx"), load_external_data=False)
     assert {p.key: p.value for p in model.metadata_props}["export_id"] == manifest["export_id"]
 
@@ -62,7 +67,11 @@ def test_auto_resolves_by_the_rules():
                                                                                    "kernel", False)
     assert (plan.dtype, plan.compute, plan.cache_dtype, plan.max_seq_len) == ("float32", "float32", "float32", 1024)
     quantized = ExportPlan.resolve(demo, ExportOptions(quantize="int4", dtype="bfloat16"))
-    assert quantized.experts == "qmoe" and quantized.quantization.bits == 4 and quantized.cache_dtype == "bfloat16"
+    assert (quantized.quantized_ops, quantized.experts, quantized.quantization.scale_dtype) == ("kernel", "kernel",
+                                                                                                "float16")
+    assert quantized.quantization.bits == 4 and quantized.cache_dtype == "bfloat16"
+    portable = ExportPlan.resolve(demo, ExportOptions(quantize="int4", quantized_ops="onnxruntime"))
+    assert (portable.experts, portable.quantization.scale_dtype) == ("qmoe", "float32")
     assert ExportPlan.resolve(demo, ExportOptions(max_seq_len=16)).max_seq_len == 16
 
 
@@ -88,6 +97,8 @@ def test_a_manifest_without_the_long_cache_field_reads_back_by_the_rule(tiny, tm
     (ExportOptions(decode_attention="fast"), "decode_attention='fast': expected one of auto, kernel, ops"),
     (ExportOptions(quantize="int3"), "--quantize int3: expected one of int4, int8"),
     (ExportOptions(head_bits=4), "--head-bits 4: the embedding and output layer keep"),
+    (ExportOptions(quantized_ops="kernel"), "--quantized-ops kernel: chooses the ops of quantized weights"),
+    (ExportOptions(quantize="int4", quantized_ops="ort"), "--quantized-ops ort: expected one of auto, kernel, onnxruntime"),
 ])
 def test_a_bad_option_fails_before_the_checkpoint_is_read(tmp_path, options, message):
     with pytest.raises(ExportError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -99,5 +110,5 @@ def test_choices_that_need_the_config_are_refused_by_name(tiny, tmp_path):
     cfg = Checkpoint(tiny).config
     with pytest.raises(ExportError, match="--max-seq-len 5000: must be between 1 and max_position_embeddings=4096"):
         ExportPlan.resolve(cfg, ExportOptions(max_seq_len=5000))
-    with pytest.raises(ExportError, match="experts='kernel' is for float exports"):
-        ExportPlan.resolve(cfg, ExportOptions(quantize="int8", experts="kernel"))
+    with pytest.raises(ExportError, match="experts='kernel' over quantized weights is mla_deploy.QRoutedExperts"):
+        ExportPlan.resolve(cfg, ExportOptions(quantize="int8", experts="kernel", quantized_ops="onnxruntime"))

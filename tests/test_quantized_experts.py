@@ -11,7 +11,7 @@ from quantized_ops import U, has_level, model, quantize_rows, session, signed_co
 from mla_deploy import kernels
 from mla_deploy.export import layouts
 from mla_deploy.export.quantize import dequantize, quantize
-from mla_deploy.export.quantized_functions import qrouted_experts_function
+from mla_deploy.export.moe import qrouted_experts_function
 
 needs_library = pytest.mark.skipif(kernels.library() is None,
                                    reason="the kernel library did not build on this machine (no compiler)")

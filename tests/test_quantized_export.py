@@ -1,6 +1,7 @@
 """Quantized exports (--quantize int4/int8), judged twice: exactly against the checkpoint's weights dequantized
-(verify runs MatMulNBits unpacked, where it multiplies in float), and for quality against the float model
-(eval on the trained demo model's held-out text)."""
+(verify runs the quantized ops with float activations: mla_deploy's at accuracy_level 0, MatMulNBits unpacked), and
+for quality against the float model (eval on the trained demo model's held-out text); in both quantized forms
+(mla_deploy's kernels, onnxruntime's ops), every dtype, any matrix width, with and without the kernel library."""
 
 import json
 
@@ -17,9 +18,28 @@ from mla_deploy.export import ExportOptions, export
 from mla_deploy.export import quantize as quantize_module
 from mla_deploy.export.quantize import quantized_hf_names
 from mla_deploy.presets import DEMO_CHECKPOINT
-from mla_deploy.runtime import ExportedModel, RuntimeOptions
+from mla_deploy.runtime import ExportedModel, Generator, RuntimeOptions, SamplingParams
 from mla_deploy.runtime.feeds import prefill_feed
 from mla_deploy.verify import verify_export
+
+KERNEL_OPS = {"mla_deploy::QMatMul4", "mla_deploy::QMatMul8", "mla_deploy::QGather4", "mla_deploy::QGather8",
+              "mla_deploy::QRoutedExperts4", "mla_deploy::QRoutedExperts8"}
+ONNXRUNTIME_OPS = {"com.microsoft::MatMulNBits", "com.microsoft::GatherBlockQuantized", "com.microsoft::QMoE"}
+
+
+def graph_nodes(path) -> list:
+    """Every node of an .onnx file, its If branches' included."""
+    nodes = []
+
+    def walk(g):
+        for node in g.node:
+            nodes.append(node)
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    walk(attr.g)
+
+    walk(onnx.load(str(path), load_external_data=False).graph)
+    return nodes
 
 CASES = [("v3_lora_group_yarn", "int4", 16), ("v2_nolora_greedy_yarn", "int8", 32), ("v3_dense_tied", "int4", 32)]
 
@@ -28,12 +48,13 @@ CASES = [("v3_lora_group_yarn", "int4", 16), ("v2_nolora_greedy_yarn", "int8", 3
 def quantized(checkpoint_dir, tmp_path_factory):
     built = {}
 
-    def get(variant, bits, block, accuracy_level=4, absorb="factored"):
-        key = (variant, bits, block, accuracy_level, absorb)
+    def get(variant, bits, block, accuracy_level=4, absorb="factored", quantized_ops="auto"):
+        key = (variant, bits, block, accuracy_level, absorb, quantized_ops)
         if key not in built:
             out = tmp_path_factory.mktemp(f"q-{variant}-{bits}") / "out"
             export(checkpoint_dir(variant)[0], out, ExportOptions(absorb=absorb, quantize=bits, block_size=block,
-                                                                  accuracy_level=accuracy_level))
+                                                                  accuracy_level=accuracy_level,
+                                                                  quantized_ops=quantized_ops))
             built[key] = out
         return built[key]
 
@@ -47,24 +68,28 @@ def test_every_config_quantized_equals_the_dequantized_source(checkpoint_dir, qu
     assert report.passed, report.lines
 
 
+@pytest.mark.parametrize("quantized_ops, deployed", [("kernel", "mla-deploy's quantized kernels"),
+                                                     ("onnxruntime", "prepacked MatMulNBits")])
 @pytest.mark.parametrize("variant, bits, block", CASES)
-def test_quantized_export_equals_the_dequantized_source(checkpoint_dir, quantized, variant, bits, block):
-    report = verify_export(quantized(variant, bits, block), checkpoint_dir(variant)[0], steps=6)
+def test_quantized_export_equals_the_dequantized_source(checkpoint_dir, quantized, variant, bits, block, quantized_ops,
+                                                        deployed):
+    report = verify_export(quantized(variant, bits, block, quantized_ops=quantized_ops), checkpoint_dir(variant)[0],
+                           steps=6)
     assert report.passed, report.lines
-    assert "deployed prefill with prepacked MatMulNBits (accuracy_level 4)" in report.lines[-2]
-    # int8 activations move the logits measurably (3-7 % of the logit scale on these random weights), not wildly
+    assert f"deployed prefill with {deployed} (accuracy_level 4)" in report.lines[-2]
+    # int8 activations move the logits measurably (2-7 % of the logit scale on these random weights), not wildly
     assert report.tolerance < report.deployed_drift < 0.2 * max(1.0, report.logit_scale)
 
 
 @pytest.mark.parametrize("variant, bits", [("v3_lora_group_yarn", "int4"), ("v2_nolora_greedy_yarn", "int8")])
 def test_fused_form_quantized_after_absorption_is_exact(checkpoint_dir, quantized, variant, bits, monkeypatch):
-    """The fused W^Q·W^UK and W^UV·W^O products are quantized themselves (MatMulNBits in the decode graph, no float
+    """The fused W^Q·W^UK and W^UV·W^O products are quantized themselves (QMatMul in the decode graph, no float
     copy): exact against the source whose absorbed attention uses them dequantized; with the products of the
     dequantized factors instead (what the factored form would use) the decode steps fail."""
     out = quantized(variant, bits, 16, absorb="fused")
     graph = onnx.load(str(out / "decode.onnx"), load_external_data=False).graph
-    nbits = {n.input[1] for n in graph.node if n.op_type == "MatMulNBits"}
-    assert {"layers.0.attn.q_uk.codes", "layers.0.attn.uv_o.codes"} <= nbits
+    qmatmuls = {n.input[1] for n in graph.node if n.op_type.startswith("QMatMul")}
+    assert {"layers.0.attn.q_uk.codes", "layers.0.attn.uv_o.codes"} <= qmatmuls
     assert not {i.name for i in graph.initializer} & {"layers.0.attn.q_uk", "layers.0.attn.uv_o"}
     assert json.loads((out / "manifest.json").read_text())["quantization"]["absorbed"].startswith("fused")
     report = verify_export(out, checkpoint_dir(variant)[0], steps=4)
@@ -82,62 +107,174 @@ def test_against_the_float_source_the_same_export_fails(checkpoint_dir, quantize
     assert not report.passed and report.prefill_max_abs > 10 * report.tolerance
 
 
+@pytest.mark.parametrize("quantized_ops", ["kernel", "onnxruntime"])
 @pytest.mark.parametrize("variant, bits, block", CASES)
-def test_every_quantizable_weight_runs_through_matmulnbits(checkpoint_dir, quantized, variant, bits, block):
-    out = quantized(variant, bits, block)
+def test_every_quantizable_weight_runs_through_the_plans_quantized_ops(checkpoint_dir, quantized, variant, bits, block,
+                                                                      quantized_ops):
+    out = quantized(variant, bits, block, quantized_ops=quantized_ops)
     manifest = json.loads((out / "manifest.json").read_text())
     cfg = Checkpoint(checkpoint_dir(variant)[0]).config
-    assert manifest["quantization"]["bits"] == int(bits[3:]) and manifest["quantization"]["block"] == block
-    assert manifest["quantization"]["quantized_weights"] == len(quantized_hf_names(cfg))
+    q = manifest["quantization"]
+    assert q["bits"] == int(bits[3:]) and q["block"] == block and manifest["quantized_ops"] == quantized_ops
+    assert q["scale_dtype"] == {"kernel": "float16", "onnxruntime": "float32"}[quantized_ops]
+    assert set(q["layouts"]) == {f"int{b}" for b in (q["bits"], q["head_bits"])}
+    assert all(layout["layout"] == ("mla_deploy.q16" if quantized_ops == "kernel" else "com.microsoft MatMulNBits")
+               for layout in q["layouts"].values())
+    assert "MatMulNBits" not in q["method"]
+    assert q["quantized_weights"] == len(quantized_hf_names(cfg))
     assert "model.embed_tokens.weight" in quantized_hf_names(cfg)
     assert ("lm_head.weight" in quantized_hf_names(cfg)) != cfg.tie_word_embeddings  # tied: it is the embedding
+    ours, theirs = (KERNEL_OPS, ONNXRUNTIME_OPS) if quantized_ops == "kernel" else (ONNXRUNTIME_OPS, KERNEL_OPS)
     for kind in ("prefill", "decode"):
-        graph = onnx.load(str(out / f"{kind}.onnx"), load_external_data=False).graph
-        nodes = []
-
-        def walk(g):
-            for node in g.node:
-                nodes.append(node)
-                for attr in node.attribute:
-                    if attr.type == onnx.AttributeProto.GRAPH:
-                        walk(attr.g)
-
-        walk(graph)
-        nbits = [n for n in nodes if n.op_type == "MatMulNBits"]
-        assert nbits and all(n.domain == "com.microsoft" for n in nbits)
+        counts = manifest["graphs"][kind]["op_counts"]
+        assert set(counts) & ours and not set(counts) & theirs, counts
+        nodes = graph_nodes(out / f"{kind}.onnx")
+        linears = [n for n in nodes if n.op_type in ("MatMulNBits", "QMatMul4", "QMatMul8")]
         float_weights = {i for n in nodes if n.op_type == "MatMul" for i in n.input[1:]}
-        initializers = {i.name for i in graph.initializer}
+        initializers = {i.name for i in onnx.load(str(out / f"{kind}.onnx"),
+                                                  load_external_data=False).graph.initializer}
         # the float MatMul weights left are exactly kv_b (prefill), the routers and the per-head W^UK / W^UV
         left = sorted(w.split(".")[-1] for w in float_weights & initializers)
         assert set(left) <= {"kv_b", "router", "uk", "uv"}, left
-        gathers = [n for n in nodes if n.op_type in ("Gather", "GatherBlockQuantized") and n.input[0].startswith("embed")]
-        assert [n.op_type for n in gathers] == ["GatherBlockQuantized"]
-        head = [n for n in nbits if n.output[0] in {o.name for o in graph.output} or "embed" in n.input[1]]
-        assert (head[-1].input[1] == "embed.codes") == cfg.tie_word_embeddings  # a tied head reads the embedding's codes
+        gathers = [n for n in nodes if n.op_type in ("Gather", "GatherBlockQuantized", "QGather4", "QGather8")
+                   and n.input[int(n.op_type.startswith("QGather"))].startswith("embed")]
+        assert [n.op_type for n in gathers] == ["QGather8" if quantized_ops == "kernel" else "GatherBlockQuantized"]
+        head = [n for n in linears if n.input[1] in ("embed.codes", "lm_head.codes")]
+        assert len(head) == 1 and (head[0].input[1] == "embed.codes") == cfg.tie_word_embeddings  # tied: one copy
+        experts = [n for n in nodes if n.op_type.startswith(("QRoutedExperts", "QMoE"))]
+        moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+        one_op = manifest["experts"] in ("kernel", "qmoe")  # QMoE's rule sends experts of ragged K to branches
+        assert len(experts) == (moe_layers if one_op else 0), "the routed experts run in one op per MoE layer"
+        assert one_op or quantized_ops == "onnxruntime"
 
 
-def test_quantized_weights_are_smaller_and_prepacked_at_run_time(checkpoint_dir, quantized, exported):
+def test_quantized_weights_are_smaller_and_prepacked_only_for_onnxruntimes_ops(checkpoint_dir, quantized, exported):
+    """mla_deploy's quantized ops read the mapped weights.bin: nothing to prepack, one copy for both graphs;
+    MatMulNBits and QMoE run ~60x slower unpacked, so an export that uses them prepacks by default."""
     variant, bits, block = CASES[0]
     q, f = quantized(variant, bits, block), exported(variant, "factored")
     assert (q / "weights.bin").stat().st_size < 0.6 * (f / "weights.bin").stat().st_size
-    assert ExportedModel(q).prepack and not ExportedModel(f).prepack  # MatMulNBits is ~60x slower unpacked
+    assert not ExportedModel(q).prepack and not ExportedModel(f).prepack
+    assert ExportedModel(quantized(variant, bits, block, quantized_ops="onnxruntime")).prepack
+    assert ExportedModel(q, RuntimeOptions(prepack=True)).prepack  # asked for, it is on
+
+
+@pytest.fixture(scope="module")
+def demo_export(tmp_path_factory):
+    """(bits, dtype, head_bits) -> an export of the trained demo model with the default options otherwise."""
+    built = {}
+
+    def get(bits: str, dtype: str = "float32", head_bits: int = 8):
+        if (bits, dtype, head_bits) not in built:
+            out = tmp_path_factory.mktemp(f"demo-{bits}-{dtype}-{head_bits}") / "out"
+            export(DEMO_CHECKPOINT, out, ExportOptions(quantize=bits, dtype=dtype, head_bits=head_bits))
+            built[bits, dtype, head_bits] = out
+        return built[bits, dtype, head_bits]
+
+    return get
 
 
 @pytest.mark.parametrize("bits, head_bits, bound, top1", [("int8", 8, 1e-3, 0.98), ("int4", 8, 1e-2, 0.90),
                                                          ("int4", 4, 2e-2, 0.85)])
-def test_demo_model_quality_against_float(tmp_path, bits, head_bits, bound, top1):
+def test_demo_model_quality_against_float(demo_export, tmp_path, bits, head_bits, bound, top1):
     """Held-out loss of the trained demo model: int8 within 0.001 nats/token of float, int4 within 0.01
     (measured: +0.0001 and +0.0027 at block 32, accuracy_level 4), int4 with its tied embedding and head at 4 bits
     within 0.02 (+0.0105 on these 20k characters); top-1 agreement with the float source at least 98 %, 90 % and
     85 % (measured over the whole held-out text: 98.85 % and 94.03 %; 89.8 % on these characters at head 4)."""
-    out = tmp_path / bits
-    export(DEMO_CHECKPOINT, out, ExportOptions(quantize=bits, head_bits=head_bits))
     text = tmp_path / "heldout.txt"
     text.write_text((DEMO_CHECKPOINT / "heldout.txt").read_text()[:20000])
-    report = evaluate(out, text, window=256)
+    report = evaluate(demo_export(bits, head_bits=head_bits), text, window=256)
     assert report.passed and report.quantization["bits"] == int(bits[3:])
     assert abs(report.export_loss - report.torch_loss) < bound
     assert report.top1_agreement >= top1
+
+
+def greedy(out, options: RuntimeOptions | None = None, prompt: tuple[int, ...] = (5, 200, 31, 7, 1000, 64, 3, 90)):
+    """12 greedy tokens after a prompt and after its first 3 tokens (ids taken modulo the vocabulary)."""
+    model = ExportedModel(out, options)
+    ids = [i % model.config.vocab_size for i in prompt]
+    return Generator(model, SamplingParams(), stop_token_ids=()).generate([ids, ids[:3]], 12).token_ids
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("bits", ["int8", "int4"])
+def test_every_dtype_and_quantization_pair_exports_verifies_and_generates(checkpoint_dir, tmp_path, dtype, bits):
+    """--dtype x --quantize with every other option at its default: mla-deploy's quantized kernels (float32 in and
+    out, between float32 layers whatever the dtype), exact against the source rounded to the dtype, dequantized.
+    Prompts of seed 1: at verify's default seed 0 the bfloat16 int8 export computes one latent cache entry of layer 0
+    one float32 ulp from the source's -1.77734375, a bfloat16 rounding tie, and the entry rounded the other way moves
+    the later logits by 4.8e-3, over the 2.2e-3 tolerance (layer 0's caches are otherwise the source's, bit for bit)."""
+    src = checkpoint_dir("v3_lora_group_yarn")[0]
+    result = export(src, tmp_path / "out", ExportOptions(quantize=bits, dtype=dtype))
+    assert result.plan.quantized_ops == "kernel" and result.plan.experts == "kernel"
+    assert {f"mla_deploy::QMatMul{bits[3:]}", f"mla_deploy::QRoutedExperts{bits[3:]}"} <= set(
+        result.manifest["graphs"]["decode"]["op_counts"])
+    report = verify_export(tmp_path / "out", src, steps=3, seed=1)
+    assert report.passed, report.lines
+    assert all(len(row) == 12 for row in greedy(tmp_path / "out"))
+
+
+@pytest.mark.parametrize("dtype, bits", [("float16", "int8"), ("float16", "int4"), ("bfloat16", "int8"),
+                                         ("bfloat16", "int4")])
+def test_the_demo_in_half_precision_with_quantized_weights(demo_export, dtype, bits):
+    """The README's --dtype float16|bfloat16 with --quantize int8|int4 on the bundled demo, default options: it
+    verifies (the runtime's greedy tokens are the source's) and generates."""
+    out = demo_export(bits, dtype)
+    assert json.loads((out / "manifest.json").read_text())["experts"] == "kernel"
+    report = verify_export(out, DEMO_CHECKPOINT, steps=2)
+    assert report.passed, report.lines
+    assert all(len(row) == 12 for row in greedy(out))
+
+
+@pytest.mark.parametrize("bits", ["int4", "int8"])
+def test_without_the_kernel_library_and_on_every_isa_path_the_tokens_are_the_same(demo_export, monkeypatch, bits):
+    """The demo's quantized export generates the same greedy tokens through the function bodies (RuntimeOptions(
+    kernels=False): the export as it runs where the library is missing) as through the kernels, on every
+    instruction-set path this CPU has (MLA_DEPLOY_ISA, read as a session creates its kernels)."""
+    from quantized_ops import has_level
+
+    from mla_deploy import kernels
+
+    out = demo_export(bits)
+    tokens = greedy(out, RuntimeOptions(kernels=False))
+    if kernels.library() is None:
+        pytest.skip("the kernel library did not build on this machine: the function bodies ran")
+    for isa in kernels.ISA_LEVELS:
+        if has_level(isa):
+            monkeypatch.setenv("MLA_DEPLOY_ISA", isa)
+            assert greedy(out) == tokens, isa
+
+
+# (variant, bits, block, quantized ops, checkpoint widths): K % block != 0 for every weight kind somewhere: hidden 176
+# (the embedding, q_a / kv_a / the dense and shared MLPs' gate+up, the experts' gate+up), intermediate 100 and 40
+# (the down projections), q LoRA 24 (q_b, the fused W^Q·W^UK: shorter than one block from 32 on); N not whole
+# 16-column groups (vocab 97, kv_a's 40 columns)
+WIDTHS = dict(hidden_size=176, intermediate_size=100, moe_intermediate_size=40)
+RAGGED = [("v3_dense_tied", "int8", 32, "kernel"), ("v3_dense_tied", "int4", 32, "kernel"),
+          ("v3_dense_tied", "int8", 32, "onnxruntime"), ("v3_dense_tied", "int4", 32, "onnxruntime"),
+          ("v3_lora_group_yarn", "int4", 16, "kernel"), ("v3_lora_group_yarn", "int8", 64, "kernel"),
+          ("v3_lora_group_yarn", "int4", 128, "kernel")]
+
+
+@pytest.mark.parametrize("variant, bits, block, quantized_ops", RAGGED)
+def test_any_matrix_width_exports_verifies_and_generates(tmp_path, variant, bits, block, quantized_ops):
+    """A dense checkpoint with tied embeddings and hidden size 176 (not a multiple of 32) at the default block, and
+    a MoE one at every block size: each quantized weight's K is padded to whole blocks (zero codes), and the export
+    equals its dequantized source."""
+    from tiny import build_hf_model, save_hf_model
+
+    src = tmp_path / "ckpt"
+    save_hf_model(build_hf_model(variant, **WIDTHS), src)
+    result = export(src, tmp_path / "out", ExportOptions(quantize=bits, block_size=block, absorb="fused",
+                                                         quantized_ops=quantized_ops))
+    report = verify_export(tmp_path / "out", src, steps=3)
+    assert report.passed, report.lines
+    assert all(len(row) == 12 for row in greedy(tmp_path / "out"))
+    widths = {int(a.i) for n in graph_nodes(tmp_path / "out" / "decode.onnx")
+              if n.op_type in ("QMatMul4", "QMatMul8", "QGather4", "QGather8", "MatMulNBits") for a in n.attribute
+              if a.name == "K"}
+    assert {k % block for k in widths} - {0}, widths  # some K is not whole blocks
+    assert result.plan.quantization.block == block
 
 
 def test_refusals_name_the_option(checkpoint_dir, tmp_path):
@@ -151,8 +288,8 @@ def test_refusals_name_the_option(checkpoint_dir, tmp_path):
 
 @pytest.mark.parametrize("variant", ["v3_dense_tied", "v2_nolora_greedy_yarn"])  # a tied head, an untied one
 def test_head_bits_4_puts_the_embedding_and_head_at_4_bits_exactly(checkpoint_dir, quantized, tmp_path, variant):
-    """--head-bits 4: the embedding's GatherBlockQuantized and the head's MatMulNBits read 4-bit codes, the export
-    equals its dequantized source (which dequantizes those two at 4 bits too), and the file is smaller."""
+    """--head-bits 4: the embedding's QGather and the head's QMatMul read 4-bit codes, the export equals its
+    dequantized source (which dequantizes those two at 4 bits too), and the file is smaller."""
     src = checkpoint_dir(variant)[0]
     out = tmp_path / "h4"
     export(src, out, ExportOptions(absorb="factored", quantize="int4", block_size=32, head_bits=4))
@@ -160,9 +297,8 @@ def test_head_bits_4_puts_the_embedding_and_head_at_4_bits_exactly(checkpoint_di
     report = verify_export(out, src, steps=4)
     assert report.passed, report.lines
     graph = onnx.load(str(out / "decode.onnx"), load_external_data=False).graph
-    bits = {a.i for n in graph.node if n.op_type in ("MatMulNBits", "GatherBlockQuantized") for a in n.attribute
-            if a.name == "bits"}
-    assert bits == {4}
+    assert {n.op_type for n in graph.node if n.domain == "mla_deploy" and n.op_type.startswith("Q")} <= \
+        {"QMatMul4", "QGather4", "QRoutedExperts4"}
     assert (out / "weights.bin").stat().st_size < (quantized(variant, "int4", 32) / "weights.bin").stat().st_size
 
 
@@ -188,28 +324,32 @@ def test_dequantized_checkpoint_changes_only_quantized_weights(checkpoint_dir):
 
 
 @pytest.mark.parametrize("variant, bits, block", [("v3_lora_group_yarn", "int4", 16), ("v2_group_limited", "int8", 32)])
-def test_qmoe_and_if_branches_compute_the_same_experts(tmp_path, variant, bits, block):
-    """QMoE (one op per layer, fed the router's choice and weights) against one If + MatMulNBits per expert: both
-    exact against the dequantized source, the same logits, and the op counts say which ran."""
+def test_every_experts_form_computes_the_same_experts(tmp_path, variant, bits, block):
+    """QRoutedExperts (the default) and QMoE (onnxruntime's ops; one op per layer, fed the router's choice and
+    weights), each against one If per expert over the same quantized ops (the scales differ between the two
+    forms: float16 for mla-deploy's kernels): each exact against the dequantized source, the same logits at float
+    activations, and the op counts say which ran."""
     from tiny import build_hf_model, save_hf_model
 
     src = tmp_path / "ckpt"
     save_hf_model(build_hf_model(variant, moe_intermediate_size=32), src)  # whole blocks: QMoE's rule
-    logits = {}
-    for experts in ("qmoe", "branches"):
-        out = tmp_path / experts
-        export(src, out, ExportOptions(absorb="factored", quantize=bits, block_size=block, experts=experts))
-        report = verify_export(out, src, steps=4)
-        assert report.passed, report.lines
-        counts = json.loads((out / "manifest.json").read_text())["graphs"]["decode"]["op_counts"]
-        moe_layers = Checkpoint(src).config.num_hidden_layers - Checkpoint(src).config.first_k_dense_replace
-        assert counts.get("com.microsoft::QMoE", 0) == (moe_layers if experts == "qmoe" else 0)
-        assert counts.get("If", 0) == (0 if experts == "qmoe" else 8 * moe_layers)
-        model = ExportedModel(out, RuntimeOptions(prepack=False))  # float activations: comparable to 1e-4
-        ids = np.random.default_rng(0).integers(3, model.config.vocab_size, (2, 12))
-        logits[experts] = model.run("prefill", prefill_feed(model.config, ids))["logits"]
-    scale = max(1.0, np.abs(logits["branches"]).max())
-    assert np.abs(logits["qmoe"] - logits["branches"]).max() <= 1e-4 * scale
+    cfg = Checkpoint(src).config
+    moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
+    for quantized_ops, op in (("kernel", f"mla_deploy::QRoutedExperts{bits[3:]}"), ("onnxruntime", "com.microsoft::QMoE")):
+        logits = {}
+        for experts, expected, per_layer in (("auto", op, 1), ("branches", "If", cfg.n_routed_experts)):
+            out = tmp_path / f"{quantized_ops}-{experts}"
+            result = export(src, out, ExportOptions(absorb="factored", quantize=bits, block_size=block, experts=experts,
+                                                    quantized_ops=quantized_ops, accuracy_level=0))
+            report = verify_export(out, src, steps=4)
+            assert report.passed, report.lines
+            counts = result.manifest["graphs"]["decode"]["op_counts"]
+            assert counts.get(expected) == per_layer * moe_layers, counts
+            model = ExportedModel(out, RuntimeOptions(prepack=False))  # accuracy_level 0, unpacked: float activations
+            ids = np.random.default_rng(0).integers(3, model.config.vocab_size, (2, 12))
+            logits[experts] = model.run("prefill", prefill_feed(model.config, ids))["logits"]
+        scale = max(1.0, np.abs(logits["branches"]).max())
+        assert np.abs(logits["auto"] - logits["branches"]).max() <= 1e-4 * scale, op
 
 
 def test_expert_choices_are_checked_and_auto_follows_the_config():
@@ -221,12 +361,16 @@ def test_expert_choices_are_checked_and_auto_follows_the_config():
     int4 = quantize_module.Quantization(4, 32)
     assert resolve_experts(demo, "auto", None) == "kernel"  # every float dtype: mla_deploy.RoutedExperts(F16/BF16)
     assert resolve_experts(v2lite, "auto", None) == "branches"
-    assert resolve_experts(v2lite, "auto", int4) == resolve_experts(demo, "auto", int4) == "qmoe"
+    # quantized: mla_deploy.QRoutedExperts reads only the chosen experts whatever their number
+    assert resolve_experts(v2lite, "auto", int4) == resolve_experts(demo, "auto", int4, "kernel") == "kernel"
+    assert resolve_experts(v2lite, "auto", int4, "onnxruntime") == "qmoe"
     # QMoE's rule: the expert matrices in whole blocks along K (the demo's 160-wide experts are not whole 64-blocks)
     assert resolve_experts(demo, "qmoe", quantize_module.Quantization(4, 64)) == "branches"
-    for requested, quantization, message in (("qmoe", None, "needs --quantize"),
-                                             ("kernel", int4, "for float exports .* this one is int4"),
-                                             ("dense", None, "expected one of auto, qmoe, kernel, branches"),
-                                             ("moe", int4, "expected one of auto, qmoe, kernel, branches")):
+    assert resolve_experts(demo, "auto", quantize_module.Quantization(4, 64), "onnxruntime") == "branches"
+    for requested, quantization, ops, message in (
+            ("qmoe", None, None, "needs --quantize"),
+            ("kernel", int4, "onnxruntime", "reads float16 scales; --quantized-ops onnxruntime stores float32 ones"),
+            ("dense", None, None, "expected one of auto, qmoe, kernel, branches"),
+            ("moe", int4, "kernel", "expected one of auto, qmoe, kernel, branches")):
         with pytest.raises(ExportError, match=message):
-            resolve_experts(demo, requested, quantization)
+            resolve_experts(demo, requested, quantization, ops)

@@ -9,7 +9,7 @@ from onnx import TensorProto, helper, load_from_string
 
 from mla_deploy import kernels
 from mla_deploy.export.quantize import dequantize
-from mla_deploy.export.quantized_functions import qgather_function
+from mla_deploy.export.linear import qgather_function
 from quantized_ops import (U, activation_error_bound, has_level, level4_terms, model, qmatmul_model, quantized,
                            session)
 

@@ -25,9 +25,11 @@ import onnxscript
 from onnxscript import GraphBuilder
 
 from .. import io_spec, kernels
+from ..errors import ExportError
+from . import layouts
 from .opset import IR_VERSION, OPSET
 from .plan import ExportPlan
-from .quantize import quantize
+from .quantize import QuantizedWeight, quantize
 from .weights import WeightsFile
 
 Tensors = Callable[[str], np.ndarray]  # HF tensor name -> float32 array
@@ -41,19 +43,28 @@ def cast(op, x: ir.Value, source: ir.DataType, to: ir.DataType) -> ir.Value:
 
 
 def kernel_function(name: str, inputs: dict[str, ir.DataType], output: str, body: Callable[..., ir.Value], doc: str,
-                    opsets: dict[str, int] | None = None) -> ir.Function:
+                    opsets: dict[str, int] | None = None, attributes: dict[str, int | None] | None = None) -> ir.Function:
     """The ONNX body of mla-deploy's kernel op `name`: `body(op, *inputs)`, graph code shared with the graphs, run
     over a builder whose inputs are the function's (name -> element type: typed, the builder infers every value's
     type, as in a graph). Every graph that uses an op carries its body, which onnxruntime
     inlines and runs wherever the kernel library is not registered (no C compiler at install, a CPU without
     AVX2/FMA/F16C, RuntimeOptions(kernels=False), CUDA); the weight re-layouts and casts in a body depend only on
-    initializers, so onnxruntime folds them once at load."""
+    initializers, so onnxruntime folds them once at load. `attributes`: the op's integer attributes (name -> default,
+    None for one every node must set), which the body reads with `attribute`."""
     values = [ir.Value(name=n, type=ir.TensorType(dtype)) for n, dtype in inputs.items()]
-    function = onnxscript.build_function(body, values, domain=kernels.DOMAIN, name=name,
+    declared = [ir.Attr(n, ir.AttributeType.INT, default) for n, default in (attributes or {}).items()]
+    function = onnxscript.build_function(body, values, domain=kernels.DOMAIN, name=name, attributes=declared,
                                          opset_imports={"": OPSET, **(opsets or {})})
     function.outputs[0].name = output
     function.doc_string = doc
     return function
+
+
+def attribute(op, name: str) -> ir.Value:
+    """Inside a kernel_function body: the calling node's integer attribute `name` as a [1] int64 tensor."""
+    value = op.Constant(value_int=ir.RefAttr("value_int", name, ir.AttributeType.INT))
+    value.dtype, value.shape = ir.DataType.INT64, ir.Shape([])
+    return op.Reshape(value, [1])
 
 
 class Graph:
@@ -99,20 +110,42 @@ class Graph:
 
     def quantized_weight(self, name: str, make: Callable[[], np.ndarray], bits: int,
                          island: bool = False) -> tuple[ir.Value, ir.Value, int, int]:
-        """MatMulNBits' codes and scales for the float weight `make()` [K, N], quantized once; and K, N. Scales in the
-        compute dtype, or float32 for a float32 `island`'s MatMulNBits."""
+        """Codes and scales of the float weight `make()` [K, N], quantized once, in the plan's form; and K, N.
+        "kernel": the kernels' layout (export.layouts: codes [G, KB, 2·B·bits], float16 scales [G, KB, 16]);
+        "onnxruntime": MatMulNBits' codes [N, KB, B·bits/8] and scales [N, KB] in the compute dtype, or float32 for a
+        float32 `island`'s MatMulNBits."""
         made = {}
 
-        def quantized():
+        def quantized() -> QuantizedWeight:
             if "q" not in made:
-                made["q"] = quantize(make(), bits, self.plan.quantization.block)
+                made["q"] = self.quantize(name, make(), bits)
                 self.weights.shapes[name] = (made["q"].k, made["q"].n)
             return made["q"]
 
-        codes = self.initializer(f"{name}.codes", lambda: quantized().codes, "uint8")  # [N, k_blocks, B·bits/8]
-        scales = self.initializer(f"{name}.scales", lambda: quantized().scales,
-                                  "float32" if island else self.plan.compute)  # [N, k_blocks]
+        if self.plan.quantized_ops == "kernel":
+            def layout(part: int) -> np.ndarray:
+                if "layout" not in made:
+                    made["layout"] = layouts.qmatmul_layout(quantized())
+                    made.pop("q")  # the layout holds every code: the quantized weight can go
+                return made["layout"][part]
+
+            codes = self.initializer(f"{name}.codes", lambda: layout(0), "uint8")
+            scales = self.initializer(f"{name}.scales", lambda: layout(1), "float16")
+        else:
+            codes = self.initializer(f"{name}.codes", lambda: quantized().codes, "uint8")  # [N, k_blocks, B·bits/8]
+            scales = self.initializer(f"{name}.scales", lambda: quantized().scales,
+                                      "float32" if island else self.plan.compute)  # [N, k_blocks]
         return (codes, scales, *self.weights.shapes[name])
+
+    def quantize(self, name: str, w_in_out: np.ndarray, bits: int) -> QuantizedWeight:
+        """W [K, N] quantized as the plan says (bits, block, scale dtype); a block beyond float16 scales' range is
+        refused naming the weight."""
+        q = self.plan.quantization
+        try:
+            return quantize(w_in_out, bits, q.block, scale_dtype=q.scale_dtype)
+        except ValueError as e:
+            raise ExportError(f"{name}: {e}".replace("quantize with scale_dtype='float32'",
+                                                     "export with --quantized-ops onnxruntime (float32 scales)")) from None
 
     def to_float(self, op, x: ir.Value) -> ir.Value:
         """Into a float32 island from the compute dtype."""
@@ -122,14 +155,15 @@ class Graph:
         """Out of a float32 island, back to the compute dtype."""
         return cast(op, x, FLOAT, self.compute_type)
 
-    def kernel_op(self, op, name: str, function: Callable[[], ir.Function], *inputs: ir.Value) -> ir.Value:
+    def kernel_op(self, op, name: str, function: Callable[[], ir.Function], *inputs: ir.Value,
+                  **attributes: int) -> ir.Value:
         """A node of mla-deploy's kernel library (mla_deploy.kernels), its ONNX body (`function()`, built once per
         graph) carried by the model. Its output is float32, declared here: onnx's shape inference cannot type a body
         that uses com.microsoft ops."""
         if (kernels.DOMAIN, name, "") not in self.functions:
             self.functions[(kernels.DOMAIN, name, "")] = function()
         self.builder.graph.opset_imports[kernels.DOMAIN] = 1
-        out = getattr(op, name)(*inputs, _domain=kernels.DOMAIN)
+        out = getattr(op, name)(*inputs, _domain=kernels.DOMAIN, **attributes)
         out.dtype = FLOAT
         return out
 

@@ -107,6 +107,8 @@ def _report_choices(cfg, options: ExportOptions, plan: ExportPlan, progress: Pro
         fused, factored = (absorbed_weight_bytes(cfg, m) / 1e6 for m in (AbsorbMode.FUSED, AbsorbMode.FACTORED))
         progress(f"absorb auto -> {plan.absorb.value}: attention weights read per decode token and layer, computed "
                  f"from the config: factored {factored:.2f} MB, fused {fused:.2f} MB (bytes decide, not a timing)")
+    if plan.quantized_ops:
+        progress(f"quantized ops: {plan.quantized_ops} ({options.quantized_ops}), {plan.quantization.scale_dtype} scales")
     if cfg.n_routed_experts:
         progress(f"routed experts: {plan.experts} ({options.experts})")
     progress(f"decode attention: {plan.decode_attention} ({options.decode_attention})"

@@ -17,7 +17,7 @@ high nibble the one at k = j B + 8 p + 4 + t (p < B / 8): a mask and a shift tur
 quads 2p and 2p + 1 of the int8 run.
 
 Every kernel input is such a pair (or a stack of them, one per expert), so a function body (export.
-quantized_functions) dequantizes it with stock ONNX: Cast the bytes; for int4 split the nibbles as floor(x / 16)
+dequantize) dequantizes it with stock ONNX: Cast the bytes; for int4 split the nibbles as floor(x / 16)
 and x - 16 floor(x / 16) and interleave them as quads; Reshape to [G, KB, B/4, 16, 4], subtract z, multiply by the
 scales [G, KB, 1, 16, 1], Transpose to [KB, B/4, 4, G, 16] and Reshape to [KB·B, 16 G], then Slice [K, N].
 """

@@ -1,6 +1,8 @@
 """The torch source's nn.Linear and nn.Embedding as graph code, in each weight form the plan chooses: float MatMul,
-mla_deploy's MatMulF16 / MatMulBF16 over a half weight as stored, or MatMulNBits / GatherBlockQuantized over
-block-quantized codes (export.quantize)."""
+mla_deploy's MatMulF16 / MatMulBF16 over a half weight as stored, and over block-quantized codes (export.quantize)
+mla_deploy's QMatMul / QGather (the kernels' layout, export.layouts) or onnxruntime's MatMulNBits /
+GatherBlockQuantized; and the function bodies of mla_deploy's ops, which onnxruntime runs where the kernel library
+is not registered."""
 
 from __future__ import annotations
 
@@ -10,16 +12,20 @@ import numpy as np
 import onnx_ir as ir
 
 from .. import kernels
-from .builder import DATA_TYPES, FLOAT, Graph, kernel_function
+from .builder import DATA_TYPES, FLOAT, Graph, attribute, kernel_function
+from .dequantize import dequantized_weight, quantized_activations
+from .layouts import COLUMNS
+
+UINT8, FLOAT16 = ir.DataType.UINT8, ir.DataType.FLOAT16
 
 
 def linear(g: Graph, op, x: ir.Value, name: str, make_w_in_out: Callable[[], np.ndarray], quantizable: bool = True,
            head: bool = False, island: bool = False) -> ir.Value:
-    """x @ W with W stored [in, out]; through MatMulNBits when the export quantizes (the vocabulary `head` at
-    head_bits). Weights that are a column subset or permutation of an HF weight's transpose are quantized like it
-    (export.quantize.DequantizedCheckpoint); the fused absorbed products after absorption (DequantizedCheckpoint.
-    absorbed_matrices); kv_b and the router are not `quantizable`. In a float32 `island` x is float32 and so are W
-    or the quantization scales."""
+    """x @ W with W stored [in, out]; quantized when the export quantizes (the vocabulary `head` at head_bits), in
+    the plan's quantized ops. Weights that are a column subset or permutation of an HF weight's transpose are
+    quantized like it (export.quantize.DequantizedCheckpoint); the fused absorbed products after absorption
+    (DequantizedCheckpoint.absorbed_matrices); kv_b and the router are not `quantizable`. In a float32 `island` x is
+    float32 and so are W or MatMulNBits' scales."""
     q = g.plan.quantization
     if (q is None or not quantizable) and g.plan.half_weights and not island:
         return half_matmul(g, op, x, name, make_w_in_out)
@@ -27,8 +33,62 @@ def linear(g: Graph, op, x: ir.Value, name: str, make_w_in_out: Callable[[], np.
         return op.MatMul(x, g.weight(name, make_w_in_out, island=island))
     bits = q.head_bits if head else q.bits
     codes, scales, k, n = g.quantized_weight(name, make_w_in_out, bits, island=island)
-    return op.MatMulNBits(x, codes, scales, K=k, N=n, bits=bits, block_size=q.block, accuracy_level=q.accuracy_level,
-                          _domain="com.microsoft")
+    if g.plan.quantized_ops == "onnxruntime":
+        return op.MatMulNBits(x, codes, scales, K=k, N=n, bits=bits, block_size=q.block,
+                              accuracy_level=q.accuracy_level, _domain="com.microsoft")
+    y = g.kernel_op(op, kernels.QMATMUL[bits], lambda: qmatmul_function(bits), x if island else g.to_float(op, x),
+                    codes, scales, K=k, N=n, block_size=q.block, accuracy_level=q.accuracy_level)  # [..., N] float32
+    return y if island else g.to_compute(op, y)
+
+
+def qmatmul(op, a: ir.Value, codes: ir.Value, scales: ir.Value, bits: int) -> ir.Value:
+    """A [..., K] float32 @ W for an int`bits` W [K, N] in the kernels' layout (codes [G, KB, 2·B·bits], float16
+    scales [G, KB, 16]); K, N, block_size and accuracy_level are the calling node's attributes: at 4, A's rows are
+    quantized per block first, as the kernel quantizes them."""
+    k, n, block = attribute(op, "K"), attribute(op, "N"), attribute(op, "block_size")
+    rows = op.Reshape(a, op.Concat([-1], k, axis=0))  # [M, K]
+    k_pad = op.Mul(op.Shape(codes, start=1, end=2), block)  # [1]: KB·B
+    rows = quantized_activations(op, rows, k_pad, block, attribute(op, "accuracy_level"), rank=2)  # [M, K_pad]
+    w = op.Slice(dequantized_weight(op, codes, scales, bits), [0], n, [1])  # [K_pad, 16 G] -> [K_pad, N]
+    return op.Reshape(op.MatMul(rows, w), op.Concat(op.Shape(a, end=-1), n, axis=0))  # [M, N] -> [..., N]
+
+
+def qmatmul_function(bits: int) -> ir.Function:
+    """The body of mla_deploy.QMatMul4 / QMatMul8: what onnxruntime runs where the kernel library is not registered
+    (it folds the weight's dequantization at load into a float32 copy)."""
+    return kernel_function(kernels.QMATMUL[bits], {"A": FLOAT, "codes": UINT8, "scales": FLOAT16}, "Y",
+                           lambda op, a, codes, scales: qmatmul(op, a, codes, scales, bits),
+                           f"Y = A @ W for float32 A [..., K] and an int{bits} W [K, N] in mla-deploy's quantized layout "
+                           "(export.layouts: codes [G, KB, 2·B·bits], float16 scales [G, KB, 16]); accuracy_level 4 "
+                           "quantizes A's rows per block to int8 first. mla-deploy's kernel library reads W as stored; "
+                           "this body, where that is not registered, multiplies by a float32 copy folded at load.",
+                           attributes={"K": None, "N": None, "block_size": None, "accuracy_level": 0})
+
+
+def qgather(op, ids: ir.Value, codes: ir.Value, scales: ir.Value, bits: int) -> ir.Value:
+    """ids [...] -> columns ids of an int`bits` W [K, N] in the kernels' layout, dequantized: [..., K] float32 (a
+    tied head's Eᵀ read as embedding rows). K and N are the calling node's attributes; negative ids count from the
+    end, as Gather's. Each id's 16-column group is dequantized at run time, so nothing is folded at load."""
+    k, n = attribute(op, "K"), attribute(op, "N")
+    flat = op.Reshape(ids, [-1])  # [T]
+    token = op.Where(op.Less(flat, 0), op.Add(flat, n), flat)
+    group = op.Div(token, COLUMNS)
+    runs = op.Unsqueeze(op.Gather(codes, group, axis=0), [1])  # [T, 1, KB, 2·B·bits]: one group per token
+    run_scales = op.Unsqueeze(op.Gather(scales, group, axis=0), [1])  # [T, 1, KB, 16]
+    columns = op.Transpose(dequantized_weight(op, runs, run_scales, bits, lead=1), perm=[0, 2, 1])  # [T, 16, KB·B]
+    lane = op.Unsqueeze(op.Mod(token, COLUMNS), [1])  # [T, 1]
+    rows = op.Slice(op.GatherND(columns, lane, batch_dims=1), [0], k, [1])  # [T, KB·B] -> [T, K]
+    return op.Reshape(rows, op.Concat(op.Shape(ids), k, axis=0))  # [..., K]
+
+
+def qgather_function(bits: int) -> ir.Function:
+    """The body of mla_deploy.QGather4 / QGather8."""
+    return kernel_function(kernels.QGATHER[bits], {"ids": ir.DataType.INT64, "codes": UINT8, "scales": FLOAT16}, "out",
+                           lambda op, ids, codes, scales: qgather(op, ids, codes, scales, bits),
+                           f"out[..., :] = W[:, ids[...]] dequantized, for an int{bits} W [K, N] in mla-deploy's "
+                           "quantized layout (export.layouts): a tied head's embedding rows, or a separate embedding "
+                           "table stored as its transpose.",
+                           attributes={"K": None, "N": None, "block_size": None})
 
 
 def half_matmul(g: Graph, op, x: ir.Value, name: str, make_w_in_out: Callable[[], np.ndarray]) -> ir.Value:
@@ -68,14 +128,20 @@ def half_matmul_function(dtype: str) -> ir.Function:
 
 
 def embedding(g: Graph, ids: ir.Value, make_vocab_by_d: Callable[[], np.ndarray]) -> ir.Value:
-    """ids [b, T] -> rows [b, T, d] of the embedding; quantized, GatherBlockQuantized over the codes a tied head's
-    MatMulNBits reads too (the quantized weight `embed` is Eᵀ [d, V]: one code row per token, blocks along d)."""
-    q = g.plan.quantization
+    """ids [b, T] -> rows [b, T, d] of the embedding. Quantized, the weight `embed` is Eᵀ [d, V] (blocks along d),
+    whose codes a tied head multiplies by too: read by mla_deploy.QGather, or by GatherBlockQuantized over its
+    MatMulNBits codes as rows [V, KB·blob] (their d padded to whole blocks: sliced back to d)."""
+    q, op = g.plan.quantization, g.op
     if q is None:  # rows gathered in the stored dtype, then cast: a bfloat16 table is never widened whole
-        rows = g.op.Gather(g.initializer("embed", make_vocab_by_d, g.plan.dtype), ids, axis=0)  # [b, T, d]
-        return rows if g.stored_type == g.compute_type else g.op.Cast(rows, to=g.compute_type)
+        rows = op.Gather(g.initializer("embed", make_vocab_by_d, g.plan.dtype), ids, axis=0)  # [b, T, d]
+        return rows if g.stored_type == g.compute_type else op.Cast(rows, to=g.compute_type)
     bits = q.head_bits
-    _, scales, d, vocab = g.quantized_weight("embed", lambda: make_vocab_by_d().T, bits)
-    rows = g.weight_view("embed.rows", "embed.codes", (vocab, (d + -d % q.block) * bits // 8))  # [V, k_blocks·blob]
-    return g.op.GatherBlockQuantized(rows, ids, scales, gather_axis=0, quantize_axis=1, block_size=q.block,
-                                     bits=bits, _domain="com.microsoft")  # [b, T, d]
+    codes, scales, d, vocab = g.quantized_weight("embed", lambda: make_vocab_by_d().T, bits)
+    if g.plan.quantized_ops == "kernel":
+        rows = g.kernel_op(op, kernels.QGATHER[bits], lambda: qgather_function(bits), ids, codes, scales, K=d, N=vocab,
+                           block_size=q.block)  # [b, T, d] float32
+        return g.to_compute(op, rows)
+    table = g.weight_view("embed.rows", "embed.codes", (vocab, (d + -d % q.block) * bits // 8))  # [V, k_blocks·blob]
+    rows = op.GatherBlockQuantized(table, ids, scales, gather_axis=0, quantize_axis=1, block_size=q.block, bits=bits,
+                                   _domain="com.microsoft")  # [b, T, d padded to whole blocks]
+    return rows if d % q.block == 0 else op.Slice(rows, [0], [d], [2])

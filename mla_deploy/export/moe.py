@@ -1,9 +1,10 @@
 """modeling/moe.py as graph code: the dense SwiGLU, the V2 / V3 routers, and MoE layers whose routed experts run in
-the form the plan chose (export.plan): one mla_deploy.RoutedExperts ("kernel"), one com.microsoft QMoE over
-block-quantized experts ("qmoe"), or one If per expert ("branches"), whose branch gathers that expert's tokens, runs
-its SwiGLU on them and scatter-adds the weighted result, so an expert nobody chose costs one skipped branch and
-reads none of its weights. RoutedExperts' ONNX body, every expert on every token weighted by the dispatch, is built
-from this file's graph code (`routed_experts_function`).
+the form the plan chose (export.plan): one mla_deploy.RoutedExperts, or QRoutedExperts over block-quantized experts
+("kernel"), one com.microsoft QMoE ("qmoe"), or one If per expert ("branches"), whose branch gathers that expert's
+tokens, runs its SwiGLU on them and scatter-adds the weighted result, so an expert nobody chose costs one skipped
+branch and reads none of its weights. The kernels' ONNX bodies, every expert on every token weighted by the
+dispatch, are built from this file's graph code (`every_expert`: `routed_experts_function`,
+`qrouted_experts_function`).
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ import onnx_ir as ir
 
 from .. import kernels
 from ..config import MLAConfig
-from . import absorb
-from .builder import BOOL, DATA_TYPES, FLOAT, Graph, Tensors, cast, kernel_function
-from .linear import linear
-from .quantize import quantize
+from . import absorb, layouts
+from .builder import BOOL, DATA_TYPES, FLOAT, Graph, Tensors, attribute, cast, kernel_function
+from .dequantize import dequantized_weight, quantized_activations
+from .layouts import COLUMNS
+from .linear import FLOAT16, UINT8, linear
 
 
 def silu_mul(op, gate: ir.Value, up: ir.Value) -> ir.Value:
@@ -39,22 +41,46 @@ class SwiGLU:
                       lambda: t(hf + "down_proj.weight").T)  # [..., d]
 
 
+def every_expert(op, x: ir.Value, dispatch: ir.Value, gate: ir.Value, up: ir.Value, down: ir.Value, d: ir.Value,
+                 into_down=lambda hidden: hidden) -> ir.Value:
+    """sum_e dispatch[:, e] · down_e(silu(gate_e x) · up_e x) -> [T, d] float32, every expert on every token: x
+    [T, K] and dispatch [T, E] float32, gate and up [E, K, I'], down [E, I', d'] (K, I' and d' zero-padded beyond d,
+    I and d), d [1]; `into_down` is what the hidden activations [E, T, I'] pass through before down."""
+    hidden = into_down(silu_mul(op, op.MatMul(x, gate), op.MatMul(x, up)))  # [T, K] @ [E, K, I'] -> [E, T, I']
+    y = op.MatMul(hidden, down)  # [E, T, d']
+    weights = op.Unsqueeze(op.Transpose(dispatch, perm=[1, 0]), [-1])  # [T, E] -> [E, T] -> [E, T, 1]
+    y = op.ReduceSum(op.Mul(y, weights), [0], keepdims=0)  # [T, d']
+    return op.Slice(y, [0], d, [1])  # [T, d'] -> [T, d]
+
+
 def routed_experts_dense(op, x: ir.Value, dispatch: ir.Value, fc1: ir.Value, fc2: ir.Value,
                          weight_type: ir.DataType) -> ir.Value:
-    """sum_e dispatch[:, e] · down_e(silu(gate_e x) · up_e x) -> [T, d] float32, every expert on every token: x
-    [T, d] and dispatch [T, E] float32, fc1 [E, I'/32, d, 64] and fc2 [E, d'/64, I', 64] as RoutedExperts stores
-    them (mla_deploy.kernels.expert_fc1_strips / expert_fc2_strips) in `weight_type`."""
+    """every_expert over fc1 [E, I'/32, d, 64] and fc2 [E, d'/64, I', 64] as RoutedExperts stores them
+    (mla_deploy.kernels.expert_fc1_strips / expert_fc2_strips) in `weight_type`; x [T, d]."""
     fc1, fc2 = cast(op, fc1, weight_type, FLOAT), cast(op, fc2, weight_type, FLOAT)
     gate_up = op.Reshape(op.Transpose(fc1, perm=[0, 2, 1, 3]),
                          [0, 0, 0, 2, kernels.GATE_UP])  # [E, J, d, 64] -> [E, d, J, 64] -> [E, d, J, 2, 32]
     gate = op.Reshape(op.Gather(gate_up, 0, axis=3), [0, 0, -1])  # [E, d, J, 32] -> [E, d, I']
     up = op.Reshape(op.Gather(gate_up, 1, axis=3), [0, 0, -1])  # [E, d, I']
-    hidden = silu_mul(op, op.MatMul(x, gate), op.MatMul(x, up))  # [T, d] @ [E, d, I'] -> [E, T, I']
     down = op.Reshape(op.Transpose(fc2, perm=[0, 2, 1, 3]), [0, 0, -1])  # [E, S, I', 64] -> [E, I', S, 64] -> [E, I', d']
-    y = op.MatMul(hidden, down)  # [E, T, d']
-    weights = op.Unsqueeze(op.Transpose(dispatch, perm=[1, 0]), [-1])  # [T, E] -> [E, T] -> [E, T, 1]
-    y = op.ReduceSum(op.Mul(y, weights), [0], keepdims=0)  # [T, d']
-    return op.Slice(y, [0], op.Shape(x, start=1), [1])  # [T, d'] -> [T, d]
+    return every_expert(op, x, dispatch, gate, up, down, op.Shape(x, start=1))
+
+
+def qrouted_experts_dense(op, x: ir.Value, dispatch: ir.Value, fc1_codes: ir.Value, fc1_scales: ir.Value,
+                          fc2_codes: ir.Value, fc2_scales: ir.Value, bits: int) -> ir.Value:
+    """every_expert over int`bits` experts in the kernels' layout (export.layouts.routed_experts_layout: fc1's
+    16-column groups alternate gate and up); block_size and accuracy_level are the calling node's attributes: at 4,
+    x and the hidden activations are quantized per block first, as the kernel quantizes them."""
+    block, level = attribute(op, "block_size"), attribute(op, "accuracy_level")
+    k1, k2 = (op.Mul(op.Shape(codes, start=2, end=3), block) for codes in (fc1_codes, fc2_codes))  # [1]: KB·B
+    pairs = op.Reshape(dequantized_weight(op, fc1_codes, fc1_scales, bits, lead=1),
+                       [0, 0, -1, 2, COLUMNS])  # [E, K1_pad, 2 I'] -> [E, K1_pad, I'/16, 2, 16]
+    gate = op.Reshape(op.Gather(pairs, 0, axis=3), [0, 0, -1])  # [E, K1_pad, I']
+    up = op.Reshape(op.Gather(pairs, 1, axis=3), [0, 0, -1])
+    down = dequantized_weight(op, fc2_codes, fc2_scales, bits, lead=1)  # [E, K2_pad, d']
+    return every_expert(op, quantized_activations(op, x, k1, block, level, rank=2), dispatch, gate, up, down,
+                        op.Shape(x, start=1),
+                        lambda hidden: quantized_activations(op, hidden, k2, block, level, rank=3))
 
 
 def routed_experts_function(dtype: str) -> ir.Function:
@@ -71,6 +97,20 @@ def routed_experts_function(dtype: str) -> ir.Function:
                            "64] and fc2 [E, d'/64, I', 64] (mla_deploy.kernels.expert_fc1_strips / expert_fc2_strips). "
                            "mla-deploy's kernel library runs only each expert's own tokens; this body, where that is "
                            "not registered, runs every expert on every token (weights re-laid out and folded at load).")
+
+
+def qrouted_experts_function(bits: int) -> ir.Function:
+    """The body of mla_deploy.QRoutedExperts4 / QRoutedExperts8: what onnxruntime runs where the kernel library is
+    not registered."""
+    inputs = {"X": FLOAT, "dispatch": FLOAT, "fc1_codes": UINT8, "fc1_scales": FLOAT16, "fc2_codes": UINT8,
+              "fc2_scales": FLOAT16}
+    return kernel_function(kernels.QROUTED_EXPERTS[bits], inputs, "Y",
+                           lambda op, *args: qrouted_experts_dense(op, *args, bits),
+                           f"Y = sum_e dispatch[:, e] · down_e(silu(gate_e X) · up_e X) over int{bits} experts in "
+                           "mla-deploy's quantized layout (export.layouts.routed_experts_layout). The kernel library "
+                           "runs only each expert's own tokens, reading only their codes; this body, where that is not "
+                           "registered, runs every expert on every token (weights dequantized and folded at load).",
+                           attributes={"block_size": None, "accuracy_level": 0})
 
 
 # ---- the router and the MoE layer ----
@@ -166,8 +206,11 @@ class MoE:
 
     def _kernel(self, op, x2, dispatch) -> ir.Value:
         """All routed experts in one mla_deploy.RoutedExperts, weighted by DeepSeek's own dispatch (float32): each
-        expert multiplies only the tokens that chose it, reading its strips as stored (float32, float16, bfloat16)."""
+        expert multiplies only the tokens that chose it, reading its strips as stored (float32, float16, bfloat16);
+        QRoutedExperts for quantized experts."""
         cfg, g, t, hf = self.cfg, self.g, self.t, self.hf
+        if g.plan.quantization is not None:
+            return self._quantized_kernel(op, x2, dispatch)
 
         def fc1() -> np.ndarray:  # [E, I'/32, d, 64]
             return np.stack([kernels.expert_fc1_strips(t(f"{hf}experts.{e}.gate_proj.weight"),
@@ -185,6 +228,29 @@ class MoE:
                              *strips)  # [N, d] float32
         return g.to_compute(op, routed)
 
+    def _quantized_kernel(self, op, x2, dispatch) -> ir.Value:
+        """All routed experts in one mla_deploy.QRoutedExperts over their codes in the kernels' layout: gate and up
+        quantized as W [d, I] (the HF weights transposed), down as W [I, d], as export.quantize.DequantizedCheckpoint
+        quantizes them."""
+        cfg, g, t, hf, q = self.cfg, self.g, self.t, self.hf, self.g.plan.quantization
+        made: dict[str, np.ndarray] = {}
+
+        def part(key: str) -> np.ndarray:  # the four inputs, laid out once; each dropped once written
+            if not made:
+                quantized = {kind: [g.quantize(f"{hf}experts.{e}.{kind}_proj.weight",
+                                               t(f"{hf}experts.{e}.{kind}_proj.weight").T, q.bits)
+                                    for e in range(cfg.n_routed_experts)] for kind in ("gate", "up", "down")}
+                made.update(layouts.routed_experts_layout(quantized["gate"], quantized["up"], quantized["down"]))
+            return made.pop(key)
+
+        weights = [g.initializer(f"{self.name}.experts.{key.replace('_', '.')}", lambda key=key: part(key),
+                                 "uint8" if key.endswith("codes") else "float16")
+                   for key in ("fc1_codes", "fc1_scales", "fc2_codes", "fc2_scales")]
+        routed = g.kernel_op(op, kernels.QROUTED_EXPERTS[q.bits], lambda: qrouted_experts_function(q.bits),
+                             g.to_float(op, x2), dispatch, *weights, block_size=q.block,
+                             accuracy_level=q.accuracy_level)  # [N, d] float32
+        return g.to_compute(op, routed)
+
     def _qmoe(self, op, x2, chosen, dispatch) -> ir.Value:
         """All routed experts in one com.microsoft QMoE: it selects by `router_probs` (the router's choice, 1.0 on
         the k chosen experts, 0.0 elsewhere) and mixes by `router_weights` (the router's weights, already scaled),
@@ -196,8 +262,8 @@ class MoE:
         def experts(kind: str) -> list:
             """Per expert, its fc1 or fc2 weight quantized: computed once for codes and scales."""
             if kind not in made:
-                made[kind] = [quantize(self._fused_expert_weight(kind, e), q.bits, q.block)
-                              for e in range(cfg.n_routed_experts)]
+                made[kind] = [self.g.quantize(f"{self.name}.experts.{e}.{kind}", self._fused_expert_weight(kind, e),
+                                              q.bits) for e in range(cfg.n_routed_experts)]
             return made[kind]
 
         def codes(kind: str) -> np.ndarray:  # [E, N, K·bits/8]: MatMulNBits' [N, k_blocks, blob] per expert, flattened

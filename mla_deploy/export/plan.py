@@ -7,14 +7,22 @@ The rules (each form measured against the others: README):
 - absorb: auto picks the absorbed form that reads fewer weight bytes per decode token (export.absorb).
 - precision: weights and caches are stored in --dtype; the layers compute in float32 for every dtype, as
   onnxruntime's CPU provider has no bfloat16 arithmetic and widens float16 MatMuls itself (export.precision).
-- routed experts: "qmoe" for quantized exports, one com.microsoft QMoE per MoE layer, where the experts' matrices
-  are whole quantization blocks along K (QMoE's rule); "kernel" for float exports of layers with few experts per
+- quantized ops (a quantized export): "kernel", mla_deploy's QMatMul / QGather / QRoutedExperts over codes and
+  float16 scales laid out once at export (export.layouts), read where they lie in the mapped weights.bin by both
+  graphs' sessions; their function bodies are stock ONNX, run where the kernel library is not registered (CUDA
+  included), at the price of float32 copies of the weights folded at load. "onnxruntime": com.microsoft
+  MatMulNBits / GatherBlockQuantized (and QMoE where the experts fit it) over float32 scales, which onnxruntime
+  prepacks per session: its own fast kernels on CPU and CUDA, a second copy of the weights per graph.
+- routed experts: "kernel" for quantized exports in the kernel form (mla_deploy.QRoutedExperts: each expert on the
+  tokens that chose it, reading only those experts' codes) and for float exports of layers with few experts per
   chosen one (n_routed_experts <= DENSE_RATIO x num_experts_per_tok, the demo model's 8 and 2): one
-  mla_deploy.RoutedExperts per MoE layer, each expert on the tokens that chose it, reading strips laid out at export
-  in the export's dtype (its function body, where the kernel library is not registered, runs every expert on every
-  token: DENSE_RATIO times the chosen experts' work at most); "branches" otherwise (DeepSeek-V2-Lite's 64 and 6,
-  V3's 256 and 8), one If per expert, so an expert no token chose reads none of its weights. "branches" is also the
-  portable form: stock ONNX that runs anywhere, CUDA included.
+  mla_deploy.RoutedExperts per MoE layer, reading strips laid out at export in the export's dtype (its function
+  body, where the kernel library is not registered, runs every expert on every token: DENSE_RATIO times the chosen
+  experts' work at most; QRoutedExperts' body does the same whatever the ratio); "qmoe" for quantized exports in
+  onnxruntime's form, one com.microsoft QMoE per MoE layer, where the experts' matrices are whole quantization blocks
+  along K (QMoE's rule); "branches" otherwise (DeepSeek-V2-Lite's 64 and 6, V3's 256 and 8, in float), one If per
+  expert, so an expert no token chose reads none of its weights. "branches" is also the portable form: stock ONNX
+  that runs anywhere, CUDA included.
 - decode attention: "kernel" (mla_deploy.LatentAttention: scores, softmax and probs @ latent in one op that reads
   the caches as stored and only the slots each row sees) where its widths fit the kernel's blocks (d_c a multiple of
   16, d_r of 8), for half caches always (onnxruntime's ops would cast the whole cache to float32 in every layer of
@@ -27,17 +35,22 @@ The rules (each form measured against the others: README):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .. import kernels
 from ..config import MLAConfig
 from ..errors import ExportError
 from .absorb import AbsorbMode, resolve_absorb
 from .precision import DTYPES
+from . import layouts
 from .quantize import Quantization, quantized_hf_names
 
 QUANTIZE_BITS = {"int4": 4, "int8": 8}
 EXPERTS = ("auto", "qmoe", "kernel", "branches")
+QUANTIZED_OPS = ("auto", "kernel", "onnxruntime")
+# the scales each quantized form stores: the kernels read float16 (export.layouts), MatMulNBits and QMoE take their
+# activations' type (float32)
+SCALE_DTYPE = {"kernel": "float16", "onnxruntime": "float32"}
 DECODE_ATTENTION = ("auto", "kernel", "ops")
 DENSE_RATIO = 4
 KERNEL_HEADS_BELOW = 16  # auto picks the kernel over float32 caches for fewer heads than this
@@ -59,9 +72,10 @@ class ExportOptions:
     force: bool = False
     quantize: str | None = None  # "int4" or "int8": weight-only, block-wise (export.quantize)
     block_size: int = 32
-    accuracy_level: int = 4  # MatMulNBits: 4 = int8 activations inside the kernel, 0 = float (exact)
+    accuracy_level: int = 4  # 4 = int8 activations inside the kernel, 0 = float (exact)
     head_bits: int = 8  # the embedding and the output layer of a quantized export: 8, or 4 (smallest, fastest)
-    experts: str = "auto"  # routed experts: auto, qmoe (quantized), kernel (float), branches (portable)
+    quantized_ops: str = "auto"  # a quantized export's ops: auto (= kernel), kernel, onnxruntime
+    experts: str = "auto"  # routed experts: auto, kernel, qmoe (quantized), branches (portable)
     decode_attention: str = "auto"  # the decode graph's attention core: auto, kernel, ops (portable)
 
     def check(self) -> None:
@@ -69,6 +83,11 @@ class ExportOptions:
         if self.dtype not in DTYPES:
             raise ExportError(f"--dtype {self.dtype}: dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
         self.quantization()
+        if self.quantized_ops not in QUANTIZED_OPS:
+            raise ExportError(f"--quantized-ops {self.quantized_ops}: expected one of {', '.join(QUANTIZED_OPS)}")
+        if self.quantized_ops != "auto" and self.quantize is None:
+            raise ExportError(f"--quantized-ops {self.quantized_ops}: chooses the ops of quantized weights (add "
+                              "--quantize int4 or int8)")
         if self.experts not in EXPERTS:
             raise ExportError(f"experts={self.experts!r}: expected one of {', '.join(EXPERTS)}")
         if self.decode_attention not in DECODE_ATTENTION:
@@ -98,7 +117,8 @@ class ExportPlan:
     dtype: str  # the weights as stored: float32, float16, bfloat16 (quantized weights: their scales' compute dtype)
     compute: str  # what the layers compute in outside the float32 islands
     cache_dtype: str  # the latent and rope caches as stored (graph I/O)
-    quantization: Quantization | None  # bits, block, accuracy level, head bits; None: float weights
+    quantization: Quantization | None  # bits, block, accuracy level, head bits, scale dtype; None: float weights
+    quantized_ops: str | None  # quantized weights' ops: "kernel" or "onnxruntime"; None: float weights
     experts: str | None  # routed experts: "kernel", "qmoe" or "branches" (None read back for a model without any)
     decode_attention: str  # the decode attention core: "kernel" or "ops"
     long_cache: bool  # decode attention multiplies probs by the cache as the A operand (LatentAttentionLong)
@@ -112,10 +132,14 @@ class ExportPlan:
             raise ExportError(f"--max-seq-len {max_seq_len}: must be between 1 and max_position_embeddings="
                               f"{cfg.max_position_embeddings}")
         quantization = options.quantization()
+        quantized_ops = None
+        if quantization is not None:
+            quantized_ops = "kernel" if options.quantized_ops == "auto" else options.quantized_ops
+            quantization = replace(quantization, scale_dtype=SCALE_DTYPE[quantized_ops])
         cache_dtype = options.dtype
         return cls(absorb=resolve_absorb(cfg, options.absorb), dtype=options.dtype, compute=COMPUTE,
-                   cache_dtype=cache_dtype, quantization=quantization,
-                   experts=resolve_experts(cfg, options.experts, quantization),
+                   cache_dtype=cache_dtype, quantization=quantization, quantized_ops=quantized_ops,
+                   experts=resolve_experts(cfg, options.experts, quantization, quantized_ops),
                    decode_attention=resolve_decode_attention(cfg, options.decode_attention, cache_dtype),
                    long_cache=long_cache(cfg, max_seq_len), max_seq_len=max_seq_len)
 
@@ -128,16 +152,19 @@ class ExportPlan:
         """Every field, JSON-ready (inspect --json)."""
         return {"absorb": self.absorb.value, "dtype": self.dtype, "compute": self.compute, "cache_dtype": self.cache_dtype,
                 "quantization": None if self.quantization is None else self.quantization.to_dict(),
-                "experts": self.experts, "decode_attention": self.decode_attention, "long_cache": self.long_cache,
-                "max_seq_len": self.max_seq_len}
+                "quantized_ops": self.quantized_ops, "experts": self.experts,
+                "decode_attention": self.decode_attention, "long_cache": self.long_cache, "max_seq_len": self.max_seq_len}
 
     def describe(self) -> str:
         """One line for a reader: each choice and where it runs."""
         q = self.quantization
-        weights = (f"int{q.bits} weights (embedding and head int{q.head_bits}, blocks of {q.block}, accuracy_level "
-                   f"{q.accuracy_level})" if q else f"{self.dtype} weights")
+        ops = {"kernel": "mla_deploy.QMatMul / QGather", "onnxruntime": "com.microsoft MatMulNBits / GatherBlockQuantized"}
+        weights = (f"int{q.bits} weights (embedding and head int{q.head_bits}, blocks of {q.block}, {q.scale_dtype} "
+                   f"scales, accuracy_level {q.accuracy_level}) in {ops[self.quantized_ops]}" if q
+                   else f"{self.dtype} weights")
         core = {"kernel": "mla_deploy.LatentAttention", "ops": "onnxruntime's MatMul-Softmax-MatMul"}[self.decode_attention]
-        experts = {"kernel": "mla_deploy.RoutedExperts", "qmoe": "com.microsoft QMoE", "branches": "one If per expert"}
+        experts = {"kernel": "mla_deploy.QRoutedExperts" if q else "mla_deploy.RoutedExperts",
+                   "qmoe": "com.microsoft QMoE", "branches": "one If per expert"}
         return (f"absorb {self.absorb.value}; {weights} computed in {self.compute}; {self.cache_dtype} caches; "
                 f"decode attention in {core}" + (" (the cache as MatMul's A operand: long cache)" if self.long_cache
                                                  else "")
@@ -147,8 +174,8 @@ class ExportPlan:
     def recipe(self, source_hash: str, version: str) -> str:
         """What the export id hashes: the source and every choice that is not a function of the others (the cache
         dtype is the dtype, the long-cache form follows from the config and the length)."""
-        return (f"{source_hash}|{self.absorb.value}|{self.dtype}|{self.max_seq_len}|{self.quantization}|{self.experts}|"
-                f"{self.decode_attention}|{version}")
+        return (f"{source_hash}|{self.absorb.value}|{self.dtype}|{self.max_seq_len}|{self.quantization}|"
+                f"{self.quantized_ops}|{self.experts}|{self.decode_attention}|{version}")
 
     def manifest_fields(self, cfg: MLAConfig) -> dict:
         """The manifest's record of the plan (read back by from_manifest)."""
@@ -157,13 +184,14 @@ class ExportPlan:
         return {
             "absorb": self.absorb.value, "dtype": self.dtype, "max_seq_len": self.max_seq_len,
             "experts": self.experts if cfg.n_routed_experts else None, "decode_attention": self.decode_attention,
-            "long_cache": self.long_cache,
+            "long_cache": self.long_cache, "quantized_ops": self.quantized_ops,
             "precision": {"dtype": self.dtype, "compute": self.compute, "caches": self.cache_dtype,
                           "float32": FLOAT32_ISLANDS},
             "quantization": None if q is None else {
                 **q.to_dict(), "quantized_weights": len(quantized_hf_names(cfg)),
                 "float": "kv_b_proj, routers, norms, rope tables" + ("" if fused else ", per-head W^UK / W^UV"),
-                **({"absorbed": "fused W^Q·W^UK and W^UV·W^O quantized after absorption"} if fused else {})},
+                **({"absorbed": "fused W^Q·W^UK and W^UV·W^O quantized after absorption"} if fused else {}),
+                "layouts": quantized_layouts(q, self.quantized_ops)},
         }
 
     @classmethod
@@ -173,24 +201,38 @@ class ExportPlan:
         quantization = manifest.get("quantization")
         max_seq_len = int(manifest["max_seq_len"])
         recorded_long = manifest.get("long_cache")
+        quantized_ops = manifest.get("quantized_ops") or ("onnxruntime" if quantization else None)
         return cls(absorb=AbsorbMode(manifest["absorb"]), dtype=manifest["dtype"],
                    compute=precision.get("compute", COMPUTE), cache_dtype=precision.get("caches", manifest["dtype"]),
                    quantization=Quantization.from_dict(quantization) if quantization else None,
-                   experts=manifest.get("experts"), decode_attention=manifest.get("decode_attention", "ops"),
+                   quantized_ops=quantized_ops, experts=manifest.get("experts"),
+                   decode_attention=manifest.get("decode_attention", "ops"),
                    long_cache=long_cache(cfg, max_seq_len) if recorded_long is None else bool(recorded_long),
                    max_seq_len=max_seq_len)
 
 
-def resolve_experts(cfg: MLAConfig, requested: str, quantization: Quantization | None) -> str:
+def quantized_layouts(q: Quantization, quantized_ops: str) -> dict:
+    """How the quantized weights lie in weights.bin, by bits: what a manifest records for a reader without this code."""
+    if quantized_ops == "onnxruntime":
+        return {f"int{bits}": {"layout": "com.microsoft MatMulNBits", "codes": "uint8 [N, ceil(K/block), block*bits/8]",
+                               "scales": f"{q.scale_dtype} [N, ceil(K/block)]", "zero_point": 2 ** (bits - 1)}
+                for bits in sorted({q.bits, q.head_bits})}
+    return {f"int{bits}": layouts.describe(bits, q.block) for bits in sorted({q.bits, q.head_bits})}
+
+
+def resolve_experts(cfg: MLAConfig, requested: str, quantization: Quantization | None,
+                    quantized_ops: str | None = "kernel") -> str:
     """How the routed experts run (module docstring). QMoE needs both expert matrices' K in whole quantization
     blocks; where they are not, the experts run in branches even if QMoE was asked for."""
     if requested not in EXPERTS:
         raise ExportError(f"experts={requested!r}: expected one of {', '.join(EXPERTS)}")
-    if requested == "kernel" and quantization is not None:
-        raise ExportError(f"experts='kernel' is for float exports (mla_deploy.RoutedExperts multiplies float32, "
-                          f"float16 or bfloat16 weights); this one is int{quantization.bits}: use 'qmoe' or 'branches'")
+    if requested == "kernel" and quantization is not None and quantized_ops != "kernel":
+        raise ExportError("experts='kernel' over quantized weights is mla_deploy.QRoutedExperts, which reads float16 "
+                          "scales; --quantized-ops onnxruntime stores float32 ones: use 'qmoe' or 'branches'")
     if requested == "qmoe" and quantization is None:
         raise ExportError("experts='qmoe' needs --quantize (QMoE multiplies by quantized experts)")
+    if requested == "auto" and quantization is not None and quantized_ops == "kernel":
+        return "kernel"
     if requested in ("auto", "qmoe") and quantization is not None:
         whole_blocks = cfg.hidden_size % quantization.block == 0 and cfg.moe_intermediate_size % quantization.block == 0
         return "qmoe" if whole_blocks else "branches"

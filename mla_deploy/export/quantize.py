@@ -39,7 +39,8 @@ HEAD_WEIGHTS = ("model.embed_tokens.weight", "lm_head.weight")  # quantized at Q
 
 @dataclass(frozen=True)
 class Quantization:
-    """What `export --quantize` asked for: every quantizable MatMul weight as MatMulNBits codes."""
+    """What `export --quantize` asked for: every quantizable MatMul weight as block-quantized codes (laid out for
+    mla_deploy's quantized kernels, export.layouts, or for onnxruntime's MatMulNBits: export.plan)."""
 
     bits: int
     block: int = 32
@@ -58,7 +59,8 @@ class Quantization:
             raise ValueError(f"accuracy_level={self.accuracy_level}: expected one of {ACCURACY_LEVELS}")
 
     def to_dict(self) -> dict:
-        return {"method": "MatMulNBits, block-wise symmetric", **asdict(self)}
+        return {"method": "block-wise symmetric: one scale per block of `block` values along K per output column, codes "
+                          "unsigned with zero point 2^(bits-1)", **asdict(self)}
 
     @classmethod
     def from_dict(cls, recorded: dict) -> "Quantization":

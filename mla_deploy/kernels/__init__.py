@@ -27,7 +27,7 @@ layer's routed experts over such weights (export.layouts.routed_experts_layout),
 tokens' rows; `QGather4` / `QGather8` (qgather.c): columns of such a W dequantized, so that a tied embedding is read
 from its head's codes, and a separate table stored as Eᵀ costs no second layout. The quantized ops have a plain C path
 and register on any x86-64 CPU; MLA_DEPLOY_ISA=scalar|avx2|avx512 (dispatch.h) caps the path a session's kernels take.
-Their function bodies (export.quantized_functions) are stock ONNX over the same initializers: Cast the codes, split
+Their function bodies (export.linear, export.moe over export.dequantize) are stock ONNX over the same initializers: Cast the codes, split
 int4 nibbles as floor(x / 16) and x - 16 floor(x / 16), Reshape to [G, KB, B/4, 16, 4], subtract the zero point
 2^(bits-1), multiply by the scales reshaped [G, KB, 1, 16, 1], Transpose to [KB, B/4, 4, G, 16] and Reshape to
 [KB·B, 16 G] (W zero-padded), Slice N columns and MatMul by A zero-padded to KB·B (at accuracy_level 4 quantized and

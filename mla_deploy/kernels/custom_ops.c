@@ -18,7 +18,8 @@
  * registered by RegisterCustomOps, which onnxruntime calls on SessionOptions.register_custom_ops_library. The
  * arithmetic is strip_matmul.c's, routed_experts.c's, latent_attention.c's, qmatmul.c's, qexperts.c's and qgather.c's;
  * this file reads shapes, allocates the outputs and splits the work over the session's intra-op threads. Every graph
- * using these ops also carries them as ONNX functions (export/kernel_functions.py, export/quantized_functions.py),
+ * using these ops also carries them as ONNX functions (built from the graph code: export/linear.py, export/moe.py,
+ * export/attention.py),
  * which onnxruntime runs where this library is not registered.
  */
 #include <stdio.h>
