@@ -97,3 +97,52 @@ def test_runtime_holds_the_weights_once(exports, prepack, bound):
     print(f"prepack={prepack}: resident growth / weights growth = {ratio:.3f}")
     assert bound[0] < ratio <= bound[1]
     assert large["loaded"]["anonymous"] - small["loaded"]["anonymous"] < weights / 4  # nothing copied at load
+
+
+# DeepSeek-V2-Lite's structure at half its width (64 experts of 704, hidden 1024, vocab 25600), 2 layers: a 0.9 GB
+# float32 checkpoint whose quantized exports hold 0.19 (int4) and 0.28 GB (int8) of weights, so that what loading
+# copies is measured against weights far larger than a session's own bookkeeping (~4 MB)
+HALF_V2 = dict(hidden_size=1024, intermediate_size=5472, moe_intermediate_size=704, vocab_size=25600,
+               max_position_embeddings=4096)
+
+LOAD = """
+import json
+from mla_deploy.runtime import ExportedModel, Generator, RuntimeOptions, SamplingParams
+from mla_deploy.runtime.memory import resident_memory
+before = resident_memory()
+model = ExportedModel({out!r})
+Generator(model, SamplingParams(), stop_token_ids=()).generate([list(range(3, 40)), list(range(50, 60))], 3)
+print(json.dumps({{"before": before.to_dict(), "loaded": model.load_memory.to_dict(), "prepack": model.prepack}}))
+"""
+
+
+@pytest.fixture(scope="module")
+def quantized_exports(tmp_path_factory):
+    from mla_deploy.export import ExportOptions, export
+
+    root = tmp_path_factory.mktemp("quantized-memory")
+    raw = {**preset_config("v2lite-2L"), **HALF_V2}
+    raw.pop("rope_scaling")
+    ckpt = write_random_checkpoint(raw, root / "ckpt", seed=0)
+    built = {}
+    for name, options in (("int4", dict(quantize="int4")), ("int8", dict(quantize="int8")),
+                          ("int4 onnxruntime", dict(quantize="int4", quantized_ops="onnxruntime"))):
+        built[name] = root / name.replace(" ", "-")
+        export(ckpt, built[name], ExportOptions(**options))
+    return built
+
+
+@pytest.mark.parametrize("name, bound", [("int4", (0, 0.1)), ("int8", (0, 0.1)), ("int4 onnxruntime", (1.0, 3.0))])
+def test_quantized_exports_hold_one_copy_of_their_weights(quantized_exports, name, bound):
+    """Both graphs loaded (by default options) and a generation run: the anonymous memory loading added, per byte of
+    weights.bin, is at most 0.1 for mla-deploy's quantized kernels, which read the mapped file where it lies (both
+    sessions share its pages); onnxruntime's MatMulNBits / QMoE, prepacked by default, copy every weight once per
+    session."""
+    out = quantized_exports[name]
+    measured = child(LOAD.format(out=str(out)))
+    weights = (out / "weights.bin").stat().st_size
+    ratio = (measured["loaded"]["anonymous"] - measured["before"]["anonymous"]) / weights
+    print(f"{name}: anonymous memory added by loading both graphs / weights.bin = {ratio:.3f} "
+          f"({weights / MiB:.0f} MiB of weights)")
+    assert measured["prepack"] == (name == "int4 onnxruntime")
+    assert bound[0] <= ratio <= bound[1]
