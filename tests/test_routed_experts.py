@@ -19,6 +19,8 @@ from mla_deploy.runtime import ExportedModel, Generator, RuntimeOptions, Samplin
 from mla_deploy.runtime.feeds import prefill_feed
 from mla_deploy.safetensors_io import bf16_to_float32, float32_to_bf16
 
+import kernel_levels
+
 needs_library = pytest.mark.skipif(kernels.library() is None,
                                    reason="the kernel library did not build on this machine (no compiler)")
 
@@ -105,27 +107,41 @@ def _reference(x, dispatch, gate, up, down) -> tuple[np.ndarray, np.ndarray]:
 
 
 # (tokens, experts, chosen per token, d, I): one token (decode at batch 1), a few (batched decode: each expert's rows
-# in register blocks), many (prefill: more than 12 rows per expert); d and I whole strips or padded (the tiny test
-# checkpoints: d 64, I 24; the demo: 256, 160)
-SHAPES = [(1, 8, 2, 256, 160), (3, 8, 2, 64, 24), (16, 8, 2, 256, 160), (16, 6, 3, 70, 40), (40, 4, 2, 96, 64),
-          (64, 8, 2, 256, 160)]
+# in register blocks), many (prefill: more than 12 rows per expert, d and I' across the kernel's 256-row passes); d and
+# I whole strips or padded (the tiny test checkpoints: d 64, I 24; the demo: 256, 160)
+SHAPES = [(1, 8, 2, 256, 160), (3, 8, 2, 64, 24), (8, 8, 2, 300, 40), (16, 8, 2, 256, 160), (16, 6, 3, 70, 40),
+          (40, 4, 2, 96, 64), (64, 8, 2, 256, 160), (512, 16, 4, 300, 300)]
 
 
-@pytest.mark.parametrize("library", [pytest.param(True, marks=needs_library, id="kernel"),
-                                     pytest.param(False, id="function-body")])
+@needs_library
+@pytest.mark.parametrize("isa", kernel_levels.params())
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("tokens,e,k,d,inter", SHAPES)
-def test_routed_experts_match_numpy(tokens, e, k, d, inter, threads, library):
-    _check_against_numpy(tokens, e, k, d, inter, threads, library, "float32")
+def test_routed_experts_match_numpy_on_every_path(tokens, e, k, d, inter, threads, isa, monkeypatch):
+    monkeypatch.setenv("MLA_DEPLOY_ISA", isa)  # read as onnxruntime creates the kernel
+    _check_against_numpy(tokens, e, k, d, inter, threads, True, "float32")
 
 
-@pytest.mark.parametrize("library", [pytest.param(True, marks=needs_library, id="kernel"),
-                                     pytest.param(False, id="function-body")])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("tokens,e,k,d,inter", SHAPES)
+def test_the_function_body_matches_numpy(tokens, e, k, d, inter, threads):
+    _check_against_numpy(tokens, e, k, d, inter, threads, False, "float32")
+
+
+@needs_library
+@pytest.mark.parametrize("isa", kernel_levels.params())
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("tokens,e,k,d,inter", [SHAPES[0], SHAPES[3], SHAPES[5]])
-def test_half_routed_experts_match_numpy_on_the_rounded_weights(tokens, e, k, d, inter, dtype, library):
+@pytest.mark.parametrize("tokens,e,k,d,inter", [SHAPES[0], SHAPES[2], SHAPES[4], SHAPES[7]])
+def test_half_routed_experts_match_numpy_on_the_rounded_weights(tokens, e, k, d, inter, dtype, isa, monkeypatch):
     """RoutedExpertsF16 / BF16 widen the stored weights exactly: the same bound against the rounded weights."""
-    _check_against_numpy(tokens, e, k, d, inter, 2, library, dtype)
+    monkeypatch.setenv("MLA_DEPLOY_ISA", isa)
+    _check_against_numpy(tokens, e, k, d, inter, 2, True, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("tokens,e,k,d,inter", [SHAPES[0], SHAPES[4]])
+def test_the_half_function_bodies_match_numpy(tokens, e, k, d, inter, dtype):
+    _check_against_numpy(tokens, e, k, d, inter, 2, False, dtype)
 
 
 def _check_against_numpy(tokens, e, k, d, inter, threads, library, dtype):

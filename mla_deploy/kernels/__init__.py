@@ -16,9 +16,11 @@ call once the expert has two tokens, and multiplies float32 only; this op reads 
 absorbed decode attention's core, softmax(q_latent · latent + q_rope · rope + bias) @ latent, reading the caches as
 stored and only the slots each row sees (export.decode_attention).
 
-Every graph that uses the ops also carries them as ONNX functions (export.kernel_functions: the same product through
-Cast and MatMul; every expert on every token, weighted by dispatch; MatMul, Softmax, MatMul), which onnxruntime runs
-wherever the library is not registered: not built (no C compiler), a CPU without AVX2/FMA/F16C, or turned off.
+Each op has a plain C path beside its AVX2 (and for the MatMul, AVX-512) one, so the library registers on any x86-64
+CPU; MLA_DEPLOY_ISA=scalar|avx2|avx512 (dispatch.h) caps the path a session's kernels take, read as onnxruntime
+creates them. Every graph that uses the ops also carries them as ONNX functions (export.kernel_functions: the same
+product through Cast and MatMul; every expert on every token, weighted by dispatch; MatMul, Softmax, MatMul), which
+onnxruntime runs wherever the library is not registered: not built (no C compiler), or turned off.
 """
 
 from __future__ import annotations
