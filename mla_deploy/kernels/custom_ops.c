@@ -158,13 +158,13 @@ static OrtStatus *compute_routed_experts(OrtKernelContext *context, StripKind ki
     job.x = data[0], job.dispatch = data[1], job.fc1 = data[2], job.fc2 = data[3], job.y = y;
     if (job.tokens == 0 || job.d == 0) return NULL;
     if (routed_experts_plan(&job)) return error(op, "out of memory planning the experts' rows");
-    if (job.active) { /* gathering and packing copy a few rows: on this thread, between the two products */
-        ExpertStep fc1 = {&job, routed_experts_fc1}, fc2 = {&job, routed_experts_fc2};
+    if (job.active) { /* per active expert: gather (its rows packed), fc1 by strips, pack (its activations), fc2 */
+        ExpertStep steps[] = {{&job, routed_experts_gather}, {&job, routed_experts_fc1}, {&job, routed_experts_pack},
+                              {&job, routed_experts_fc2}};
+        size_t tasks[] = {(size_t)job.active, (size_t)(job.active * job.inter / GATE_UP), (size_t)job.active,
+                          (size_t)job.out_strips};
         OrtKernelContext *pool = pool_for(context, job.first[job.active] * 3 * job.inter * job.d);
-        for (int64_t i = 0; i < job.active; i++) routed_experts_gather(&job, i);
-        status = parallel_for(pool, run_expert_step, (size_t)(job.active * job.inter / GATE_UP), &fc1);
-        for (int64_t i = 0; !status && i < job.active; i++) routed_experts_pack(&job, i);
-        if (!status) status = parallel_for(pool, run_expert_step, (size_t)job.out_strips, &fc2);
+        for (int i = 0; !status && i < 4; i++) status = parallel_for(pool, run_expert_step, tasks[i], &steps[i]);
     }
     routed_experts_release(&job);
     return status;
