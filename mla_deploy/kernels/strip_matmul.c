@@ -198,8 +198,14 @@ static void strip_groups(const StripMatMul *job, int64_t s, int64_t g0, int64_t 
         [ISA_AVX2] = {[STRIP_F16] = avx2_f16, [STRIP_BF16] = avx2_bf16, [STRIP_F32] = avx2_f32},
         [ISA_AVX512] = {[STRIP_F16] = avx512_f16, [STRIP_BF16] = avx512_bf16, [STRIP_F32] = avx512_f32},
     };
-    if (job->isa == ISA_SCALAR) strip_scalar(job, s, g0, g1);
-    else paths[job->isa][job->kind](job, s, g0, g1);
+    if (job->k == 0) { /* an empty sum: no pass would write Y */
+        int64_t r0 = job->m == 1 ? 0 : g0 * job->group, r1 = job->m == 1 ? 1 : g1 * job->group;
+        for (int64_t r = r0; r < r1 && r < job->m; r++) memset(job->y + r * job->n + s * STRIP, 0, sizeof(float) * STRIP);
+    } else if (job->isa == ISA_SCALAR) {
+        strip_scalar(job, s, g0, g1);
+    } else {
+        paths[job->isa][job->kind](job, s, g0, g1);
+    }
 }
 
 void strip_matmul_strip(const StripMatMul *job, int64_t s) { strip_groups(job, s, 0, groups_of(job)); }
