@@ -32,17 +32,24 @@ def decoder(g: Graph, cfg: MLAConfig, t: Tensors, inputs: dict[str, ir.Value], a
             h = RMSNorm(g, f"layers.{i}.input_norm", hf + "input_layernorm.weight", t, eps)(op, x)
             with g.scope("attn"):
                 x = op.Add(x, attention(op, MLAttention(g, cfg, t, i), h, cos, sin))
+            if i == cfg.num_hidden_layers - 1 and logits_positions is not None:
+                # what follows the last attention (its MLP or MoE, the final norm, the head) works token by token and
+                # no cache needs it: only the positions whose logits are asked for go on (llama.cpp's inp_out_ids)
+                x = _gather_positions(op, cfg, x, logits_positions)  # [b, n, d]
             h = RMSNorm(g, f"layers.{i}.post_norm", hf + "post_attention_layernorm.weight", t, eps)(op, x)
             with g.scope("mlp"):
                 mlp = (MoE(g, cfg, t, i) if cfg.is_moe_layer(i)
                        else SwiGLU(g, f"layers.{i}.mlp", hf + "mlp.", t, cfg.intermediate_size))
                 x = op.Add(x, mlp(op, h))
         on_layer(i)
-    if logits_positions is not None:  # only the asked-for positions reach the (large) vocabulary projection
-        index = op.Expand(op.Unsqueeze(logits_positions, [-1]), [1, 1, cfg.hidden_size])  # [b, n] -> [b, n, 1] -> [b, n, d]
-        x = op.GatherElements(x, index, axis=1)  # [b, n, d]
     x = RMSNorm(g, "final_norm", "model.norm.weight", t, eps)(op, x)
     if cfg.tie_word_embeddings and g.plan.quantization:  # the head multiplies by the embedding's own codes
         return g.to_float(op, linear(g, op, x, "embed", lambda: t("model.embed_tokens.weight").T, head=True))
     head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     return g.to_float(op, linear(g, op, x, "lm_head", lambda: t(head).T, head=True))  # [b, n, vocab] float32
+
+
+def _gather_positions(op, cfg: MLAConfig, x: ir.Value, positions: ir.Value) -> ir.Value:
+    """x [b, T, d] at positions [b, n] -> [b, n, d]."""
+    index = op.Expand(op.Unsqueeze(positions, [-1]), [1, 1, cfg.hidden_size])  # [b, n] -> [b, n, 1] -> [b, n, d]
+    return op.GatherElements(x, index, axis=1)
