@@ -31,7 +31,8 @@ LOGITS = "logits"
 
 PREFILL = "prefill"
 DECODE = "decode"
-GRAPH_FILES = {PREFILL: "prefill.onnx", DECODE: "decode.onnx"}
+DRAFT = "draft"
+GRAPH_FILES = {PREFILL: "prefill.onnx", DECODE: "decode.onnx", DRAFT: "draft.onnx"}
 
 
 def past_latent(layer: int) -> str:

@@ -97,6 +97,11 @@ class ExportedModel:
         self.load_seconds = time.perf_counter() - started
         self.load_memory: ResidentMemory | None = resident_memory()  # this process, just after the sessions loaded
 
+    @property
+    def has_draft(self) -> bool:
+        """Whether the export has the MTP draft graph (speculative decoding's 'mtp' mode)."""
+        return io_spec.DRAFT in self.manifest["graphs"]
+
     def run(self, kind: str, feed: dict) -> dict:
         """One checked call of the prefill or decode graph; outputs by name (new arrays, the feed left unchanged).
         Bound through IO binding, so bfloat16 caches (uint16 bit patterns here: runtime.dtypes) pass both ways."""

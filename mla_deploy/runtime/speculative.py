@@ -1,0 +1,180 @@
+"""Speculative decoding: proposals (prompt lookup, the MTP draft graph) and their acceptance. numpy only.
+
+A step proposes up to k tokens per row cheaply, the full model checks them in one verification pass over the
+existing latent cache (logits at the row's pending token and at each proposed one), and the row keeps the longest
+prefix the target accepts plus one token of its own; rollback is the row's length alone (the rejected rows of the
+cache are overwritten by the next step).
+
+Acceptance keeps the sampler's distribution exactly (speculative sampling: Leviathan et al. 2023, Chen et al. 2023).
+At position j, p is the distribution sample() draws from there (runtime.sampling.distribution: the penalties see the
+drafts accepted before j), q the proposer's, d the draft: accept d with probability min(1, p(d) / q(d)); otherwise
+emit a draw from max(0, p - q) normalized, and stop. A token x then comes out with probability
+q(x) min(1, p(x)/q(x)) + (1 - sum_y min(q(y), p(y))) (p(x) - min(p(x), q(x))) / (1 - sum_y min(p(y), q(y))) = p(x).
+A deterministic proposer (prompt lookup, a greedy draft) has q one-hot at d: accept with probability p(d), else
+draw from p with d removed. Greedy (p one-hot at the argmax) reduces to: accept while d is the argmax, then emit the
+argmax, which is what greedy decoding without speculation emits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .. import io_spec
+from ..errors import InputError
+from .sampling import SamplingParams, adjusted_logits, distribution, draw, uniform
+
+MODES = ("off", "lookup", "mtp")
+MAX_DRAFT_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """How a generation speculates: `mode` off, lookup (prompt lookup: any export) or mtp (the export's draft graph),
+    at most `draft_tokens` proposed per step; lookup matches the last `ngram` tokens down to `min_ngram`."""
+    mode: str = "off"
+    draft_tokens: int = 4
+    ngram: int = 3
+    min_ngram: int = 2
+
+    def validate(self, max_seq_len: int | None = None, has_draft: bool | None = None) -> "Speculation":
+        """InputError naming the problem; `max_seq_len` and `has_draft`: the export's, where known."""
+        if self.mode not in MODES:
+            raise InputError(f"speculative={self.mode!r}: expected one of {', '.join(MODES)}")
+        k = self.draft_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_DRAFT_TOKENS:
+            raise InputError(f"draft_tokens={k!r}: must be an integer in [1, {MAX_DRAFT_TOKENS}]")
+        if max_seq_len is not None and self.mode != "off" and k >= max_seq_len:
+            raise InputError(f"draft_tokens={k}: a verification pass of {k + 1} tokens does not fit the export's "
+                             f"maximum length {max_seq_len}")
+        if not (isinstance(self.ngram, int) and isinstance(self.min_ngram, int) and 1 <= self.min_ngram <= self.ngram):
+            raise InputError(f"ngram={self.ngram!r}, min_ngram={self.min_ngram!r}: need 1 <= min_ngram <= ngram")
+        if self.mode == "mtp" and has_draft is False:
+            raise InputError("speculative='mtp' needs the export's draft graph (draft.onnx), written from a checkpoint "
+                             "with an MTP layer (num_nextn_predict_layers >= 1); this export has none: use 'lookup'")
+        return self
+
+    @property
+    def on(self) -> bool:
+        return self.mode != "off"
+
+
+@dataclass
+class SpeculationStats:
+    """Draft tokens proposed and accepted, and how often a step's first draft token was accepted."""
+    verify_steps: int = 0  # verification passes (steps with at least one row proposing)
+    proposed: int = 0
+    accepted: int = 0
+    first_proposed: int = 0  # rows of verification passes that proposed at least one token
+    first_accepted: int = 0  # ... whose first proposed token was accepted
+
+    def add(self, proposed: int, accepted: int) -> None:
+        self.proposed += proposed
+        self.accepted += accepted
+        if proposed:
+            self.first_proposed += 1
+            self.first_accepted += accepted > 0
+
+    def to_dict(self) -> dict:
+        return {"verify_steps": self.verify_steps, "proposed": self.proposed, "accepted": self.accepted,
+                "acceptance": round(self.accepted / self.proposed, 4) if self.proposed else None,
+                "first_token_acceptance": round(self.first_accepted / self.first_proposed, 4)
+                if self.first_proposed else None}
+
+
+# ---- proposals ----
+def lookup(history: np.ndarray, k: int, ngram: int, min_ngram: int = 1) -> np.ndarray:
+    """Prompt lookup: the up to k tokens that followed the latest earlier occurrence of the last n tokens of
+    `history` (prompt and output), for the longest n in [min_ngram, ngram] that occurs; empty where none does."""
+    size = len(history)
+    if k < 1 or size < min_ngram + 1:
+        return history[:0]
+    # candidate ends: earlier positions holding the last token (the suffix itself, ending at size - 1, excluded)
+    ends = np.flatnonzero(history[: size - 1] == history[size - 1])
+    for n in range(min(ngram, size - 1), min_ngram - 1, -1):
+        matched = ends[ends >= n - 1]
+        for back in range(1, n):
+            matched = matched[history[matched - back] == history[size - 1 - back]]
+        if len(matched):
+            start = matched[-1] + 1  # the latest occurrence; what followed it (it may run into the suffix)
+            return history[start : start + k]
+    return history[:0]
+
+
+# ---- acceptance ----
+def accepts(p: np.ndarray, q: np.ndarray | None, d: int, u: float) -> bool:
+    """Accept draft d with probability min(1, p(d) / q(d)) given a uniform u in (0, 1); q None: one-hot at d."""
+    qd = 1.0 if q is None else q[d]
+    return u * qd < p[d]
+
+
+def residual(p: np.ndarray, q: np.ndarray | None, d: int) -> np.ndarray:
+    """max(0, p - q) normalized: what a rejection draws from (q None: one-hot at d, so p with d removed)."""
+    r = p.copy()
+    if q is None:
+        r[d] = 0.0
+    else:
+        np.maximum(p - q, 0.0, out=r)
+    total = r.sum()
+    # the draft was rejected, so some mass is left (p(d) < q(d) somewhere means p > q elsewhere); rounding aside
+    return r / total if total > 0 else p
+
+
+def accept_row(logits: np.ndarray, drafts: Sequence[int], params: SamplingParams, history: np.ndarray,
+               counts: np.ndarray | None, rng: np.random.Generator, q: np.ndarray | None = None) -> list[int]:
+    """One row's verification: logits [m + 1, vocab] at its pending token and its m drafts, q [m, vocab] the
+    proposer's distributions (None: deterministic). Returns the tokens it emits: the accepted drafts, then one drawn
+    from the target (at most m + 1). `history` and `counts` are the row's before this step (not changed here)."""
+    m = len(drafts)
+    if params.greedy and params.plain:  # the model's own argmax: one pass over every position
+        best = logits.argmax(-1)
+        a = 0
+        while a < m and drafts[a] == best[a]:
+            a += 1
+        return [int(t) for t in drafts[:a]] + [int(best[a])]
+    out: list[int] = []
+    seen, counted = history, None if counts is None else counts.copy()
+    for j in range(m + 1):
+        row = logits[j : j + 1]
+        if params.greedy:  # penalties or bias: the argmax of the adjusted logits, as sample() takes it
+            token = int(adjusted_logits(row, params, [seen], None if counted is None else [counted]).argmax())
+            if j < m and token == drafts[j]:
+                out.append(token)
+            else:
+                return out + [token]
+        else:
+            p = distribution(row, params, [seen], None if counted is None else [counted])[0]
+            if j == m:
+                return out + [int(draw(p[None], uniform(rng, 1))[0])]
+            qj = None if q is None else q[j]
+            if not accepts(p, qj, int(drafts[j]), float(uniform(rng, 1)[0, 0])):
+                return out + [int(draw(residual(p, qj, int(drafts[j]))[None], uniform(rng, 1))[0])]
+            out.append(int(drafts[j]))
+        token = out[-1]
+        if params.repetition_penalty != 1.0:
+            seen = np.append(seen, token)
+        if counted is not None:
+            counted[token] += 1
+    return out
+
+
+# ---- the verification pass ----
+def verification_pass(model, caches, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """ids [rows, T] (each row's pending token, then its drafts, then padding) at slots lengths[r] ..; the caches'
+    first `rows` rows written in place. Returns logits [rows, T, vocab]. The prefill graph's chunked form: query t of
+    row r sits at slot lengths[r] + t and sees every slot up to it."""
+    rows, t = ids.shape
+    session = model.sessions[io_spec.PREFILL]
+    binding = session.io_binding()
+    binding.bind_cpu_input(io_spec.INPUT_IDS, ids)
+    binding.bind_cpu_input(io_spec.POSITION_IDS, lengths[:, None] + np.arange(t, dtype=np.int64))
+    binding.bind_cpu_input(io_spec.ATTENTION_MASK, np.ones((rows, caches.capacity), np.int64))
+    binding.bind_cpu_input(io_spec.WRITE_INDICES, np.ascontiguousarray(lengths, np.int64))
+    binding.bind_cpu_input(io_spec.LOGITS_POSITIONS, np.broadcast_to(np.arange(t, dtype=np.int64), (rows, t)).copy())
+    binding.bind_output(io_spec.LOGITS, "cpu")
+    views = caches.bind(binding, None if rows == caches.batch else slice(0, rows))
+    session.run_with_iobinding(binding)
+    del views
+    return binding.get_outputs()[0].numpy()
