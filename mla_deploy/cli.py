@@ -100,12 +100,15 @@ def main(ctx, debug):
 @click.option("--head-bits", type=click.Choice(["4", "8"]), default="8", show_default=True,
               help="A quantized export's embedding and output layer: 8 loses less quality, 4 makes the smallest file "
                    "and the fastest decode (README, Quantized exports).")
-@click.option("--experts", type=click.Choice(["auto", "kernel", "qmoe", "moe", "dense", "branches"]), default="auto",
-              show_default=True, help="How MoE layers run their routed experts (README, Quantized exports).")
+@click.option("--experts", type=click.Choice(["auto", "kernel", "qmoe", "branches"]), default="auto", show_default=True,
+              help="How MoE layers run their routed experts: auto picks mla-deploy's RoutedExperts kernel (float "
+                   "exports of few-expert layers) or QMoE (quantized); branches (one If per expert) is stock ONNX that "
+                   "runs anywhere, CUDA included (README, Quantized exports).")
 @click.option("--decode-attention", type=click.Choice(["auto", "kernel", "ops"]), default="auto", show_default=True,
-              help="The decode attention core: mla-deploy's LatentAttention kernel or onnxruntime's ops (README, "
-                   "Serving).")
-@click.option("--force", is_flag=True, help="Replace an existing output directory.")
+              help="The decode attention core: mla-deploy's LatentAttention kernel, or onnxruntime's ops (stock ONNX "
+                   "that runs anywhere, CUDA included; README, Serving).")
+@click.option("--force", is_flag=True, help="Replace an earlier export at the output path (nothing else is ever "
+              "replaced).")
 def export(checkpoint, out, absorb, dtype, max_seq_len, no_verify, steps, quantize, block_size, accuracy_level,
            head_bits, experts, decode_attention, force):
     """Export CHECKPOINT (default: the bundled demo model) to prefill.onnx + decode.onnx."""

@@ -1,6 +1,7 @@
 """`mla-deploy inspect`: what a deployer asks first about an export or a checkpoint, from its files alone
-(no onnxruntime session, no torch): parameters, weight bytes read per decode token, the graphs' inputs,
-outputs and operators, and the cache MLA keeps per token beside MHA, GQA and MQA caches of the same heads.
+(no onnxruntime session, no torch): the export's plan (every choice it was built with, read back from its manifest;
+for a checkpoint, what `export` picks by default), parameters, weight bytes read per decode token, the graphs'
+inputs, outputs and operators, and the cache MLA keeps per token beside MHA, GQA and MQA caches of the same heads.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from . import footprint, kernels
 from .checkpoint import Checkpoint
 from .errors import ExportLoadError, InputError
 from .export.absorb import AbsorbMode, resolve_absorb
+from .export.plan import ExportOptions, ExportPlan
 from .export.quantize import Quantization
 from .manifest import MANIFEST_FILE, check_files, read_manifest
 
@@ -24,7 +26,8 @@ def inspect_path(path: str | Path) -> dict:
         manifest = read_manifest(path)
         cfg, absorb, dtype = manifest["config_obj"], AbsorbMode(manifest["absorb"]), manifest["dtype"]
         quantization = manifest.get("quantization")
-        report = {"kind": "export", "path": str(path), "absorb": absorb.value, "dtype": dtype,
+        report = {"kind": "export", "path": str(path), "plan": ExportPlan.from_manifest(manifest).to_dict(),
+                  "absorb": absorb.value, "dtype": dtype,
                   "decode_attention": manifest.get("decode_attention"), "experts": manifest.get("experts"),
                   "precision": manifest.get("precision"), "quantization": quantization,
                   "max_seq_len": manifest["max_seq_len"], "weights_file_bytes": manifest["weights"]["bytes"],
@@ -36,7 +39,8 @@ def inspect_path(path: str | Path) -> dict:
         ckpt = Checkpoint(path)
         cfg, dtype, quantization = ckpt.config, "float32", None
         absorb = resolve_absorb(cfg, "auto")
-        report = {"kind": "checkpoint", "path": str(path), "absorb": f"{absorb.value} (what export --absorb auto picks)",
+        report = {"kind": "checkpoint", "path": str(path), "plan": ExportPlan.resolve(cfg, ExportOptions()).to_dict(),
+                  "absorb": f"{absorb.value} (what export --absorb auto picks)",
                   "dtype": "float32 (an export's)", "files_bytes": sum(f.path.stat().st_size for f in ckpt.files)}
     else:
         raise InputError(f"{path}: neither an export (no {MANIFEST_FILE}) nor a checkpoint (no config.json)")
@@ -54,11 +58,6 @@ def inspect_path(path: str | Path) -> dict:
                      for kind, per_token in cache.items()},
     )
     return report
-
-
-_CORE = {"kernel": "mla_deploy.LatentAttention", "ops": "onnxruntime's MatMul-Softmax-MatMul"}  # export.decode_attention
-_EXPERTS = {"kernel": "in mla_deploy.RoutedExperts", "moe": "in com.microsoft MoE", "qmoe": "in com.microsoft QMoE",
-            "dense": "dense (every expert on every token)", "branches": "in one If per expert"}  # export.experts
 
 
 def _damage(path: Path, manifest: dict) -> str | None:
@@ -79,6 +78,12 @@ def _kernel_ops(graphs: dict) -> dict | None:
         return None
     library = kernels.library()
     return {"ops": ops, "library": str(library) if library else None}
+
+
+def _plan(recorded: dict) -> str:
+    q = recorded["quantization"]
+    return ExportPlan(**{**recorded, "absorb": AbsorbMode(recorded["absorb"]),
+                         "quantization": Quantization.from_dict(q) if q else None}).describe()
 
 
 def _quantized_sizes(q: dict | None) -> dict[str, float]:
@@ -107,13 +112,10 @@ def format_report(r: dict) -> list[str]:
              f"{m['experts_per_token']}), vocab {m['vocab_size']}, context {m['max_position_embeddings']}",
              f"parameters {p['total'] / 1e9:.3f} B total, {p['active_per_token'] / 1e9:.3f} B active per token "
              f"(embedding {p['embedding'] / 1e9:.3f} B)",
-             f"precision  {r['dtype']}; decode attention {r['absorb']}"
-             + (f", its core in {_CORE[r['decode_attention']]}" if r.get("decode_attention") in _CORE else "")
-             + (f"; routed experts {_EXPERTS.get(r['experts'], r['experts'])}" if r.get("experts") else "")]
+             f"plan       {'' if r['kind'] == 'export' else '(what export picks by default) '}{_plan(r['plan'])}"]
     precision = r.get("precision")
     if precision and precision["dtype"] != "float32":
-        lines.append(f"           weights and caches {precision['dtype']}, computed in {precision['compute']}; "
-                     f"float32: {precision['float32']}")
+        lines.append(f"           in float32 whatever the dtype: {precision['float32']}")
     k = r.get("kernels")
     if k:
         counts = ", ".join(f"{kind} {' '.join(f'{op} x{n}' for op, n in ops.items())}" for kind, ops in k["ops"].items())

@@ -90,38 +90,6 @@ def graph_io(graph: str, num_layers: int, kv_lora_rank: int, rope_dim: int, voca
     return inputs, outputs
 
 
-# ---- the decompressed-K/V baseline (benchmarks only): the cache layout other ONNX exporters use ----
-DECODE_MHA = "decode_mha"
-
-
-def past_key(layer: int) -> str:
-    return f"past_key.{layer}"
-
-
-def past_value(layer: int) -> str:
-    return f"past_value.{layer}"
-
-
-def present_key(layer: int) -> str:
-    return f"present_key.{layer}"
-
-
-def present_value(layer: int) -> str:
-    return f"present_value.{layer}"
-
-
-def mha_graph_io(num_layers: int, heads: int, key_dim: int, value_dim: int, vocab: int):
-    """Decode with per-head K [b, h, past, d_nope + d_r] and V [b, h, past, d_v] caches, grown by Concat."""
-    inputs = [TensorSpec(INPUT_IDS, "int64", ("batch", 1)), TensorSpec(POSITION_IDS, "int64", ("batch", 1))]
-    outputs = [TensorSpec(LOGITS, "float32", ("batch", 1, vocab))]
-    for i in range(num_layers):
-        inputs += [TensorSpec(past_key(i), "float32", ("batch", heads, "past", key_dim)),
-                   TensorSpec(past_value(i), "float32", ("batch", heads, "past", value_dim))]
-        outputs += [TensorSpec(present_key(i), "float32", ("batch", heads, "total", key_dim)),
-                    TensorSpec(present_value(i), "float32", ("batch", heads, "total", value_dim))]
-    return inputs, outputs
-
-
 def cache_pairs(num_layers: int) -> list[tuple[str, str]]:
     """(past, present) name pairs that alias one buffer when the runtime updates caches in place."""
     pairs = []

@@ -8,6 +8,7 @@ that is also stamped into each graph's metadata, so graphs from different export
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 from . import integrity, io_spec
@@ -23,6 +24,27 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def file_sha256(path: Path) -> str:
     """The digest the manifest records for each graph file (written by the exporter, checked on load)."""
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def not_an_export(path: Path) -> str | None:
+    """None where `path` is an mla-deploy export directory (its manifest.json names the format, of any version: an
+    old export is still one); else what it is, for an error message."""
+    if path.is_symlink():
+        return "is a symbolic link"
+    if path.is_file():
+        return "is a file"
+    if not path.is_dir():
+        return "is neither a file nor a directory"
+    manifest = path / MANIFEST_FILE
+    if not manifest.is_file():
+        return f"is a directory with no {MANIFEST_FILE} (not an mla-deploy export)"
+    try:
+        recorded = json.loads(manifest.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return f"is a directory whose {MANIFEST_FILE} is unreadable or not JSON"
+    if not isinstance(recorded, dict) or recorded.get("format") != "mla-deploy-export":
+        return f"is a directory whose {MANIFEST_FILE} is not an mla-deploy manifest"
+    return None
 
 
 def read_manifest(directory: str | Path) -> dict:

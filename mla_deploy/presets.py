@@ -24,7 +24,7 @@ import numpy as np
 
 from .checkpoint import expected_tensors, parameter_count
 from .config import MLAConfig
-from .errors import ConfigError
+from .errors import ConfigError, InputError
 from .progress import progress_bar
 from .safetensors_io import SafetensorsWriter, float32_to_bf16
 
@@ -74,6 +74,7 @@ def write_random_checkpoint(raw: dict, out: str | Path, seed: int = 0, source: s
     config_text = json.dumps({**raw, "_random_weights": {"seed": seed}}, indent=2) + "\n"
     if (out / "config.json").is_file() and (out / "config.json").read_text() == config_text:
         return out  # the same config and seed (a directory appears only when complete)
+    _check_replaceable(out)
     dtype = raw.get("torch_dtype", "float32")
     if dtype not in _STORED:
         raise ConfigError(f"{source}: torch_dtype {dtype!r} is not one of {', '.join(_STORED)}")
@@ -100,9 +101,28 @@ def write_random_checkpoint(raw: dict, out: str | Path, seed: int = 0, source: s
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    shutil.rmtree(out, ignore_errors=True)
+    if out.is_dir():  # an earlier random checkpoint (_check_replaceable), or an empty directory
+        shutil.rmtree(out)
     tmp.rename(out)
     return out
+
+
+def _check_replaceable(out: Path) -> None:
+    """Only an empty directory or a random checkpoint this module wrote (its config.json records _random_weights)
+    may be replaced at `out`: anything else there is the user's, and stays."""
+    if not out.exists() and not out.is_symlink():
+        return
+    if out.is_symlink() or not out.is_dir():
+        raise InputError(f"{out}: exists and is not a directory; choose another output path (nothing was written)")
+    if not any(out.iterdir()):
+        return
+    try:
+        earlier = json.loads((out / "config.json").read_text())
+    except (OSError, ValueError):
+        earlier = None
+    if not isinstance(earlier, dict) or "_random_weights" not in earlier:
+        raise InputError(f"{out}: a directory that is not a random checkpoint written by `mla-deploy preset`; choose "
+                         "another output path or remove it yourself (nothing was written)")
 
 
 def _shards(shapes: dict[str, tuple[int, ...]], itemsize: int) -> dict[str, list[str]]:

@@ -76,7 +76,7 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
     rtol = RTOL[model.cache_dtype] if rtol is None else rtol
     quantization = manifest.get("quantization")
     # an export is compared with the weights it stands for: rounded to its dtype, then dequantized if quantized
-    reference = RoundedCheckpoint(ckpt, model.cache_dtype)
+    reference = RoundedCheckpoint(ckpt, manifest["dtype"])
     if quantization:
         reference = DequantizedCheckpoint(reference, Quantization.from_dict(quantization), fused=manifest["absorb"] == "fused")
     lengths = tuple(min(n, model.max_seq_len - steps - 1) for n in lengths)

@@ -80,7 +80,7 @@ def test_decompressed_kv_baseline_computes_the_same_model(checkpoint_dir, tmp_pa
     import torch
 
     from mla_deploy import io_spec
-    from mla_deploy.export.baseline import export_mha_baseline
+    from mla_deploy.bench.mha_baseline import export_mha_baseline, past_key, past_value, present_key, present_value
     from mla_deploy.modeling import load_model, new_caches
 
     src, _ = checkpoint_dir("v3_lora_group_yarn")
@@ -92,8 +92,8 @@ def test_decompressed_kv_baseline_computes_the_same_model(checkpoint_dir, tmp_pa
     caches = new_caches(cfg, 1, len(ids))
     feed = {}
     for i in range(cfg.num_hidden_layers):
-        feed[io_spec.past_key(i)] = np.zeros((1, cfg.num_attention_heads, 0, cfg.qk_head_dim), np.float32)
-        feed[io_spec.past_value(i)] = np.zeros((1, cfg.num_attention_heads, 0, cfg.v_head_dim), np.float32)
+        feed[past_key(i)] = np.zeros((1, cfg.num_attention_heads, 0, cfg.qk_head_dim), np.float32)
+        feed[past_value(i)] = np.zeros((1, cfg.num_attention_heads, 0, cfg.v_head_dim), np.float32)
     names = [o.name for o in session.get_outputs()]
     for pos, token in enumerate(ids):
         feed[io_spec.INPUT_IDS], feed[io_spec.POSITION_IDS] = np.array([[token]]), np.array([[pos]])
@@ -101,7 +101,7 @@ def test_decompressed_kv_baseline_computes_the_same_model(checkpoint_dir, tmp_pa
         ref = model(torch.tensor([[token]]), torch.tensor([[pos]]), caches, torch.tensor([pos]), torch.ones(1, len(ids)))
         assert np.abs(out[io_spec.LOGITS] - ref.numpy()).max() < 1e-4
         for i in range(cfg.num_hidden_layers):
-            feed[io_spec.past_key(i)], feed[io_spec.past_value(i)] = out[io_spec.present_key(i)], out[io_spec.present_value(i)]
+            feed[past_key(i)], feed[past_value(i)] = out[present_key(i)], out[present_value(i)]
 
 
 def test_warm_up_runs_until_two_calls_agree(monkeypatch):

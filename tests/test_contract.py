@@ -181,7 +181,7 @@ def test_absorb_auto_picks_fused_when_the_latent_is_narrower_than_the_heads(tmp_
     cfg = Checkpoint(tmp_path / "ckpt").config
     assert resolve_absorb(cfg, "auto") == AbsorbMode.FUSED
     result = export(tmp_path / "ckpt", tmp_path / "out")
-    assert result.absorb == AbsorbMode.FUSED and result.manifest["absorb"] == "fused"
+    assert result.plan.absorb == AbsorbMode.FUSED and result.manifest["absorb"] == "fused"
     assert verify_export(tmp_path / "out", tmp_path / "ckpt", steps=4).passed
 
 
@@ -215,15 +215,15 @@ def test_errors_go_to_stderr_alone(exported):
 @pytest.fixture(scope="module")
 def wrong_demo_export(tmp_path_factory):
     """The demo model exported by a broken exporter (softmax scale off by 10 %), not verified."""
-    from mla_deploy.export import layers
+    from mla_deploy.export import attention
 
     out = tmp_path_factory.mktemp("wrong") / "export"
-    real = layers.rope_math.softmax_scale
-    layers.rope_math.softmax_scale = lambda cfg: real(cfg) * 1.1
+    real = attention.rope_math.softmax_scale
+    attention.rope_math.softmax_scale = lambda cfg: real(cfg) * 1.1
     try:
         export(DEMO_CHECKPOINT, out)
     finally:
-        layers.rope_math.softmax_scale = real
+        attention.rope_math.softmax_scale = real
     return out
 
 

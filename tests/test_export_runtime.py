@@ -115,30 +115,30 @@ def test_moe_runs_one_branch_per_expert(checkpoint_dir, exported):
     assert top_level_expert_matmuls == []  # routed experts run only inside their If branch
 
 
-@pytest.mark.parametrize("experts", ["dense", "moe", "kernel"])
-def test_float_expert_forms_equal_the_branches(checkpoint_dir, exported, variant, experts, tmp_path):
-    """Every expert on every token in three ops ("dense"), onnxruntime's MoE op fed DeepSeek's routing ("moe"), or
-    mla_deploy.RoutedExperts ("kernel", I = 24 and d = 64 padded to its strips): exact against the torch source, and
-    the same logits as one If per expert."""
+def test_routed_experts_kernel_equals_the_branches(checkpoint_dir, exported, variant, tmp_path):
+    """mla_deploy.RoutedExperts ("kernel", I = 24 and d = 64 padded to its strips), registered and as its function
+    body: exact against the torch source, and the same logits as one If per expert."""
     src, hf = checkpoint_dir(variant)
-    out = tmp_path / experts
-    result = export(src, out, ExportOptions(absorb="factored", experts=experts))
+    out = tmp_path / "kernel"
+    result = export(src, out, ExportOptions(absorb="factored", experts="kernel"))
     counts = result.manifest["graphs"]["decode"]["op_counts"]
     if hf.config.n_routed_experts is None or hf.config.first_k_dense_replace >= hf.config.num_hidden_layers:
-        assert result.manifest["experts"] in (None, experts) and "com.microsoft::MoE" not in counts
+        assert result.manifest["experts"] in (None, "kernel") and "mla_deploy::RoutedExperts" not in counts
         return
     moe_layers = hf.config.num_hidden_layers - hf.config.first_k_dense_replace
-    assert result.manifest["experts"] == experts and "If" not in counts
-    assert counts.get("com.microsoft::MoE", 0) == (moe_layers if experts == "moe" else 0)
-    assert counts.get("mla_deploy::RoutedExperts", 0) == (moe_layers if experts == "kernel" else 0)
+    assert result.manifest["experts"] == "kernel" and "If" not in counts
+    assert counts["mla_deploy::RoutedExperts"] == moe_layers
     report = verify_export(out, src, steps=4)
     assert report.passed, report.lines
     ids = np.random.default_rng(1).integers(3, hf.config.vocab_size, (2, 10))
     logits = {}
-    for name, directory in ((experts, out), ("branches", exported(variant, "factored"))):
-        model = ExportedModel(directory)
+    for name, directory, options in (("kernel", out, RuntimeOptions()), ("body", out, RuntimeOptions(kernels=False)),
+                                     ("branches", exported(variant, "factored"), RuntimeOptions())):
+        model = ExportedModel(directory, options)
         logits[name] = model.run("prefill", prefill_feed(model.config, ids))["logits"]
-    assert np.abs(logits[experts] - logits["branches"]).max() <= 1e-4 * max(1.0, np.abs(logits["branches"]).max())
+    scale = max(1.0, np.abs(logits["branches"]).max())
+    assert np.abs(logits["kernel"] - logits["branches"]).max() <= 1e-4 * scale
+    assert np.abs(logits["body"] - logits["branches"]).max() <= 1e-4 * scale
 
 
 @pytest.mark.parametrize("absorb", ["fused", "factored"])
@@ -166,16 +166,16 @@ def test_decode_attention_in_onnxruntimes_ops_is_exact_and_equals_the_kernel(che
     assert float(np.abs(logits[0] - logits[1]).max()) <= 1e-4 * max(1.0, float(np.abs(logits[1]).max()))
 
 
-@pytest.mark.parametrize("experts,op", [("moe", "com.microsoft::MoE"), ("kernel", "mla_deploy::RoutedExperts")])
-def test_moe_ops_stay_finite_when_every_routing_weight_is_zero(tmp_path, experts, op):
+def test_routed_experts_stay_finite_when_every_routing_weight_is_zero(tmp_path):
     """A sigmoid router with routed_scaling_factor 0 gives every chosen expert weight exactly 0, as an underflowing
-    router would: the MoE op then sees log(dispatch) at its floor everywhere (a tie over all experts), RoutedExperts
-    a dispatch of zeros, and the routed experts must add nothing, exactly as in the torch source."""
+    router would: RoutedExperts sees a dispatch of zeros, and the routed experts must add nothing, exactly as in the
+    torch source."""
     hf = build_hf_model("v3_nointerleave_ungrouped", routed_scaling_factor=0.0)
     src, out = tmp_path / "ckpt", tmp_path / "out"
     save_hf_model(hf, src)
-    result = export(src, out, ExportOptions(absorb="factored", experts=experts))
-    assert result.manifest["graphs"]["decode"]["op_counts"].get(op, 0) == hf.config.num_hidden_layers
+    result = export(src, out, ExportOptions(absorb="factored", experts="kernel"))
+    counts = result.manifest["graphs"]["decode"]["op_counts"]
+    assert counts.get("mla_deploy::RoutedExperts", 0) == hf.config.num_hidden_layers
     ids = np.random.default_rng(2).integers(3, hf.config.vocab_size, (2, 9))
     model = ExportedModel(out)
     logits = model.run("prefill", prefill_feed(model.config, ids))["logits"]
@@ -191,7 +191,7 @@ def test_a_long_cache_is_the_a_operand_and_exact(checkpoint_dir, exported, varia
     (FusedMatMul transA, one per layer) in onnxruntime's ops, and its kernel op is LatentAttentionLong, whose function
     body does the same; lowered to 8 slots, both exports match the torch source, the kernel's with and without the
     library. The default tiny exports keep the plain MatMul (ops) and LatentAttention (kernel)."""
-    from mla_deploy.export import layers
+    from mla_deploy.export import plan
 
     def transposed_a(directory) -> int:
         decode = onnx.load(directory / "decode.onnx", load_external_data=False)
@@ -201,7 +201,7 @@ def test_a_long_cache_is_the_a_operand_and_exact(checkpoint_dir, exported, varia
     src, hf = checkpoint_dir(variant)
     assert transposed_a(exported(variant, absorb)) == 0
     assert "mla_deploy::LatentAttention" in ExportedModel(exported(variant, absorb)).manifest["graphs"]["decode"]["op_counts"]
-    monkeypatch.setattr(layers, "LONG_CACHE_BYTES", 4 * hf.config.kv_lora_rank * 8)
+    monkeypatch.setattr(plan, "LONG_CACHE_BYTES", 4 * hf.config.kv_lora_rank * 8)
     ops, kernel = tmp_path / "ops", tmp_path / "kernel"
     export(src, ops, ExportOptions(absorb=absorb, experts="branches", decode_attention="ops"))
     assert transposed_a(ops) == hf.config.num_hidden_layers

@@ -274,3 +274,26 @@ def test_killed_preset_leaves_no_partial_directory(tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 130 and "interrupted" in proc.stderr.read()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_preset_replaces_only_an_earlier_random_checkpoint(tmp_path):
+    """-o over the user's own files is refused (nothing written, nothing deleted); over an earlier preset it is
+    replaced; an empty directory is used."""
+    cli = CliRunner()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    plain = tmp_path / "plain.txt"
+    plain.write_text("keep me too")
+    for out in (mine, plain):
+        result = cli.invoke(main, ["preset", "tiny-v3", "-o", str(out)])
+        assert result.exit_code == 1 and str(out) in result.output, result.output
+    assert (mine / "notes.txt").read_text() == "keep me" and plain.read_text() == "keep me too"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "plain.txt"]  # no partial directory left
+    earlier = tmp_path / "earlier"
+    assert cli.invoke(main, ["preset", "tiny-v3", "-o", str(earlier), "--seed", "1"]).exit_code == 0
+    assert cli.invoke(main, ["preset", "tiny-v3", "-o", str(earlier), "--seed", "2"]).exit_code == 0
+    assert json.loads((earlier / "config.json").read_text())["_random_weights"] == {"seed": 2}
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli.invoke(main, ["preset", "tiny-v3", "-o", str(empty)]).exit_code == 0 and (empty / "config.json").is_file()

@@ -43,13 +43,19 @@ def test_export_report_matches_its_graphs_and_weights(exported, checkpoint_dir):
 
 
 def test_the_report_says_how_attention_and_experts_run(exported):
-    """The export fixtures run their experts in If branches and, with 4 heads, the attention core in the kernel."""
+    """The export fixtures run their experts in If branches and, with 4 heads, the attention core in the kernel: the
+    plan read back from the manifest is the one the export resolved, field for field."""
+    from mla_deploy.export.plan import ExportOptions, ExportPlan
+
     out = exported(VARIANT)
     r = json.loads(CliRunner().invoke(main, ["inspect", str(out), "--json"]).stdout)
     assert (r["decode_attention"], r["experts"]) == ("kernel", "branches")
+    cfg = Checkpoint(json.loads((out / "manifest.json").read_text())["source"]["path"]).config
+    assert r["plan"] == ExportPlan.resolve(cfg, ExportOptions(absorb="fused", experts="branches")).to_dict()
     text = CliRunner().invoke(main, ["inspect", str(out)]).stdout
-    line = next(line for line in text.splitlines() if line.startswith("precision"))
-    assert line.endswith("its core in mla_deploy.LatentAttention; routed experts in one If per expert")
+    line = next(line for line in text.splitlines() if line.startswith("plan"))
+    assert line == ("plan       absorb fused; float32 weights computed in float32; float32 caches; decode attention in "
+                    "mla_deploy.LatentAttention; routed experts in one If per expert; max_seq_len 256")
 
 
 def test_deepseek_v2_lite_counts_are_its_published_ones():

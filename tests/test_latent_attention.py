@@ -16,8 +16,8 @@ from mla_deploy import kernels
 from mla_deploy.config import MLAConfig
 from mla_deploy.errors import ExportError
 from mla_deploy.export import ExportOptions, export
-from mla_deploy.export.decode_attention import resolve_decode_attention
-from mla_deploy.export.kernel_functions import latent_attention_function
+from mla_deploy.export.attention import latent_attention_function
+from mla_deploy.export.plan import resolve_decode_attention
 from mla_deploy.export.opset import OPSET
 from mla_deploy.presets import DEMO_CHECKPOINT
 from mla_deploy.runtime import ExportedModel, Generator, SamplingParams
@@ -213,11 +213,12 @@ def test_the_export_command_takes_both_choices(tmp_path):
 
     ckpt = write_random_checkpoint(preset_config("tiny-v3"), tmp_path / "ckpt", seed=0)
     out = tmp_path / "out"
-    result = CliRunner().invoke(main, ["export", str(ckpt), "-o", str(out), "--experts", "dense",
+    result = CliRunner().invoke(main, ["export", str(ckpt), "-o", str(out), "--experts", "branches",
                                        "--decode-attention", "ops", "--no-verify"])
     assert result.exit_code == 0, result.output
     manifest = ExportedModel(out).manifest
-    assert (manifest["experts"], manifest["decode_attention"]) == ("dense", "ops")
-    refused = CliRunner().invoke(main, ["export", str(ckpt), "-o", str(tmp_path / "no"), "--decode-attention", "fast"])
-    assert refused.exit_code == 2 and "--decode-attention" in refused.output and "'fast' is not one of" in refused.output
-    assert not (tmp_path / "no").exists()
+    assert (manifest["experts"], manifest["decode_attention"]) == ("branches", "ops")
+    for option, value in (("--experts", "dense"), ("--experts", "moe"), ("--decode-attention", "fast")):
+        refused = CliRunner().invoke(main, ["export", str(ckpt), "-o", str(tmp_path / "no"), option, value])
+        assert refused.exit_code == 2 and option in refused.output and f"'{value}' is not one of" in refused.output
+        assert not (tmp_path / "no").exists()

@@ -201,7 +201,9 @@ def test_cli_half_export_inspect_and_run(checkpoint_dir, tmp_path):
     assert "PASS: tolerance" in result.stderr and "rtol 0.001" in result.stderr
     shown = json.loads(runner.invoke(main, ["inspect", str(out), "--json"]).stdout)
     assert shown["dtype"] == "bfloat16" and shown["precision"]["compute"] == "float32"
-    assert "weights and caches bfloat16, computed in float32" in runner.invoke(main, ["inspect", str(out)]).stdout
+    assert (shown["plan"]["dtype"], shown["plan"]["compute"], shown["plan"]["cache_dtype"]) == ("bfloat16", "float32",
+                                                                                             "bfloat16")
+    assert "bfloat16 weights computed in float32; bfloat16 caches" in runner.invoke(main, ["inspect", str(out)]).stdout
     run = runner.invoke(main, ["run", str(out), "--prompt-ids", "1,2,3", "-n", "4", "--json"])
     assert run.exit_code == 0, run.output
     assert 1 <= len(json.loads(run.stdout)["token_ids"]) <= 4  # 4 unless the model's eos comes first

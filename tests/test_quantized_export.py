@@ -214,7 +214,7 @@ def test_qmoe_and_if_branches_compute_the_same_experts(tmp_path, variant, bits, 
 
 def test_expert_choices_are_checked_and_auto_follows_the_config():
     from mla_deploy.config import MLAConfig
-    from mla_deploy.export.experts import resolve_experts
+    from mla_deploy.export.plan import resolve_experts
 
     demo = Checkpoint(DEMO_CHECKPOINT).config  # 8 experts, top 2
     v2lite = MLAConfig.from_hf_json(DEMO_CHECKPOINT.parent / "presets" / "v2lite.json")  # 64 experts, top 6
@@ -224,9 +224,9 @@ def test_expert_choices_are_checked_and_auto_follows_the_config():
     assert resolve_experts(v2lite, "auto", int4) == resolve_experts(demo, "auto", int4) == "qmoe"
     # QMoE's rule: the expert matrices in whole blocks along K (the demo's 160-wide experts are not whole 64-blocks)
     assert resolve_experts(demo, "qmoe", quantize_module.Quantization(4, 64)) == "branches"
-    for requested, quantization, message in (("qmoe", None, "needs --quantize"), ("dense", int4, "for float exports"),
-                                             ("moe", int4, "for float exports .* this one is int4"),
+    for requested, quantization, message in (("qmoe", None, "needs --quantize"),
                                              ("kernel", int4, "for float exports .* this one is int4"),
-                                             ("fast", None, "expected one of auto, qmoe, kernel, moe, dense, branches")):
+                                             ("dense", None, "expected one of auto, qmoe, kernel, branches"),
+                                             ("moe", int4, "expected one of auto, qmoe, kernel, branches")):
         with pytest.raises(ExportError, match=message):
             resolve_experts(demo, requested, quantization)

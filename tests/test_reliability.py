@@ -4,9 +4,11 @@ import errno
 import filecmp
 import gc
 import json
+import os
 import shutil
 import threading
 import weakref
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -138,27 +140,78 @@ def test_good_feed_runs(model):
     assert out[io_spec.LOGITS].shape == (2, 1, model.config.vocab_size)
 
 
-def test_unknown_provider_and_strict_cuda():
+def test_unknown_provider_and_missing_cuda():
     with pytest.raises(ProviderError, match="unknown provider 'tpu'"):
         resolve_providers("tpu")
     import onnxruntime as ort
 
     if "CUDAExecutionProvider" not in ort.get_available_providers():
-        with pytest.raises(ProviderError, match="CUDAExecutionProvider.*not available"):
-            resolve_providers("cuda", strict=True)
+        with pytest.warns(RuntimeWarning, match="CUDAExecutionProvider.*not available.*falling back to CPU"):
+            assert resolve_providers("cuda") == ["CPUExecutionProvider"]
 
 
 # ---- export side ----
-def test_export_refuses_existing_directory_unless_forced(checkpoint_dir, tmp_path):
+def test_export_refuses_an_earlier_export_unless_forced(checkpoint_dir, tmp_path):
     src, _ = checkpoint_dir(VARIANT)
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "keep.txt").write_text("mine")
+    export(src, out)
+    (out / "keep.txt").write_text("left in the earlier export")
     with pytest.raises(ExportError, match="output directory exists \\(use --force"):
         export(src, out)
-    assert (out / "keep.txt").read_text() == "mine"
+    assert (out / "keep.txt").exists()
     export(src, out, ExportOptions(force=True))
     assert not (out / "keep.txt").exists() and (out / "manifest.json").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no partial or old copy left beside it
+
+
+def _tree(root: Path) -> dict:
+    """Every path under root (links not followed) with its bytes, or its target for a link."""
+    tree = {}
+    for path in sorted(root.rglob("*")):
+        rel = str(path.relative_to(root))
+        tree[rel] = ("link", os.readlink(path)) if path.is_symlink() else path.read_bytes() if path.is_file() else "dir"
+    return tree
+
+
+@pytest.mark.parametrize("kind,what", [
+    ("file", "is a file"), ("directory", "is a directory with no manifest.json (not an mla-deploy export)"),
+    ("foreign manifest", "is a directory whose manifest.json is not an mla-deploy manifest"),
+    ("broken manifest", "is a directory whose manifest.json is unreadable or not JSON"),
+    ("link to an export", "is a symbolic link"),
+])
+def test_force_replaces_only_an_earlier_export(checkpoint_dir, exported, tmp_path, kind, what):
+    """Whatever else lies at the output path is refused by name, with or without --force, and nothing is deleted."""
+    src, _ = checkpoint_dir(VARIANT)
+    work = tmp_path / "work"
+    work.mkdir()
+    out = work / "out"
+    if kind == "file":
+        out.write_text("my notes")
+    elif kind == "link to an export":
+        out.symlink_to(exported(VARIANT), target_is_directory=True)
+    else:
+        out.mkdir()
+        (out / "keep.txt").write_text("mine")
+        if kind != "directory":
+            (out / "manifest.json").write_text('{"format": "another tool"}' if kind == "foreign manifest" else "{not json")
+    before, linked = _tree(work), _tree(exported(VARIANT))
+    for force in (False, True):
+        with pytest.raises(ExportError) as refused:
+            export(src, out, ExportOptions(force=force))
+        message = str(refused.value)
+        assert message.startswith(f"{out}: {what}; ") and message.endswith("choose another output path")
+        assert ("--force replaces only an earlier mla-deploy export, so nothing was deleted" in message) == force
+        assert _tree(work) == before and _tree(exported(VARIANT)) == linked
+
+
+def test_export_force_on_a_file_fails_in_one_line(checkpoint_dir, tmp_path):
+    src, _ = checkpoint_dir(VARIANT)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    result = CliRunner().invoke(main, ["export", str(src), "-o", str(notes), "--force", "--no-verify"])
+    assert result.exit_code == 1 and notes.read_text() == "mine"
+    assert result.stderr == (f"error: {notes}: is a file; --force replaces only an earlier mla-deploy export, so "
+                             "nothing was deleted: choose another output path\n")
 
 
 def test_disk_full_mid_write_leaves_nothing(checkpoint_dir, tmp_path, monkeypatch):

@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from mla_deploy import io_spec, kernels
 from mla_deploy.export import ExportOptions, export
-from mla_deploy.export.kernel_functions import routed_experts_function
+from mla_deploy.export.moe import routed_experts_function
 from mla_deploy.export.opset import OPSET
 from mla_deploy.presets import DEMO_CHECKPOINT
 from mla_deploy.runtime import ExportedModel, Generator, RuntimeOptions, SamplingParams

@@ -120,7 +120,7 @@ class MhaOnnxEngine(OnnxEngine):
     def load(self, graphs=None):
         import onnxruntime as ort
 
-        from ..export.baseline import MHA_FILE
+        from .mha_baseline import MHA_FILE
         from ..manifest import read_manifest
 
         self.cfg = read_manifest(self.directory)["config_obj"]
@@ -134,12 +134,14 @@ class MhaOnnxEngine(OnnxEngine):
         return None  # the baseline is decode-only
 
     def decode_step_ms(self, ctx: int, batch: int, steps: int) -> float:
+        from .mha_baseline import past_key, past_value
+
         cfg, rng = self.cfg, np.random.default_rng(ctx)
         h = cfg.num_attention_heads
         feed = {io_spec.INPUT_IDS: rng.integers(0, cfg.vocab_size, (batch, 1)), io_spec.POSITION_IDS: np.full((batch, 1), ctx)}
         for i in range(cfg.num_hidden_layers):
-            feed[io_spec.past_key(i)] = rng.standard_normal((batch, h, ctx, cfg.qk_head_dim), dtype=np.float32)
-            feed[io_spec.past_value(i)] = rng.standard_normal((batch, h, ctx, cfg.v_head_dim), dtype=np.float32)
+            feed[past_key(i)] = rng.standard_normal((batch, h, ctx, cfg.qk_head_dim), dtype=np.float32)
+            feed[past_value(i)] = rng.standard_normal((batch, h, ctx, cfg.v_head_dim), dtype=np.float32)
         names = [o.name for o in self.session.get_outputs()]
         # each step feeds the same past: a step's cost is what it would be at ctx (Concat copies the whole cache)
         return _median_ms(lambda: self.session.run(names, feed), steps)

@@ -75,7 +75,7 @@ def machine_info(threads: int) -> dict:
 def prepare(cfg: BenchConfig, progress: Callable[[str], None]) -> tuple[Path, dict[str, Path]]:
     """The checkpoint and the exports the engines need; built once in workdir and reused."""
     from ..export import ExportOptions, export
-    from ..export.baseline import export_mha_baseline
+    from .mha_baseline import export_mha_baseline
 
     cfg.workdir.mkdir(parents=True, exist_ok=True)
     if cfg.checkpoint is not None:

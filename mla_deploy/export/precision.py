@@ -13,13 +13,12 @@ graphs read the rounded values, including the weights kept in float32 for the fl
 the per-head and fused absorbed matrices, computed from the rounded factors), so `RoundedCheckpoint` is the exact
 source it is verified against, as a quantized export's is its dequantized checkpoint.
 
-In every dtype some math stays float32 (export.layers): RMSNorm statistics, rope, the attention core and the
-router. The fused W^Q·W^UK product is where half precision overflows first.
+In every dtype some math stays float32 (export.builder's float32 islands): RMSNorm statistics, rope, the attention
+core and the router. The fused W^Q·W^UK product is where half precision overflows first. The plan (export.plan)
+records the dtype, the compute dtype and the caches' dtype.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -27,22 +26,6 @@ from ..errors import ExportError
 from ..safetensors_io import bf16_to_float32, float32_to_bf16
 
 DTYPES = ("float32", "float16", "bfloat16")
-
-
-@dataclass(frozen=True)
-class Precision:
-    dtype: str  # weights and caches as stored
-
-    def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
-
-    @property
-    def compute(self) -> str:
-        """The dtype the layers compute in outside the float32 islands."""
-        return "float32"
-
-
 FLOAT16_MAX = float(np.finfo(np.float16).max)
 
 

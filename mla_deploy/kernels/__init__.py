@@ -14,11 +14,12 @@ call once the expert has two tokens, and multiplies float32 only; this op reads 
 
 `mla_deploy.LatentAttention` (latent_attention.c; `LatentAttentionF16` / `LatentAttentionBF16` for half caches): the
 absorbed decode attention's core, softmax(q_latent · latent + q_rope · rope + bias) @ latent, reading the caches as
-stored and only the slots each row sees (export.decode_attention).
+stored and only the slots each row sees (export.plan chooses it).
 
-Every graph that uses the ops also carries them as ONNX functions (export.kernel_functions: the same product through
-Cast and MatMul; every expert on every token, weighted by dispatch; MatMul, Softmax, MatMul), which onnxruntime runs
-wherever the library is not registered: not built (no C compiler), a CPU without AVX2/FMA/F16C, or turned off.
+Every graph that uses the ops also carries them as ONNX functions, built from the graph code that computes the same
+math (export.linear, export.moe, export.attention: the same product through Cast and MatMul; every expert on every
+token, weighted by dispatch; MatMul, Softmax, MatMul), which onnxruntime runs wherever the library is not
+registered: not built (no C compiler), a CPU without AVX2/FMA/F16C, or turned off.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ HALF_MATMUL = {"float16": "MatMulF16", "bfloat16": "MatMulBF16"}  # by the weigh
 ROUTED_EXPERTS = {"float32": "RoutedExperts", "float16": "RoutedExpertsF16", "bfloat16": "RoutedExpertsBF16"}  # by weight dtype
 STRIP = 64  # their weight layout: strips of 64 output columns, [N / 64, K, 64]
 LATENT_ATTENTION = {"float32": "LatentAttention", "float16": "LatentAttentionF16", "bfloat16": "LatentAttentionBF16"}  # by cache dtype
-# the same kernel, for caches that can outgrow export.layers.LONG_CACHE_BYTES a row: only their function bodies differ
+# the same kernel, for caches that can outgrow export.plan.LONG_CACHE_BYTES a row: only their function bodies differ
 LATENT_ATTENTION_LONG = {dtype: name.replace("Attention", "AttentionLong") for dtype, name in LATENT_ATTENTION.items()}
 GATE_UP = 32  # RoutedExperts' fc1 strip: 32 gate columns, then the same 32 columns of up
 

@@ -3,8 +3,10 @@
  *
  * OrtApi is a table of function pointers that onnxruntime only ever appends to, so a function's slot is fixed from
  * the release that added it on. The slots below are indices into that table (0 = CreateStatus), counted from the
- * upstream header's declaration order; tests/test_half_kernels.py checks that a library built on them registers,
- * runs and matches numpy on the installed onnxruntime.
+ * upstream header's declaration order. tests/test_ort_abi.py checks each against the installed onnxruntime by what
+ * it does (tests/ort_abi_probe.c calls every slot named here, through these numbers, and fails with any one of them
+ * moved a place either way), and that the library calls no slot missing here: a slot added below needs a check in
+ * the probe. tests/test_half_kernels.py checks that the library built on them registers, runs and matches numpy.
  */
 #ifndef MLA_DEPLOY_ORT_ABI_H
 #define MLA_DEPLOY_ORT_ABI_H

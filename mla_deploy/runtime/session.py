@@ -22,8 +22,9 @@ from .memory import ResidentMemory, resident_memory
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
 
-def resolve_providers(provider: str, strict: bool = False) -> list[str]:
-    """'cpu' or 'cuda' -> onnxruntime provider list. Missing CUDA falls back to CPU with a warning, or raises if strict."""
+def resolve_providers(provider: str) -> list[str]:
+    """'cpu' or 'cuda' -> onnxruntime provider list. Missing CUDA falls back to CPU with a warning (ExportedModel.device
+    names the one in use)."""
     if provider not in PROVIDERS:
         raise ProviderError(f"unknown provider {provider!r}; expected one of {', '.join(PROVIDERS)}")
     available = ort.get_available_providers()
@@ -32,8 +33,6 @@ def resolve_providers(provider: str, strict: bool = False) -> list[str]:
         return [wanted] + (["CPUExecutionProvider"] if wanted != "CPUExecutionProvider" else [])
     message = (f"provider {provider!r} ({wanted}) is not available in this onnxruntime build "
                f"(it has: {', '.join(available)}); install onnxruntime-gpu for CUDA")
-    if strict:
-        raise ProviderError(message)
     warnings.warn(message + "; falling back to CPU", RuntimeWarning, stacklevel=3)
     return ["CPUExecutionProvider"]
 
@@ -41,9 +40,7 @@ def resolve_providers(provider: str, strict: bool = False) -> list[str]:
 @dataclass
 class RuntimeOptions:
     provider: str = "cpu"
-    strict_provider: bool = False
     threads: int = 0  # 0: onnxruntime's default (one per physical core)
-    optimization: str = "all"  # onnxruntime graph optimization level: disable, basic, extended, all
     log_severity: int = 3  # onnxruntime's own log: 0 verbose .. 3 errors only
     check_weights: str = "sampled"  # "full": hash every block of weights.bin at load (mla_deploy.integrity)
     # onnxruntime's prepacking copies every MatMul weight into a per-session packed buffer. None (auto): off for a
@@ -63,12 +60,6 @@ class RuntimeOptions:
     kernels: bool = True
 
 
-_LEVELS = {
-    "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL, "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED, "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
-}
-
-
 class ExportedModel:
     """An export directory, checked, with one prefill and one decode session. Safe to share across threads."""
 
@@ -86,8 +77,9 @@ class ExportedModel:
         check_files(self.directory, self.manifest, self.options.check_weights)
         self.config: MLAConfig = self.manifest["config_obj"]
         self.max_seq_len: int = int(self.manifest["max_seq_len"])
-        self.cache_dtype: str = self.manifest["dtype"]  # the caches' (runtime.dtypes); logits are always float32
-        self.providers = resolve_providers(self.options.provider, self.options.strict_provider)
+        # the caches' dtype (runtime.dtypes), as the manifest's precision records it; logits are always float32
+        self.cache_dtype: str = (self.manifest.get("precision") or {}).get("caches", self.manifest["dtype"])
+        self.providers = resolve_providers(self.options.provider)
         self.device = "cuda" if self.providers[0] == PROVIDERS["cuda"] else "cpu"
         self.generation = GenerationDefaults.from_export(self.directory)  # generation_config.json's defaults
         self.stop_token_ids: tuple[int, ...] = self.generation.eos_token_ids or tuple(self.config.eos_token_id)
@@ -130,7 +122,7 @@ class ExportedModel:
         """onnxruntime's options for this model's sessions, from RuntimeOptions (a profiler sets its own on top)."""
         so = ort.SessionOptions()
         so.log_severity_level = self.options.log_severity
-        so.graph_optimization_level = _LEVELS[self.options.optimization]
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         so.intra_op_num_threads = self.options.threads
         if not self.prepack:
             so.add_session_config_entry("session.disable_prepacking", "1")

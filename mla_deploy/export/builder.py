@@ -1,0 +1,157 @@
+"""One graph under construction (`Graph`): onnxscript's builder, the export's plan, and the weights by name from the
+shared weights file; and the ONNX functions of mla-deploy's kernel ops, built from the same graph code.
+
+The graph modules (export.norm, rope, linear, attention, moe, model) mirror `mla_deploy/modeling/` file for file.
+Each is built over a `Graph` and reads its weights by HF name through `Tensors`; the weights it multiplies by are
+the pure transforms of `export.absorb`, written once to the shared weights file by `Graph.weight`. Calling a module
+(`module(op, x)`) emits its nodes with `op`, so the same module code serves the main graph, the `If` branches of the
+experts and the kernel ops' function bodies (`kernel_function`).
+
+Precision (export.plan): weights are stored in the plan's dtype, caches in its cache dtype, and the layers compute
+in its compute dtype (float32 for every dtype on the CPU; a half weight goes through mla_deploy's MatMulF16 /
+MatMulBF16, which multiply by it as stored: export.linear). RMSNorm statistics, rope, the attention core
+(absorbed query, scores, softmax, probs @ latent, the per-head and fused absorbed matrices) and the router run in
+float32 islands, entered with `Graph.to_float` and left with `Graph.to_compute`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import numpy as np
+import onnx_ir as ir
+import onnxscript
+from onnxscript import GraphBuilder
+
+from .. import io_spec, kernels
+from .opset import IR_VERSION, OPSET
+from .plan import ExportPlan
+from .quantize import quantize
+from .weights import WeightsFile
+
+Tensors = Callable[[str], np.ndarray]  # HF tensor name -> float32 array
+FLOAT, BOOL = ir.DataType.FLOAT, ir.DataType.BOOL
+DATA_TYPES = {"int64": ir.DataType.INT64, "float32": FLOAT, "float16": ir.DataType.FLOAT16, "bfloat16": ir.DataType.BFLOAT16}
+
+
+def cast(op, x: ir.Value, source: ir.DataType, to: ir.DataType) -> ir.Value:
+    """x (of dtype `source`) as `to`: no node when they are the same."""
+    return x if source == to else op.Cast(x, to=to)
+
+
+def kernel_function(name: str, inputs: dict[str, ir.DataType], output: str, body: Callable[..., ir.Value], doc: str,
+                    opsets: dict[str, int] | None = None) -> ir.Function:
+    """The ONNX body of mla-deploy's kernel op `name`: `body(op, *inputs)`, graph code shared with the graphs, run
+    over a builder whose inputs are the function's (name -> element type: typed, the builder infers every value's
+    type, as in a graph). Every graph that uses an op carries its body, which onnxruntime
+    inlines and runs wherever the kernel library is not registered (no C compiler at install, a CPU without
+    AVX2/FMA/F16C, RuntimeOptions(kernels=False), CUDA); the weight re-layouts and casts in a body depend only on
+    initializers, so onnxruntime folds them once at load."""
+    values = [ir.Value(name=n, type=ir.TensorType(dtype)) for n, dtype in inputs.items()]
+    function = onnxscript.build_function(body, values, domain=kernels.DOMAIN, name=name,
+                                         opset_imports={"": OPSET, **(opsets or {})})
+    function.outputs[0].name = output
+    function.doc_string = doc
+    return function
+
+
+class Graph:
+    """One graph under construction: onnxscript's builder, the plan it is built from, and weights by name from the
+    shared file."""
+
+    def __init__(self, name: str, weights: WeightsFile, plan: ExportPlan):
+        opsets = {"": OPSET, "com.microsoft": 1}  # FusedMatMul in decode attention; QMoE, MatMulNBits
+        self.builder = GraphBuilder(ir.Graph([], [], nodes=[], opset_imports=opsets, name=name))
+        self.op = self.builder.op
+        self.weights = weights
+        self.plan = plan
+        self.compute_type, self.stored_type = DATA_TYPES[plan.compute], DATA_TYPES[plan.dtype]
+        self.cache_type = DATA_TYPES[plan.cache_dtype]
+        self._values: dict[str, ir.Value] = {}
+        self.functions: dict[ir.OperatorIdentifier, ir.Function] = {}  # kernel ops' ONNX bodies (mla_deploy.kernels)
+
+    def weight(self, name: str, make: Callable[[], np.ndarray], island: bool = False) -> ir.Value:
+        """The weight `name` of this graph in the compute dtype (or float32 for a float32 `island`'s weight); `make`
+        runs only if no graph has written it yet. Stored in the export's dtype; where that is not the compute dtype
+        (bfloat16 on the CPU) the graph casts it once (onnxruntime folds the cast at load)."""
+        if island:
+            return self.initializer(name, make, "float32")
+        stored = self.initializer(name, make, self.plan.dtype)
+        if self.plan.dtype == self.plan.compute:
+            return stored
+        if f"{name}:compute" not in self._values:
+            self._values[f"{name}:compute"] = self.op.Cast(stored, to=self.compute_type)
+        return self._values[f"{name}:compute"]
+
+    def initializer(self, name: str, make: Callable[[], np.ndarray], dtype: str) -> ir.Value:
+        """The tensor `name` as stored in `dtype` (a float weight; quantized codes stay uint8), written on first use."""
+        if name not in self._values:
+            tensor = self.weights.tensor(name, make, dtype)
+            self._values[name] = self.builder.initializer(tensor, name=name, qualify=False)
+        return self._values[name]
+
+    def weight_view(self, name: str, of: str, shape: tuple[int, ...]) -> ir.Value:
+        """The written weight `of` reshaped to `shape` as the initializer `name`: the same bytes in weights.bin."""
+        if name not in self._values:
+            self._values[name] = self.builder.initializer(self.weights.view(name, of, shape), name=name, qualify=False)
+        return self._values[name]
+
+    def quantized_weight(self, name: str, make: Callable[[], np.ndarray], bits: int,
+                         island: bool = False) -> tuple[ir.Value, ir.Value, int, int]:
+        """MatMulNBits' codes and scales for the float weight `make()` [K, N], quantized once; and K, N. Scales in the
+        compute dtype, or float32 for a float32 `island`'s MatMulNBits."""
+        made = {}
+
+        def quantized():
+            if "q" not in made:
+                made["q"] = quantize(make(), bits, self.plan.quantization.block)
+                self.weights.shapes[name] = (made["q"].k, made["q"].n)
+            return made["q"]
+
+        codes = self.initializer(f"{name}.codes", lambda: quantized().codes, "uint8")  # [N, k_blocks, B·bits/8]
+        scales = self.initializer(f"{name}.scales", lambda: quantized().scales,
+                                  "float32" if island else self.plan.compute)  # [N, k_blocks]
+        return (codes, scales, *self.weights.shapes[name])
+
+    def to_float(self, op, x: ir.Value) -> ir.Value:
+        """Into a float32 island from the compute dtype."""
+        return cast(op, x, self.compute_type, FLOAT)
+
+    def to_compute(self, op, x: ir.Value) -> ir.Value:
+        """Out of a float32 island, back to the compute dtype."""
+        return cast(op, x, FLOAT, self.compute_type)
+
+    def kernel_op(self, op, name: str, function: Callable[[], ir.Function], *inputs: ir.Value) -> ir.Value:
+        """A node of mla-deploy's kernel library (mla_deploy.kernels), its ONNX body (`function()`, built once per
+        graph) carried by the model. Its output is float32, declared here: onnx's shape inference cannot type a body
+        that uses com.microsoft ops."""
+        if (kernels.DOMAIN, name, "") not in self.functions:
+            self.functions[(kernels.DOMAIN, name, "")] = function()
+        self.builder.graph.opset_imports[kernels.DOMAIN] = 1
+        out = getattr(op, name)(*inputs, _domain=kernels.DOMAIN)
+        out.dtype = FLOAT
+        return out
+
+    def input(self, spec: io_spec.TensorSpec) -> ir.Value:
+        return self.builder.input(spec.name, DATA_TYPES[spec.dtype], list(spec.shape))
+
+    def output(self, value: ir.Value, spec: io_spec.TensorSpec) -> None:
+        """`value` becomes the graph output `spec.name` itself (renamed, no Identity in between)."""
+        self.builder.add_output(value, spec.name)
+        value.dtype = DATA_TYPES[spec.dtype]
+        value.shape = ir.Shape(list(spec.shape))
+
+    @contextlib.contextmanager
+    def scope(self, name: str):
+        """Node names under `name` (layers.3.attn/...): readable profiles and graph viewers."""
+        self.builder.push_module(name)
+        try:
+            yield
+        finally:
+            self.builder.pop_module()
+
+    def model(self, metadata: dict[str, str]) -> ir.Model:
+        return ir.Model(self.builder.graph, ir_version=IR_VERSION, producer_name="mla-deploy",
+                        producer_version=metadata.get("mla_deploy_version", ""), metadata_props=dict(metadata),
+                        functions=list(self.functions.values()))

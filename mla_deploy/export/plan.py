@@ -1,0 +1,224 @@
+"""Every choice an export makes, resolved once: `ExportOptions` (what was asked) + the model's config + the rules
+below -> a frozen `ExportPlan`. The graph builders read the plan and nothing else for a choice; the manifest records
+it (`manifest_fields`) and `inspect` reads it back (`from_manifest`). The rules depend on the config and the options
+alone, never on the machine that exports, so one checkpoint and one set of options give the same export anywhere.
+
+The rules (each form measured against the others: README):
+- absorb: auto picks the absorbed form that reads fewer weight bytes per decode token (export.absorb).
+- precision: weights and caches are stored in --dtype; the layers compute in float32 for every dtype, as
+  onnxruntime's CPU provider has no bfloat16 arithmetic and widens float16 MatMuls itself (export.precision).
+- routed experts: "qmoe" for quantized exports, one com.microsoft QMoE per MoE layer, where the experts' matrices
+  are whole quantization blocks along K (QMoE's rule); "kernel" for float exports of layers with few experts per
+  chosen one (n_routed_experts <= DENSE_RATIO x num_experts_per_tok, the demo model's 8 and 2): one
+  mla_deploy.RoutedExperts per MoE layer, each expert on the tokens that chose it, reading strips laid out at export
+  in the export's dtype (its function body, where the kernel library is not registered, runs every expert on every
+  token: DENSE_RATIO times the chosen experts' work at most); "branches" otherwise (DeepSeek-V2-Lite's 64 and 6,
+  V3's 256 and 8), one If per expert, so an expert no token chose reads none of its weights. "branches" is also the
+  portable form: stock ONNX that runs anywhere, CUDA included.
+- decode attention: "kernel" (mla_deploy.LatentAttention: scores, softmax and probs @ latent in one op that reads
+  the caches as stored and only the slots each row sees) where its widths fit the kernel's blocks (d_c a multiple of
+  16, d_r of 8), for half caches always (onnxruntime's ops would cast the whole cache to float32 in every layer of
+  every step) and for float32 caches below KERNEL_HEADS_BELOW heads (at 16 heads MLAS's 16-column panels win);
+  "ops" otherwise: onnxruntime's MatMul, Softmax, MatMul, the portable form.
+- long cache: where a row's float32 latent cache at the export's maximum length can outgrow LONG_CACHE_BYTES, the
+  ops multiply probs by the cache as MatMul's A operand (MLAS packs the B operand on every call, which then costs as
+  much as the product), and the kernel op is LatentAttentionLong, whose function body does the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import kernels
+from ..config import MLAConfig
+from ..errors import ExportError
+from .absorb import AbsorbMode, resolve_absorb
+from .precision import DTYPES
+from .quantize import Quantization, quantized_hf_names
+
+QUANTIZE_BITS = {"int4": 4, "int8": 8}
+EXPERTS = ("auto", "qmoe", "kernel", "branches")
+DECODE_ATTENTION = ("auto", "kernel", "ops")
+DENSE_RATIO = 4
+KERNEL_HEADS_BELOW = 16  # auto picks the kernel over float32 caches for fewer heads than this
+# a row's latent cache (float32) at the export's maximum length beyond which decode attention takes the cache as the
+# A operand: 8192 slots of DeepSeek's 512-wide latent
+LONG_CACHE_BYTES = 16 * 2**20
+COMPUTE = "float32"  # what the layers compute in outside the float32 islands, for every --dtype (module docstring)
+FLOAT32_ISLANDS = ("norm weights, rope tables, routers, per-head W^UK / W^UV, fused absorbed matrices (the math around "
+                   "them runs in float32 too)")
+
+
+@dataclass
+class ExportOptions:
+    """What `mla-deploy export` was asked for; ExportPlan.resolve turns it into choices."""
+
+    absorb: str = "auto"
+    dtype: str = "float32"
+    max_seq_len: int | None = None  # default: the config's max_position_embeddings
+    force: bool = False
+    quantize: str | None = None  # "int4" or "int8": weight-only, block-wise (export.quantize)
+    block_size: int = 32
+    accuracy_level: int = 4  # MatMulNBits: 4 = int8 activations inside the kernel, 0 = float (exact)
+    head_bits: int = 8  # the embedding and the output layer of a quantized export: 8, or 4 (smallest, fastest)
+    experts: str = "auto"  # routed experts: auto, qmoe (quantized), kernel (float), branches (portable)
+    decode_attention: str = "auto"  # the decode graph's attention core: auto, kernel, ops (portable)
+
+    def check(self) -> None:
+        """The checks that need no config, so that a bad option fails before the checkpoint is read."""
+        if self.dtype not in DTYPES:
+            raise ExportError(f"--dtype {self.dtype}: dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
+        self.quantization()
+        if self.experts not in EXPERTS:
+            raise ExportError(f"experts={self.experts!r}: expected one of {', '.join(EXPERTS)}")
+        if self.decode_attention not in DECODE_ATTENTION:
+            raise ExportError(f"decode_attention={self.decode_attention!r}: expected one of {', '.join(DECODE_ATTENTION)}")
+
+    def quantization(self) -> Quantization | None:
+        if self.quantize is None:
+            if self.head_bits != 8:
+                raise ExportError(f"--head-bits {self.head_bits}: the embedding and output layer keep the export's "
+                                  f"--dtype unless it is quantized (add --quantize int4 or int8)")
+            return None
+        if self.quantize not in QUANTIZE_BITS:
+            raise ExportError(f"--quantize {self.quantize}: expected one of {', '.join(QUANTIZE_BITS)}")
+        if self.head_bits not in QUANTIZE_BITS.values():
+            raise ExportError(f"--head-bits {self.head_bits}: expected one of {', '.join(map(str, QUANTIZE_BITS.values()))}")
+        try:
+            return Quantization(QUANTIZE_BITS[self.quantize], self.block_size, self.accuracy_level, self.head_bits)
+        except ValueError as e:
+            raise ExportError(f"--quantize {self.quantize}: {e}") from None
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    """The export's choices, each resolved (no "auto" left)."""
+
+    absorb: AbsorbMode  # the decode graph's absorbed attention: FUSED or FACTORED
+    dtype: str  # the weights as stored: float32, float16, bfloat16 (quantized weights: their scales' compute dtype)
+    compute: str  # what the layers compute in outside the float32 islands
+    cache_dtype: str  # the latent and rope caches as stored (graph I/O)
+    quantization: Quantization | None  # bits, block, accuracy level, head bits; None: float weights
+    experts: str | None  # routed experts: "kernel", "qmoe" or "branches" (None read back for a model without any)
+    decode_attention: str  # the decode attention core: "kernel" or "ops"
+    long_cache: bool  # decode attention multiplies probs by the cache as the A operand (LatentAttentionLong)
+    max_seq_len: int
+
+    @classmethod
+    def resolve(cls, cfg: MLAConfig, options: ExportOptions) -> "ExportPlan":
+        options.check()
+        max_seq_len = options.max_seq_len or cfg.max_position_embeddings
+        if not 1 <= max_seq_len <= cfg.max_position_embeddings:
+            raise ExportError(f"--max-seq-len {max_seq_len}: must be between 1 and max_position_embeddings="
+                              f"{cfg.max_position_embeddings}")
+        quantization = options.quantization()
+        cache_dtype = options.dtype
+        return cls(absorb=resolve_absorb(cfg, options.absorb), dtype=options.dtype, compute=COMPUTE,
+                   cache_dtype=cache_dtype, quantization=quantization,
+                   experts=resolve_experts(cfg, options.experts, quantization),
+                   decode_attention=resolve_decode_attention(cfg, options.decode_attention, cache_dtype),
+                   long_cache=long_cache(cfg, max_seq_len), max_seq_len=max_seq_len)
+
+    @property
+    def half_weights(self) -> bool:
+        """Float weights in half precision, multiplied as stored by mla_deploy's MatMulF16 / MatMulBF16."""
+        return self.dtype in kernels.HALF_MATMUL
+
+    def to_dict(self) -> dict:
+        """Every field, JSON-ready (inspect --json)."""
+        return {"absorb": self.absorb.value, "dtype": self.dtype, "compute": self.compute, "cache_dtype": self.cache_dtype,
+                "quantization": None if self.quantization is None else self.quantization.to_dict(),
+                "experts": self.experts, "decode_attention": self.decode_attention, "long_cache": self.long_cache,
+                "max_seq_len": self.max_seq_len}
+
+    def describe(self) -> str:
+        """One line for a reader: each choice and where it runs."""
+        q = self.quantization
+        weights = (f"int{q.bits} weights (embedding and head int{q.head_bits}, blocks of {q.block}, accuracy_level "
+                   f"{q.accuracy_level})" if q else f"{self.dtype} weights")
+        core = {"kernel": "mla_deploy.LatentAttention", "ops": "onnxruntime's MatMul-Softmax-MatMul"}[self.decode_attention]
+        experts = {"kernel": "mla_deploy.RoutedExperts", "qmoe": "com.microsoft QMoE", "branches": "one If per expert"}
+        return (f"absorb {self.absorb.value}; {weights} computed in {self.compute}; {self.cache_dtype} caches; "
+                f"decode attention in {core}" + (" (the cache as MatMul's A operand: long cache)" if self.long_cache
+                                                 else "")
+                + (f"; routed experts in {experts.get(self.experts, self.experts)}" if self.experts else "")
+                + f"; max_seq_len {self.max_seq_len}")
+
+    def recipe(self, source_hash: str, version: str) -> str:
+        """What the export id hashes: the source and every choice that is not a function of the others (the cache
+        dtype is the dtype, the long-cache form follows from the config and the length)."""
+        return (f"{source_hash}|{self.absorb.value}|{self.dtype}|{self.max_seq_len}|{self.quantization}|{self.experts}|"
+                f"{self.decode_attention}|{version}")
+
+    def manifest_fields(self, cfg: MLAConfig) -> dict:
+        """The manifest's record of the plan (read back by from_manifest)."""
+        q = self.quantization
+        fused = self.absorb == AbsorbMode.FUSED
+        return {
+            "absorb": self.absorb.value, "dtype": self.dtype, "max_seq_len": self.max_seq_len,
+            "experts": self.experts if cfg.n_routed_experts else None, "decode_attention": self.decode_attention,
+            "long_cache": self.long_cache,
+            "precision": {"dtype": self.dtype, "compute": self.compute, "caches": self.cache_dtype,
+                          "float32": FLOAT32_ISLANDS},
+            "quantization": None if q is None else {
+                **q.to_dict(), "quantized_weights": len(quantized_hf_names(cfg)),
+                "float": "kv_b_proj, routers, norms, rope tables" + ("" if fused else ", per-head W^UK / W^UV"),
+                **({"absorbed": "fused W^Q·W^UK and W^UV·W^O quantized after absorption"} if fused else {})},
+        }
+
+    @classmethod
+    def from_manifest(cls, manifest: dict) -> "ExportPlan":
+        """The plan an export was built from, as its manifest (read_manifest's, with config_obj) records it."""
+        cfg, precision = manifest["config_obj"], manifest.get("precision") or {}
+        quantization = manifest.get("quantization")
+        max_seq_len = int(manifest["max_seq_len"])
+        recorded_long = manifest.get("long_cache")
+        return cls(absorb=AbsorbMode(manifest["absorb"]), dtype=manifest["dtype"],
+                   compute=precision.get("compute", COMPUTE), cache_dtype=precision.get("caches", manifest["dtype"]),
+                   quantization=Quantization.from_dict(quantization) if quantization else None,
+                   experts=manifest.get("experts"), decode_attention=manifest.get("decode_attention", "ops"),
+                   long_cache=long_cache(cfg, max_seq_len) if recorded_long is None else bool(recorded_long),
+                   max_seq_len=max_seq_len)
+
+
+def resolve_experts(cfg: MLAConfig, requested: str, quantization: Quantization | None) -> str:
+    """How the routed experts run (module docstring). QMoE needs both expert matrices' K in whole quantization
+    blocks; where they are not, the experts run in branches even if QMoE was asked for."""
+    if requested not in EXPERTS:
+        raise ExportError(f"experts={requested!r}: expected one of {', '.join(EXPERTS)}")
+    if requested == "kernel" and quantization is not None:
+        raise ExportError(f"experts='kernel' is for float exports (mla_deploy.RoutedExperts multiplies float32, "
+                          f"float16 or bfloat16 weights); this one is int{quantization.bits}: use 'qmoe' or 'branches'")
+    if requested == "qmoe" and quantization is None:
+        raise ExportError("experts='qmoe' needs --quantize (QMoE multiplies by quantized experts)")
+    if requested in ("auto", "qmoe") and quantization is not None:
+        whole_blocks = cfg.hidden_size % quantization.block == 0 and cfg.moe_intermediate_size % quantization.block == 0
+        return "qmoe" if whole_blocks else "branches"
+    if requested != "auto":
+        return requested
+    if cfg.n_routed_experts and cfg.n_routed_experts <= DENSE_RATIO * cfg.num_experts_per_tok:
+        return "kernel"
+    return "branches"
+
+
+def kernel_fits(cfg: MLAConfig) -> bool:
+    """LatentAttention's blocks: d_c a multiple of 16, d_r of 8."""
+    return cfg.kv_lora_rank % 16 == 0 and cfg.qk_rope_head_dim % 8 == 0
+
+
+def resolve_decode_attention(cfg: MLAConfig, requested: str, cache_dtype: str = "float32") -> str:
+    """The decode attention core (module docstring), for caches stored in `cache_dtype`."""
+    if requested not in DECODE_ATTENTION:
+        raise ExportError(f"decode_attention={requested!r}: expected one of {', '.join(DECODE_ATTENTION)}")
+    if requested == "kernel" and not kernel_fits(cfg):
+        raise ExportError(f"decode_attention='kernel' needs kv_lora_rank a multiple of 16 and qk_rope_head_dim of 8 "
+                          f"(this config: {cfg.kv_lora_rank} and {cfg.qk_rope_head_dim}); use 'ops'")
+    if requested != "auto":
+        return requested
+    few_heads = cfg.num_attention_heads < KERNEL_HEADS_BELOW
+    return "kernel" if kernel_fits(cfg) and (few_heads or cache_dtype != "float32") else "ops"
+
+
+def long_cache(cfg: MLAConfig, max_seq_len: int) -> bool:
+    """Whether a row's float32 latent cache at the export's full length outgrows LONG_CACHE_BYTES."""
+    return max_seq_len * cfg.kv_lora_rank * 4 > LONG_CACHE_BYTES

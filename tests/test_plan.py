@@ -1,0 +1,103 @@
+"""The export plan: every choice resolved once, the graphs built from it, the manifest written from it and read back."""
+
+import hashlib
+import json
+
+import onnx
+import pytest
+
+from mla_deploy import __version__
+from mla_deploy.checkpoint import Checkpoint
+from mla_deploy.errors import ExportError
+from mla_deploy.export import ExportOptions, ExportPlan, export
+from mla_deploy.export import plan as plan_module
+from mla_deploy.export.absorb import AbsorbMode
+from mla_deploy.manifest import read_manifest
+from mla_deploy.presets import DEMO_CHECKPOINT, preset_config, write_random_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """tiny-v3: 4 heads (d_c 32, d_r 8), 8 experts of 32, top 2: auto picks the kernels."""
+    return write_random_checkpoint(preset_config("tiny-v3"), tmp_path_factory.mktemp("tiny") / "ckpt", seed=0)
+
+
+OPTION_SETS = {
+    "default": ExportOptions(),
+    "float16 factored": ExportOptions(dtype="float16", absorb="factored"),
+    "bfloat16 portable": ExportOptions(dtype="bfloat16", experts="branches", decode_attention="ops"),
+    "int4 head4": ExportOptions(quantize="int4", head_bits=4, absorb="fused", block_size=16, accuracy_level=0),
+    "int8 short": ExportOptions(quantize="int8", max_seq_len=64),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTION_SETS))
+def test_the_manifest_records_the_plan_and_the_graphs_follow_it(tiny, tmp_path, name):
+    out = tmp_path / "out"
+    result = export(tiny, out, OPTION_SETS[name])
+    plan, manifest = result.plan, read_manifest(out)
+    cfg = Checkpoint(tiny).config
+    assert plan == ExportPlan.resolve(cfg, OPTION_SETS[name])
+    assert ExportPlan.from_manifest(manifest) == plan
+    assert {k: manifest[k] for k in plan.manifest_fields(cfg)} == plan.manifest_fields(cfg)
+    recipe = plan.recipe(manifest["source"]["sha256"], __version__)
+    assert manifest["export_id"] == hashlib.sha256(recipe.encode()).hexdigest()[:32]
+    for spec in manifest["graphs"]["decode"]["inputs"][4:]:  # the caches, in the plan's cache dtype
+        assert spec["dtype"] == plan.cache_dtype
+    decode = manifest["graphs"]["decode"]["op_counts"]
+    kernel_ops = {op.split("::")[1] for op in decode if op.startswith("mla_deploy::")}
+    assert any(op.startswith("LatentAttention") for op in kernel_ops) == (plan.decode_attention == "kernel")
+    assert any(op.startswith("RoutedExperts") for op in kernel_ops) == (plan.experts == "kernel")
+    assert ("com.microsoft::QMoE" in decode) == (plan.experts == "qmoe")
+    assert ("If" in decode) == (plan.experts == "branches")
+    assert any(op.startswith("MatMulF16") or op.startswith("MatMulBF16") for op in kernel_ops) == plan.half_weights
+    model = onnx.load(str(out / "decode.onnx"), load_external_data=False)
+    assert {p.key: p.value for p in model.metadata_props}["export_id"] == manifest["export_id"]
+
+
+def test_auto_resolves_by_the_rules():
+    demo = Checkpoint(DEMO_CHECKPOINT).config
+    plan = ExportPlan.resolve(demo, ExportOptions())
+    assert (plan.absorb, plan.experts, plan.decode_attention, plan.long_cache) == (AbsorbMode.FACTORED, "kernel",
+                                                                                   "kernel", False)
+    assert (plan.dtype, plan.compute, plan.cache_dtype, plan.max_seq_len) == ("float32", "float32", "float32", 1024)
+    quantized = ExportPlan.resolve(demo, ExportOptions(quantize="int4", dtype="bfloat16"))
+    assert quantized.experts == "qmoe" and quantized.quantization.bits == 4 and quantized.cache_dtype == "bfloat16"
+    assert ExportPlan.resolve(demo, ExportOptions(max_seq_len=16)).max_seq_len == 16
+
+
+def test_the_long_cache_form_follows_the_length(monkeypatch):
+    cfg = Checkpoint(DEMO_CHECKPOINT).config  # d_c 64
+    monkeypatch.setattr(plan_module, "LONG_CACHE_BYTES", 64 * 4 * 100)  # 100 slots of float32 latent
+    assert not ExportPlan.resolve(cfg, ExportOptions(max_seq_len=100)).long_cache
+    assert ExportPlan.resolve(cfg, ExportOptions(max_seq_len=101)).long_cache
+
+
+def test_a_manifest_without_the_long_cache_field_reads_back_by_the_rule(tiny, tmp_path):
+    out = tmp_path / "out"
+    plan = export(tiny, out, ExportOptions()).plan
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["long_cache"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    assert ExportPlan.from_manifest(read_manifest(out)) == plan
+
+
+@pytest.mark.parametrize("options,message", [
+    (ExportOptions(dtype="float8"), "--dtype float8: dtype 'float8': expected one of float32, float16, bfloat16"),
+    (ExportOptions(experts="dense"), "experts='dense': expected one of auto, qmoe, kernel, branches"),
+    (ExportOptions(decode_attention="fast"), "decode_attention='fast': expected one of auto, kernel, ops"),
+    (ExportOptions(quantize="int3"), "--quantize int3: expected one of int4, int8"),
+    (ExportOptions(head_bits=4), "--head-bits 4: the embedding and output layer keep"),
+])
+def test_a_bad_option_fails_before_the_checkpoint_is_read(tmp_path, options, message):
+    with pytest.raises(ExportError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        export(tmp_path / "no-such-checkpoint", tmp_path / "out", options)
+    assert not (tmp_path / "out").exists()
+
+
+def test_choices_that_need_the_config_are_refused_by_name(tiny, tmp_path):
+    cfg = Checkpoint(tiny).config
+    with pytest.raises(ExportError, match="--max-seq-len 5000: must be between 1 and max_position_embeddings=4096"):
+        ExportPlan.resolve(cfg, ExportOptions(max_seq_len=5000))
+    with pytest.raises(ExportError, match="experts='kernel' is for float exports"):
+        ExportPlan.resolve(cfg, ExportOptions(quantize="int8", experts="kernel"))
