@@ -61,6 +61,25 @@ def _session_entries(ctx, param, values: tuple[str, ...]) -> tuple[tuple[str, st
     return tuple(entries)
 
 
+def _speculation_options(f):  # run and serve
+    f = click.option("--draft-tokens", type=int, default=4, show_default=True,
+                     help="Most tokens proposed per step with --speculative (fewer where the measured costs and the "
+                          "acceptance so far say fewer pay).")(f)
+    return click.option("--speculative", type=click.Choice(["auto", "off", "lookup", "mtp"]), default="auto",
+                        show_default=True,
+                        help="Speculative decoding: propose tokens and verify them in one pass over the latent cache. "
+                             "lookup: from earlier occurrences in the prompt and output (any export); mtp: by the "
+                             "export's draft graph (a checkpoint with an MTP layer); auto: mtp where the export has "
+                             "it, else lookup. Greedy output is the same as off; sampled output keeps its "
+                             "distribution.")(f)
+
+
+def _speculation(mode: str, draft_tokens: int):
+    from .runtime.speculative import Speculation
+
+    return Speculation(mode, draft_tokens).validate()  # bad values fail before loading
+
+
 _session_config_option = click.option(  # run and serve
     "--session-config", "session_config", multiple=True, metavar="KEY=VALUE", callback=_session_entries,
     help="A further onnxruntime session config entry, e.g. session.set_denormal_as_zero=1 (repeatable).")
@@ -156,9 +175,11 @@ def export(checkpoint, out, absorb, dtype, max_seq_len, no_verify, steps, quanti
               help="Load only the decode graph and feed the prompt through it a token at a time: one prepacked copy of "
                    "a quantized export's weights instead of two (a model near the machine's memory).")
 @_session_config_option
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
+@_speculation_options
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text (with the "
+              "draft tokens proposed and accepted).")
 def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, provider,
-        threads, check_weights, prepack, decode_only, session_config, as_json):
+        threads, check_weights, prepack, decode_only, session_config, speculative, draft_tokens, as_json):
     """Generate from EXPORT_DIR, streaming the text as it is produced."""
     from .runtime import ExportedModel, RuntimeOptions, SamplingParams
     from .runtime.complete import complete
@@ -166,13 +187,16 @@ def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_
     ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
     given = dict(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty, seed=seed)
     SamplingParams(**{k: v for k, v in given.items() if v is not None}).validate()  # bad flags fail before loading
+    speculation = _speculation(speculative, draft_tokens)
+    if decode_only and speculative == "auto":
+        speculation = _speculation("off", draft_tokens)  # a decode-only model holds no verify graph
     options = RuntimeOptions(provider=provider, threads=threads, check_weights="full" if check_weights else "sampled",
                              prepack=prepack, session_config=session_config)
     model = ExportedModel(export_dir, options, graphs=("decode",) if decode_only else ("prefill", "decode"))
     sampling = model.generation.override(**given)
     memory = model.load_memory
     on_text = None if as_json else (lambda s: click.echo(s, nl=False))
-    result = complete(model, prompt, ids, max_new_tokens, sampling, on_text)
+    result = complete(model, prompt, ids, max_new_tokens, sampling, on_text, speculation)
     if as_json:
         result["load"] = {"seconds": round(model.load_seconds, 3), "memory": memory.to_dict() if memory else None}
         click.echo(json.dumps(result))
@@ -181,8 +205,10 @@ def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_
         click.echo()  # the text streamed already; end its line
     else:
         click.echo(" ".join(map(str, result["token_ids"])))
+    spec = result["speculation"]
+    drafts = (f", {spec['mode']}: {spec['accepted']}/{spec['proposed']} draft tokens accepted" if spec else "")
     click.echo(f"[{len(result['token_ids'])} tokens, prefill {result['prefill_ms']:.1f} ms, decode "
-               f"{result['decode_tokens_per_s']:.1f} tok/s; loaded in {model.load_seconds:.1f} s"
+               f"{result['decode_tokens_per_s']:.1f} tok/s{drafts}; loaded in {model.load_seconds:.1f} s"
                + (f", {memory.describe()}" if memory else "") + "]", err=True)
 
 
@@ -293,8 +319,9 @@ def bench(quick, preset, checkpoint, contexts, batches, engines, steps, threads,
 @click.option("--ray-replicas", type=click.IntRange(min=1), default=None,
               help="Serve N replicas on Ray Serve (the 'ray' extra) instead of one process.")
 @_session_config_option
+@_speculation_options
 def serve(export_dir, host, port, max_batch, max_queue, prefill_chunk, api_key, model_name, threads, prepack, spin,
-          ray_replicas, session_config):
+          ray_replicas, session_config, speculative, draft_tokens):
     """Serve EXPORT_DIR over HTTP with OpenAI's completions and chat routes, batching requests continuously."""
     from .runtime import RuntimeOptions
 
@@ -302,12 +329,14 @@ def serve(export_dir, host, port, max_batch, max_queue, prefill_chunk, api_key, 
     if ray_replicas is not None:
         from .serve.ray import serve_on_ray
 
-        serve_on_ray(export_dir, ray_replicas, host, port, max_batch, max_queue, api_key, model_name, options)
+        serve_on_ray(export_dir, ray_replicas, host, port, max_batch, max_queue, api_key, model_name, options,
+                     _speculation(speculative, draft_tokens))
         return
     from .serve.server import build_service
     from .serve.server import serve as run_server
 
-    service = build_service(export_dir, max_batch, max_queue, api_key, model_name, options, prefill_chunk)
+    service = build_service(export_dir, max_batch, max_queue, api_key, model_name, options, prefill_chunk,
+                            _speculation(speculative, draft_tokens))
     click.echo(f"serving {service.model_name!r} on http://{host}:{port}/v1 (max batch {max_batch}, "
                f"max queue {max_queue}{', API key required' if api_key else ''})", err=True)
     run_server(service, host, port)

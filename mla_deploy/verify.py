@@ -106,7 +106,7 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
         slot = lens + step
         feed = {io_spec.INPUT_IDS: tokens[:, step : step + 1], io_spec.POSITION_IDS: slot[:, None],
                 io_spec.ATTENTION_MASK: mask, io_spec.WRITE_INDICES: slot}
-        feed.update({k.replace("present", "past"): v for k, v in out.items() if k != io_spec.LOGITS})
+        feed.update({io_spec.past_of(k): v for k, v in out.items() if k.startswith("present_")})
         out = model.run(io_spec.DECODE, feed)
         step_logits.append(out[io_spec.LOGITS][:, 0])
 

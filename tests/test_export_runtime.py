@@ -66,8 +66,8 @@ def test_decode_graph_caches_are_latent_and_rope_only(checkpoint_dir, exported, 
     expected_in = {**{f"past_latent.{i}": cfg.kv_lora_rank for i in range(cfg.num_hidden_layers)},
                    **{f"past_rope.{i}": cfg.qk_rope_head_dim for i in range(cfg.num_hidden_layers)}}
     assert inputs == expected_in  # the only float inputs: no decompressed K/V anywhere
-    assert {k: v for k, v in outputs.items() if k != "logits"} == {
-        k.replace("past", "present"): v for k, v in expected_in.items()}
+    assert {k: v for k, v in outputs.items() if k != "logits"} == {  # and the final hidden state the MTP draft reads
+        "hidden": cfg.hidden_size, **{k.replace("past", "present"): v for k, v in expected_in.items()}}
 
 
 def test_fused_decode_holds_fused_matrices_not_uk_uv(exported):
@@ -290,7 +290,8 @@ def test_manifest_describes_the_export(checkpoint_dir, exported):
     assert meta["producer"] == "mla-deploy" and meta["export_id"] == manifest["export_id"]
     assert manifest["tokenizer"] == ["generation_config.json"]  # save_pretrained wrote no tokenizer
     assert sorted(p.name for p in out.iterdir()) == ["decode.onnx", "generation_config.json", "manifest.json",
-                                                     "prefill.onnx", "weights.bin"]
+                                                     "prefill.onnx", "verify.onnx", "weights.bin"]
+    assert manifest["draft"] is False and "draft" not in manifest["graphs"]  # no MTP layer in this checkpoint
 
 
 def test_weights_shared_between_graphs_stored_once(exported):

@@ -34,8 +34,7 @@ def prefill_feed(cfg: MLAConfig, ids: np.ndarray, capacity: int | None = None,
 
 
 def check_feed(kind: str, feed: dict, cfg: MLAConfig, max_seq_len: int, cache_dtype: str = "float32") -> None:
-    inputs, _ = io_spec.graph_io(kind, cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.vocab_size,
-                                 cache_dtype=cache_dtype)
+    inputs, _ = io_spec.graph_io(kind, cfg, cache_dtype)
     expected = {s.name: s for s in inputs}
     missing = sorted(expected.keys() - feed.keys())
     unknown = sorted(feed.keys() - expected.keys())

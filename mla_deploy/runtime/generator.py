@@ -20,7 +20,9 @@ from ..errors import InputError
 from .cache import CacheBuffers, DecodeBinding
 from .sampling import SamplingParams, sample
 from .session import ExportedModel
-from .speculative import Speculation, SpeculationStats, accept_row, lookup, verification_pass
+from .draft import MTPDrafter
+from .speculative import (PRIOR_ACCEPTANCE, DraftPolicy, Speculation, SpeculationStats, accept_row, lookup,
+                          measure_costs, updated_acceptance, verification_pass)
 
 
 @dataclass
@@ -50,6 +52,7 @@ class _State:
     history: list[np.ndarray]  # per row: prompt + generated ids (for the repetition penalty)
     rng: np.random.Generator
     decode_binding: DecodeBinding | None = None
+    drafter: MTPDrafter | None = None  # speculation by the MTP draft graph
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
 
@@ -63,7 +66,10 @@ class Generator:
         eos ids default to the model config's; speculation to off."""
         self.model = model
         self.sampling = (model.generation.sampling if sampling is None else sampling).validate()
-        self.speculation = (speculation or Speculation()).validate(model.max_seq_len, model.has_draft)
+        self.speculation = (speculation or Speculation()).resolve(model)
+        if self.speculation.mode == "mtp" and io_spec.PREFILL not in model.sessions:
+            raise InputError("speculative='mtp' reads the prompt's hidden states from the prefill graph: load the model "
+                             "with it (not decode only)")
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise InputError(f"chunk_size={chunk_size!r}: must be a positive integer")
         self.chunk_size = chunk_size
@@ -86,6 +92,8 @@ class Generator:
         rows = self.check_prompts(prompts, max_new_tokens)
         b = len(rows)
         state = self.new_state([np.asarray(r, np.int64) for r in rows])
+        if self.speculation.mode == "mtp":
+            state.drafter = MTPDrafter(self.model, b)
         out = _Output(b, self.model.config.vocab_size if self.sampling.counts_tokens else None, self.stop_token_ids,
                       max_new_tokens)
         try:
@@ -112,8 +120,13 @@ class Generator:
 
     def _speculative(self, state: _State, out: "_Output", tokens: np.ndarray):
         """Propose, verify, accept (runtime.speculative); a step where no row proposes is a plain decode step."""
-        spec, limit = self.speculation, self.model.max_seq_len
+        spec, limit, drafter = self.speculation, self.model.max_seq_len, state.drafter
         pending = tokens.copy()  # each row's last token, not yet in its cache
+        b = len(pending)
+        policy = DraftPolicy(measure_costs(self.model, b, spec.draft_tokens, drafter is not None), drafter is not None)
+        acceptance = np.full(b, PRIOR_ACCEPTANCE)
+        if drafter is not None:  # the first token completes the last prompt position's pair
+            drafter.catch = [(np.array([t]), h, s) for t, (_, h, s) in zip(pending, drafter.catch)]
         while True:
             yield from out.ready()
             if out.done:
@@ -121,26 +134,41 @@ class Generator:
             state.lengths[out.finished] = 0  # a finished row's cache is read no more: it rides along at slot 0
             # every row writes the pass's width from its length: no draft may take another running row past the end
             end = min(limit - 1 - int(state.lengths[r]) for r in np.flatnonzero(~out.finished))
-            drafts = []
-            for r in range(len(pending)):
-                # nor past its own token budget (the token drawn after the accepted drafts comes on top)
-                room = min(spec.draft_tokens, out.remaining(r) - 1, end)
-                drafts.append(lookup(state.history[r], room, spec.ngram, spec.min_ngram) if room > 0 and
-                              not out.finished[r] else state.history[r][:0])
+            # nor past its own token budget (the token drawn after the accepted drafts comes on top)
+            rooms = [0 if out.finished[r] else max(0, min(spec.draft_tokens, out.remaining(r) - 1, end))
+                     for r in range(b)]
+            q = [None] * b
+            if drafter is not None:
+                rooms = [policy.length(acceptance[r], room) for r, room in enumerate(rooms)]
+                t0 = time.perf_counter()
+                drafts, q = drafter.propose(range(b), rooms, [self.sampling] * b, state.history, out.counts or [None] * b,
+                                            [state.rng] * b)
+                state.decode_ms += (time.perf_counter() - t0) * 1e3  # drafting is part of decoding's time
+            else:
+                drafts = [lookup(state.history[r], rooms[r], spec.ngram, spec.min_ngram) for r in range(b)]
+                drafts = [d[: policy.length(acceptance[r], len(d))] for r, d in enumerate(drafts)]
             width = max(len(d) for d in drafts)
+            starts = state.lengths.copy()
             if width == 0:
                 logits = self.decode_step(state, pending)
                 emitted = [[int(t)] for t in sample(logits, self.sampling, state.rng, state.history, out.counts)]
+                hidden = state.decode_binding.hidden
             else:
-                emitted = self._verify(state, out, pending, drafts, width)
+                emitted, hidden = self._verify(state, out, pending, drafts, q, width)
+                for r, d in enumerate(drafts):
+                    acceptance[r] = updated_acceptance(acceptance[r], len(d), len(emitted[r]) - 1)
             for r, tokens_r in enumerate(emitted):
                 pending[r] = tokens_r[-1]
+                if drafter is not None:  # the pairs just committed: (h at the pending token and each accepted draft, next)
+                    drafter.catch[r] = (np.array(tokens_r), hidden[r, : len(tokens_r)], int(starts[r]))
             out.take(state, emitted, decoded=True)
 
-    def _verify(self, state: _State, out: "_Output", pending: np.ndarray, drafts: list[np.ndarray],
-                width: int) -> list[list[int]]:
-        """One verification pass over every row: its pending token and drafts (padded to width + 1) at its length.
-        Returns each row's emitted tokens; each row's length advances past its pending token and accepted drafts."""
+    def _verify(self, state: _State, out: "_Output", pending: np.ndarray, drafts: list[np.ndarray], q: list,
+                width: int) -> tuple[list[list[int]], np.ndarray | None]:
+        """One verification pass over every row: its pending token and drafts (padded to width + 1) at its length,
+        `q` the proposer's distributions per row (None: deterministic). Returns each row's emitted tokens and the
+        pass's hidden states [b, width + 1, d]; each row's length advances past its pending token and accepted
+        drafts."""
         t0 = time.perf_counter()
         b = len(pending)
         ids = np.zeros((b, width + 1), np.int64)
@@ -149,18 +177,18 @@ class Generator:
             ids[r, 1 : 1 + len(d)] = d
         if state.caches.ensure(int(state.lengths.max()) + width + 1):
             state.decode_binding = None
-        logits = verification_pass(self.model, state.caches, ids, state.lengths)
+        logits, hidden = verification_pass(self.model, state.caches, ids, state.lengths)
         emitted = []
         for r, d in enumerate(drafts):
             counts = None if out.counts is None else out.counts[r]
-            tokens = accept_row(logits[r, : len(d) + 1], d, self.sampling, state.history[r], counts, state.rng)
+            tokens = accept_row(logits[r, : len(d) + 1], d, self.sampling, state.history[r], counts, state.rng, q[r])
             if not out.finished[r]:
                 out.stats.add(len(d), len(tokens) - 1)
             emitted.append(tokens)
         state.lengths += np.array([len(t) for t in emitted], np.int64)  # the pending token and the accepted drafts
         out.stats.verify_steps += 1
         state.decode_ms += (time.perf_counter() - t0) * 1e3
-        return emitted
+        return emitted, hidden
 
     def new_state(self, history: list[np.ndarray], context: int | None = None) -> _State:
         """Generation state for these rows; caches sized for the longest row (or `context` slots already held)."""
@@ -199,11 +227,22 @@ class Generator:
             binding.bind_cpu_input(io_spec.WRITE_INDICES, np.full(b, start, np.int64))
             binding.bind_cpu_input(io_spec.LOGITS_POSITIONS, np.clip(lengths - 1 - start, 0, t - 1)[:, None])
             binding.bind_output(io_spec.LOGITS, "cpu")  # first output bound: get_outputs()[0]
+            if state.drafter is not None:
+                binding.bind_output(io_spec.HIDDEN, "cpu")
             state.caches.bind(binding)
             session.run_with_iobinding(binding)
             logits = binding.get_outputs()[0].numpy()[:, 0]  # [b, 1, vocab] -> [b, vocab]
             here = (lengths - 1 >= start) & (lengths - 1 < start + t)
             last[here] = logits[here]
+            if state.drafter is not None:  # the MTP draft's pairs (h_i, t_{i+1}) that the prompt holds
+                hidden = binding.get_outputs()[1].numpy()  # [b, t, d]
+                following = np.full((b, t), -1, np.int64)
+                for r, row in enumerate(rows):
+                    piece = row[start + 1 : start + t + 1]
+                    following[r, : len(piece)] = piece
+                state.drafter.prefill(hidden, start, following)
+                for r in np.flatnonzero(here):  # the last prompt position: its pair waits for the first token
+                    state.drafter.catch[r] = (None, hidden[r, lengths[r] - 1 - start][None], int(lengths[r] - 1))
         state.prefill_ms += (time.perf_counter() - t0) * 1e3
         return last
 

@@ -17,7 +17,8 @@ argmax, which is what greedy decoding without speculation emits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import numpy as np
@@ -26,18 +27,29 @@ from .. import io_spec
 from ..errors import InputError
 from .sampling import SamplingParams, adjusted_logits, distribution, draw, uniform
 
-MODES = ("off", "lookup", "mtp")
+MODES = ("auto", "off", "lookup", "mtp")
 MAX_DRAFT_TOKENS = 16
+PRIOR_ACCEPTANCE = 0.6  # a row's acceptance estimate before its first verification
+ACCEPTANCE_MEMORY = 0.7  # each verification moves the estimate 30 % of the way to what it saw
 
 
 @dataclass(frozen=True)
 class Speculation:
-    """How a generation speculates: `mode` off, lookup (prompt lookup: any export) or mtp (the export's draft graph),
-    at most `draft_tokens` proposed per step; lookup matches the last `ngram` tokens down to `min_ngram`."""
+    """How a generation speculates: `mode` off, lookup (prompt lookup: any export with a verify graph), mtp (the
+    export's draft graph) or auto (mtp where the export has a draft graph, else lookup; off for an export without a
+    verify graph); at most `draft_tokens` proposed per step, fewer where the measured costs and the row's acceptance
+    say fewer pay (DraftPolicy); lookup matches the last `ngram` tokens down to `min_ngram`."""
     mode: str = "off"
     draft_tokens: int = 4
     ngram: int = 3
     min_ngram: int = 2
+
+    def resolve(self, model) -> "Speculation":
+        """auto made concrete for `model` (an ExportedModel), validated."""
+        mode = self.mode
+        if mode == "auto":
+            mode = "mtp" if model.has_draft else "lookup" if model.has_graph(io_spec.VERIFY) else "off"
+        return replace(self, mode=mode).validate(model.max_seq_len, model.has_draft)
 
     def validate(self, max_seq_len: int | None = None, has_draft: bool | None = None) -> "Speculation":
         """InputError naming the problem; `max_seq_len` and `has_draft`: the export's, where known."""
@@ -82,6 +94,86 @@ class SpeculationStats:
                 "acceptance": round(self.accepted / self.proposed, 4) if self.proposed else None,
                 "first_token_acceptance": round(self.first_accepted / self.first_proposed, 4)
                 if self.first_proposed else None}
+
+
+# ---- how many to draft ----
+@dataclass
+class Costs:
+    """Measured seconds of one step for a batch of rows: a plain decode step, a verification pass of T tokens per
+    row, and one call of the draft graph (0 without one)."""
+    decode: float
+    verify: dict[int, float]
+    draft: float = 0.0
+
+
+@dataclass
+class DraftPolicy:
+    """The draft length that maximizes expected tokens per second. With acceptance estimate a (each draft token
+    accepted with probability a once the ones before it were), m drafts give 1 + a + ... + a^m tokens per step, at
+    the cost of a verification pass of m + 1 tokens and m draft calls (the MTP draft's first call also catches it up,
+    so a step without drafts costs one call too); no drafts: a decode step. Costs are measured (measure_costs)."""
+    costs: Costs
+    mtp: bool
+
+    def length(self, acceptance: float, available: int) -> int:
+        a = min(max(acceptance, 0.0), 0.999)
+        draft = self.costs.draft if self.mtp else 0.0
+        best, rate = 0, 1.0 / (self.costs.decode + draft)
+        for m in range(1, available + 1):
+            tokens = (1 - a ** (m + 1)) / (1 - a)
+            r = tokens / (self.costs.verify[m + 1] + m * draft)
+            if r > rate:
+                best, rate = m, r
+        return best
+
+
+def updated_acceptance(estimate: float, proposed: int, accepted: int) -> float:
+    """A row's acceptance estimate after a verification: accepted successes of accepted + (1 if one was rejected)
+    trials, folded in with ACCEPTANCE_MEMORY."""
+    if not proposed:
+        return estimate
+    trials = accepted + (accepted < proposed)
+    return ACCEPTANCE_MEMORY * estimate + (1 - ACCEPTANCE_MEMORY) * accepted / trials
+
+
+def measure_costs(model, rows: int, k: int, mtp: bool, context: int = 64, repeats: int = 3) -> Costs:
+    """Time each step form for `rows` rows at `context` tokens, the fastest of `repeats` runs each; cached on the
+    model per (rows, k, mtp)."""
+    from .cache import CacheBuffers, DecodeBinding
+    from .draft import MTPDrafter
+
+    key = (rows, k, mtp)
+    cache = model.__dict__.setdefault("_speculation_costs", {})
+    if key in cache:
+        return cache[key]
+    cfg = model.config
+    context = max(1, min(context, model.max_seq_len - k - 2))
+    caches = CacheBuffers(cfg, rows, context + k + 1, model.max_seq_len, model.device, model.cache_dtype)
+    lengths = np.full(rows, context, np.int64)
+    decode = DecodeBinding(model.sessions[io_spec.DECODE], caches, rows, cfg.vocab_size)
+    decode.pos[:], decode.write[:] = context, context
+
+    def fastest(run) -> float:
+        run()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    verify, slowest = {}, 0.0
+    for t in range(2, k + 2):  # a pass of more tokens never costs less than one of fewer: the noise is smoothed so
+        slowest = max(slowest, fastest(lambda t=t: verification_pass(model, caches, np.zeros((rows, t), np.int64),
+                                                                    lengths)))
+        verify[t] = slowest
+    costs = Costs(fastest(lambda: model.sessions[io_spec.DECODE].run_with_iobinding(decode.binding)), verify)
+    if mtp:
+        drafter = MTPDrafter(model, rows)
+        hidden = np.zeros((rows, 1, cfg.hidden_size), np.float32)
+        costs.draft = fastest(lambda: drafter.run(np.zeros((rows, 1), np.int64), hidden, lengths, np.zeros(rows)))
+    cache[key] = costs
+    return costs
 
 
 # ---- proposals ----
@@ -161,20 +253,30 @@ def accept_row(logits: np.ndarray, drafts: Sequence[int], params: SamplingParams
 
 
 # ---- the verification pass ----
-def verification_pass(model, caches, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+def verification_pass(model, caches, ids: np.ndarray, lengths: np.ndarray,
+                      form: str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """ids [rows, T] (each row's pending token, then its drafts, then padding) at slots lengths[r] ..; the caches'
-    first `rows` rows written in place. Returns logits [rows, T, vocab]. The prefill graph's chunked form: query t of
-    row r sits at slot lengths[r] + t and sees every slot up to it."""
+    first `rows` rows written in place. Returns logits [rows, T, vocab] and the final hidden states [rows, T, d] (None
+    from an export without them). `form`: the verify graph (the absorbed attention over T tokens) where the export
+    has it, else the prefill graph's chunked form; both: query t of row r sits at slot lengths[r] + t and sees every
+    slot up to it."""
     rows, t = ids.shape
-    session = model.sessions[io_spec.PREFILL]
+    form = form or (io_spec.VERIFY if model.has_graph(io_spec.VERIFY) else io_spec.PREFILL)
+    model.load(form)
+    session = model.sessions[form]
     binding = session.io_binding()
     binding.bind_cpu_input(io_spec.INPUT_IDS, ids)
     binding.bind_cpu_input(io_spec.POSITION_IDS, lengths[:, None] + np.arange(t, dtype=np.int64))
     binding.bind_cpu_input(io_spec.ATTENTION_MASK, np.ones((rows, caches.capacity), np.int64))
     binding.bind_cpu_input(io_spec.WRITE_INDICES, np.ascontiguousarray(lengths, np.int64))
-    binding.bind_cpu_input(io_spec.LOGITS_POSITIONS, np.broadcast_to(np.arange(t, dtype=np.int64), (rows, t)).copy())
-    binding.bind_output(io_spec.LOGITS, "cpu")
+    if form == io_spec.PREFILL:
+        binding.bind_cpu_input(io_spec.LOGITS_POSITIONS, np.broadcast_to(np.arange(t, dtype=np.int64), (rows, t)).copy())
+    outputs = [o.name for o in session.get_outputs() if o.name in (io_spec.LOGITS, io_spec.HIDDEN)]
+    for name in outputs:
+        binding.bind_output(name, "cpu")
     views = caches.bind(binding, None if rows == caches.batch else slice(0, rows))
     session.run_with_iobinding(binding)
     del views
-    return binding.get_outputs()[0].numpy()
+    values = dict(zip(outputs, binding.get_outputs()))
+    hidden = values.get(io_spec.HIDDEN)
+    return values[io_spec.LOGITS].numpy(), None if hidden is None else hidden.numpy()
