@@ -44,6 +44,9 @@ def load_mtp(source: str | Path | Checkpoint) -> MTPDraft:
     prefix = f"model.layers.{cfg.num_hidden_layers}."
     layer.load_state_dict({n.removeprefix(prefix): torch.from_numpy(ckpt.tensor(n)) for n in ckpt.mtp_names()},
                           strict=True, assign=True)
+    fused = getattr(ckpt, "absorbed_matrices", lambda i: None)(cfg.num_hidden_layers)  # a quantized fused export's
+    if fused is not None:
+        layer.self_attn.fused = tuple(torch.from_numpy(w) for w in fused)
     embed.load_state_dict({"weight": torch.from_numpy(ckpt.tensor("model.embed_tokens.weight"))}, assign=True)
     head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     head.load_state_dict({"weight": embed.weight if cfg.tie_word_embeddings else torch.from_numpy(ckpt.tensor(head_name))},
