@@ -325,7 +325,7 @@ class Scheduler:
         policy = DraftPolicy(measure_costs(self.model, hi, spec.draft_tokens, self.drafter is not None),
                              self.drafter is not None)
         if self.drafter is None:
-            drafts = [r.history[:0] if r is None else lookup(r.history, room, spec.ngram, spec.min_ngram)
+            drafts = [np.zeros(0, np.int64) if r is None else lookup(r.history, room, spec.ngram, spec.min_ngram)
                       for r, room in zip(by_row, rooms)]
             return [d if r is None else d[: policy.length(r.acceptance, len(d))] for r, d in zip(by_row, drafts)], \
                 [None] * hi
