@@ -281,7 +281,13 @@ def eval_command(export_dir, text_file, window, checkpoint):
 @click.option("--workdir", type=click.Path(path_type=Path), default=Path("benchmarks/work"), show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), default=Path("benchmarks/work/results"), show_default=True,
               help="Where results.json and results.png go (benchmarks/results holds the README's figures).")
-def bench(quick, preset, checkpoint, contexts, batches, engines, steps, threads, workdir, out):
+@click.option("--speculative", "speculative_modes", default=None, metavar="MODES",
+              help="Also compare speculative decoding's modes, e.g. off,lookup,mtp: greedy generations per mode over "
+                   "the same prompts, decode tokens/s and draft acceptance (README, Speculative decoding).")
+@click.option("--draft-tokens", type=click.IntRange(1, 16), default=4, show_default=True,
+              help="Most tokens proposed per step in the --speculative comparison.")
+def bench(quick, preset, checkpoint, contexts, batches, engines, steps, threads, workdir, out, speculative_modes,
+          draft_tokens):
     """Benchmark engines side by side: decode speed vs context, prefill, memory, bandwidth limit."""
     from .bench import BenchConfig, run_bench
     from .bench.report import save, table
@@ -289,7 +295,8 @@ def bench(quick, preset, checkpoint, contexts, batches, engines, steps, threads,
     overrides = {k: v for k, v in dict(
         preset=preset, checkpoint=checkpoint, threads=threads, workdir=workdir, steps=steps,
         contexts=_parse_ints(contexts, "--contexts"), batches=_parse_ints(batches, "--batches"),
-        engines=tuple(engines.split(",")) if engines else None).items() if v is not None}
+        engines=tuple(engines.split(",")) if engines else None,
+        speculative=_parse_modes(speculative_modes), draft_tokens=draft_tokens).items() if v is not None}
     cfg = BenchConfig.quick(**overrides) if quick else BenchConfig(**overrides)
     result = run_bench(cfg, progress=_progress())
     click.echo(table(result))
@@ -352,6 +359,18 @@ def preset(name, out, seed, layers):
     from .presets import build_preset
 
     click.echo(build_preset(name, out, seed, layers))
+
+
+def _parse_modes(text):
+    if text is None:
+        return None
+    from .runtime.speculative import MODES
+
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    bad = [m for m in modes if m not in MODES or m == "auto"]
+    if bad or not modes:
+        raise MLADeployError(f"--speculative {text!r}: expected comma-separated modes among off, lookup, mtp")
+    return modes
 
 
 def _parse_ints(text, flag):

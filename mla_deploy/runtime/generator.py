@@ -36,7 +36,7 @@ class GenerationResult:
     token_ids: list[list[int]]  # the generated ids only, per row (a stop token included when it ended the row)
     finish_reasons: list[str]  # "stop" or "length"
     prefill_ms: float
-    decode_ms: float
+    decode_ms: float  # the decode steps' wall time: graphs, sampling, proposals and acceptance
     decode_tokens: int  # tokens generated after each row's first (that one comes from the prefill)
     speculation: SpeculationStats | None = None  # draft tokens proposed and accepted, with speculation on
 
@@ -114,9 +114,11 @@ class Generator:
             yield from out.ready()
             if out.done:
                 return
+            t0 = time.perf_counter()
             logits = self.decode_step(state, tokens)
             tokens = sample(logits, self.sampling, state.rng, state.history, out.counts)
             out.take(state, [[int(t)] for t in tokens], decoded=True)
+            state.decode_ms += (time.perf_counter() - t0) * 1e3  # the step, sampling and bookkeeping: the wall time
 
     def _speculative(self, state: _State, out: "_Output", tokens: np.ndarray):
         """Propose, verify, accept (runtime.speculative); a step where no row proposes is a plain decode step."""
@@ -131,6 +133,7 @@ class Generator:
             yield from out.ready()
             if out.done:
                 return
+            t0 = time.perf_counter()  # proposing, verifying, accepting: a step's wall time
             state.lengths[out.finished] = 0  # a finished row's cache is read no more: it rides along at slot 0
             # every row writes the pass's width from its length: no draft may take another running row past the end
             end = min(limit - 1 - int(state.lengths[r]) for r in np.flatnonzero(~out.finished))
@@ -140,10 +143,8 @@ class Generator:
             q = [None] * b
             if drafter is not None:
                 rooms = [policy.length(acceptance[r], room) for r, room in enumerate(rooms)]
-                t0 = time.perf_counter()
                 drafts, q = drafter.propose(range(b), rooms, [self.sampling] * b, state.history, out.counts or [None] * b,
                                             [state.rng] * b)
-                state.decode_ms += (time.perf_counter() - t0) * 1e3  # drafting is part of decoding's time
             else:
                 drafts = [lookup(state.history[r], rooms[r], spec.ngram, spec.min_ngram) for r in range(b)]
                 drafts = [d[: policy.length(acceptance[r], len(d))] for r, d in enumerate(drafts)]
@@ -162,6 +163,7 @@ class Generator:
                 if drafter is not None:  # the pairs just committed: (h at the pending token and each accepted draft, next)
                     drafter.catch[r] = (np.array(tokens_r), hidden[r, : len(tokens_r)], int(starts[r]))
             out.take(state, emitted, decoded=True)
+            state.decode_ms += (time.perf_counter() - t0) * 1e3
 
     def _verify(self, state: _State, out: "_Output", pending: np.ndarray, drafts: list[np.ndarray], q: list,
                 width: int) -> tuple[list[list[int]], np.ndarray | None]:
@@ -169,7 +171,6 @@ class Generator:
         `q` the proposer's distributions per row (None: deterministic). Returns each row's emitted tokens and the
         pass's hidden states [b, width + 1, d]; each row's length advances past its pending token and accepted
         drafts."""
-        t0 = time.perf_counter()
         b = len(pending)
         ids = np.zeros((b, width + 1), np.int64)
         ids[:, 0] = pending
@@ -187,7 +188,6 @@ class Generator:
             emitted.append(tokens)
         state.lengths += np.array([len(t) for t in emitted], np.int64)  # the pending token and the accepted drafts
         out.stats.verify_steps += 1
-        state.decode_ms += (time.perf_counter() - t0) * 1e3
         return emitted, hidden
 
     def new_state(self, history: list[np.ndarray], context: int | None = None) -> _State:
@@ -269,7 +269,6 @@ class Generator:
 
     def decode_step(self, state: _State, tokens: np.ndarray) -> np.ndarray:
         """One token per row at slot lengths[b]; caches updated in place. Returns logits [b, vocab]."""
-        t0 = time.perf_counter()
         grew = state.caches.ensure(int(state.lengths.max()) + 1)
         if state.decode_binding is None or grew:  # bound once per cache capacity; a step only writes the buffers
             state.decode_binding = DecodeBinding(self.model.sessions[io_spec.DECODE], state.caches,
@@ -280,7 +279,6 @@ class Generator:
         d.write[:] = state.lengths
         self.model.sessions[io_spec.DECODE].run_with_iobinding(d.binding)
         state.lengths += 1
-        state.decode_ms += (time.perf_counter() - t0) * 1e3
         return d.logits[:, 0]
 
 
