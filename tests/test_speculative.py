@@ -12,8 +12,8 @@ from mla_deploy.runtime import ExportedModel, Generator, SamplingParams
 from mla_deploy.runtime import generator as generator_module
 from mla_deploy.runtime.cache import CacheBuffers, DecodeBinding
 from mla_deploy.runtime.sampling import distribution
-from mla_deploy.runtime.speculative import (MAX_DRAFT_TOKENS, Costs, DraftPolicy, Speculation, accept_row, accepts,
-                                            lookup, residual, updated_acceptance, verification_pass)
+from mla_deploy.runtime.speculative import (MAX_DRAFT_TOKENS, Costs, DraftPolicy, Speculation, accept_row, lookup,
+                                            updated_acceptance, verification_pass)
 
 VARIANT = "v3_lora_group_yarn"
 P_VALUE = 0.01
@@ -38,47 +38,46 @@ def test_lookup_proposes_what_followed_the_latest_earlier_occurrence():
 
 
 # ---- acceptance: exact arithmetic ----
-def output_distribution(p: np.ndarray, q: np.ndarray | None, d: int | None = None) -> np.ndarray:
-    """The exact distribution of the token a draft step emits, from `accepts` and `residual` themselves: the draft x
-    (drawn from q, or d) accepted with the probability accepts() gives, found by bisection on its uniform, else a draw
-    from the residual."""
-    def acceptance(x):  # the u below which accepts() says yes: bisection over (0, 1)
-        lo, hi = 0.0, 1.0
-        for _ in range(60):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if accepts(p, q, x, mid) else (lo, mid)
-        return lo
+class Draws:
+    """A stand-in for a row's generator that returns the given uniforms in order."""
 
-    drafts = {d: 1.0} if q is None else {x: q[x] for x in range(len(q)) if q[x] > 0}
-    out = np.zeros_like(p)
-    for x, qx in drafts.items():
-        a = acceptance(x)
-        out[x] += qx * a
-        out += qx * (1 - a) * residual(p, q, x)
-    return out
+    def __init__(self, *u):
+        self.u = list(u)
+
+    def random(self, shape):
+        return np.full(shape, self.u.pop(0))
 
 
-def test_acceptance_arithmetic_keeps_the_target_distribution_exactly():
-    """For random p and q (and q one-hot at a draft), the token emitted is distributed as p: min(1, p/q) acceptance
-    and the normalized max(0, p - q) residual, computed by the code itself, recombine to p within float rounding."""
+def test_acceptance_arithmetic_is_the_one_hot_rule_exactly():
+    """For a draft d, the uniform that decides the first token falls in token x's inverse-CDF interval [F(x-1), F(x))
+    of p with probability p(x): accept_row emits d (and draws on from the next position with the next uniform) for u
+    in d's interval, so acceptance is p(d); any other interval emits its own token and stops, so a rejection emits x
+    with probability p(x) = (1 - p(d)) (p(x) / (1 - p(d))): the textbook rule for q one-hot at d (accept with
+    probability min(1, p(d) / q(d)) = p(d), else draw from max(0, p - q) normalized = p without d). Checked at every
+    interval's midpoint, on distributions after temperature, top-k, top-p and penalties."""
     rng = np.random.default_rng(0)
-    for trial in range(200):
-        v = int(rng.integers(2, 9))
-        p = rng.dirichlet(np.full(v, 0.5))
-        p[rng.random(v) < 0.2] = 0.0  # filtered tokens (top-k / top-p zeros)
-        if p.sum() == 0:
-            p[0] = 1.0
-        p /= p.sum()
-        q = rng.dirichlet(np.full(v, 0.5))
-        assert np.allclose(output_distribution(p, q), p, atol=1e-12), trial
-        d = int(rng.integers(v))  # a deterministic proposer
-        assert np.allclose(output_distribution(p, None, d), p, atol=1e-12), trial
-    # the thresholds themselves: accept iff u < p(d) / q(d)
-    p, q = np.array([0.2, 0.5, 0.3]), np.array([0.4, 0.4, 0.2])
-    assert accepts(p, q, 0, 0.499) and not accepts(p, q, 0, 0.501)  # p/q = 0.5
-    assert accepts(p, q, 1, 0.999999) and accepts(p, None, 1, 0.49) and not accepts(p, None, 1, 0.51)
-    assert np.allclose(residual(p, q, 0), [0.0, 0.1 / 0.2, 0.1 / 0.2])
-    assert np.allclose(residual(p, None, 1), [0.4, 0.0, 0.6])
+    history, counts = np.array([3, 1, 1]), np.zeros(8, np.int32)
+    counts[1] = 2
+    for params in SAMPLINGS.values():
+        for trial in range(20):
+            logits = rng.normal(0, 1.5, (2, 8))
+            p = distribution(logits[:1], params, [history], [counts])[0]
+            p_next = {x: distribution(logits[1:], params, [np.append(history, x) if params.repetition_penalty != 1
+                                                             else history], [counts + np.eye(8, dtype=np.int32)[x]])[0]
+                      for x in range(8)}
+            d = int(rng.integers(8))
+            edges = np.concatenate([[0.0], np.cumsum(p)])
+            for x in np.flatnonzero(p > 1e-9):
+                u = (edges[x] + edges[x + 1]) / 2
+                likeliest = int(p_next[x].argmax())  # the second draw: the middle of the next position's likeliest
+                then = np.cumsum(p_next[x])[likeliest] - p_next[x][likeliest] / 2
+                emitted = accept_row(logits, [d], params, history, counts, Draws(u, then))
+                if x == d:  # accepted: d, then the token the next uniform picks from the next position's p
+                    assert emitted == [d, likeliest], (params, trial)
+                else:  # rejected: x itself, and the step ends
+                    assert emitted == [x], (params, trial, x, d)
+            textbook = p[d] * np.eye(8)[d] + (1 - p[d]) * np.where(np.arange(8) == d, 0, p) / max(1 - p[d], 1e-300)
+            assert np.allclose(textbook, p, atol=1e-12)
 
 
 # ---- acceptance: the distribution by value, over many seeds ----
@@ -112,31 +111,28 @@ def exact_pairs(params: SamplingParams, prompt: list[int]) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("proposer", ["one-hot", "sampled q"])
+OTHER = np.random.default_rng(9).normal(0, 1.0, (VOCAB + 1, VOCAB + 1, VOCAB))  # another 'model' to draft with
+
+
+@pytest.mark.parametrize("proposer", ["fixed", "another model"])
 @pytest.mark.parametrize("params", SAMPLINGS.values(), ids=SAMPLINGS.keys())
 def test_speculative_sampling_keeps_the_distribution_over_many_seeds(params, proposer):
     """20,000 seeds: the first two tokens a step emits (drafts accepted or not, then the token drawn after them)
     follow the distribution of sampling one token at a time, by a chi-square test at p = 0.01 over all 25 pairs.
-    The proposer drafts 3 tokens: fixed ones (q one-hot) or drawn from a q unlike p."""
+    The proposer drafts 3 tokens: each the previous plus one, or another model's argmax."""
     prompt = [1, 3, 1]
     runs = 20_000
     expected = exact_pairs(params, prompt)
     observed = np.zeros((VOCAB, VOCAB))
-    q_table = np.random.default_rng(9).dirichlet(np.ones(VOCAB), (VOCAB + 1, VOCAB + 1))
     for seed in range(runs):
         rng = np.random.default_rng(seed)
-        context, drafts, q = list(prompt), [], []
+        context, drafts = list(prompt), []
         for _ in range(3):
-            if proposer == "one-hot":
-                drafts.append((context[-1] + 1) % VOCAB)
-            else:
-                qj = q_table[context[-2], context[-1]]
-                q.append(qj)
-                drafts.append(int(rng.choice(VOCAB, p=qj)))
+            fixed = (context[-1] + 1) % VOCAB
+            drafts.append(fixed if proposer == "fixed" else int(OTHER[context[-2], context[-1]].argmax()))
             context.append(drafts[-1])
         logits = np.stack([target_logits(prompt + drafts[:j]) for j in range(4)])  # the verification pass
-        tokens = accept_row(logits, np.array(drafts), params, np.array(prompt), np.zeros(VOCAB, np.int32), rng,
-                            None if proposer == "one-hot" else np.stack(q))
+        tokens = accept_row(logits, np.array(drafts), params, np.array(prompt), np.zeros(VOCAB, np.int32), rng)
         if len(tokens) < 2:  # the first draft rejected: the second token comes from the next step, one at a time
             c = np.zeros(VOCAB, np.int32)
             c[tokens[0]] += 1
@@ -155,8 +151,9 @@ def test_a_wrong_acceptance_rule_is_caught_by_the_test():
     params, prompt, runs = SAMPLINGS["temperature 1"], [1, 3, 1], 20_000
     p = distribution(target_logits(prompt)[None], params, [np.array(prompt)], [np.zeros(VOCAB, np.int32)])[0]
     d = (prompt[-1] + 1) % VOCAB
+    rest = np.where(np.arange(VOCAB) == d, 0.0, p) / (1 - p[d])
     rng = np.random.default_rng(0)
-    first = [d if rng.random() < np.sqrt(p[d]) else int(rng.choice(VOCAB, p=residual(p, None, d))) for _ in range(runs)]
+    first = [d if rng.random() < np.sqrt(p[d]) else int(rng.choice(VOCAB, p=rest)) for _ in range(runs)]
     assert stats.chisquare(np.bincount(first, minlength=VOCAB), p * runs).pvalue < 1e-6
 
 
@@ -282,6 +279,25 @@ def test_greedy_tokens_with_penalties_are_plain_decodings(exported, always_draft
     spec = Generator(model, params, stop_token_ids=(), speculation=Speculation("lookup", 4, min_ngram=1)).generate(
         PROMPTS, 20)
     assert spec.token_ids == plain and spec.speculation.proposed > 0
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.3, seed=3),
+                                    SamplingParams(temperature=0.3, top_k=20, top_p=0.9, repetition_penalty=1.05,
+                                                   presence_penalty=0.1, frequency_penalty=0.05, seed=5)],
+                         ids=["temperature", "every filter and penalty"])
+def test_a_seeded_sampled_generation_is_the_same_with_speculation(exported, always_draft, params):
+    """One draw of the row's generator per emitted token, whatever the drafts: a seed gives the tokens it gives
+    without speculation (lookup down to one-token matches at a low temperature, so that drafts are proposed,
+    accepted and rejected)."""
+    model = ExportedModel(exported(VARIANT))
+    proposed = accepted = 0
+    for prompt in PROMPTS:
+        plain = Generator(model, params, stop_token_ids=()).generate([prompt], 24).token_ids
+        spec = Generator(model, params, stop_token_ids=(), speculation=Speculation("lookup", 4, min_ngram=1))
+        result = spec.generate([prompt], 24)
+        assert result.token_ids == plain
+        proposed, accepted = proposed + result.speculation.proposed, accepted + result.speculation.accepted
+    assert 0 < accepted < proposed
 
 
 def test_a_generation_up_to_the_exports_length_is_whole(exported, always_draft):

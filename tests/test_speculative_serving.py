@@ -94,14 +94,14 @@ def test_the_mtp_drafts_cache_in_a_continuous_batch_holds_the_committed_pairs(mt
     real = draft_module.MTPDrafter.propose
     holder = {}
 
-    def oracle(self, rows, rooms, *args):
-        drafts, q = real(self, rows, rooms, *args)
+    def oracle(self, rows, rooms):
+        drafts = real(self, rows, rooms)
         for i, r in enumerate(rows):
             request = holder["scheduler"].rows[r]
             if request is not None and len(drafts[i]):
                 done = len(request.generated)
                 drafts[i] = np.array(alone[tuple(request.prompt_ids)][done : done + len(drafts[i])], np.int64)
-        return drafts, q
+        return drafts
 
     monkeypatch.setattr(draft_module.MTPDrafter, "propose", oracle)
     scheduler = holder["scheduler"] = Scheduler(model, max_batch=len(PROMPTS), prefill_chunk=4,
@@ -159,18 +159,17 @@ def test_an_opted_out_request_and_a_grammar_request_are_not_drafted_for(tmp_path
     assert all(o.finished is not None for o in outs) and outs[2].tokens
 
 
-def test_a_sampled_request_with_a_seed_repeats_itself_and_keeps_its_length(mtp_export, always_draft):
+@pytest.mark.parametrize("mode", ["lookup", "mtp"])
+def test_a_seeded_request_draws_the_same_tokens_under_load_as_alone(mtp_export, always_draft, mode):
+    """Each request draws once per emitted token from its own generator, whatever the drafts and the other rows: a
+    seeded sampled request beside others emits what the Generator emits for it alone, without speculation."""
     model = ExportedModel(mtp_export)
-    params = SamplingParams(temperature=0.9, top_k=20, seed=11)
-
-    def once():
-        scheduler = Scheduler(model, max_batch=2, speculation=Speculation("mtp", 3))
-        outs = [Collect(), Collect()]
-        run(scheduler, [Request(PROMPTS[0], 18, outs[0], params), Request(PROMPTS[4], 18, outs[1], params, choice=1)])
-        return [o.tokens for o in outs], scheduler.stats.speculation
-
-    (first, stats), (again, _) = once(), once()
-    assert first == again and [len(t) for t in first] == [18, 18] and stats.proposed > 0
+    params = SamplingParams(temperature=0.9, top_k=20, repetition_penalty=1.1, seed=11)
+    alone = [Generator(model, params, stop_token_ids=()).generate([p], 18).token_ids[0] for p in PROMPTS]
+    scheduler = Scheduler(model, max_batch=3, prefill_chunk=5, speculation=Speculation(mode, 3, min_ngram=1))
+    outs = [Collect() for _ in PROMPTS]
+    run(scheduler, [Request(p, 18, out, params) for p, out in zip(PROMPTS, outs)])
+    assert [o.tokens for o in outs] == alone and scheduler.stats.speculation.proposed > 0
 
 
 def test_requests_near_the_exports_length_are_whole(mtp_export, always_draft):

@@ -17,7 +17,6 @@ import numpy as np
 
 from .. import io_spec
 from .cache import CacheBuffers
-from .sampling import SamplingParams, distribution, draw, uniform
 
 
 class MTPDrafter:
@@ -69,11 +68,9 @@ class MTPDrafter:
         self.run(np.where(known, next_ids, 0)[:, :t], hidden[:, :t], np.full(b, start, np.int64), np.zeros(b, np.int64),
                  first_row)
 
-    def propose(self, rows: range, rooms: list[int], params: list[SamplingParams], history: list[np.ndarray],
-                counts: list, rngs: list) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
-        """Catch rows [rows.start, rows.stop) up (self.catch), then draft up to rooms[i] tokens for each. A greedy
-        row's draft is the draft's argmax (q one-hot, returned as None); a sampling row's is drawn from q, the draft's
-        distribution under its own sampling settings (returned [m, vocab])."""
+    def propose(self, rows: range, rooms: list[int]) -> list[np.ndarray]:
+        """Catch rows [rows.start, rows.stop) up (self.catch), then draft up to rooms[i] tokens for each: the draft's
+        argmax, token after token (a deterministic proposal: runtime.speculative)."""
         b = len(rows)
         catch = [self.catch[r] or (np.zeros(1, np.int64), np.zeros((1, self.model.config.hidden_size), np.float32), 0)
                  for r in rows]
@@ -87,17 +84,9 @@ class MTPDrafter:
         logits, state = self.run(ids, states, starts, lengths - 1, rows.start)
         k = max(rooms, default=0)
         drafts = np.zeros((b, k), np.int64)
-        q: list[list[np.ndarray | None]] = [[] for _ in range(b)]
         for j in range(k):
-            for i in range(b):
-                if params[i].greedy or rooms[i] <= j:
-                    drafts[i, j] = logits[i].argmax()
-                else:
-                    p = distribution(logits[i : i + 1], params[i], [history[i]], None if counts[i] is None else [counts[i]])
-                    drafts[i, j] = draw(p, uniform(rngs[i], 1))[0]
-                    q[i].append(p[0])
+            drafts[:, j] = logits.argmax(-1)
             if j + 1 < k:
                 logits, state = self.run(drafts[:, j : j + 1], state[:, None], starts + lengths + j,
                                          np.zeros(b, np.int64), rows.start)
-        return ([drafts[i, : rooms[i]] for i in range(b)],
-                [np.stack(q[i]) if q[i] else None for i in range(b)])
+        return [drafts[i, : rooms[i]] for i in range(b)]

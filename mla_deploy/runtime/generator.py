@@ -140,11 +140,8 @@ class Generator:
             # nor past its own token budget (the token drawn after the accepted drafts comes on top)
             rooms = [0 if out.finished[r] else max(0, min(spec.draft_tokens, out.remaining(r) - 1, end))
                      for r in range(b)]
-            q = [None] * b
             if drafter is not None:
-                rooms = [policy.length(acceptance[r], room) for r, room in enumerate(rooms)]
-                drafts, q = drafter.propose(range(b), rooms, [self.sampling] * b, state.history, out.counts or [None] * b,
-                                            [state.rng] * b)
+                drafts = drafter.propose(range(b), [policy.length(acceptance[r], room) for r, room in enumerate(rooms)])
             else:
                 drafts = [lookup(state.history[r], rooms[r], spec.ngram, spec.min_ngram) for r in range(b)]
                 drafts = [d[: policy.length(acceptance[r], len(d))] for r, d in enumerate(drafts)]
@@ -155,7 +152,7 @@ class Generator:
                 emitted = [[int(t)] for t in sample(logits, self.sampling, state.rng, state.history, out.counts)]
                 hidden = state.decode_binding.hidden
             else:
-                emitted, hidden = self._verify(state, out, pending, drafts, q, width)
+                emitted, hidden = self._verify(state, out, pending, drafts, width)
                 for r, d in enumerate(drafts):
                     acceptance[r] = updated_acceptance(acceptance[r], len(d), len(emitted[r]) - 1)
             for r, tokens_r in enumerate(emitted):
@@ -165,12 +162,11 @@ class Generator:
             out.take(state, emitted, decoded=True)
             state.decode_ms += (time.perf_counter() - t0) * 1e3
 
-    def _verify(self, state: _State, out: "_Output", pending: np.ndarray, drafts: list[np.ndarray], q: list,
+    def _verify(self, state: _State, out: "_Output", pending: np.ndarray, drafts: list[np.ndarray],
                 width: int) -> tuple[list[list[int]], np.ndarray | None]:
-        """One verification pass over every row: its pending token and drafts (padded to width + 1) at its length,
-        `q` the proposer's distributions per row (None: deterministic). Returns each row's emitted tokens and the
-        pass's hidden states [b, width + 1, d]; each row's length advances past its pending token and accepted
-        drafts."""
+        """One verification pass over every row: its pending token and drafts (padded to width + 1) at its length.
+        Returns each row's emitted tokens and the pass's hidden states [b, width + 1, d]; each row's length advances
+        past its pending token and accepted drafts."""
         b = len(pending)
         ids = np.zeros((b, width + 1), np.int64)
         ids[:, 0] = pending
@@ -182,7 +178,7 @@ class Generator:
         emitted = []
         for r, d in enumerate(drafts):
             counts = None if out.counts is None else out.counts[r]
-            tokens = accept_row(logits[r, : len(d) + 1], d, self.sampling, state.history[r], counts, state.rng, q[r])
+            tokens = accept_row(logits[r, : len(d) + 1], d, self.sampling, state.history[r], counts, state.rng)
             if not out.finished[r]:
                 out.stats.add(len(d), len(tokens) - 1)
             emitted.append(tokens)

@@ -272,9 +272,9 @@ class Scheduler:
     def _decode_step(self, decoding: list[Request]) -> None:
         hi = max(r.row for r in decoding) + 1
         if self.speculation.on and any(self._speculates(r) for r in decoding):
-            drafts, q = self._propose(decoding, hi)
+            drafts = self._propose(decoding, hi)
             if any(len(d) for d in drafts):
-                self._verify_step(decoding, hi, drafts, q)
+                self._verify_step(decoding, hi, drafts)
                 return
         if self.caches.ensure(int(self.lengths[:hi].max()) + 1) or self._decode is None or self._decode.rows != hi:
             self._decode = DecodeBinding(self.model.sessions[io_spec.DECODE], self.caches, hi,
@@ -310,7 +310,7 @@ class Scheduler:
     def _speculates(self, request: Request) -> bool:
         return self.speculation.on and request.speculate and request.constraint is None
 
-    def _propose(self, decoding: list[Request], hi: int) -> tuple[list[np.ndarray], list]:
+    def _propose(self, decoding: list[Request], hi: int) -> list[np.ndarray]:
         """Drafts for rows [0, hi): the speculating rows' proposals (the MTP draft catches every such row up first),
         none for the others. Every row writes the pass's width from its length, so no draft may take a row past the
         export's length; nor past its own token budget (the token drawn after the accepted drafts comes on top)."""
@@ -327,16 +327,11 @@ class Scheduler:
         if self.drafter is None:
             drafts = [np.zeros(0, np.int64) if r is None else lookup(r.history, room, spec.ngram, spec.min_ngram)
                       for r, room in zip(by_row, rooms)]
-            return [d if r is None else d[: policy.length(r.acceptance, len(d))] for r, d in zip(by_row, drafts)], \
-                [None] * hi
-        rooms = [room if r is None else policy.length(r.acceptance, room) for r, room in zip(by_row, rooms)]
-        idle = SamplingParams()
-        return self.drafter.propose(range(hi), rooms, [idle if r is None else r.sampling for r in by_row],
-                                    [np.zeros(0, np.int64) if r is None else r.history for r in by_row],
-                                    [None if r is None else r.counts for r in by_row],
-                                    [None if r is None else r.rng for r in by_row])
+            return [d if r is None else d[: policy.length(r.acceptance, len(d))] for r, d in zip(by_row, drafts)]
+        return self.drafter.propose(range(hi), [room if r is None else policy.length(r.acceptance, room)
+                                                for r, room in zip(by_row, rooms)])
 
-    def _verify_step(self, decoding: list[Request], hi: int, drafts: list[np.ndarray], q: list) -> None:
+    def _verify_step(self, decoding: list[Request], hi: int, drafts: list[np.ndarray]) -> None:
         """One verification pass over rows [0, hi): each decoding row's pending token and drafts at its length."""
         width = 1 + max(len(d) for d in drafts)
         if self.caches.ensure(int(self.lengths[:hi].max()) + width):
@@ -353,7 +348,7 @@ class Scheduler:
         for r in decoding:
             row, d = r.row, drafts[r.row]
             if r.constraint is None:
-                tokens = accept_row(logits[row, : len(d) + 1], d, r.sampling, r.history, r.counts, r.rng, q[row])
+                tokens = accept_row(logits[row, : len(d) + 1], d, r.sampling, r.history, r.counts, r.rng)
             else:  # a grammar row does not speculate: its one token sampled under its mask
                 tokens = [int(sample(logits[row, :1], r.sampling, r.rng, [r.history], [r.counts], self._allowed([r]))[0])]
             self.stats.speculation.add(len(d), len(tokens) - 1)

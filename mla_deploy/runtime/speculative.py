@@ -7,12 +7,14 @@ cache are overwritten by the next step).
 
 Acceptance keeps the sampler's distribution exactly (speculative sampling: Leviathan et al. 2023, Chen et al. 2023).
 At position j, p is the distribution sample() draws from there (runtime.sampling.distribution: the penalties see the
-drafts accepted before j), q the proposer's, d the draft: accept d with probability min(1, p(d) / q(d)); otherwise
-emit a draw from max(0, p - q) normalized, and stop. A token x then comes out with probability
-q(x) min(1, p(x)/q(x)) + (1 - sum_y min(q(y), p(y))) (p(x) - min(p(x), q(x))) / (1 - sum_y min(p(y), q(y))) = p(x).
-A deterministic proposer (prompt lookup, a greedy draft) has q one-hot at d: accept with probability p(d), else
-draw from p with d removed. Greedy (p one-hot at the argmax) reduces to: accept while d is the argmax, then emit the
-argmax, which is what greedy decoding without speculation emits.
+drafts accepted before j) and d the draft. Both proposers here are deterministic (prompt lookup; the MTP draft's
+argmax), so the proposal q is one-hot at d and the rule "accept d with probability min(1, p(d) / q(d)), else draw from
+max(0, p - q) normalized" becomes: accept d with probability p(d), else draw from p with d removed. That is exactly
+one draw x from p, accepting d when x = d and emitting x otherwise: P(d) = p(d), and for x != d,
+(1 - p(d)) p(x) / (1 - p(d)) = p(x). The draw is the sampler's own (one uniform from the row's generator, the same
+inverse CDF), one per emitted token as without speculation: a seeded request emits the tokens it emits without
+speculation, however many drafts a step takes (up to float rounding between the graphs' logits). Greedy (p one-hot
+at the argmax) is the same rule: accept while d is the argmax, then emit the argmax.
 """
 
 from __future__ import annotations
@@ -196,29 +198,11 @@ def lookup(history: np.ndarray, k: int, ngram: int, min_ngram: int = 1) -> np.nd
 
 
 # ---- acceptance ----
-def accepts(p: np.ndarray, q: np.ndarray | None, d: int, u: float) -> bool:
-    """Accept draft d with probability min(1, p(d) / q(d)) given a uniform u in (0, 1); q None: one-hot at d."""
-    qd = 1.0 if q is None else q[d]
-    return u * qd < p[d]
-
-
-def residual(p: np.ndarray, q: np.ndarray | None, d: int) -> np.ndarray:
-    """max(0, p - q) normalized: what a rejection draws from (q None: one-hot at d, so p with d removed)."""
-    r = p.copy()
-    if q is None:
-        r[d] = 0.0
-    else:
-        np.maximum(p - q, 0.0, out=r)
-    total = r.sum()
-    # the draft was rejected, so some mass is left (p(d) < q(d) somewhere means p > q elsewhere); rounding aside
-    return r / total if total > 0 else p
-
-
 def accept_row(logits: np.ndarray, drafts: Sequence[int], params: SamplingParams, history: np.ndarray,
-               counts: np.ndarray | None, rng: np.random.Generator, q: np.ndarray | None = None) -> list[int]:
-    """One row's verification: logits [m + 1, vocab] at its pending token and its m drafts, q [m, vocab] the
-    proposer's distributions (None: deterministic). Returns the tokens it emits: the accepted drafts, then one drawn
-    from the target (at most m + 1). `history` and `counts` are the row's before this step (not changed here)."""
+               counts: np.ndarray | None, rng: np.random.Generator) -> list[int]:
+    """One row's verification: logits [m + 1, vocab] at its pending token and its m drafts. Returns the tokens it
+    emits: the accepted drafts, then one drawn from the target (at most m + 1), each from one draw of the sampler
+    (module docstring). `history` and `counts` are the row's before this step (not changed here)."""
     m = len(drafts)
     if params.greedy and params.plain:  # the model's own argmax: one pass over every position
         best = logits.argmax(-1)
@@ -229,22 +213,14 @@ def accept_row(logits: np.ndarray, drafts: Sequence[int], params: SamplingParams
     out: list[int] = []
     seen, counted = history, None if counts is None else counts.copy()
     for j in range(m + 1):
-        row = logits[j : j + 1]
+        row, hist, cnt = logits[j : j + 1], [seen], None if counted is None else [counted]
         if params.greedy:  # penalties or bias: the argmax of the adjusted logits, as sample() takes it
-            token = int(adjusted_logits(row, params, [seen], None if counted is None else [counted]).argmax())
-            if j < m and token == drafts[j]:
-                out.append(token)
-            else:
-                return out + [token]
+            token = int(adjusted_logits(row, params, hist, cnt).argmax())
         else:
-            p = distribution(row, params, [seen], None if counted is None else [counted])[0]
-            if j == m:
-                return out + [int(draw(p[None], uniform(rng, 1))[0])]
-            qj = None if q is None else q[j]
-            if not accepts(p, qj, int(drafts[j]), float(uniform(rng, 1)[0, 0])):
-                return out + [int(draw(residual(p, qj, int(drafts[j]))[None], uniform(rng, 1))[0])]
-            out.append(int(drafts[j]))
-        token = out[-1]
+            token = int(draw(distribution(row, params, hist, cnt), uniform(rng, 1))[0])
+        out.append(token)
+        if j == m or token != drafts[j]:
+            return out
         if params.repetition_penalty != 1.0:
             seen = np.append(seen, token)
         if counted is not None:
