@@ -12,8 +12,8 @@ from mla_deploy.runtime import ExportedModel, Generator, SamplingParams
 from mla_deploy.runtime import generator as generator_module
 from mla_deploy.runtime.cache import CacheBuffers, DecodeBinding
 from mla_deploy.runtime.sampling import distribution
-from mla_deploy.runtime.speculative import (MAX_DRAFT_TOKENS, Costs, DraftPolicy, Speculation, accept_row, lookup,
-                                            updated_acceptance, verification_pass)
+from mla_deploy.runtime.speculative import (MAX_DRAFT_TOKENS, PRIOR_ACCEPTANCE, REVISIT, Costs, DraftPolicy, Speculation,
+                                            accept_row, lookup, updated_acceptance, verification_pass)
 
 VARIANT = "v3_lora_group_yarn"
 P_VALUE = 0.01
@@ -166,7 +166,16 @@ def test_policy_drafts_only_what_pays_for_its_measured_costs():
     assert DraftPolicy(steep, mtp=False).length(0.95, 4) == 0
     drafted = Costs(decode=1.0, verify={t: 1.1 for t in range(2, 6)}, draft=0.5)
     assert DraftPolicy(drafted, mtp=True).length(0.6, 4) == 1  # every draft call costs half a step
-    assert updated_acceptance(0.6, 4, 4) > 0.6 > updated_acceptance(0.6, 4, 0) and updated_acceptance(0.5, 0, 0) == 0.5
+    assert updated_acceptance(0.6, 4, 4) > 0.6 > updated_acceptance(0.6, 4, 0)
+    # a step without drafts: back toward the prior, so that a row whose drafts stopped paying tries again later
+    assert updated_acceptance(0.1, 0, 0) == pytest.approx(0.1 + REVISIT * (PRIOR_ACCEPTANCE - 0.1))
+    dear = DraftPolicy(Costs(decode=1.0, verify={t: 1.5 + 0.1 * (t - 2) for t in range(2, 6)}), mtp=False)
+    low = 0.02  # a pass costs 1.5 steps: drafting pays above about 0.5
+    for steps in range(200):
+        if dear.length(low, 4):
+            break
+        low = updated_acceptance(low, 0, 0)
+    assert 5 < steps < 100
 
 
 # ---- the verification pass over a real export ----

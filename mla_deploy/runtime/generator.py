@@ -127,8 +127,8 @@ class Generator:
         b = len(pending)
         policy = DraftPolicy(measure_costs(self.model, b, spec.draft_tokens, drafter is not None), drafter is not None)
         acceptance = np.full(b, PRIOR_ACCEPTANCE)
-        if drafter is not None:  # the first token completes the last prompt position's pair
-            drafter.catch = [(np.array([t]), h, s) for t, (_, h, s) in zip(pending, drafter.catch)]
+        for r in range(b if drafter is not None else 0):  # the first token completes the last prompt position's pair
+            drafter.first_token(r, int(pending[r]))
         while True:
             yield from out.ready()
             if out.done:
@@ -153,12 +153,11 @@ class Generator:
                 hidden = state.decode_binding.hidden
             else:
                 emitted, hidden = self._verify(state, out, pending, drafts, width)
-                for r, d in enumerate(drafts):
-                    acceptance[r] = updated_acceptance(acceptance[r], len(d), len(emitted[r]) - 1)
             for r, tokens_r in enumerate(emitted):
+                acceptance[r] = updated_acceptance(acceptance[r], len(drafts[r]), len(tokens_r) - 1)
                 pending[r] = tokens_r[-1]
                 if drafter is not None:  # the pairs just committed: (h at the pending token and each accepted draft, next)
-                    drafter.catch[r] = (np.array(tokens_r), hidden[r, : len(tokens_r)], int(starts[r]))
+                    drafter.commit(r, np.array(tokens_r), hidden[r, : len(tokens_r)].copy(), int(starts[r]))
             out.take(state, emitted, decoded=True)
             state.decode_ms += (time.perf_counter() - t0) * 1e3
 
@@ -238,7 +237,7 @@ class Generator:
                     following[r, : len(piece)] = piece
                 state.drafter.prefill(hidden, start, following)
                 for r in np.flatnonzero(here):  # the last prompt position: its pair waits for the first token
-                    state.drafter.catch[r] = (None, hidden[r, lengths[r] - 1 - start][None], int(lengths[r] - 1))
+                    state.drafter.prompt_done(r, hidden[r, lengths[r] - 1 - start][None].copy(), int(lengths[r] - 1))
         state.prefill_ms += (time.perf_counter() - t0) * 1e3
         return last
 

@@ -207,7 +207,7 @@ class Scheduler:
             self.rows[row], request.row = request, row
             self.lengths[row] = 0
             if self.drafter is not None:
-                self.drafter.catch[row] = None
+                self.drafter.reset(row)
 
     def _prefill(self) -> None:
         budget = self.prefill_chunk
@@ -248,7 +248,7 @@ class Scheduler:
             following[0, : len(nxt)] = nxt
             self.drafter.prefill(hidden, start, following, row)
             if start + t == len(request.prompt_ids):  # the last position's pair waits for the first token
-                self.drafter.catch[row] = (None, hidden[0, t - 1 : t], start + t - 1)
+                self.drafter.prompt_done(row, hidden[0, t - 1 : t].copy(), start + t - 1)
         request.prefilled += t
         self.lengths[row] = request.prefilled
         self.stats.prefill_tokens += t
@@ -267,7 +267,7 @@ class Scheduler:
                 return
             self._sample_and_emit(request, logits[:, -1])  # [1, vocab]
             if drafts and request.pending is not None:
-                self.drafter.catch[row] = (np.array([request.pending]), *self.drafter.catch[row][1:])
+                self.drafter.first_token(row, request.pending)
 
     def _decode_step(self, decoding: list[Request]) -> None:
         hi = max(r.row for r in decoding) + 1
@@ -304,7 +304,9 @@ class Scheduler:
             row, start = r.row, int(self.lengths[r.row]) - 1
             self._sample_and_emit(r, d.logits[row : row + 1, 0], chosen[r.id])
             if self.drafter is not None and r.pending is not None and self._speculates(r):
-                self.drafter.catch[row] = (np.array([r.pending]), d.hidden[row, :1].copy(), start)
+                self.drafter.commit(row, np.array([r.pending]), d.hidden[row, :1].copy(), start)
+            if r.pending is not None and self._speculates(r):
+                r.acceptance = updated_acceptance(r.acceptance, 0, 0)  # a step without drafts
 
     # ---- speculation (runtime.speculative) ----
     def _speculates(self, request: Request) -> bool:
@@ -359,7 +361,7 @@ class Scheduler:
                 if r.row is None:  # finished (a stop token, its budget): the rest is dropped
                     break
             if self.drafter is not None and r.row is not None and self._speculates(r):
-                self.drafter.catch[row] = (np.array(tokens), hidden[row, : len(tokens)], int(starts[row]))
+                self.drafter.commit(row, np.array(tokens), hidden[row, : len(tokens)].copy(), int(starts[row]))
 
     def _sample_and_emit(self, request: Request, logits: np.ndarray, token: int | None = None) -> None:
         """logits [1, vocab]: sample this request's next token (unless already chosen), emit it, and finish the

@@ -33,6 +33,7 @@ MODES = ("auto", "off", "lookup", "mtp")
 MAX_DRAFT_TOKENS = 16
 PRIOR_ACCEPTANCE = 0.6  # a row's acceptance estimate before its first verification
 ACCEPTANCE_MEMORY = 0.7  # each verification moves the estimate 30 % of the way to what it saw
+REVISIT = 0.05  # each step a row drafts nothing moves its estimate 5 % of the way back to the prior
 
 
 @dataclass(frozen=True)
@@ -130,10 +131,11 @@ class DraftPolicy:
 
 
 def updated_acceptance(estimate: float, proposed: int, accepted: int) -> float:
-    """A row's acceptance estimate after a verification: accepted successes of accepted + (1 if one was rejected)
-    trials, folded in with ACCEPTANCE_MEMORY."""
+    """A row's acceptance estimate after a step: accepted successes of accepted + (1 if one was rejected) trials,
+    folded in with ACCEPTANCE_MEMORY; after a step it proposed nothing in, REVISIT of the way back to the prior, so
+    that a row whose drafts stopped paying tries again after a while (text changes: a restated passage begins)."""
     if not proposed:
-        return estimate
+        return estimate + REVISIT * (PRIOR_ACCEPTANCE - estimate)
     trials = accepted + (accepted < proposed)
     return ACCEPTANCE_MEMORY * estimate + (1 - ACCEPTANCE_MEMORY) * accepted / trials
 
