@@ -7,6 +7,7 @@ random tokens four times over, then greedy decoding, whose output the lookup pro
 tokens/s with speculation off and with lookup, the drafts' acceptance, and llama-bench's decode tokens/s (-n 32 at
 depth CTX, flash attention on); the same threads for both.
 
+    .venv/bin/python benchmarks/speculative_llamacpp.py --prepare-only     # the builds, outside the timing lock
     flock /tmp/mla-cpu.lock .venv/bin/python benchmarks/speculative_llamacpp.py [--threads 2] [--new-tokens 128]
         [--draft-tokens 8] [--repeats 3] [--workdir benchmarks/work/llamacpp]
         [--json benchmarks/results/speculative_llamacpp.json]
@@ -42,6 +43,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--workdir", type=Path, default=ROOT / "benchmarks" / "work" / "llamacpp")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--prepare-only", action="store_true",
+                    help="build llama.cpp, the checkpoint, the GGUF and the export, measure nothing (outside the lock)")
     args = ap.parse_args()
     work = args.workdir.resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -62,6 +65,8 @@ def main() -> int:
     if not (ours / "manifest.json").exists():
         log("exporting int4")
         export(checkpoint, ours, ExportOptions(quantize="int4", block_size=32, force=True))
+    if args.prepare_only:
+        return 0
     model = ExportedModel(ours, RuntimeOptions(threads=args.threads, prepack=True))
     prompt = np.tile(np.random.default_rng(0).integers(3, model.config.vocab_size, 32), 4).tolist()
     context = len(prompt)

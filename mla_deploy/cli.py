@@ -63,8 +63,8 @@ def _session_entries(ctx, param, values: tuple[str, ...]) -> tuple[tuple[str, st
 
 def _speculation_options(f):  # run and serve
     f = click.option("--draft-tokens", type=int, default=4, show_default=True,
-                     help="Most tokens proposed per step with --speculative (fewer where the measured costs and the "
-                          "acceptance so far say fewer pay).")(f)
+                     help="Most tokens proposed per step with --speculative (fewer where the measured step costs and "
+                          "the drafts' acceptance in the generation say fewer pay).")(f)
     return click.option("--speculative", type=click.Choice(["auto", "off", "lookup", "mtp"]), default="auto",
                         show_default=True,
                         help="Speculative decoding: propose tokens and verify them in one pass over the latent cache. "
@@ -130,7 +130,8 @@ def main(ctx, debug):
               "replaced).")
 def export(checkpoint, out, absorb, dtype, max_seq_len, no_verify, steps, quantize, block_size, accuracy_level,
            head_bits, experts, decode_attention, force):
-    """Export CHECKPOINT (default: the bundled demo model) to prefill.onnx + decode.onnx."""
+    """Export CHECKPOINT (default: the bundled demo model) to prefill.onnx, decode.onnx and verify.onnx (and
+    draft.onnx from a checkpoint with an MTP layer)."""
     from .export import ExportOptions
     from .export import export as run_export
     from .verify import verify_export
@@ -147,7 +148,7 @@ def export(checkpoint, out, absorb, dtype, max_seq_len, no_verify, steps, quanti
 
     options = ExportOptions(absorb=absorb, dtype=dtype, max_seq_len=max_seq_len, force=force, quantize=quantize,
                             block_size=int(block_size), accuracy_level=int(accuracy_level), head_bits=int(head_bits),
-                            experts=experts, decode_attention=decode_attention)
+                            experts=experts, decode_attention=decode_attention, draft=not no_draft)
     run_export(checkpoint, out, options, progress=progress, verify=None if no_verify else verify)
 
 
