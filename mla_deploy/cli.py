@@ -126,10 +126,12 @@ def main(ctx, debug):
 @click.option("--decode-attention", type=click.Choice(["auto", "kernel", "ops"]), default="auto", show_default=True,
               help="The decode attention core: mla-deploy's LatentAttention kernel, or onnxruntime's ops (stock ONNX "
                    "that runs anywhere, CUDA included; README, Serving).")
+@click.option("--no-draft", is_flag=True,
+              help="Leave out the MTP draft graph of a checkpoint with a multi-token-prediction layer.")
 @click.option("--force", is_flag=True, help="Replace an earlier export at the output path (nothing else is ever "
               "replaced).")
 def export(checkpoint, out, absorb, dtype, max_seq_len, no_verify, steps, quantize, block_size, accuracy_level,
-           head_bits, experts, decode_attention, force):
+           head_bits, experts, decode_attention, no_draft, force):
     """Export CHECKPOINT (default: the bundled demo model) to prefill.onnx, decode.onnx and verify.onnx (and
     draft.onnx from a checkpoint with an MTP layer)."""
     from .export import ExportOptions

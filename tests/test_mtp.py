@@ -155,16 +155,23 @@ def always_draft(monkeypatch):
 PROMPTS = [[5, 9, 3, 7, 5, 9, 3, 7, 5, 9], list(range(3, 40)), [2, 3, 2, 3, 2, 3, 2], [60, 61]]
 
 
-@pytest.mark.parametrize("options", [{}, {"quantize": "int4"}], ids=["float32", "int4"])
-def test_greedy_tokens_with_the_mtp_draft_are_plain_decodings(mtp_export, always_draft, options):
-    model = ExportedModel(mtp_export(**options))
+DTYPES = {"float32": {}, "float16": {"dtype": "float16"}, "bfloat16": {"dtype": "bfloat16"},
+          "int8": {"quantize": "int8"}, "int4": {"quantize": "int4"}}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_greedy_tokens_with_lookup_and_the_mtp_draft_are_plain_decodings_in_every_dtype(mtp_export, always_draft,
+                                                                                        dtype):
+    """Every dtype an export takes: its verification passes (the verify graph) and drafts change no greedy token of
+    its plain decoding (the decode graph), for each prompt alone and all of them in one batch."""
+    model = ExportedModel(mtp_export(**DTYPES[dtype]))
     plain = Generator(model, SamplingParams(), stop_token_ids=()).generate(PROMPTS, 20).token_ids
-    for k in (1, 3):
-        spec = Generator(model, SamplingParams(), stop_token_ids=(), speculation=Speculation("mtp", k))
+    for mode, k in (("mtp", 1), ("mtp", 3), ("lookup", 4)):
+        spec = Generator(model, SamplingParams(), stop_token_ids=(), speculation=Speculation(mode, k, min_ngram=1))
         result = spec.generate(PROMPTS, 20)
-        assert result.token_ids == plain and result.speculation.proposed > 0
+        assert result.token_ids == plain and result.speculation.proposed > 0, (mode, k)
         for prompt, tokens in zip(PROMPTS, plain):
-            assert spec.generate([prompt], 20).token_ids == [tokens]
+            assert spec.generate([prompt], 20).token_ids == [tokens], (mode, k)
 
 
 def test_the_draft_cache_holds_the_committed_pairs_only(mtp_export, mtp_checkpoint, always_draft, monkeypatch):
@@ -211,3 +218,17 @@ def test_a_seeded_sampled_generation_is_the_same_with_the_mtp_draft(mtp_export, 
         plain = Generator(model, params, stop_token_ids=()).generate([prompt], 16).token_ids
         result = spec.generate([prompt], 16)
         assert result.token_ids == plain and result.speculation.proposed > 0
+
+
+def test_no_draft_leaves_the_draft_graph_out(mtp_checkpoint, tmp_path):
+    from click.testing import CliRunner
+
+    from mla_deploy.cli import main
+
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["export", str(mtp_checkpoint(VARIANTS[0])[0]), "-o", str(out), "--no-draft",
+                                       "--no-verify", "--experts", "branches"])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["draft"] is False and "draft" not in manifest["graphs"] and not (out / "draft.onnx").exists()
+    assert (out / "verify.onnx").exists()

@@ -165,7 +165,8 @@ def test_policy_drafts_only_what_pays_for_its_measured_costs():
     steep = Costs(decode=1.0, verify={t: float(t) for t in range(2, 6)})  # a pass costs as much as its steps
     assert DraftPolicy(steep, mtp=False).length(0.95, 4) == 0
     drafted = Costs(decode=1.0, verify={t: 1.1 for t in range(2, 6)}, draft=0.5)
-    assert DraftPolicy(drafted, mtp=True).length(0.6, 4) == 1  # every draft call costs half a step
+    assert DraftPolicy(drafted, mtp=True).length(0.7, 4) == 1  # every draft call costs half a step
+    assert DraftPolicy(drafted, mtp=True).length(0.5, 4) == 0 and DraftPolicy(drafted, mtp=False).length(0.5, 4) > 1
     assert updated_acceptance(0.6, 4, 4) > 0.6 > updated_acceptance(0.6, 4, 0)
     # a step without drafts: back toward the prior, so that a row whose drafts stopped paying tries again later
     assert updated_acceptance(0.1, 0, 0) == pytest.approx(0.1 + REVISIT * (PRIOR_ACCEPTANCE - 0.1))

@@ -20,7 +20,7 @@ at the argmax) is the same rule: accept while d is the argmax, then emit the arg
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -113,15 +113,15 @@ class Costs:
 class DraftPolicy:
     """The draft length that maximizes expected tokens per second. With acceptance estimate a (each draft token
     accepted with probability a once the ones before it were), m drafts give 1 + a + ... + a^m tokens per step, at
-    the cost of a verification pass of m + 1 tokens and m draft calls (the MTP draft's first call also catches it up,
-    so a step without drafts costs one call too); no drafts: a decode step. Costs are measured (measure_costs)."""
+    the cost of a verification pass of m + 1 tokens and m draft calls (the MTP draft's first call also catches it up
+    on the tokens committed since); no drafts: a decode step. Costs are measured (measure_costs)."""
     costs: Costs
     mtp: bool
 
     def length(self, acceptance: float, available: int) -> int:
         a = min(max(acceptance, 0.0), 0.999)
         draft = self.costs.draft if self.mtp else 0.0
-        best, rate = 0, 1.0 / (self.costs.decode + draft)
+        best, rate = 0, 1.0 / self.costs.decode
         for m in range(1, available + 1):
             tokens = (1 - a ** (m + 1)) / (1 - a)
             r = tokens / (self.costs.verify[m + 1] + m * draft)
