@@ -155,8 +155,8 @@ def test_incomplete_mtp_layer_is_refused_by_name(checkpoint_dir, tmp_path):
     d = copy_checkpoint(checkpoint_dir, tmp_path)
     n = json.loads((d / "config.json").read_text())["num_hidden_layers"]
     rewrite_weights(d, lambda s: s.update({f"model.layers.{n}.eh_proj.weight": np.ones((4, 4), np.float32)}))
-    with pytest.raises(CheckpointError, match=rf"multi-token-prediction layer {n} is incomplete: missing .*"
-                                              rf"model.layers.{n}.enorm.weight.* wrong shape .*eh_proj"):
+    with pytest.raises(CheckpointError, match=rf"multi-token-prediction layer {n} is incomplete: missing \(41\): "
+                                              rf"model.layers.{n}.input_layernorm.weight.* wrong shape .*eh_proj"):
         Checkpoint(d)
 
 

@@ -95,11 +95,13 @@ def test_eval_loss_equals_torch_cross_entropy_computed_independently(demo_export
 
 def _likeness():
     import importlib.util
+    import sys
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location("python_likeness",
                                                   Path(__file__).resolve().parents[1] / "scripts" / "python_likeness.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass resolves its annotations through sys.modules
     spec.loader.exec_module(module)
     return module
 
