@@ -12,7 +12,8 @@ Every graph shares one contract over caches that the runtime preallocates:
 
   logits           float32 [batch, n (prefill, draft) or seq, vocab]
   hidden           float32 [batch, seq (draft: n), hidden_size]   the final hidden state, after the final norm:
-                   what the vocabulary projection reads (the MTP draft's input, and the draft's own for chaining)
+                   what the vocabulary projection reads (the MTP draft's input, and the draft's own for chaining);
+                   from the main graphs of an export with a draft graph only
   present_latent.{i}, present_rope.{i}: the caches with the new entries written (TensorScatter).
       Bound to the same buffers as past_* through IO binding, the update happens in place.
 
@@ -88,8 +89,10 @@ def cache_widths(num_layers: int | range, kv_lora_rank: int, rope_dim: int) -> d
     return widths
 
 
-def graph_io(graph: str, cfg: MLAConfig, cache_dtype: str = "float32") -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """(inputs, outputs) of the prefill, decode, verify or draft graph for the config `cfg`."""
+def graph_io(graph: str, cfg: MLAConfig, cache_dtype: str = "float32",
+             hidden: bool = False) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """(inputs, outputs) of the prefill, decode, verify or draft graph for the config `cfg`; `hidden`: the main graphs
+    of an export with a draft graph also output the final hidden state (the draft graph always does)."""
     seq = 1 if graph == DECODE else "seq"
     inputs = [
         TensorSpec(INPUT_IDS, "int64", ("batch", seq)),
@@ -102,8 +105,9 @@ def graph_io(graph: str, cfg: MLAConfig, cache_dtype: str = "float32") -> tuple[
         inputs.append(TensorSpec(LOGITS_POSITIONS, "int64", ("batch", "n_logits")))
     if graph == DRAFT:
         inputs.append(TensorSpec(PREVIOUS_HIDDEN, "float32", ("batch", seq, cfg.hidden_size)))
-    outputs = [TensorSpec(LOGITS, "float32", ("batch", "n_logits" if gathered else seq, cfg.vocab_size)),
-               TensorSpec(HIDDEN, "float32", ("batch", "n_logits" if graph == DRAFT else seq, cfg.hidden_size))]
+    outputs = [TensorSpec(LOGITS, "float32", ("batch", "n_logits" if gathered else seq, cfg.vocab_size))]
+    if hidden or graph == DRAFT:
+        outputs.append(TensorSpec(HIDDEN, "float32", ("batch", "n_logits" if graph == DRAFT else seq, cfg.hidden_size)))
     layers = draft_layers(cfg) if graph == DRAFT else range(cfg.num_hidden_layers)
     for layer in layers:
         for past, present, width in ((past_latent(layer), present_latent(layer), cfg.kv_lora_rank),

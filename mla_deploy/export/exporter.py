@@ -126,7 +126,7 @@ def _report_choices(cfg, options: ExportOptions, plan: ExportPlan, progress: Pro
 def _manifest(cfg, plan: ExportPlan, source_hash: str, export_id: str, ckpt: Checkpoint) -> dict:
     graphs = {}
     for kind in graph_kinds(plan):
-        inputs, outputs = io_spec.graph_io(kind, cfg, plan.cache_dtype)
+        inputs, outputs = io_spec.graph_io(kind, cfg, plan.cache_dtype, hidden=plan.draft)
         graphs[kind] = {"file": io_spec.GRAPH_FILES[kind], "inputs": [s.to_dict() for s in inputs],
                         "outputs": [s.to_dict() for s in outputs]}
     return {

@@ -13,7 +13,7 @@ from ..config import MLAConfig
 from .attention import MLAttention, attention_bias
 from .builder import Graph, Tensors
 from .linear import embedding, linear
-from .model import decoder, decoder_layer, gather_positions, vocabulary
+from .model import decoder, decoder_layer, vocabulary
 from .norm import RMSNorm
 from .plan import ExportPlan
 from .rope import rope_lookup
@@ -25,7 +25,7 @@ def build_graph(kind: str, cfg: MLAConfig, t: Tensors, plan: ExportPlan, weights
     """prefill, decode, verify or draft; `weights` is the file every graph's initializers live in."""
     g = Graph(kind, weights, plan)
     op = g.op
-    specs_in, specs_out = io_spec.graph_io(kind, cfg, plan.cache_dtype)
+    specs_in, specs_out = io_spec.graph_io(kind, cfg, plan.cache_dtype, hidden=plan.draft)
     inputs = {spec.name: g.input(spec) for spec in specs_in}
     write_indices = inputs[io_spec.WRITE_INDICES]
     bias = attention_bias(op, inputs[io_spec.INPUT_IDS], inputs[io_spec.ATTENTION_MASK], write_indices)  # [b, 1, T, cap]
@@ -46,7 +46,7 @@ def build_graph(kind: str, cfg: MLAConfig, t: Tensors, plan: ExportPlan, weights
         logits, hidden = draft(g, cfg, t, inputs, attention, positions)
         on_layer(0)
     else:
-        logits, hidden = decoder(g, cfg, t, inputs, attention, positions, on_layer)
+        logits, hidden = decoder(g, cfg, t, inputs, attention, positions, on_layer, hidden=plan.draft)
     outputs[io_spec.LOGITS], outputs[io_spec.HIDDEN] = logits, hidden
     for spec in specs_out:  # the caches' TensorScatter outputs become present_* themselves
         g.output(outputs[spec.name], spec)
@@ -67,9 +67,8 @@ def draft(g: Graph, cfg: MLAConfig, t: Tensors, inputs: dict[str, ir.Value], att
     x = linear(g, op, op.Concat(tokens, previous, axis=-1), f"{name}.eh_proj",
                lambda: t(hf + "eh_proj.weight").T)  # [b, T, 2d] -> [b, T, d]: the embedding first, as DeepSeek stores it
     cos, sin = rope_lookup(g, cfg, inputs[io_spec.POSITION_IDS])
-    x = decoder_layer(g, cfg, t, layer, x, cos, sin, attention)
-    hidden = RMSNorm(g, f"{name}.shared_head.norm", hf + "shared_head.norm.weight", t, eps)(
-        op, gather_positions(g, cfg, x, positions))  # [b, n, d]
+    x = decoder_layer(g, cfg, t, layer, x, cos, sin, attention, positions)  # after its attention: [b, n, d]
+    hidden = RMSNorm(g, f"{name}.shared_head.norm", hf + "shared_head.norm.weight", t, eps)(op, x)
     return vocabulary(g, cfg, t, hidden), g.to_float(op, hidden)
 
 

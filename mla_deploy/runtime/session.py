@@ -119,7 +119,7 @@ class ExportedModel:
             raise ValueError(f"graph {kind!r}: this model has loaded {', '.join(map(repr, self.sessions))}")
         check_feed(kind, feed, self.config, self.max_seq_len, self.cache_dtype)
         session = self.sessions[kind]
-        inputs, outputs = io_spec.graph_io(kind, self.config, self.cache_dtype)
+        inputs, outputs = io_spec.graph_io(kind, self.config, self.cache_dtype, hidden=self.has_draft)
         ids = feed[io_spec.INPUT_IDS]
         n = feed[io_spec.LOGITS_POSITIONS].shape[1] if io_spec.LOGITS_POSITIONS in feed else ids.shape[1]
         results = {io_spec.LOGITS: np.empty((ids.shape[0], n, self.config.vocab_size), np.float32),
@@ -132,7 +132,7 @@ class ExportedModel:
         for spec in inputs:
             held.append(ort_value(np.ascontiguousarray(feed[spec.name]), spec.dtype))
             binding.bind_ortvalue_input(spec.name, held[-1])
-        given = {o.name for o in session.get_outputs()}  # an export from before the hidden output has none
+        given = {o.name for o in session.get_outputs()}
         for spec in outputs:
             if spec.name in given:
                 held.append(ort_value(results[spec.name], spec.dtype))
