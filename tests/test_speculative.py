@@ -211,7 +211,7 @@ def test_verification_pass_equals_single_decode_steps(exported):
     logits, hidden = verification_pass(model, passed, tokens, np.array([n]))
     scale = max(1.0, float(np.abs(step_logits).max()))
     assert np.abs(logits[0] - np.stack(step_logits)).max() < 1e-4 * scale
-    assert hidden.shape == (1, k1, model.config.hidden_size)
+    assert hidden is None  # the final hidden state is an output of an export with a draft graph only
     for name in stepped.arrays:
         assert np.abs(stepped.arrays[name][0, : n + k1] - passed.arrays[name][0, : n + k1]).max() < 1e-4
 
