@@ -105,7 +105,7 @@ def main(ctx, debug):
               help="The decode graph's absorbed attention: fused W^Q·W^UK and W^UV·W^O matrices, or factored "
                    "per-head W^UK / W^UV; auto picks the one with fewer weight bytes per token (computed from the config).")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True,
-              help="Weights and caches (bfloat16 computes in float32 on the CPU: README, Precision).")
+              help="Weights and caches (bfloat16 computes in float32 on the CPU: docs/precision.md).")
 @click.option("--max-seq-len", type=click.IntRange(min=1), default=None, help="Longest sequence (default: the config's).")
 @click.option("--no-verify", is_flag=True, help="Skip checking the export against the torch source.")
 @click.option("--steps", type=click.IntRange(min=1), default=8, show_default=True,
@@ -118,14 +118,14 @@ def main(ctx, debug):
               help="MatMulNBits compute: 4 quantizes activations to int8 inside the kernel (fast), 0 multiplies in float.")
 @click.option("--head-bits", type=click.Choice(["4", "8"]), default="8", show_default=True,
               help="A quantized export's embedding and output layer: 8 loses less quality, 4 makes the smallest file "
-                   "and the fastest decode (README, Quantized exports).")
+                   "and the fastest decode (docs/precision.md).")
 @click.option("--experts", type=click.Choice(["auto", "kernel", "qmoe", "branches"]), default="auto", show_default=True,
               help="How MoE layers run their routed experts: auto picks mla-deploy's RoutedExperts kernel (float "
                    "exports of few-expert layers) or QMoE (quantized); branches (one If per expert) is stock ONNX that "
-                   "runs anywhere, CUDA included (README, Quantized exports).")
+                   "runs anywhere, CUDA included (docs/precision.md).")
 @click.option("--decode-attention", type=click.Choice(["auto", "kernel", "ops"]), default="auto", show_default=True,
               help="The decode attention core: mla-deploy's LatentAttention kernel, or onnxruntime's ops (stock ONNX "
-                   "that runs anywhere, CUDA included; README, Serving).")
+                   "that runs anywhere, CUDA included; docs/design.md).")
 @click.option("--no-draft", is_flag=True,
               help="Leave out the MTP draft graph of a checkpoint with a multi-token-prediction layer.")
 @click.option("--force", is_flag=True, help="Replace an earlier export at the output path (nothing else is ever "

@@ -9,7 +9,7 @@ step must be the token the runtime generated, unless the source itself scores th
 tolerance of its own choice (a near tie the export's error may flip). Tolerance: max |Δlogit| <= rtol ·
 max(1, max |logit|), rtol by the export's dtype: 1e-4 in float32; float16 and bfloat16 exports are compared
 with the source on their rounded weights and caches (export.precision.RoundedCheckpoint), computing in float32
-like it, at the rtol measured over every test configuration with a margin (RTOL; README, Precision).
+like it, at the rtol measured over every test configuration with a margin (RTOL; docs/precision.md).
 
 A quantized export is compared with the checkpoint's weights dequantized (export.quantize), exactly: its
 sessions run unpacked, where MatMulNBits dequantizes and multiplies in float. How far the deployed kernel
@@ -35,7 +35,7 @@ from .runtime import ExportedModel, Generator, RuntimeOptions, SamplingParams
 from .runtime.feeds import empty_caches, prefill_feed
 
 DEFAULT_RTOL = 1e-4
-RTOL = {"float32": DEFAULT_RTOL, "float16": 1e-3, "bfloat16": 1e-3}  # measured worst: 9.5e-5, 9.1e-5 (README)
+RTOL = {"float32": DEFAULT_RTOL, "float16": 1e-3, "bfloat16": 1e-3}  # the worst measured sits 10x below (docs/development.md)
 
 
 @dataclass

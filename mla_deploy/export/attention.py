@@ -2,8 +2,8 @@
 over the latent and rope caches written in place; and the decode attention core, which the graph runs in
 onnxruntime's ops or in mla_deploy.LatentAttention, whose ONNX body is the same core (`latent_attention_function`).
 
-Attention is plain MatMul-Softmax-MatMul: measured 4-8x faster on CPU than the fused Attention /
-GroupQueryAttention ops for 576-wide absorbed heads. Caches are written with TensorScatter straight into the graph
+Attention is plain MatMul-Softmax-MatMul, faster on CPU than the fused Attention / GroupQueryAttention ops for
+576-wide absorbed heads (docs/benchmarks.md). Caches are written with TensorScatter straight into the graph
 outputs, so with IO binding the runtime's buffers are updated in place.
 """
 
@@ -77,10 +77,10 @@ def probs_at_latent(op, logits, bias, latent, long_cache: bool) -> ir.Value:
     """softmax(logits [b, cap, h] + bias [b, 1, 1, cap]) over the cache, times latent [b, cap, d_c] -> [b, h, d_c].
     MLAS packs a MatMul's B operand on every call; for a cache that can outgrow the plan's long-cache size per row,
     packing it costs as much as the product, so such a cache is the A operand (FusedMatMul transA); a short one stays
-    B, where the plain MatMul is faster (README, Versus llama.cpp). Chosen at export from the maximum length: an If on
+    B, where the plain MatMul is faster (docs/benchmarks.md). Chosen at export from the maximum length: an If on
     the capacity measured no better on the demo, within this machine's noise. The short path adds the bias after the
     transpose: broadcast over heads it is one row of cap floats per head, where in [b, cap, h] it is one float per
-    h-wide row (onnxruntime's Add: 120 vs ~15 us per layer at batch 16 on the demo)."""
+    h-wide row, several times cheaper for onnxruntime's Add."""
     if long_cache:
         logits = op.Add(logits, op.Reshape(bias, [0, -1, 1]))  # [b, 1, 1, cap] -> [b, cap, 1]
         probs = op.Softmax(logits, axis=1)  # [b, cap, h]

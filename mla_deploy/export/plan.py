@@ -3,7 +3,7 @@ below -> a frozen `ExportPlan`. The graph builders read the plan and nothing els
 it (`manifest_fields`) and `inspect` reads it back (`from_manifest`). The rules depend on the config and the options
 alone, never on the machine that exports, so one checkpoint and one set of options give the same export anywhere.
 
-The rules (each form measured against the others: README):
+The rules (each form measured against the others: docs/benchmarks.md):
 - absorb: auto picks the absorbed form that reads fewer weight bytes per decode token (export.absorb).
 - precision: weights and caches are stored in --dtype; the layers compute in float32 for every dtype, as
   onnxruntime's CPU provider has no bfloat16 arithmetic and widens float16 MatMuls itself (export.precision).
@@ -23,7 +23,7 @@ The rules (each form measured against the others: README):
 - draft: a checkpoint with a multi-token-prediction layer (DeepSeek-V3's layer num_hidden_layers) gets the draft
   graph (draft.onnx: the MTP module, speculative decoding's proposer), unless --no-draft; every export gets the
   verify graph (verify.onnx: the decode graph's absorbed attention over any number of tokens, the verification pass;
-  measured against the prefill graph's chunked form: README, Speculative decoding).
+  measured against the prefill graph's chunked form: docs/design.md).
 - long cache: where a row's float32 latent cache at the export's maximum length can outgrow LONG_CACHE_BYTES, the
   ops multiply probs by the cache as MatMul's A operand (MLAS packs the B operand on every call, which then costs as
   much as the product), and the kernel op is LatentAttentionLong, whose function body does the same.

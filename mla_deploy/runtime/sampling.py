@@ -199,8 +199,8 @@ def nucleus_ids(p: np.ndarray, top_p: float) -> np.ndarray:
     """p [vocab] -> the kept token ids, ascending: in order of decreasing probability, ties by lower token id, every
     token with less than top_p of mass before it (the first always kept), as transformers' TopPLogitsWarper.
 
-    A stable sort of the whole vocabulary costs ~0.2 ms a row at 4096 tokens and ~8 ms at DeepSeek's 102400, more
-    than a small model's decode step. The nucleus is mostly among the likeliest few (the demo model at temperature
+    A stable sort of the whole vocabulary at DeepSeek's 102400 tokens can cost more than a small model's decode
+    step. The nucleus is mostly among the likeliest few (the demo model at temperature
     0.7, top_p 0.9: median 8 tokens), so the tokens likelier than a threshold t = max(p) x ratio are tried first, for
     each ratio of NUCLEUS_RATIOS: they precede every other token in the order, so their stable sort is the whole
     sort's first part and their cumulative sums are its first sums, bit for bit. Where those reach top_p, every other

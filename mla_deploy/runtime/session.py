@@ -45,13 +45,13 @@ class RuntimeOptions:
     log_severity: int = 3  # onnxruntime's own log: 0 verbose .. 3 errors only
     check_weights: str = "sampled"  # "full": hash every block of weights.bin at load (mla_deploy.integrity)
     # onnxruntime's prepacking copies every MatMul weight into a per-session packed buffer. None (auto): off for a
-    # float export, so both sessions read the one memory-mapped weights.bin (README, "One copy of the weights");
+    # float export, so both sessions read the one memory-mapped weights.bin (docs/benchmarks.md, "One copy of the weights");
     # on for a quantized one, whose MatMulNBits runs ~60x slower unpacked (it dequantizes on every call).
     prepack: bool | None = None
     # onnxruntime's intra-op threads spin between ops waiting for work: fastest for one caller, but in a server they
-    # take the cores the HTTP event loop needs (README, "Serving"). serve turns it off. Spinning stops at the end of
+    # take the cores the HTTP event loop needs (docs/serving.md). serve turns it off. Spinning stops at the end of
     # each run either way (session.force_spinning_stop): an idle prefill session's workers spinning on took a core
-    # from the next decode steps (README, "Versus llama.cpp").
+    # from the next decode steps (docs/benchmarks.md).
     spin: bool = True
     # further onnxruntime session config entries as (key, value) pairs, applied after the ones above (so they win),
     # e.g. ("session.set_denormal_as_zero", "1"); onnxruntime ignores keys it does not know
