@@ -3,7 +3,7 @@ below -> a frozen `ExportPlan`. The graph builders read the plan and nothing els
 it (`manifest_fields`) and `inspect` reads it back (`from_manifest`). The rules depend on the config and the options
 alone, never on the machine that exports, so one checkpoint and one set of options give the same export anywhere.
 
-The rules (each form measured against the others: README):
+The rules (each form measured against the others: docs/benchmarks.md):
 - absorb: auto picks the absorbed form that reads fewer weight bytes per decode token (export.absorb).
 - precision: weights and caches are stored in --dtype; the layers compute in float32 for every dtype, as
   onnxruntime's CPU provider has no bfloat16 arithmetic and widens float16 MatMuls itself (export.precision).
@@ -28,6 +28,10 @@ The rules (each form measured against the others: README):
   16, d_r of 8), for half caches always (onnxruntime's ops would cast the whole cache to float32 in every layer of
   every step) and for float32 caches below KERNEL_HEADS_BELOW heads (at 16 heads MLAS's 16-column panels win);
   "ops" otherwise: onnxruntime's MatMul, Softmax, MatMul, the portable form.
+- draft: a checkpoint with a multi-token-prediction layer (DeepSeek-V3's layer num_hidden_layers) gets the draft
+  graph (draft.onnx: the MTP module, speculative decoding's proposer), unless --no-draft; every export gets the
+  verify graph (verify.onnx: the decode graph's absorbed attention over any number of tokens, the verification pass;
+  measured against the prefill graph's chunked form: docs/design.md).
 - long cache: where a row's float32 latent cache at the export's maximum length can outgrow LONG_CACHE_BYTES, the
   ops multiply probs by the cache as MatMul's A operand (MLAS packs the B operand on every call, which then costs as
   much as the product), and the kernel op is LatentAttentionLong, whose function body does the same.
@@ -77,6 +81,7 @@ class ExportOptions:
     quantized_ops: str = "auto"  # a quantized export's ops: auto (= kernel), kernel, onnxruntime
     experts: str = "auto"  # routed experts: auto, kernel, qmoe (quantized), branches (portable)
     decode_attention: str = "auto"  # the decode graph's attention core: auto, kernel, ops (portable)
+    draft: bool = True  # the MTP draft graph, where the checkpoint has an MTP layer
 
     def check(self) -> None:
         """The checks that need no config, so that a bad option fails before the checkpoint is read."""
@@ -123,9 +128,11 @@ class ExportPlan:
     decode_attention: str  # the decode attention core: "kernel" or "ops"
     long_cache: bool  # decode attention multiplies probs by the cache as the A operand (LatentAttentionLong)
     max_seq_len: int
+    draft: bool = False  # the MTP draft graph is written (the checkpoint has an MTP layer, and it was not refused)
 
     @classmethod
-    def resolve(cls, cfg: MLAConfig, options: ExportOptions) -> "ExportPlan":
+    def resolve(cls, cfg: MLAConfig, options: ExportOptions, has_mtp: bool = False) -> "ExportPlan":
+        """`has_mtp`: the checkpoint holds an MTP layer (Checkpoint.has_mtp)."""
         options.check()
         max_seq_len = options.max_seq_len or cfg.max_position_embeddings
         if not 1 <= max_seq_len <= cfg.max_position_embeddings:
@@ -141,7 +148,7 @@ class ExportPlan:
                    cache_dtype=cache_dtype, quantization=quantization, quantized_ops=quantized_ops,
                    experts=resolve_experts(cfg, options.experts, quantization, quantized_ops),
                    decode_attention=resolve_decode_attention(cfg, options.decode_attention, cache_dtype),
-                   long_cache=long_cache(cfg, max_seq_len), max_seq_len=max_seq_len)
+                   long_cache=long_cache(cfg, max_seq_len), max_seq_len=max_seq_len, draft=has_mtp and options.draft)
 
     @property
     def half_weights(self) -> bool:
@@ -152,8 +159,8 @@ class ExportPlan:
         """Every field, JSON-ready (inspect --json)."""
         return {"absorb": self.absorb.value, "dtype": self.dtype, "compute": self.compute, "cache_dtype": self.cache_dtype,
                 "quantization": None if self.quantization is None else self.quantization.to_dict(),
-                "quantized_ops": self.quantized_ops, "experts": self.experts,
-                "decode_attention": self.decode_attention, "long_cache": self.long_cache, "max_seq_len": self.max_seq_len}
+                "quantized_ops": self.quantized_ops, "experts": self.experts, "decode_attention": self.decode_attention,
+                "long_cache": self.long_cache, "max_seq_len": self.max_seq_len, "draft": self.draft}
 
     def describe(self) -> str:
         """One line for a reader: each choice and where it runs."""
@@ -169,13 +176,13 @@ class ExportPlan:
                 f"decode attention in {core}" + (" (the cache as MatMul's A operand: long cache)" if self.long_cache
                                                  else "")
                 + (f"; routed experts in {experts.get(self.experts, self.experts)}" if self.experts else "")
-                + f"; max_seq_len {self.max_seq_len}")
+                + f"; max_seq_len {self.max_seq_len}" + ("; the MTP draft graph" if self.draft else ""))
 
     def recipe(self, source_hash: str, version: str) -> str:
         """What the export id hashes: the source and every choice that is not a function of the others (the cache
         dtype is the dtype, the long-cache form follows from the config and the length)."""
         return (f"{source_hash}|{self.absorb.value}|{self.dtype}|{self.max_seq_len}|{self.quantization}|"
-                f"{self.quantized_ops}|{self.experts}|{self.decode_attention}|{version}")
+                f"{self.quantized_ops}|{self.experts}|{self.decode_attention}|{self.draft}|{version}")
 
     def manifest_fields(self, cfg: MLAConfig) -> dict:
         """The manifest's record of the plan (read back by from_manifest)."""
@@ -184,7 +191,7 @@ class ExportPlan:
         return {
             "absorb": self.absorb.value, "dtype": self.dtype, "max_seq_len": self.max_seq_len,
             "experts": self.experts if cfg.n_routed_experts else None, "decode_attention": self.decode_attention,
-            "long_cache": self.long_cache, "quantized_ops": self.quantized_ops,
+            "long_cache": self.long_cache, "quantized_ops": self.quantized_ops, "draft": self.draft,
             "precision": {"dtype": self.dtype, "compute": self.compute, "caches": self.cache_dtype,
                           "float32": FLOAT32_ISLANDS},
             "quantization": None if q is None else {
@@ -208,7 +215,7 @@ class ExportPlan:
                    quantized_ops=quantized_ops, experts=manifest.get("experts"),
                    decode_attention=manifest.get("decode_attention", "ops"),
                    long_cache=long_cache(cfg, max_seq_len) if recorded_long is None else bool(recorded_long),
-                   max_seq_len=max_seq_len)
+                   max_seq_len=max_seq_len, draft=bool(manifest.get("draft", False)))
 
 
 def quantized_layouts(q: Quantization, quantized_ops: str) -> dict:
