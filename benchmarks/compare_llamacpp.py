@@ -25,7 +25,7 @@ table gives, for our exports, the weight and cache bytes one decode token reads 
 and the fraction of the probed bandwidth that tokens/s x bytes reaches.
 
     .venv/bin/python benchmarks/compare_llamacpp.py [--checkpoint DIR | --preset v2lite-2L] [--threads 2]
-        [--contexts 128,4096,16384] [--workdir benchmarks/work/llamacpp] [--pairs f32,q8_0,q4_0,f16]
+        [--contexts 128,4096,16384] [--workdir benchmarks/work/llamacpp] [--pairs f32,q8_0,q4_0,f16] [--note TEXT]
 
 --pairs runs a subset (by llama.cpp's name of the precision); its results.json and chart then hold only those.
 """
@@ -115,9 +115,10 @@ def converter_python(work: Path) -> Path:
 
 def gguf_files(work: Path, tree: Path, bins: Path, checkpoint: Path,
                kinds: tuple[str, ...] = ("q8_0", "q4_0", "f16")) -> dict[str, Path]:
-    """The f32 GGUF of `checkpoint` and its quantized `kinds`, each made once in `work`."""
+    """`kinds` of `checkpoint` (f32 and llama-quantize's kinds of it) as GGUF files, each made once in `work`; the f32
+    file is converted only while a kind is missing, so it may be deleted once they are made."""
     files = {kind: work / f"model-{kind}.gguf" for kind, _ in PAIRS}
-    if not files["f32"].exists():
+    if not files["f32"].exists() and not all(files[kind].exists() for kind in kinds):  # the f32 GGUF only to quantize from
         source = work / "checkpoint"
         if source.exists():
             shutil.rmtree(source)
@@ -145,11 +146,12 @@ def gguf_files(work: Path, tree: Path, bins: Path, checkpoint: Path,
 
 
 # ---- 5: our exports ----
-def our_exports(work: Path, checkpoint: Path) -> dict[str, Path]:
+def our_exports(work: Path, checkpoint: Path, precisions: tuple[str, ...] = tuple(EXPORTS)) -> dict[str, Path]:
     from mla_deploy.export import ExportOptions, export
 
     out = {}
-    for precision, options in EXPORTS.items():
+    for precision in precisions:
+        options = EXPORTS[precision]
         out[precision] = work / f"export-{precision}"
         if not (out[precision] / "manifest.json").exists():
             log(f"exporting {precision}")
@@ -225,6 +227,7 @@ def main() -> int:
     ap.add_argument("--contexts", default="128,4096,16384")
     ap.add_argument("--workdir", type=Path, default=ROOT / "benchmarks" / "work" / "llamacpp")
     ap.add_argument("--pairs", default=",".join(kind for kind, _ in PAIRS), help="llama.cpp precisions to compare")
+    ap.add_argument("--note", default="", help="what the results file should say about the run (the machine's load)")
     args = ap.parse_args()
     pairs = [(kind, ours) for kind, ours in PAIRS if kind in args.pairs.split(",")]
     if not pairs:
@@ -241,13 +244,14 @@ def main() -> int:
             build_preset(args.preset, checkpoint, 0, None)
     tree = llama_tree(work)
     bins = build(work, tree)
-    ggufs = gguf_files(work, tree, bins, checkpoint)
-    exports = our_exports(work, checkpoint)
+    ggufs = gguf_files(work, tree, bins, checkpoint, tuple(kind for kind, _ in pairs))
+    exports = our_exports(work, checkpoint, tuple(ours for _, ours in pairs))
 
     from mla_deploy.bench.bandwidth import matmul_read_gbs
 
-    results = {"cpu": cpu_model(), "threads": args.threads, "bandwidth_gbs": matmul_read_gbs(args.threads),
-               "checkpoint": str(checkpoint), "pairs": []}
+    results = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "cpu": cpu_model(), "threads": args.threads,
+               "bandwidth_gbs": matmul_read_gbs(args.threads), "checkpoint": str(checkpoint),
+               "command": " ".join(sys.argv), **({"note": args.note} if args.note else {}), "pairs": []}
     for kind, precision in pairs:  # interleaved: each pair back to back
         log(f"llama.cpp {kind}")
         theirs = llama_bench(bins, ggufs[kind], args.threads, contexts)
