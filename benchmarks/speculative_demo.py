@@ -71,7 +71,9 @@ def main() -> int:
         off = Generator(model, SamplingParams(), stop_token_ids=())
         results["grid"] = []
         for ngram, low, k in GRID:
-            spec = Generator(model, SamplingParams(), stop_token_ids=(), speculation=Speculation("lookup", k, ngram, low))
+            spec = Generator(
+                model, SamplingParams(), stop_token_ids=(), speculation=Speculation("lookup", k, ngram, low)
+            )
             for name, ids in chosen.items():
                 speeds, base = [], []
                 for _ in range(args.repeats):

@@ -94,7 +94,7 @@ def main() -> int:
     results["lookup_vs_llama.cpp"] = medians["lookup"] / medians["llama.cpp"]
     results["off_vs_llama.cpp"] = medians["off"] / medians["llama.cpp"]
     print(f"{results['cpu']}, {args.threads} threads; v2lite-2L, context {context}, {args.new_tokens} new tokens")
-    print(f"| engine | decode tok/s | vs llama.cpp q4_0 |\n|---|---|---|")
+    print("| engine | decode tok/s | vs llama.cpp q4_0 |\n|---|---|---|")
     for key, label in (("llama.cpp", "llama.cpp q4_0"), ("off", "mla-deploy int4"),
                        ("lookup", f"mla-deploy int4, lookup (k {args.draft_tokens})")):
         print(f"| {label} | {medians[key]:.1f} | {medians[key] / medians['llama.cpp']:.2f}x |")

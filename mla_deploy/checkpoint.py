@@ -88,7 +88,11 @@ def parameter_count(cfg: MLAConfig) -> int:
 
 
 def _swiglu(prefix: str, d: int, inter: int) -> dict[str, tuple[int, ...]]:
-    return {prefix + "gate_proj.weight": (inter, d), prefix + "up_proj.weight": (inter, d), prefix + "down_proj.weight": (d, inter)}
+    return {
+        prefix + "gate_proj.weight": (inter, d),
+        prefix + "up_proj.weight": (inter, d),
+        prefix + "down_proj.weight": (d, inter),
+    }
 
 
 class Checkpoint:
@@ -258,7 +262,9 @@ class Checkpoint:
 def _packed_rows(file: SafetensorsFile, stored: str, rows) -> np.ndarray:
     """One expert's matrix out of a packed [E, ...] tensor, reading only its bytes."""
     dtype = file.entries[stored][0]
-    part = file.raw(stored, index=rows.start) if isinstance(rows, slice) else file.raw(stored, index=rows[0], rows=rows[1])
+    part = (
+        file.raw(stored, index=rows.start) if isinstance(rows, slice) else file.raw(stored, index=rows[0], rows=rows[1])
+    )
     return bf16_to_float32(part) if dtype == "BF16" else part.astype(np.float32, copy=False)
 
 

@@ -114,7 +114,9 @@ def judge(text: str) -> Verdict:
             nonblank += 1
         if stripped.startswith("#"):
             comments += 1
-        if stripped and not in_string and not stripped.startswith("#") and not stack:  # a continuation line inside brackets may be aligned freely
+        if (
+            stripped and not in_string and not stripped.startswith("#") and not stack
+        ):  # a continuation line inside brackets may be aligned freely
             indent = code[: len(code) - len(code.lstrip(" \t"))]
             if "\t" in indent or len(indent) % 4:
                 bad += 1

@@ -266,9 +266,12 @@ def main(argv=None):
                   f"{(time.time() - t_train) / step:.2f} s/step", flush=True)
     train_minutes = (time.time() - t_train) / 60
     held = heldout(model, mtp, held_ids, args.seq)
-    print(f"held-out loss {held['loss']:.4f} (perplexity {math.exp(held['loss']):.2f}), MTP loss {held['mtp_loss']:.4f}, "
-          f"MTP top-1 = text {held['mtp_top1_text']:.3f}, = main's {held['mtp_top1_agrees_with_main']:.3f}; "
-          f"after {train_minutes:.1f} min", flush=True)
+    print(
+        f"held-out loss {held['loss']:.4f} (perplexity {math.exp(held['loss']):.2f}), MTP loss {held['mtp_loss']:.4f}, "
+        f"MTP top-1 = text {held['mtp_top1_text']:.3f}, = main's {held['mtp_top1_agrees_with_main']:.3f}; "
+        f"after {train_minutes:.1f} min",
+        flush=True,
+    )
 
     args.out.mkdir(parents=True, exist_ok=True)
     model.eval().save_pretrained(args.out)

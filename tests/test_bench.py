@@ -71,7 +71,9 @@ def test_reference_preset_traffic_matches_the_issue_figures():
     # lm_head 0.84 GB + attention 0.11 + dense MLP 0.27 + 6 routed and 2 shared experts 0.28 = 1.50 GB
     groups = decode_read_bytes(cfg, AbsorbMode.FACTORED)
     assert sum(groups.values()) / 1e9 == pytest.approx(1.50, abs=0.01)
-    assert groups["lm_head"] / 1e9 == pytest.approx(0.84, abs=0.005) and groups["dense_mlp"] / 1e9 == pytest.approx(0.27, abs=0.005)
+    assert groups["lm_head"] / 1e9 == pytest.approx(0.84, abs=0.005) and groups["dense_mlp"] / 1e9 == pytest.approx(
+        0.27, abs=0.005
+    )
     assert (groups["routed_experts"] + groups["shared_experts"]) / 1e9 == pytest.approx(0.28, abs=0.005)
     assert resolve_absorb(cfg, "auto") == AbsorbMode.FACTORED  # fused matrices are ~3x larger here
     assert mha_cache_bytes_per_token(cfg) / latent_cache_bytes_per_token(cfg) == pytest.approx(16 * 320 / 576)
@@ -110,7 +112,9 @@ def test_decompressed_kv_baseline_computes_the_same_model(checkpoint_dir, tmp_pa
     for pos, token in enumerate(ids):
         feed[io_spec.INPUT_IDS], feed[io_spec.POSITION_IDS] = np.array([[token]]), np.array([[pos]])
         out = dict(zip(names, session.run(names, feed)))
-        ref = model(torch.tensor([[token]]), torch.tensor([[pos]]), caches, torch.tensor([pos]), torch.ones(1, len(ids)))
+        ref = model(
+            torch.tensor([[token]]), torch.tensor([[pos]]), caches, torch.tensor([pos]), torch.ones(1, len(ids))
+        )
         assert np.abs(out[io_spec.LOGITS] - ref.numpy()).max() < 1e-4
         for i in range(cfg.num_hidden_layers):
             feed[past_key(i)], feed[past_value(i)] = out[present_key(i)], out[present_value(i)]

@@ -64,7 +64,10 @@ def test_missing_field_is_named(checkpoint_dir, tmp_path):
 @pytest.mark.parametrize(
     "changes, message",
     [
-        ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "rope type 'dynamic' is not supported"),
+        (
+            {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+            "rope type 'dynamic' is not supported",
+        ),
         ({"qk_rope_head_dim": 7}, "qk_rope_head_dim=7 must be even"),
         ({"q_lora_rank": "big"}, "q_lora_rank must be null"),
         ({"topk_method": "greedy"}, "topk_method 'greedy' is not supported for deepseek_v3"),
@@ -176,7 +179,10 @@ def test_packed_experts_read_as_per_expert(checkpoint_dir, tmp_path):
     def pack(s):
         prefix = "model.layers.1.mlp.experts"
         n = 8
-        gate_up = [np.concatenate([s.pop(f"{prefix}.{e}.gate_proj.weight"), s.pop(f"{prefix}.{e}.up_proj.weight")]) for e in range(n)]
+        gate_up = [
+            np.concatenate([s.pop(f"{prefix}.{e}.gate_proj.weight"), s.pop(f"{prefix}.{e}.up_proj.weight")])
+            for e in range(n)
+        ]
         s[f"{prefix}.gate_up_proj"] = np.stack(gate_up)
         s[f"{prefix}.down_proj"] = np.stack([s.pop(f"{prefix}.{e}.down_proj.weight") for e in range(n)])
 

@@ -197,8 +197,16 @@ def test_run_json_is_one_object_on_stdout_and_nothing_on_stderr(exported):
     lines = result.stdout.splitlines()
     assert len(lines) == 1
     out = json.loads(lines[0])
-    assert set(out) == {"prompt_ids", "token_ids", "finish_reason", "prefill_ms", "decode_tokens_per_s", "total_ms", "load",
-                        "speculation"}
+    assert set(out) == {
+        "prompt_ids",
+        "token_ids",
+        "finish_reason",
+        "prefill_ms",
+        "decode_tokens_per_s",
+        "total_ms",
+        "load",
+        "speculation",
+    }
     assert out["load"]["seconds"] > 0 and set(out["load"]["memory"]) == {"rss", "pss", "anonymous", "file"}
     assert 0 < out["load"]["memory"]["pss"] <= out["load"]["memory"]["rss"]
     assert out["prompt_ids"] == [5, 6, 7] and len(out["token_ids"]) <= 5
@@ -245,7 +253,10 @@ def test_verify_reports_every_step_of_a_right_export_and_passes(exported):
     assert report.lines[9].startswith("verify   8 tokens in one pass: max |Δlogit|")  # speculative decoding's pass
     assert report.lines[10] == ("tokens   runtime greedy vs torch greedy: 24/24 agree, 0 more within the tolerance "
                                 "of the source's own choice (near ties)")
-    assert report.lines[11] == f"PASS: tolerance {report.tolerance:.3e} (rtol 0.0001 x logit scale {report.logit_scale:.2f})"
+    assert (
+        report.lines[11]
+        == f"PASS: tolerance {report.tolerance:.3e} (rtol 0.0001 x logit scale {report.logit_scale:.2f})"
+    )
     assert 0 < max(report.decode_max_abs) <= report.tolerance == 1e-4 * max(1.0, report.logit_scale)
     assert len(report.checks) == 1 and max(report.checks) <= report.tolerance
 

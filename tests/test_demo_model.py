@@ -98,8 +98,9 @@ def _likeness():
     import sys
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("python_likeness",
-                                                  Path(__file__).resolve().parents[1] / "scripts" / "python_likeness.py")
+    spec = importlib.util.spec_from_file_location(
+        "python_likeness", Path(__file__).resolve().parents[1] / "scripts" / "python_likeness.py"
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclass resolves its annotations through sys.modules
     spec.loader.exec_module(module)

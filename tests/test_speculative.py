@@ -12,8 +12,18 @@ from mla_deploy.runtime import ExportedModel, Generator, SamplingParams
 from mla_deploy.runtime import generator as generator_module
 from mla_deploy.runtime.cache import CacheBuffers, DecodeBinding
 from mla_deploy.runtime.sampling import distribution
-from mla_deploy.runtime.speculative import (MAX_DRAFT_TOKENS, PRIOR_ACCEPTANCE, REVISIT, Costs, DraftPolicy, Speculation,
-                                            accept_row, lookup, updated_acceptance, verification_pass)
+from mla_deploy.runtime.speculative import (
+    MAX_DRAFT_TOKENS,
+    PRIOR_ACCEPTANCE,
+    REVISIT,
+    Costs,
+    DraftPolicy,
+    Speculation,
+    accept_row,
+    lookup,
+    updated_acceptance,
+    verification_pass,
+)
 
 VARIANT = "v3_lora_group_yarn"
 P_VALUE = 0.01

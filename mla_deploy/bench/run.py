@@ -187,10 +187,22 @@ def _decode_points(cfg, engines, result, progress) -> None:
                     progress(f"{engine.name}: ctx {ctx} batch {batch}: skipped, {result.rows[-1]['skipped']}")
                     continue
                 ms = engine.decode_step_ms(ctx, batch, cfg.steps)
-                row = {"engine": engine.name, "ctx": ctx, "batch": batch, "step_ms": round(ms, 3),
-                       "tokens_per_s": round(batch * 1e3 / ms, 2), "cache_bytes_per_token": engine.cache_bytes_per_token(),
-                       "rss_mb": round((getattr(engine, "rss_loaded", None) if len(engines) > 1 else
-                                        process.memory_info().rss - engine.rss_before) / 2**20)}
+                row = {
+                    "engine": engine.name,
+                    "ctx": ctx,
+                    "batch": batch,
+                    "step_ms": round(ms, 3),
+                    "tokens_per_s": round(batch * 1e3 / ms, 2),
+                    "cache_bytes_per_token": engine.cache_bytes_per_token(),
+                    "rss_mb": round(
+                        (
+                            getattr(engine, "rss_loaded", None)
+                            if len(engines) > 1
+                            else process.memory_info().rss - engine.rss_before
+                        )
+                        / 2**20
+                    ),
+                }
                 weights = engine.weight_bytes_per_token(round(expected_active_experts(engine.cfg, batch)))
                 if weights is not None:
                     row["bytes_per_step"] = weights + batch * ctx * engine.cache_bytes_per_token()

@@ -5,4 +5,13 @@ from .loading import load_model, load_mtp
 from .model import AttentionForm, MLAForCausalLM
 from .mtp import MTPDraft, MTPLayer
 
-__all__ = ["AttentionForm", "LayerCache", "MLAForCausalLM", "MTPDraft", "MTPLayer", "load_model", "load_mtp", "new_caches"]
+__all__ = [
+    "AttentionForm",
+    "LayerCache",
+    "MLAForCausalLM",
+    "MTPDraft",
+    "MTPLayer",
+    "load_model",
+    "load_mtp",
+    "new_caches",
+]

@@ -49,6 +49,7 @@ def load_mtp(source: str | Path | Checkpoint) -> MTPDraft:
         layer.self_attn.fused = tuple(torch.from_numpy(w) for w in fused)
     embed.load_state_dict({"weight": torch.from_numpy(ckpt.tensor("model.embed_tokens.weight"))}, assign=True)
     head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-    head.load_state_dict({"weight": embed.weight if cfg.tie_word_embeddings else torch.from_numpy(ckpt.tensor(head_name))},
-                         assign=True)
+    head.load_state_dict(
+        {"weight": embed.weight if cfg.tie_word_embeddings else torch.from_numpy(ckpt.tensor(head_name))}, assign=True
+    )
     return MTPDraft(layer, embed, head, RopeTables(cfg)).eval().requires_grad_(False)

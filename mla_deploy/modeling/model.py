@@ -56,7 +56,9 @@ class MLAForCausalLM(nn.Module):
         logits_positions: torch.Tensor | None = None,  # [b, n] chunk positions to score; all when None
     ) -> torch.Tensor:
         """Logits [b, T or n, vocab]; the caches are updated in place."""
-        return self.logits_and_hidden(input_ids, position_ids, caches, write_indices, kv_mask, form, logits_positions)[0]
+        return self.logits_and_hidden(input_ids, position_ids, caches, write_indices, kv_mask, form, logits_positions)[
+            0
+        ]
 
     @torch.no_grad()
     def logits_and_hidden(self, input_ids, position_ids, caches, write_indices, kv_mask,

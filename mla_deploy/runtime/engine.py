@@ -72,8 +72,8 @@ class Engine:
                stop_token_ids: Sequence[int] | None = None, **options) -> AsyncIterator[TokenEvent | Finished]:
         """Queue a request; raises InputError (bad prompt or parameters) or QueueFull before anything runs.
         sampling and stop_token_ids default to the export's generation_config.json (model.generation); `options`
-        are Request's (logprobs, prompt_logprobs, constraint, choice, speculate). Must be called from the event loop that
-        consumes the returned iterator."""
+        are Request's (logprobs, prompt_logprobs, constraint, choice, speculate). Must be called from the event loop
+        that consumes the returned iterator."""
         return _flatten(self.submit_batches(prompt_ids, max_new_tokens, sampling, stop_token_ids, **options))
 
     def submit_batches(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams | None = None,

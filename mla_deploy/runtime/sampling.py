@@ -29,7 +29,9 @@ class SamplingParams:
     BIAS_RANGE = (-100.0, 100.0)  # and on logit_bias values
 
     def validate(self) -> "SamplingParams":
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
+        if not (
+            isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0
+        ):
             raise InputError(f"temperature={self.temperature!r}: must be a finite number >= 0 (0 is greedy)")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise InputError(f"top_k={self.top_k!r}: must be an integer >= 0 (0 disables it)")

@@ -248,7 +248,9 @@ def verification_pass(model, caches, ids: np.ndarray, lengths: np.ndarray,
     binding.bind_cpu_input(io_spec.ATTENTION_MASK, np.ones((rows, caches.capacity), np.int64))
     binding.bind_cpu_input(io_spec.WRITE_INDICES, np.ascontiguousarray(lengths, np.int64))
     if form == io_spec.PREFILL:
-        binding.bind_cpu_input(io_spec.LOGITS_POSITIONS, np.broadcast_to(np.arange(t, dtype=np.int64), (rows, t)).copy())
+        binding.bind_cpu_input(
+            io_spec.LOGITS_POSITIONS, np.broadcast_to(np.arange(t, dtype=np.int64), (rows, t)).copy()
+        )
     outputs = [o.name for o in session.get_outputs() if o.name in (io_spec.LOGITS, io_spec.HIDDEN)]
     for name in outputs:
         binding.bind_output(name, "cpu")

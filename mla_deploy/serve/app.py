@@ -111,9 +111,15 @@ class Service:
                           "context_length_exceeded")
         try:
             sampling = self.defaults.override(
-                temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, repetition_penalty=req.repetition_penalty,
-                seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                logit_bias=req.logit_bias)
+                temperature=req.temperature,
+                top_k=req.top_k,
+                top_p=req.top_p,
+                repetition_penalty=req.repetition_penalty,
+                seed=req.seed,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                logit_bias=req.logit_bias,
+            )
         except InputError as e:
             raise bad(str(e)) from None
         if req.speculative and not self.engine.scheduler.speculation.on:

@@ -93,9 +93,11 @@ def _check_unicode(value, path: str) -> None:
             value.encode("utf-8")
         except UnicodeEncodeError as e:
             name = path or "body"
-            raise bad(f"{name}: not valid UTF-8 text: character {e.start} is a lone surrogate "
-                      f"({ascii(value[e.start])}); send a valid Unicode string", path.split("[")[0].split(".")[0] or None) \
-                from None
+            raise bad(
+                f"{name}: not valid UTF-8 text: character {e.start} is a lone surrogate "
+                f"({ascii(value[e.start])}); send a valid Unicode string",
+                path.split("[")[0].split(".")[0] or None,
+            ) from None
     elif isinstance(value, dict):
         for k, v in value.items():
             _check_unicode(k, path)
