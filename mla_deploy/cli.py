@@ -244,11 +244,13 @@ def check(export_dir):
 @click.option("--checkpoint", type=click.Path(path_type=Path), default=None, help="Source checkpoint (default: the one exported).")
 @click.option("--steps", type=click.IntRange(min=1), default=8, show_default=True,
               help="Teacher-forced decode steps to compare (after the prefill).")
-def verify(export_dir, checkpoint, steps):
+@click.option("--provider", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where the export runs (the torch source runs on the CPU).")
+def verify(export_dir, checkpoint, steps, provider):
     """Compare EXPORT_DIR with its torch source: logits per graph and step, and generated tokens."""
     from .verify import verify_export
 
-    report = verify_export(export_dir, checkpoint, steps=steps)
+    report = verify_export(export_dir, checkpoint, steps=steps, provider=provider)
     for line in report.lines:
         click.echo(line)
     if not report.passed:

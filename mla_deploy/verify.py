@@ -52,6 +52,7 @@ class VerifyReport:
     # a quantized export, prefill: the deployed session (prepacked, accuracy_level as exported) against the exact one
     deployed_drift: float | None = None
     checks: list[float] = field(default_factory=list)  # the verify graph's, the hidden state's and the draft's, in logits
+    device: str = "cpu"  # where the export ran: a CUDA request without the CUDA provider falls back to the CPU
 
     @property
     def worst(self) -> float:
@@ -67,10 +68,12 @@ class VerifyReport:
 
 
 def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = None, steps: int = 8,
-                  rtol: float | None = None, lengths: tuple[int, ...] = (13, 7, 3), seed: int = 0) -> VerifyReport:
-    """`rtol`: default by the export's dtype (RTOL)."""
+                  rtol: float | None = None, lengths: tuple[int, ...] = (13, 7, 3), seed: int = 0,
+                  provider: str = "cpu") -> VerifyReport:
+    """`rtol`: default by the export's dtype (RTOL), on every provider. `provider`: where the export runs ('cpu',
+    'cuda': the runtime's generation over device-resident caches; the torch source runs on the CPU)."""
     # Unpacked, MatMulNBits dequantizes and multiplies in float whatever its accuracy_level: the check is exact.
-    model = ExportedModel(export_dir, RuntimeOptions(prepack=False))
+    model = ExportedModel(export_dir, RuntimeOptions(provider=provider, prepack=False))
     manifest = model.manifest
     source = Path(checkpoint_dir or manifest["source"]["path"])
     ckpt = Checkpoint(source)
@@ -163,10 +166,13 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
                             f"agreement {q['top1']:.1%}, max |Δlogit| {q['max_abs']:.3e}, mean {q['mean_abs']:.3e} "
                             "(perplexity: mla-deploy eval)")
     if quantization:  # as deployed: prepacked, with int8 activations at accuracy_level 4
-        deployed = ExportedModel(export_dir, RuntimeOptions(prepack=True)).run(io_spec.PREFILL, prefill)
+        deployed = ExportedModel(export_dir, RuntimeOptions(provider=provider, prepack=True)).run(io_spec.PREFILL, prefill)
         report.deployed_drift = drift = float(np.abs(deployed[io_spec.LOGITS] - prefill_logits)[valid].max())
         report.lines.append(f"deployed prefill with prepacked MatMulNBits (accuracy_level {quantization['accuracy_level']}): "
                             f"max |Δlogit| {drift:.3e} from the exact run (quality against the float model: mla-deploy eval)")
+    report.device = model.device
+    if model.device != "cpu":
+        report.lines.append(f"device   the export ran on {model.device} ({model.providers[0]})")
     report.lines.append(f"{'PASS' if report.passed else 'FAIL'}: tolerance {report.tolerance:.3e} "
                         f"(rtol {rtol:g} x logit scale {max(1.0, report.logit_scale):.2f})")
     return report

@@ -38,6 +38,15 @@ def resolve_providers(provider: str) -> list[str]:
     return ["CPUExecutionProvider"]
 
 
+def provider_options(providers: list[str], cuda_graph: bool = False) -> list[dict[str, str]]:
+    """onnxruntime's options for each of `providers`. CUDA computes float32 as float32: TF32 (on by default there)
+    keeps 10 mantissa bits of a MatMul's inputs, far outside a float32 export's verify tolerance. `cuda_graph`:
+    replay the session's kernels as one CUDA graph, for a session whose every input and output is bound at a fixed
+    device address (runtime.cache.DecodeBinding over resident caches of a fixed capacity)."""
+    cuda = {"use_tf32": "0", **({"enable_cuda_graph": "1"} if cuda_graph else {})}
+    return [cuda if name == PROVIDERS["cuda"] else {} for name in providers]
+
+
 @dataclass
 class RuntimeOptions:
     provider: str = "cpu"
@@ -59,6 +68,10 @@ class RuntimeOptions:
     # mla-deploy's own custom-op library (mla_deploy.kernels), registered on every CPU session where it was built;
     # off, the graphs run those ops' ONNX function bodies (a half export then reads float32 copies of its weights)
     kernels: bool = True
+    # caches in onnxruntime's own allocations on the session's device, bound by address (runtime.cache.CacheBuffers).
+    # None: on every device but the CPU, so a CUDA step moves no cache through the host. On the CPU it runs the very
+    # code path a device takes, which is how CI tests it.
+    resident_caches: bool | None = None
 
 
 class ExportedModel:
@@ -84,6 +97,7 @@ class ExportedModel:
         self.cache_dtype: str = (self.manifest.get("precision") or {}).get("caches", self.manifest["dtype"])
         self.providers = resolve_providers(self.options.provider)
         self.device = "cuda" if self.providers[0] == PROVIDERS["cuda"] else "cpu"
+        self.resident_caches = self.device != "cpu" if self.options.resident_caches is None else self.options.resident_caches
         self.generation = GenerationDefaults.from_export(self.directory)  # generation_config.json's defaults
         self.stop_token_ids: tuple[int, ...] = self.generation.eos_token_ids or tuple(self.config.eos_token_id)
         self.prepack = bool(self.manifest.get("quantization")) if self.options.prepack is None else self.options.prepack
@@ -172,7 +186,8 @@ class ExportedModel:
     def _session(self, kind: str) -> ort.InferenceSession:
         path = self.directory / self.manifest["graphs"][kind]["file"]
         try:
-            session = ort.InferenceSession(str(path), self.session_options(kind), providers=self.providers)
+            session = ort.InferenceSession(str(path), self.session_options(kind), providers=self.providers,
+                                           provider_options=provider_options(self.providers))
         except Exception as e:  # onnxruntime raises its own exception types for corrupt models and data
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ExportLoadError(f"{path}: onnxruntime cannot load this graph ({first})") from None
