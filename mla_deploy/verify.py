@@ -166,7 +166,8 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
                             f"agreement {q['top1']:.1%}, max |Δlogit| {q['max_abs']:.3e}, mean {q['mean_abs']:.3e} "
                             "(perplexity: mla-deploy eval)")
     if quantization:  # as deployed: prepacked, with int8 activations at accuracy_level 4
-        deployed = ExportedModel(export_dir, RuntimeOptions(provider=provider, prepack=True)).run(io_spec.PREFILL, prefill)
+        deployed_model = ExportedModel(export_dir, RuntimeOptions(provider=provider, prepack=True))
+        deployed = deployed_model.run(io_spec.PREFILL, prefill)
         report.deployed_drift = drift = float(np.abs(deployed[io_spec.LOGITS] - prefill_logits)[valid].max())
         report.lines.append(f"deployed prefill with prepacked MatMulNBits (accuracy_level {quantization['accuracy_level']}): "
                             f"max |Δlogit| {drift:.3e} from the exact run (quality against the float model: mla-deploy eval)")

@@ -29,8 +29,8 @@ class CacheBuffers:
     writes them in place on the device and nothing of them crosses to the host; they are copied only when they
     grow (once per BLOCK slots)."""
 
-    def __init__(self, cfg: MLAConfig, batch: int, capacity: int, max_capacity: int, device: str, dtype: str = "float32",
-                 layers: range | None = None, resident: bool | None = None):
+    def __init__(self, cfg: MLAConfig, batch: int, capacity: int, max_capacity: int, device: str,
+                 dtype: str = "float32", layers: range | None = None, resident: bool | None = None):
         """`dtype`: the export's cache dtype (runtime.dtypes); `layers`: the main model's (default), or the MTP
         draft's (io_spec.draft_layers)."""
         self.cfg, self.batch, self.device, self.max_capacity, self.dtype = cfg, batch, device, max_capacity, dtype

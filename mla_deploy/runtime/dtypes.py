@@ -37,8 +37,9 @@ def device_value(shape: tuple[int, ...], dtype: str, device: str) -> ort.OrtValu
     try:
         return ort.OrtValue.ortvalue_from_shape_and_type(list(shape), ONNX[dtype], device, 0)
     except Exception as e:  # onnxruntime's own error types: a build without the device's allocator
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ProviderError(f"cannot allocate a {dtype} tensor {list(shape)} on {device!r} with this onnxruntime "
-                            f"build ({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from None
+                            f"build ({why})") from None
 
 
 def to_device(array: np.ndarray, dtype: str, device: str) -> ort.OrtValue:

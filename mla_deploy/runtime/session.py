@@ -97,7 +97,8 @@ class ExportedModel:
         self.cache_dtype: str = (self.manifest.get("precision") or {}).get("caches", self.manifest["dtype"])
         self.providers = resolve_providers(self.options.provider)
         self.device = "cuda" if self.providers[0] == PROVIDERS["cuda"] else "cpu"
-        self.resident_caches = self.device != "cpu" if self.options.resident_caches is None else self.options.resident_caches
+        resident = self.options.resident_caches
+        self.resident_caches = self.device != "cpu" if resident is None else resident
         self.generation = GenerationDefaults.from_export(self.directory)  # generation_config.json's defaults
         self.stop_token_ids: tuple[int, ...] = self.generation.eos_token_ids or tuple(self.config.eos_token_id)
         self.prepack = bool(self.manifest.get("quantization")) if self.options.prepack is None else self.options.prepack
