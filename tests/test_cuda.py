@@ -9,7 +9,6 @@ calls that path makes for 'cuda'. The second half needs onnxruntime's CUDAExecut
 from __future__ import annotations
 
 import json
-import warnings
 
 import numpy as np
 import onnxruntime as ort
@@ -110,7 +109,8 @@ def test_cuda_provider_and_its_options_reach_every_session(exports, monkeypatch)
 def test_cuda_without_the_provider_falls_back_to_host_caches_with_a_warning(exports):
     if cuda_missing() is None:
         pytest.skip("this onnxruntime has the CUDA provider: no fallback to see")
-    with pytest.warns(RuntimeWarning, match=r"provider 'cuda' \(CUDAExecutionProvider\) is not available.*onnxruntime-gpu"):
+    fallback = r"provider 'cuda' \(CUDAExecutionProvider\) is not available.*onnxruntime-gpu"
+    with pytest.warns(RuntimeWarning, match=fallback):
         model = ExportedModel(exports("float32"), RuntimeOptions(provider="cuda"))
     assert model.device == "cpu" and not model.resident_caches
     with pytest.raises(ProviderError, match=r"cannot allocate a bfloat16 tensor \[2, 3\] on 'cuda'"):
@@ -190,7 +190,8 @@ def test_resident_caches_on_cuda_allocate_there_and_bind_rows_by_address(exports
     caches = CacheBuffers(cfg, 4, 10, model.max_seq_len, "cuda", dtype)
     assert caches.resident and caches.capacity == cache_module.BLOCK
     widths = io_spec.cache_widths(cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
-    assert [a for a in allocated if a[1] == dtype] == [((4, caches.capacity, w), dtype, "cuda") for w in widths.values()]
+    buffers = [((4, caches.capacity, w), dtype, "cuda") for w in widths.values()]
+    assert [a for a in allocated if a[1] == dtype] == buffers
     binding = RecordingBinding()
     assert caches.bind(binding, slice(1, 3)) == []
     itemsize = numpy_dtype(dtype).itemsize
@@ -206,7 +207,8 @@ def test_resident_caches_on_cuda_allocate_there_and_bind_rows_by_address(exports
 
     allocated.clear()
     decode = model.sessions[io_spec.DECODE]
-    session = type("Session", (), {"io_binding": lambda self: RecordingBinding(), "get_outputs": lambda self: decode.get_outputs()})
+    session = type("Session", (), {"io_binding": lambda self: RecordingBinding(),
+                                   "get_outputs": lambda self: decode.get_outputs()})
     d = DecodeBinding(session(), caches, 3, cfg.vocab_size)
     assert d.device == "cuda"
     assert [a for a in allocated if a[1] != dtype] == [((3, 1), "int64", "cuda"), ((3, 1), "int64", "cuda"),
@@ -216,7 +218,8 @@ def test_resident_caches_on_cuda_allocate_there_and_bind_rows_by_address(exports
     assert d.transfer_bytes() == {"to_device": 3 * 3 * 8, "to_host": 3 * cfg.vocab_size * 4}
     bound = [c for c in d.binding.calls if c[0].endswith("value")]
     names = [io_spec.INPUT_IDS, io_spec.POSITION_IDS, io_spec.WRITE_INDICES, io_spec.ATTENTION_MASK, io_spec.LOGITS]
-    assert [c[1] for c in bound] == names and [c[1] for c in d.binding.calls if c[0] == "input"][0] == io_spec.past_latent(0)
+    assert [c[1] for c in bound] == names
+    assert [c[1] for c in d.binding.calls if c[0] == "input"][0] == io_spec.past_latent(0)
     assert bound[3][2].numpy().all() and bound[3][2].shape() == [3, caches.capacity]  # the mask: ones, uploaded
 
 
@@ -286,3 +289,54 @@ def test_no_cache_crosses_between_host_and_device_in_a_decode_step(exports, tmp_
     one_cache = 2 * caches.capacity * cfg.kv_lora_rank * 2
     assert all(int(e["args"].get("output_size", 0)) < one_cache for e in copies), copies
     assert np.isfinite(d.logits).all()
+
+
+# ---- benchmarks/gpu.py: its code path on the CPU, its refusal without CUDA ----
+
+def _gpu_benchmark():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu.py"
+    spec = importlib.util.spec_from_file_location("gpu_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gpu_benchmark_jobs_run_on_the_cpu_provider_and_summarise(exports):
+    gpu = _gpu_benchmark()
+    directory = exports("bfloat16", "fused")
+    rate = gpu.decode_rate(directory, "cpu", 2, 16, 2, False, warmup=1)
+    cfg = ExportedModel(directory).config
+    assert rate["tokens_per_s"] > 0 and rate["capacity"] == cache_module.BLOCK
+    assert rate["binding_copies_per_step"] == {"to_device": 3 * 2 * 8, "to_host": 2 * cfg.vocab_size * 4}
+    assert rate["cache_bytes_copied_per_step"] == 0
+    assert rate["cache_bytes_read_per_step"] == cfg.latent_cache_width * cfg.num_hidden_layers * 2 * 16 * 2
+    placed = gpu.placement(directory, "cpu", 1, 16, steps=2)
+    assert placed["copy_nodes_per_step"] == 0
+    assert set(placed["node_runs_per_step_by_provider"]) == {"CPUExecutionProvider"}
+    jobs = {"bandwidth": {"gb_per_s": 100.0}, "decode m/bfloat16/fused batch 1 ctx 16": {**rate, "batch": 1},
+            "decode m/bfloat16/fused batch 32 ctx 16": {**rate, "batch": 32, "tokens_per_s": rate["tokens_per_s"] * 12},
+            "peer m eager batch 1 ctx 16": {"tokens_per_s": rate["tokens_per_s"] / 4},
+            "verify m/bfloat16/fused": {"passed": True}, "verify m/int4/fused": {"error": "x"}}
+    summary = gpu.summary(jobs)
+    assert summary["verify"] == {"m/bfloat16/fused": "pass", "m/int4/fused": "error"}
+    assert summary["batch32_over_batch1_tokens_per_s"] == {"ctx 16 m/bfloat16/fused": 12.0}
+    assert summary["onnx_over_transformers_eager"] == {"m/bfloat16/fused batch 1 ctx 16": 4.0}
+    fraction = summary["batch1_fraction_of_copy_bandwidth"]["m/bfloat16/fused ctx 16"]
+    assert fraction == round(rate["read_gb_per_s"] / 100.0, 3)
+
+
+@pytest.mark.skipif(cuda_missing() is None, reason="onnxruntime has the CUDA provider here: nothing to refuse")
+def test_the_gpu_benchmark_refuses_to_run_without_cuda_with_a_clear_message(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu.py"
+    done = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "gpu.json")], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "has no CUDAExecutionProvider" in done.stderr and "docs/gpu.md" in done.stderr and "--dry-run" in done.stderr
+    assert not (tmp_path / "gpu.json").exists()
