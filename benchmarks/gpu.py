@@ -19,6 +19,8 @@ Jobs, in this order (the headline ones first), each recorded in the results JSON
                 one DecodeBinding, warm-up steps, then timed steps (each step copies its ids in and logits out)
     placement   onnxruntime's profiler over decode steps: nodes per execution provider, and the bytes of every
                 host<->device copy node it inserted per step, beside the binding's own copies by construction
+    scheduler   (the first dtype and form only) `serve`'s continuously batching Scheduler without HTTP, batch
+                1/8/32/64 requests of 128 prompt tokens and 64 new ones: decode tokens/s while every row decodes
   peer          transformers' AutoModelForCausalLM on the same checkpoint (its DeepseekV2/V3 class), bfloat16, sdpa,
                 eager and torch.compile, batch 1 and 8, context 128/4k/16k (each step from a fresh cache of
                 exactly that context, built outside the timer)
@@ -175,6 +177,10 @@ class Bench:
                     self.job(f"decode {key} batch {batch} ctx {ctx}{' cuda-graph' if graph else ''}", decode_rate,
                              directory, self.provider, int(batch), ctx, a.steps, graph)
         self.job(f"placement {key}", placement, directory, self.provider, 1, 128)
+        if (dtype, form) == (a.dtypes.split(",")[0], a.forms.split(",")[0]):  # serve's engine, on the headline export
+            for batch in a.batches.split(","):
+                self.job(f"scheduler {key} batch {batch}", scheduled_rate, directory, self.provider, int(batch),
+                         16 if self.dry else 128, 4 if self.dry else 64)
 
     def peer_jobs(self, name: str, compiled: bool, contexts: tuple[int, ...]) -> None:
         for batch in (1, 8):
@@ -323,6 +329,37 @@ def decode_rate(directory: Path, provider: str, batch: int, ctx: int, steps: int
             2 * sum(v.tensor_size_in_bytes() for v in caches.values.values())}
 
 
+def scheduled_rate(directory: Path, provider: str, batch: int, prompt: int, tokens: int) -> dict:
+    """`serve`'s engine without HTTP: `batch` requests of `prompt` random tokens each, `tokens` new tokens each, on one
+    continuously batching Scheduler of `batch` rows; decode tokens/s over the steps in which every row decodes."""
+    from mla_deploy.runtime import ExportedModel, RuntimeOptions
+    from mla_deploy.runtime.scheduler import Request, Scheduler, TokenEvent
+
+    model = ExportedModel(directory, RuntimeOptions(provider=provider, resident_caches=True))
+    scheduler = Scheduler(model, max_batch=batch, prefill_chunk=prompt)
+    rng = np.random.default_rng(batch)
+    counts, window = [0] * batch, {}
+
+    def emit(event, row):
+        if isinstance(event, TokenEvent):
+            counts[row] += 1
+            if "start" not in window and min(counts) > 0:  # every row has its first token: all rows decode from here
+                window.update(start=time.perf_counter(), before=sum(counts))
+
+    for row in range(batch):
+        ids = rng.integers(0, model.config.vocab_size, prompt).tolist()
+        scheduler.add(Request(ids, tokens, lambda e, r=row: emit(e, r)))
+    t0 = time.perf_counter()
+    while scheduler.has_work():
+        scheduler.step()
+    end = time.perf_counter()
+    decoded = sum(counts) - window["before"]
+    return {"batch": batch, "prompt": prompt, "new_tokens": tokens, "device": model.device,
+            "decode_tokens_per_s": round(decoded / (end - window["start"]), 1),
+            "total_tokens_per_s": round(sum(counts) / (end - t0), 1),
+            "rows_per_decode_step": round(scheduler.stats.decoded_rows / max(1, scheduler.stats.decode_steps), 2)}
+
+
 def placement(directory: Path, provider: str, batch: int, ctx: int, steps: int = 8) -> dict:
     """onnxruntime's profiler over `steps` decode steps: nodes per provider, and the host<->device copies per step."""
     import tempfile
@@ -429,7 +466,7 @@ def summary(jobs: dict) -> dict:
             ratios.setdefault("batch1_fraction_of_copy_bandwidth", {})[f"{name} ctx {value['context']}" + (
                 " cuda-graph" if value["cuda_graph"] else "")] = round(value["read_gb_per_s"] / bw["gb_per_s"], 3)
         if value["batch"] == 32:
-            one = get(key.replace("batch 32", "batch 1"))
+            one = get(key.replace("batch 32", "batch 1"))  # the same export, context and CUDA-graph choice
             if one:
                 point = rest.replace("batch 32 ", "") + " " + name
                 ratios.setdefault("batch32_over_batch1_tokens_per_s", {})[point] = \
@@ -443,6 +480,11 @@ def summary(jobs: dict) -> dict:
         copies = value["cache_bytes_copied_per_step"]
         ratios.setdefault("cache_bytes_copied_per_step_by_binding", {})[key[len("decode "):]] = copies
     for key, value in jobs.items():
+        if key.startswith("scheduler ") and get(key) and value["batch"] == 32:
+            one = get(key.replace("batch 32", "batch 1"))
+            if one:
+                ratios.setdefault("scheduler_batch32_over_batch1_decode_tokens_per_s", {})[key[len("scheduler "):]] = \
+                    round(value["decode_tokens_per_s"] / one["decode_tokens_per_s"], 2)
         if key.startswith("placement ") and get(key):
             copied = value["copy_node_bytes_per_step"]
             ratios.setdefault("profiled_copy_node_bytes_per_step", {})[key[len("placement "):]] = copied

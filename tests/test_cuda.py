@@ -313,6 +313,8 @@ def test_the_gpu_benchmark_jobs_run_on_the_cpu_provider_and_summarise(exports):
     assert rate["binding_copies_per_step"] == {"to_device": 3 * 2 * 8, "to_host": 2 * cfg.vocab_size * 4}
     assert rate["cache_bytes_copied_per_step"] == 0
     assert rate["cache_bytes_read_per_step"] == cfg.latent_cache_width * cfg.num_hidden_layers * 2 * 16 * 2
+    served = gpu.scheduled_rate(directory, "cpu", 2, 5, 4)
+    assert served["decode_tokens_per_s"] > 0 and served["rows_per_decode_step"] > 1
     placed = gpu.placement(directory, "cpu", 1, 16, steps=2)
     assert placed["copy_nodes_per_step"] == 0
     assert set(placed["node_runs_per_step_by_provider"]) == {"CPUExecutionProvider"}
