@@ -253,11 +253,13 @@ def check(export_dir):
 @click.option("--checkpoint", type=click.Path(path_type=Path), default=None, help="Source checkpoint (default: the one exported).")
 @click.option("--steps", type=click.IntRange(min=1), default=8, show_default=True,
               help="Teacher-forced decode steps to compare (after the prefill).")
-def verify(export_dir, checkpoint, steps):
+@click.option("--provider", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where the export runs (the torch source runs on the CPU).")
+def verify(export_dir, checkpoint, steps, provider):
     """Compare EXPORT_DIR with its torch source: logits per graph and step, and generated tokens."""
     from .verify import verify_export
 
-    report = verify_export(export_dir, checkpoint, steps=steps)
+    report = verify_export(export_dir, checkpoint, steps=steps, provider=provider)
     for line in report.lines:
         click.echo(line)
     if not report.passed:
@@ -337,14 +339,17 @@ def bench(quick, preset, checkpoint, contexts, batches, engines, steps, threads,
               help="Let onnxruntime's threads spin between ops (fastest alone; steals the HTTP loop's CPU).")
 @click.option("--ray-replicas", type=click.IntRange(min=1), default=None,
               help="Serve N replicas on Ray Serve (the 'ray' extra) instead of one process.")
+@click.option("--provider", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where the graphs run; on cuda the batch's caches stay in GPU memory.")
 @_session_config_option
 @_speculation_options
 def serve(export_dir, host, port, max_batch, max_queue, prefill_chunk, api_key, model_name, threads, prepack, spin,
-          ray_replicas, session_config, speculative, draft_tokens):
+          ray_replicas, provider, session_config, speculative, draft_tokens):
     """Serve EXPORT_DIR over HTTP with OpenAI's completions and chat routes, batching requests continuously."""
     from .runtime import RuntimeOptions
 
-    options = RuntimeOptions(threads=threads, prepack=prepack, spin=spin, session_config=session_config)
+    options = RuntimeOptions(provider=provider, threads=threads, prepack=prepack, spin=spin,
+                             session_config=session_config)
     if ray_replicas is not None:
         from .serve.ray import serve_on_ray
 

@@ -36,6 +36,7 @@ from .export.quantize import DequantizedCheckpoint, Quantization
 from .modeling.layerwise import layerwise_logits
 from .runtime import ExportedModel, Generator, RuntimeOptions, SamplingParams
 from .runtime.feeds import empty_caches, prefill_feed
+from .runtime.session import provider_options
 
 DEFAULT_RTOL = 1e-4
 RTOL = {"float32": DEFAULT_RTOL, "float16": 1e-3, "bfloat16": 1e-3}  # the worst measured sits 10x below (docs/development.md)
@@ -56,6 +57,7 @@ class VerifyReport:
     # exact one
     deployed_drift: float | None = None
     checks: list[float] = field(default_factory=list)  # the verify graph's, the hidden state's and the draft's, in logits
+    device: str = "cpu"  # where the export ran: a CUDA request without the CUDA provider falls back to the CPU
 
     @property
     def worst(self) -> float:
@@ -71,11 +73,13 @@ class VerifyReport:
 
 
 def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = None, steps: int = 8,
-                  rtol: float | None = None, lengths: tuple[int, ...] = (13, 7, 3), seed: int = 0) -> VerifyReport:
-    """`rtol`: default by the export's dtype (RTOL)."""
+                  rtol: float | None = None, lengths: tuple[int, ...] = (13, 7, 3), seed: int = 0,
+                  provider: str = "cpu") -> VerifyReport:
+    """`rtol`: default by the export's dtype (RTOL), on every provider. `provider`: where the export runs ('cpu',
+    'cuda': the runtime's generation over device-resident caches; the torch source runs on the CPU)."""
     # Unpacked, MatMulNBits dequantizes and multiplies in float whatever its accuracy_level; mla_deploy's quantized
     # ops are given accuracy_level 0: the check is exact.
-    model = FloatActivations(export_dir, RuntimeOptions(prepack=False))
+    model = FloatActivations(export_dir, RuntimeOptions(provider=provider, prepack=False))
     manifest = model.manifest
     source = Path(checkpoint_dir or manifest["source"]["path"])
     ckpt = Checkpoint(source)
@@ -167,13 +171,16 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
         report.lines.append(f"quality  against the float32 source, {q['positions']} teacher-forced positions: top-1 "
                             f"agreement {q['top1']:.1%}, max |Δlogit| {q['max_abs']:.3e}, mean {q['mean_abs']:.3e} "
                             "(perplexity: mla-deploy eval)")
-    if quantization:  # as deployed: default options, int8 activations at accuracy_level 4
-        deployed_model = ExportedModel(export_dir)
+    if quantization:  # as deployed: default options (int8 activations at accuracy_level 4)
+        deployed_model = ExportedModel(export_dir, RuntimeOptions(provider=provider))
         deployed = deployed_model.run(io_spec.PREFILL, prefill)
         report.deployed_drift = drift = float(np.abs(deployed[io_spec.LOGITS] - prefill_logits)[valid].max())
         ops = "prepacked MatMulNBits" if deployed_model.prepack else "mla-deploy's quantized kernels"
         report.lines.append(f"deployed prefill with {ops} (accuracy_level {quantization['accuracy_level']}): "
                             f"max |Δlogit| {drift:.3e} from the exact run (quality against the float model: mla-deploy eval)")
+    report.device = model.device
+    if model.device != "cpu":
+        report.lines.append(f"device   the export ran on {model.device} ({model.providers[0]})")
     report.lines.append(f"{'PASS' if report.passed else 'FAIL'}: tolerance {report.tolerance:.3e} "
                         f"(rtol {rtol:g} x logit scale {max(1.0, report.logit_scale):.2f})")
     return report
@@ -195,7 +202,8 @@ class FloatActivations(ExportedModel):
         for level in levels:
             level.i = 0
         options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
-        return ort.InferenceSession(graph.SerializeToString(), options, providers=self.providers)
+        return ort.InferenceSession(graph.SerializeToString(), options, providers=self.providers,
+                                    provider_options=provider_options(self.providers))
 
 
 def _nodes(graph: onnx.GraphProto):

@@ -17,7 +17,7 @@ from mla_deploy.errors import ExportError
 from mla_deploy.export import ExportOptions, export
 from mla_deploy.export.absorb import AbsorbMode, resolve_absorb
 from mla_deploy.modeling import AttentionForm, load_model, new_caches
-from mla_deploy.runtime import ExportedModel, Generator, SamplingParams, TextStream, Tokenizer
+from mla_deploy.runtime import ExportedModel, Generator, RuntimeOptions, SamplingParams, TextStream, Tokenizer
 from mla_deploy.runtime.complete import complete
 from mla_deploy.runtime.feeds import empty_caches
 from mla_deploy.verify import greedy_agreement, verify_export
@@ -103,18 +103,22 @@ def test_masked_slots_in_the_graphs_match_the_torch_source(checkpoint_dir, expor
 
 
 # ---- cache growth, lengths, the limit ----
-def test_cache_grows_inside_a_chunked_prefill_and_across_decode_blocks(checkpoint_dir, model, monkeypatch):
+@pytest.mark.parametrize("resident", [False, True])
+def test_cache_grows_inside_a_chunked_prefill_and_across_decode_blocks(checkpoint_dir, model, monkeypatch, resident):
     """Caches start at one slot (the Generator normally sizes them for the prompt), so every 12-token prefill
-    chunk must grow them, and decode grows them again every 8 slots."""
+    chunk must grow them, and decode grows them again every 8 slots. Resident caches (onnxruntime's allocations,
+    a device's) carry their entries over each growth the same."""
     from mla_deploy.runtime import cache
+
+    model = ExportedModel(model.directory, RuntimeOptions(resident_caches=resident))
 
     src, _ = checkpoint_dir(VARIANT)
     monkeypatch.setattr(cache, "BLOCK", 8)
     real_init, real_ensure = cache.CacheBuffers.__init__, cache.CacheBuffers.ensure
     capacities = []
 
-    def tiny_start(self, cfg, batch, capacity, max_capacity, device="cpu", dtype="float32"):
-        real_init(self, cfg, batch, 1, max_capacity, device, dtype)
+    def tiny_start(self, cfg, batch, capacity, max_capacity, device="cpu", dtype="float32", **options):
+        real_init(self, cfg, batch, 1, max_capacity, device, dtype, **options)
 
     def recording(self, needed):
         grew = real_ensure(self, needed)

@@ -16,22 +16,28 @@ import onnxruntime as ort
 from .. import io_spec
 from ..config import MLAConfig
 from ..errors import InputError
-from .dtypes import numpy_dtype, ort_value
+from .dtypes import ONNX, device_value, numpy_dtype, ort_value, to_device, to_host
 
 BLOCK = 256  # slots added per growth step
 
 
 class CacheBuffers:
-    """The per-layer caches of one generation (one batch of rows), owned by the caller's thread."""
+    """The per-layer caches of one generation (one batch of rows), owned by the caller's thread.
 
-    def __init__(self, cfg: MLAConfig, batch: int, capacity: int, max_capacity: int, device: str, dtype: str = "float32",
-                 layers: range | None = None):
+    Host caches (the CPU default) are numpy arrays, bound as OrtValues over them. Resident caches (`resident`, the
+    default on any other device) are onnxruntime's own allocations in the device's memory, bound by address: a step
+    writes them in place on the device and nothing of them crosses to the host; they are copied only when they
+    grow (once per BLOCK slots)."""
+
+    def __init__(self, cfg: MLAConfig, batch: int, capacity: int, max_capacity: int, device: str,
+                 dtype: str = "float32", layers: range | None = None, resident: bool | None = None):
         """`dtype`: the export's cache dtype (runtime.dtypes); `layers`: the main model's (default), or the MTP
         draft's (io_spec.draft_layers)."""
         self.cfg, self.batch, self.device, self.max_capacity, self.dtype = cfg, batch, device, max_capacity, dtype
+        self.resident = device != "cpu" if resident is None else resident
         self.layers = range(cfg.num_hidden_layers) if layers is None else layers
         self.capacity = 0
-        self.arrays: dict[str, np.ndarray] = {}
+        self.arrays: dict[str, np.ndarray] = {}  # host caches only
         self.values: dict[str, ort.OrtValue] = {}
         self.ensure(capacity)
 
@@ -44,48 +50,102 @@ class CacheBuffers:
         capacity = min(self.max_capacity, -(-needed // BLOCK) * BLOCK)
         cfg = self.cfg
         for name, width in io_spec.cache_widths(self.layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim).items():
+            # zeros, never uninitialised memory: attention reads every slot, and a masked NaN still poisons its sum
             new = np.zeros((self.batch, capacity, width), numpy_dtype(self.dtype))
-            old = self.arrays.get(name)
-            if old is not None:
-                new[:, : self.capacity] = old if self.device == "cpu" else self.values[name].numpy()
-            self.arrays[name] = new
-            self.values[name] = ort_value(new, self.dtype, self.device)
+            if self.capacity:
+                new[:, : self.capacity] = self.host(name)
+            if self.resident:
+                self.values[name] = to_device(new, self.dtype, self.device)
+            else:
+                self.arrays[name] = new
+                self.values[name] = ort_value(new, self.dtype)
         self.capacity = capacity
         return True
 
+    def host(self, name: str) -> np.ndarray:
+        """Cache `name` [batch, capacity, width] in host memory: the buffer itself for a host cache, a copy of a
+        resident one."""
+        return self.arrays[name] if not self.resident else to_host(self.values[name], self.dtype)
+
     def bind(self, binding: ort.IOBinding, rows: slice | None = None) -> list[ort.OrtValue]:
         """Bind every cache as both the past input and the present output: in-place update. `rows` binds only those
-        rows, as numpy views of the buffers (CPU; a scheduler's one row, or its occupied prefix). Returns the bound
-        OrtValues: a view must outlive the run."""
+        rows (a scheduler's one row, or its occupied prefix): numpy views of host caches, the rows' address range of
+        resident ones (rows are the outer axis, so any run of them is contiguous). Returns the bound OrtValues: a
+        view must outlive the run."""
         values = []
         for past, present in io_spec.cache_pairs(self.layers):
+            if self.resident and rows is not None:
+                self._bind_rows(binding, past, present, rows)
+                continue
             value = self.values[past] if rows is None else ort_value(self.arrays[past][rows], self.dtype)
             binding.bind_ortvalue_input(past, value)
             binding.bind_ortvalue_output(present, value)
             values.append(value)
         return values
 
+    def _bind_rows(self, binding: ort.IOBinding, past: str, present: str, rows: slice) -> None:
+        start, stop, step = rows.indices(self.batch)
+        if step != 1 or stop <= start:
+            raise ValueError(f"rows {rows}: a resident cache binds a non-empty run of consecutive rows")
+        value = self.values[past]
+        _, capacity, width = value.shape()
+        shape = [stop - start, capacity, width]
+        address = value.data_ptr() + start * capacity * width * numpy_dtype(self.dtype).itemsize
+        binding.bind_input(past, self.device, 0, ONNX[self.dtype], shape, address)
+        binding.bind_output(present, self.device, 0, ONNX[self.dtype], shape, address)
+
 
 class DecodeBinding:
     """The decode graph bound once per cache shape over rows [0, rows): input buffers written in place each step,
     logits read from `logits` [rows, 1, vocab] after the run, and the final hidden state from `hidden` [rows, 1, d]
-    (None from an export without that output)."""
+    (None from an export without that output).
+
+    Over resident caches every input and output lives in onnxruntime's memory on the caches' device, at a fixed
+    address (what a CUDA graph replays): `run` copies the token ids, positions and write indices in (3 x rows x 8
+    bytes), the logits (and the hidden state) out; the attention mask, constant while the capacity is, goes in once,
+    here."""
 
     def __init__(self, session: ort.InferenceSession, caches: CacheBuffers, rows: int, vocab: int):
         self.rows = rows
         self.ids, self.pos = np.zeros((rows, 1), np.int64), np.zeros((rows, 1), np.int64)
         self.write, self.mask = np.zeros(rows, np.int64), np.ones((rows, caches.capacity), np.int64)
         self.logits = np.zeros((rows, 1, vocab), np.float32)
+        self.device = caches.device if caches.resident else None  # None: bound as views of the host arrays
         self.binding = session.io_binding()
-        self._values = [ort.OrtValue.ortvalue_from_numpy(a) for a in (self.ids, self.pos, self.write, self.mask)]
+        inputs = (self.ids, self.pos, self.write, self.mask)
+        self._values = [ort_value(a, "int64") if self.device is None else to_device(a, "int64", self.device)
+                        for a in inputs]
+        self.uploads = [] if self.device is None else list(zip(self._values[:3], inputs[:3]))
+        self.downloads: list[tuple[ort.OrtValue, ort.OrtValue]] = []  # (host, device) pairs copied after a run
         for name, value in zip((io_spec.INPUT_IDS, io_spec.POSITION_IDS, io_spec.WRITE_INDICES, io_spec.ATTENTION_MASK),
                                self._values):
             self.binding.bind_ortvalue_input(name, value)
         self._values += caches.bind(self.binding, None if rows == caches.batch else slice(0, rows))
-        self._values.append(ort.OrtValue.ortvalue_from_numpy(self.logits))
-        self.binding.bind_ortvalue_output(io_spec.LOGITS, self._values[-1])
+        self._bind_output(io_spec.LOGITS, self.logits)
         self.hidden = None
         if io_spec.HIDDEN in {o.name for o in session.get_outputs()}:
             self.hidden = np.zeros((rows, 1, caches.cfg.hidden_size), np.float32)
-            self._values.append(ort.OrtValue.ortvalue_from_numpy(self.hidden))
-            self.binding.bind_ortvalue_output(io_spec.HIDDEN, self._values[-1])
+            self._bind_output(io_spec.HIDDEN, self.hidden)
+
+    def _bind_output(self, name: str, array: np.ndarray) -> None:
+        value = host = ort_value(array, "float32")
+        if self.device is not None:
+            value = device_value(array.shape, "float32", self.device)
+            self.downloads.append((host, value))
+        self._values.append(value)
+        self.binding.bind_ortvalue_output(name, value)
+
+    def run(self, session: ort.InferenceSession, run_options: ort.RunOptions | None = None) -> None:
+        """One decode step over what the caller wrote into ids, pos and write; `logits` (and `hidden`) hold its
+        output after."""
+        for value, array in self.uploads:
+            value.update_inplace(array)
+        session.run_with_iobinding(self.binding, run_options)
+        for host, value in self.downloads:
+            host.update_inplace(value)
+
+    def transfer_bytes(self) -> dict[str, int]:
+        """Bytes each `run` copies between the host arrays and the bound buffers, by construction of the binding:
+        host<->device on a device, none over host caches."""
+        return {"to_device": sum(a.nbytes for _, a in self.uploads),
+                "to_host": sum(h.tensor_size_in_bytes() for h, _ in self.downloads)}

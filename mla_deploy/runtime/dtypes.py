@@ -13,7 +13,8 @@ import onnxruntime as ort
 from ..errors import ProviderError
 
 NUMPY = {"int64": np.int64, "float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
-_BFLOAT16 = 16  # ONNX TensorProto.BFLOAT16
+ONNX = {"int64": 7, "float32": 1, "float16": 10, "bfloat16": 16}  # ONNX TensorProto element types
+_BFLOAT16 = ONNX["bfloat16"]
 
 
 def numpy_dtype(dtype: str) -> np.dtype:
@@ -22,10 +23,34 @@ def numpy_dtype(dtype: str) -> np.dtype:
 
 
 def ort_value(array: np.ndarray, dtype: str, device: str = "cpu") -> ort.OrtValue:
-    """An OrtValue over `array` (no copy on the CPU) with the graph's element type `dtype`."""
-    if dtype != "bfloat16":
-        return ort.OrtValue.ortvalue_from_numpy(array, device, 0)
+    """An OrtValue with the graph's element type `dtype`: over `array` on the CPU (no copy), or a copy of it in
+    `device` memory."""
     if device != "cpu":
-        raise ProviderError(f"bfloat16 caches on {device}: this runtime binds them from host memory only; "
-                            "export with --dtype float16 for CUDA")
+        return to_device(array, dtype, device)
+    if dtype != "bfloat16":
+        return ort.OrtValue.ortvalue_from_numpy(array)
     return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array, _BFLOAT16)
+
+
+def device_value(shape: tuple[int, ...], dtype: str, device: str) -> ort.OrtValue:
+    """A tensor that onnxruntime allocates in `device` memory ('cpu', 'cuda'), uninitialised."""
+    try:
+        return ort.OrtValue.ortvalue_from_shape_and_type(list(shape), ONNX[dtype], device, 0)
+    except Exception as e:  # onnxruntime's own error types: a build without the device's allocator
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ProviderError(f"cannot allocate a {dtype} tensor {list(shape)} on {device!r} with this onnxruntime "
+                            f"build ({why})") from None
+
+
+def to_device(array: np.ndarray, dtype: str, device: str) -> ort.OrtValue:
+    """A copy of host `array` in `device` memory (one host-to-device transfer)."""
+    value = device_value(array.shape, dtype, device)
+    value.update_inplace(ort_value(np.ascontiguousarray(array), dtype))
+    return value
+
+
+def to_host(value: ort.OrtValue, dtype: str) -> np.ndarray:
+    """A host copy of `value` (one device-to-host transfer), bfloat16 as its bit patterns."""
+    array = np.empty(value.shape(), numpy_dtype(dtype))
+    ort_value(array, dtype).update_inplace(value)
+    return array

@@ -189,7 +189,8 @@ class Generator:
         """Generation state for these rows; caches sized for the longest row (or `context` slots already held)."""
         held = max(len(h) for h in history) if context is None else context
         caches = CacheBuffers(self.model.config, len(history), min(held + 1, self.model.max_seq_len),
-                              self.model.max_seq_len, self.model.device, self.model.cache_dtype)
+                              self.model.max_seq_len, self.model.device, self.model.cache_dtype,
+                              resident=self.model.resident_caches)
         lengths = np.array([len(h) for h in history] if context is None else [context] * len(history), np.int64)
         return _State(caches, lengths, history, np.random.default_rng(self.sampling.seed))
 
@@ -256,7 +257,7 @@ class Generator:
             d.ids[:, 0] = [row[a] for row, a in zip(rows, at)]
             d.pos[:, 0] = at
             d.write[:] = at
-            self.model.sessions[io_spec.DECODE].run_with_iobinding(d.binding)
+            d.run(self.model.sessions[io_spec.DECODE])
             here = lengths - 1 == p
             last[here] = d.logits[here, 0]
         state.prefill_ms += (time.perf_counter() - t0) * 1e3
@@ -272,7 +273,7 @@ class Generator:
         d.ids[:, 0] = tokens
         d.pos[:, 0] = state.lengths
         d.write[:] = state.lengths
-        self.model.sessions[io_spec.DECODE].run_with_iobinding(d.binding)
+        d.run(self.model.sessions[io_spec.DECODE])
         state.lengths += 1
         return d.logits[:, 0]
 

@@ -116,15 +116,14 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, model: ExportedModel, max_batch: int = 16, max_queue: int = 256, prefill_chunk: int = 256,
                  speculation: Speculation | None = None):
-        if model.device != "cpu":
-            raise InputError("the scheduler runs on the CPU provider only (its cache rows are numpy views)")
         if io_spec.PREFILL not in model.sessions:
             raise InputError("the scheduler prefills prompts with the prefill graph: load the model with both graphs")
         for name, value in (("max_batch", max_batch), ("max_queue", max_queue), ("prefill_chunk", prefill_chunk)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InputError(f"{name}={value!r}: must be a positive integer")
         self.model, self.max_batch, self.max_queue, self.prefill_chunk = model, max_batch, max_queue, prefill_chunk
-        self.caches = CacheBuffers(model.config, max_batch, 1, model.max_seq_len, "cpu", model.cache_dtype)
+        self.caches = CacheBuffers(model.config, max_batch, 1, model.max_seq_len, model.device, model.cache_dtype,
+                                   resident=model.resident_caches)
         self.lengths = np.zeros(max_batch, np.int64)  # tokens held in each row's cache
         self.rows: list[Request | None] = [None] * max_batch
         self.waiting: deque[Request] = deque()
@@ -285,7 +284,7 @@ class Scheduler:
             d.ids[r.row, 0] = r.pending
         d.pos[:, 0] = self.lengths[:hi]
         d.write[:] = self.lengths[:hi]
-        self.model.sessions[io_spec.DECODE].run_with_iobinding(d.binding)
+        d.run(self.model.sessions[io_spec.DECODE])
         for r in decoding:
             self.lengths[r.row] += 1
         self.stats.decode_steps += 1

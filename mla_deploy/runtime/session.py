@@ -38,6 +38,15 @@ def resolve_providers(provider: str) -> list[str]:
     return ["CPUExecutionProvider"]
 
 
+def provider_options(providers: list[str], cuda_graph: bool = False) -> list[dict[str, str]]:
+    """onnxruntime's options for each of `providers`. CUDA computes float32 as float32: TF32 (on by default there)
+    keeps 10 mantissa bits of a MatMul's inputs, far outside a float32 export's verify tolerance. `cuda_graph`:
+    replay the session's kernels as one CUDA graph, for a session whose every input and output is bound at a fixed
+    device address (runtime.cache.DecodeBinding over resident caches of a fixed capacity)."""
+    cuda = {"use_tf32": "0", **({"enable_cuda_graph": "1"} if cuda_graph else {})}
+    return [cuda if name == PROVIDERS["cuda"] else {} for name in providers]
+
+
 @dataclass
 class RuntimeOptions:
     provider: str = "cpu"
@@ -60,6 +69,10 @@ class RuntimeOptions:
     # mla-deploy's own custom-op library (mla_deploy.kernels), registered on every CPU session where it was built;
     # off, the graphs run those ops' ONNX function bodies (a half export then reads float32 copies of its weights)
     kernels: bool = True
+    # caches in onnxruntime's own allocations on the session's device, bound by address (runtime.cache.CacheBuffers).
+    # None: on every device but the CPU, so a CUDA step moves no cache through the host. On the CPU it runs the very
+    # code path a device takes, which is how CI tests it.
+    resident_caches: bool | None = None
 
 
 PREPACKED_OPS = ("com.microsoft::MatMulNBits", "com.microsoft::QMoE")  # slow unless onnxruntime prepacks them
@@ -97,6 +110,8 @@ class ExportedModel:
         self.cache_dtype: str = (self.manifest.get("precision") or {}).get("caches", self.manifest["dtype"])
         self.providers = resolve_providers(self.options.provider)
         self.device = "cuda" if self.providers[0] == PROVIDERS["cuda"] else "cpu"
+        resident = self.options.resident_caches
+        self.resident_caches = self.device != "cpu" if resident is None else resident
         self.generation = GenerationDefaults.from_export(self.directory)  # generation_config.json's defaults
         self.stop_token_ids: tuple[int, ...] = self.generation.eos_token_ids or tuple(self.config.eos_token_id)
         self.prepack = needs_prepacking(self.manifest) if self.options.prepack is None else self.options.prepack
@@ -203,4 +218,5 @@ class ExportedModel:
 
     def _open(self, path: Path, options: ort.SessionOptions) -> ort.InferenceSession:
         """onnxruntime's session over the graph file `path` (verify opens the graphs changed in memory)."""
-        return ort.InferenceSession(str(path), options, providers=self.providers)
+        return ort.InferenceSession(str(path), options, providers=self.providers,
+                                    provider_options=provider_options(self.providers))

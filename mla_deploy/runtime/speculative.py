@@ -152,7 +152,8 @@ def measure_costs(model, rows: int, k: int, mtp: bool, context: int = 64, repeat
         return cache[key]
     cfg = model.config
     context = max(1, min(context, model.max_seq_len - k - 2))
-    caches = CacheBuffers(cfg, rows, context + k + 1, model.max_seq_len, model.device, model.cache_dtype)
+    caches = CacheBuffers(cfg, rows, context + k + 1, model.max_seq_len, model.device, model.cache_dtype,
+                          resident=model.resident_caches)
     lengths = np.full(rows, context, np.int64)
     decode = DecodeBinding(model.sessions[io_spec.DECODE], caches, rows, cfg.vocab_size)
     decode.pos[:], decode.write[:] = context, context
@@ -171,7 +172,7 @@ def measure_costs(model, rows: int, k: int, mtp: bool, context: int = 64, repeat
         slowest = max(slowest, fastest(lambda t=t: verification_pass(model, caches, np.zeros((rows, t), np.int64),
                                                                     lengths)))
         verify[t] = slowest
-    costs = Costs(fastest(lambda: model.sessions[io_spec.DECODE].run_with_iobinding(decode.binding)), verify)
+    costs = Costs(fastest(lambda: decode.run(model.sessions[io_spec.DECODE])), verify)
     if mtp:
         drafter = MTPDrafter(model, rows)
         hidden = np.zeros((rows, 1, cfg.hidden_size), np.float32)
