@@ -107,10 +107,13 @@ def main(ctx, debug):
 @click.option("--decode-attention", type=click.Choice(["auto", "kernel", "ops"]), default="auto", show_default=True,
               help="The decode attention core: mla-deploy's LatentAttention kernel, or onnxruntime's ops (stock ONNX "
                    "that runs anywhere, CUDA included; README, Serving).")
+@click.option("--stages", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Split the model into N pipeline stages (contiguous layers balanced by weight bytes), one export "
+                   "directory each under the output, for hosts that cannot hold the whole model (run, Ray).")
 @click.option("--force", is_flag=True, help="Replace an earlier export at the output path (nothing else is ever "
               "replaced).")
 def export(checkpoint, out, absorb, dtype, max_seq_len, no_verify, steps, quantize, block_size, accuracy_level,
-           head_bits, experts, decode_attention, force):
+           head_bits, experts, decode_attention, stages, force):
     """Export CHECKPOINT (default: the bundled demo model) to prefill.onnx + decode.onnx."""
     from .export import ExportOptions
     from .export import export as run_export
@@ -128,7 +131,7 @@ def export(checkpoint, out, absorb, dtype, max_seq_len, no_verify, steps, quanti
 
     options = ExportOptions(absorb=absorb, dtype=dtype, max_seq_len=max_seq_len, force=force, quantize=quantize,
                             block_size=int(block_size), accuracy_level=int(accuracy_level), head_bits=int(head_bits),
-                            experts=experts, decode_attention=decode_attention)
+                            experts=experts, decode_attention=decode_attention, stages=stages)
     run_export(checkpoint, out, options, progress=progress, verify=None if no_verify else verify)
 
 

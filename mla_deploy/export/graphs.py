@@ -1,5 +1,5 @@
 """The two graphs over the io_spec contract, built from the plan: prefill (any number of new tokens, naive attention)
-and decode (one token, absorbed)."""
+and decode (one token, absorbed); for one stage of a staged export, the same two over the stage's layers."""
 
 from __future__ import annotations
 
@@ -17,15 +17,18 @@ from .weights import WeightsFile
 
 
 def build_graph(kind: str, cfg: MLAConfig, t: Tensors, plan: ExportPlan, weights: WeightsFile, metadata: dict[str, str],
-                on_layer: Callable[[int], None] = lambda i: None) -> ir.Model:
-    """prefill or decode; `weights` is the file both graphs' initializers live in."""
+                on_layer: Callable[[int], None] = lambda i: None, stage: io_spec.Stage | None = None) -> ir.Model:
+    """prefill or decode (of one `stage` of a staged export); `weights` is the file both graphs' initializers live
+    in."""
     g = Graph(kind, weights, plan)
     op = g.op
     specs_in, specs_out = io_spec.graph_io(kind, cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
-                                           cfg.vocab_size, cache_dtype=plan.cache_dtype)
+                                           cfg.vocab_size, cache_dtype=plan.cache_dtype, stage=stage,
+                                           hidden_size=cfg.hidden_size)
     inputs = {spec.name: g.input(spec) for spec in specs_in}
     write_indices = inputs[io_spec.WRITE_INDICES]
-    bias = attention_bias(op, inputs[io_spec.INPUT_IDS], inputs[io_spec.ATTENTION_MASK], write_indices)  # [b, 1, T, cap]
+    new = inputs.get(io_spec.INPUT_IDS, inputs.get(io_spec.HIDDEN_STATES))  # [b, T] or [b, T, d]: T new tokens
+    bias = attention_bias(op, new, inputs[io_spec.ATTENTION_MASK], write_indices)  # [b, 1, T, cap]
     caches: dict[str, ir.Value] = {}
 
     def attention(op, attn: MLAttention, h, cos, sin):
@@ -36,9 +39,9 @@ def build_graph(kind: str, cfg: MLAConfig, t: Tensors, plan: ExportPlan, weights
         caches[io_spec.present_latent(i)], caches[io_spec.present_rope(i)] = latent, rope
         return out
 
-    logits = decoder(g, cfg, t, inputs, attention, inputs.get(io_spec.LOGITS_POSITIONS), on_layer)
+    out = decoder(g, cfg, t, inputs, attention, inputs.get(io_spec.LOGITS_POSITIONS), on_layer, stage)
     for spec in specs_out:  # the caches' TensorScatter outputs become present_* themselves
-        g.output(logits if spec.name == io_spec.LOGITS else caches[spec.name], spec)
+        g.output(out if spec.name in (io_spec.LOGITS, io_spec.HIDDEN_STATES_OUT) else caches[spec.name], spec)
     return g.model({**metadata, "graph": kind})
 
 

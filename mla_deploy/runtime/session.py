@@ -13,7 +13,7 @@ import onnxruntime as ort
 from .. import integrity, io_spec, kernels
 from ..config import MLAConfig
 from ..errors import ExportLoadError, InputError, ProviderError
-from ..manifest import check_files, read_manifest
+from ..manifest import check_files, is_staged, read_manifest, stage_of
 from .chat import GenerationDefaults
 from .dtypes import ort_value
 from .feeds import check_feed
@@ -61,7 +61,11 @@ class RuntimeOptions:
 
 
 class ExportedModel:
-    """An export directory, checked, with one prefill and one decode session. Safe to share across threads."""
+    """An export directory, checked, with one prefill and one decode session. Safe to share across threads.
+
+    One stage's directory of a staged export (export --stages N) loads here like any export, its graphs taking and
+    returning hidden states (io_spec); the staged export's own directory runs through runtime.chain (in this process)
+    or runtime.stages (one Ray actor per stage)."""
 
     def __init__(self, directory: str | Path, options: RuntimeOptions | None = None,
                  graphs: tuple[str, ...] = (io_spec.PREFILL, io_spec.DECODE)):
@@ -74,8 +78,14 @@ class ExportedModel:
             if not (isinstance(entry, tuple) and len(entry) == 2 and all(isinstance(x, str) and x for x in entry)):
                 raise InputError(f"session_config entry {entry!r}: expected a (key, value) pair of non-empty strings")
         self.manifest = read_manifest(self.directory)
+        if is_staged(self.manifest):
+            raise ExportLoadError(f"{self.directory}: a staged export of {len(self.manifest['stages'])} stages; run it "
+                                  "with runtime.stages.StagedModel (one Ray actor per stage: the 'ray' extra) or "
+                                  "runtime.chain.StageChain (every stage in this process), or load one of its stage "
+                                  "directories")
         check_files(self.directory, self.manifest, self.options.check_weights)
         self.config: MLAConfig = self.manifest["config_obj"]
+        self.stage: io_spec.Stage = stage_of(self.manifest) or io_spec.Stage.whole(self.config.num_hidden_layers)
         self.max_seq_len: int = int(self.manifest["max_seq_len"])
         # the caches' dtype (runtime.dtypes), as the manifest's precision records it; logits are always float32
         self.cache_dtype: str = (self.manifest.get("precision") or {}).get("caches", self.manifest["dtype"])
@@ -94,14 +104,16 @@ class ExportedModel:
         Bound through IO binding, so bfloat16 caches (uint16 bit patterns here: runtime.dtypes) pass both ways."""
         if kind not in self.sessions:
             raise ValueError(f"graph {kind!r}: expected {io_spec.PREFILL!r} or {io_spec.DECODE!r}")
-        check_feed(kind, feed, self.config, self.max_seq_len, self.cache_dtype)
+        check_feed(kind, feed, self.config, self.max_seq_len, self.cache_dtype, self.stage)
         session = self.sessions[kind]
-        inputs, outputs = io_spec.graph_io(kind, self.config.num_hidden_layers, self.config.kv_lora_rank,
-                                           self.config.qk_rope_head_dim, self.config.vocab_size, self.cache_dtype)
-        ids = feed[io_spec.INPUT_IDS]
-        n_logits = feed[io_spec.LOGITS_POSITIONS].shape[1] if kind == io_spec.PREFILL else 1
-        results = {io_spec.LOGITS: np.empty((ids.shape[0], n_logits, self.config.vocab_size), np.float32)}
-        for past, present in io_spec.cache_pairs(self.config.num_hidden_layers):
+        inputs, outputs = self.graph_io(kind)
+        new = feed[io_spec.INPUT_IDS if self.stage.first else io_spec.HIDDEN_STATES]  # [b, T] or [b, T, d]
+        if self.stage.last:
+            n_logits = feed[io_spec.LOGITS_POSITIONS].shape[1] if kind == io_spec.PREFILL else 1
+            results = {io_spec.LOGITS: np.empty((new.shape[0], n_logits, self.config.vocab_size), np.float32)}
+        else:
+            results = {io_spec.HIDDEN_STATES_OUT: np.empty((*new.shape[:2], self.config.hidden_size), np.float32)}
+        for past, present in io_spec.cache_pairs(self.stage.layers):
             results[present] = np.empty_like(feed[past])
         binding, held = session.io_binding(), []
         for spec in inputs:
@@ -112,6 +124,12 @@ class ExportedModel:
             binding.bind_ortvalue_output(spec.name, held[-1])
         session.run_with_iobinding(binding)
         return results
+
+    def graph_io(self, kind: str) -> tuple[list[io_spec.TensorSpec], list[io_spec.TensorSpec]]:
+        """The inputs and outputs of this export's (or this stage's) `kind` graph."""
+        cfg = self.config
+        return io_spec.graph_io(kind, cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.vocab_size,
+                                self.cache_dtype, self.stage, cfg.hidden_size)
 
     def session_options(self) -> ort.SessionOptions:
         """onnxruntime's options for this model's sessions, from RuntimeOptions (a profiler sets its own on top)."""
