@@ -1,7 +1,8 @@
 """Verify an export against its torch source: prefill logits, N decode steps, and generated tokens.
 
 The runtime's own Generator (in-place caches, chunked prefill) generates N greedy tokens for a batch
-of rows of different lengths. Then the same prompts go through the prefill graph, and the generated
+of rows of different lengths (a staged export: its stages chained in this process, runtime.chain and
+runtime.pipeline). Then the same prompts go through the prefill graph, and the generated
 tokens through the decode graph one step at a time; the torch source takes exactly those inputs, one
 decoder layer at a time (modeling.layerwise: one layer's weights in memory, so any checkpoint that
 fits on disk verifies). Every step's logits are compared, and the source's greedy choice at each
@@ -31,7 +32,10 @@ from .errors import ExportError
 from .export.precision import RoundedCheckpoint
 from .export.quantize import DequantizedCheckpoint, Quantization
 from .modeling.layerwise import layerwise_logits
+from .manifest import is_staged, read_manifest
 from .runtime import ExportedModel, Generator, RuntimeOptions, SamplingParams
+from .runtime.chain import StageChain
+from .runtime.pipeline import PipelineGenerator
 from .runtime.feeds import prefill_feed
 
 DEFAULT_RTOL = 1e-4
@@ -66,7 +70,9 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
                   rtol: float | None = None, lengths: tuple[int, ...] = (13, 7, 3), seed: int = 0) -> VerifyReport:
     """`rtol`: default by the export's dtype (RTOL)."""
     # Unpacked, MatMulNBits dequantizes and multiplies in float whatever its accuracy_level: the check is exact.
-    model = ExportedModel(export_dir, RuntimeOptions(prepack=False))
+    staged = is_staged(read_manifest(export_dir))
+    load = StageChain if staged else ExportedModel
+    model = load(export_dir, RuntimeOptions(prepack=False))
     manifest = model.manifest
     source = Path(checkpoint_dir or manifest["source"]["path"])
     ckpt = Checkpoint(source)
@@ -90,8 +96,10 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
         ids[r, : len(row)] = row
     lens = np.array(lengths, np.int64)
 
-    # the runtime end to end: in-place caches, chunked prefill, greedy sampling
-    greedy = Generator(model, SamplingParams(), chunk_size=max(1, longest // 2), stop_token_ids=())
+    # the runtime end to end: in-place caches, chunked prefill, greedy sampling (a staged export: its stages chained,
+    # each with its own caches, two micro-batches in flight)
+    greedy = (PipelineGenerator(model, SamplingParams(), stop_token_ids=(), micro_batches=2) if staged else
+              Generator(model, SamplingParams(), chunk_size=max(1, longest // 2), stop_token_ids=()))
     generated = greedy.generate(rows, steps).token_ids
     if any(len(g) != steps for g in generated):
         raise ExportError(f"the runtime generated {[len(g) for g in generated]} tokens per row, expected {steps}")
@@ -138,7 +146,7 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
                             f"agreement {q['top1']:.1%}, max |Δlogit| {q['max_abs']:.3e}, mean {q['mean_abs']:.3e} "
                             "(perplexity: mla-deploy eval)")
     if quantization:  # as deployed: prepacked, with int8 activations at accuracy_level 4
-        deployed = ExportedModel(export_dir, RuntimeOptions(prepack=True)).run(io_spec.PREFILL, prefill)
+        deployed = load(export_dir, RuntimeOptions(prepack=True)).run(io_spec.PREFILL, prefill)
         report.deployed_drift = drift = float(np.abs(deployed[io_spec.LOGITS] - prefill_logits)[valid].max())
         report.lines.append(f"deployed prefill with prepacked MatMulNBits (accuracy_level {quantization['accuracy_level']}): "
                             f"max |Δlogit| {drift:.3e} from the exact run (quality against the float model: mla-deploy eval)")

@@ -24,9 +24,11 @@ BLOCK = 256  # slots added per growth step
 class CacheBuffers:
     """The per-layer caches of one generation (one batch of rows), owned by the caller's thread."""
 
-    def __init__(self, cfg: MLAConfig, batch: int, capacity: int, max_capacity: int, device: str, dtype: str = "float32"):
-        """`dtype`: the export's cache dtype (runtime.dtypes)."""
+    def __init__(self, cfg: MLAConfig, batch: int, capacity: int, max_capacity: int, device: str, dtype: str = "float32",
+                 layers: range | None = None):
+        """`dtype`: the export's cache dtype (runtime.dtypes); `layers`: a stage's (default: every layer)."""
         self.cfg, self.batch, self.device, self.max_capacity, self.dtype = cfg, batch, device, max_capacity, dtype
+        self.layers = range(cfg.num_hidden_layers) if layers is None else layers
         self.capacity = 0
         self.arrays: dict[str, np.ndarray] = {}
         self.values: dict[str, ort.OrtValue] = {}
@@ -40,7 +42,7 @@ class CacheBuffers:
             raise InputError(f"sequence needs {needed} cache slots, the export's maximum length is {self.max_capacity}")
         capacity = min(self.max_capacity, -(-needed // BLOCK) * BLOCK)
         cfg = self.cfg
-        for name, width in io_spec.cache_widths(cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim).items():
+        for name, width in io_spec.cache_widths(self.layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim).items():
             new = np.zeros((self.batch, capacity, width), numpy_dtype(self.dtype))
             old = self.arrays.get(name)
             if old is not None:
@@ -55,7 +57,7 @@ class CacheBuffers:
         rows, as numpy views of the buffers (CPU; a scheduler's one row, or its occupied prefix). Returns the bound
         OrtValues: a view must outlive the run."""
         values = []
-        for past, present in io_spec.cache_pairs(self.cfg.num_hidden_layers):
+        for past, present in io_spec.cache_pairs(self.layers):
             value = self.values[past] if rows is None else ort_value(self.arrays[past][rows], self.dtype)
             binding.bind_ortvalue_input(past, value)
             binding.bind_ortvalue_output(present, value)
