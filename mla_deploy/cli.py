@@ -159,10 +159,14 @@ def export(checkpoint, out, absorb, dtype, max_seq_len, no_verify, steps, quanti
               help="Load only the decode graph and feed the prompt through it a token at a time: one prepacked copy of "
                    "a quantized export's weights instead of two (a model near the machine's memory).")
 @_session_config_option
+@click.option("--ray-address", default=None,
+              help="A staged export (export --stages N): the Ray cluster its stages' actors join ('auto': the one "
+                   "started on this host); default: a local Ray instance. Needs the 'ray' extra.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, provider,
-        threads, check_weights, prepack, decode_only, session_config, as_json):
+        threads, check_weights, prepack, decode_only, session_config, ray_address, as_json):
     """Generate from EXPORT_DIR, streaming the text as it is produced."""
+    from .manifest import is_staged, read_manifest
     from .runtime import ExportedModel, RuntimeOptions, SamplingParams
     from .runtime.complete import complete
 
@@ -171,6 +175,21 @@ def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_
     SamplingParams(**{k: v for k, v in given.items() if v is not None}).validate()  # bad flags fail before loading
     options = RuntimeOptions(provider=provider, threads=threads, check_weights="full" if check_weights else "sampled",
                              prepack=prepack, session_config=session_config)
+    if is_staged(read_manifest(export_dir)):
+        from .runtime.stages import StagedModel
+
+        with StagedModel(export_dir, options, address=ray_address) as model:
+            stages = ", ".join(f"stage {p['index']} RSS {p['rss_bytes'] / 1e9:.2f} GB" for p in model.placement)
+            result = complete(model, prompt, ids, max_new_tokens, model.generation.override(**given),
+                              None if as_json else (lambda s: click.echo(s, nl=False)))
+        if as_json:
+            click.echo(json.dumps({**result, "stages": model.placement}))
+            return
+        click.echo() if "text" in result else click.echo(" ".join(map(str, result["token_ids"])))
+        click.echo(f"[{len(result['token_ids'])} tokens, prefill {result['prefill_ms']:.1f} ms, decode "
+                   f"{result['decode_tokens_per_s']:.1f} tok/s; {len(model.placement)} stages on Ray: {stages}]",
+                   err=True)
+        return
     model = ExportedModel(export_dir, options, graphs=("decode",) if decode_only else ("prefill", "decode"))
     sampling = model.generation.override(**given)
     memory = model.load_memory
