@@ -172,3 +172,13 @@ def test_stages_of_different_exports_are_refused(exports, tmp_path):
         StageChain(mixed)
     manifest = json.loads((exports["2"] / "manifest.json").read_text())
     assert manifest["stages"][1]["export_id"] != json.loads((mixed / "stage-1" / "manifest.json").read_text())["export_id"]
+
+
+def test_inspect_reports_every_stage(exports):
+    from mla_deploy.inspection import format_report, inspect_path
+
+    report = inspect_path(exports["2"])
+    assert set(report["graphs"]) == {f"stage {i} {kind}" for i in (0, 1) for kind in (io_spec.PREFILL, io_spec.DECODE)}
+    assert report["weights_file_bytes"] == sum(e["weights_bytes"] for e in read_manifest(exports["2"])["stages"])
+    assert report["damage"] is None
+    assert "2 stages, layers 0-1, 2-3" in "\n".join(format_report(report))
