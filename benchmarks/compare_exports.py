@@ -1,17 +1,11 @@
 """Two exports of the same checkpoint, decode and prefill speed side by side in one process.
 
-    .venv/bin/python benchmarks/compare_exports.py BASELINE_DIR CANDIDATE_DIR [--prepack] [--threads N] [--contexts 128,4096]
+    .venv/bin/python benchmarks/compare_exports.py BASELINE_DIR CANDIDATE_DIR [--prepack] [--threads N] \
+        [--contexts 128,4096]
 
 Both are driven by this version's runtime with the same options, alternately point by point
-(benchmarks/side_by_side.py), and the ratio candidate / baseline printed per point. Used to compare
-the graphs of the onnxscript builder with those of the hand-written builder it replaced (commit
-0e5d9ad): export with that commit's code from a git worktree, then give its directory a version-2
-manifest (block digests, which that version did not write) with
-
-    python -c "import json,sys; from mla_deploy import integrity; d=sys.argv[1]; m=json.load(open(d+'/manifest.json')); \\
-m['manifest_version']=2; m['weights'].update(bytes=__import__('os').path.getsize(d+'/weights.bin'), \\
-block_bytes=integrity.BLOCK_BYTES, digest=integrity.DIGEST, block_digests=integrity.block_digests(__import__('pathlib').Path(d+'/weights.bin'))); \\
-json.dump(m, open(d+'/manifest.json','w'))" OLD_EXPORT
+(benchmarks/side_by_side.py), and the ratio candidate / baseline printed per point: for example two builds of the
+graph code, or two sets of export options.
 """
 
 from __future__ import annotations
@@ -25,7 +19,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("baseline")
     parser.add_argument("candidate")
-    parser.add_argument("--prepack", action="store_true", help="onnxruntime prepacking on (copies the weights per session)")
+    parser.add_argument(
+        "--prepack", action="store_true", help="onnxruntime prepacking on (copies the weights per session)"
+    )
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--contexts", default="128,4096", help="decode points: comma-separated contexts")
     args = parser.parse_args()

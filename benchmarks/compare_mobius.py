@@ -74,7 +74,7 @@ def main(mobius_path: str, export_dir: str, checkpoint: str, contexts=(128, 1024
         a = median_ms(lambda: gen.decode_step(state, token))
         b = median_ms(lambda: mob.run(["logits"], feed))
         print(f"{ctx:>6} {a:>14.1f} {b:>15.1f} {b / a:>6.2f}")
-    del ours, gen
+    ours = gen = None  # the sessions go before the torch model loads
 
     # accuracy on a prompt, against the torch source (both from an empty cache)
     model = load_model(checkpoint)

@@ -1,4 +1,5 @@
-"""Choose the bundled demo model's generation defaults (mla_deploy/models/demo/generation_config.json) from measured samples.
+"""Choose the bundled demo model's generation defaults (mla_deploy/models/demo/generation_config.json) from
+measured samples.
 
 Steps: export the demo (`mla-deploy export -o out/demo`), then
     .venv/bin/python benchmarks/demo_sampling.py out/demo [--tokens 96] [--seeds 4]

@@ -46,7 +46,9 @@ class LLGuidance:
     def compile(self, schema: dict):
         from mla_deploy.runtime.grammar import JSON_OPTIONS  # the server's settings
 
-        return self.ll.LLMatcher(self.tokenizer, self.ll.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS))
+        return self.ll.LLMatcher(
+            self.tokenizer, self.ll.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        )
 
     def fill(self, matcher) -> np.ndarray:
         self.llnp.fill_next_token_bitmask(matcher, self.mask, 0)

@@ -30,7 +30,10 @@ from mla_deploy.export.kernel_functions import half_matmul_function  # noqa: E40
 from mla_deploy.export.opset import OPSET  # noqa: E402
 from mla_deploy.safetensors_io import float32_to_bf16  # noqa: E402
 
-SHAPES = "512:2048:3072,512:2048:576,512:512:4096,512:2048:2048,512:2048:21888,512:10944:2048,48:2048:2816,8:2048:2048,1:2048:21888"
+SHAPES = (
+    "512:2048:3072,512:2048:576,512:512:4096,512:2048:2048,512:2048:21888,512:10944:2048,"
+    "48:2048:2816,8:2048:2048,1:2048:21888"
+)
 TYPES = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
 
 
@@ -105,8 +108,11 @@ def main() -> int:
         return 1
     found = levels()
     print(f"{args.dtype} weights; levels {', '.join(found)}; best of {args.rounds} rounds; GFLOP/s = 2 M K N / s")
-    print("| M | K | N | threads | " + " | ".join(f"MatMul{'F16' if args.dtype == 'float16' else 'BF16'} {lv}" for lv in found)
-          + " | float32 MatMul |")
+    print(
+        "| M | K | N | threads | "
+        + " | ".join(f"MatMul{'F16' if args.dtype == 'float16' else 'BF16'} {lv}" for lv in found)
+        + " | float32 MatMul |"
+    )
     print("|---|---|---|---|" + "---|" * (len(found) + 1))
     rng = np.random.default_rng(0)
     for shape in args.shapes.split(","):

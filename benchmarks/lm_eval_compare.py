@@ -85,8 +85,10 @@ def main() -> None:
     mc, gen = result["multiple_choice"], result["generation"]
     print(f"demo_next_line ({mc['documents']} documents, {mc['loglikelihoods']} loglikelihoods, batch size 4)")
     print(f"  accuracy: served {mc['acc_served']:.4f}   hf on the torch checkpoint {mc['acc_hf']:.4f}")
-    print(f"  max |loglikelihood difference| {mc['max_abs_loglikelihood_diff']:.2e}; greedy flags agree "
-          f"{mc['greedy_flags_agree']}/{mc['loglikelihoods']}; {mc['seconds_served']} s served, {mc['seconds_hf']} s hf")
+    print(
+        f"  max |loglikelihood difference| {mc['max_abs_loglikelihood_diff']:.2e}; greedy flags agree "
+        f"{mc['greedy_flags_agree']}/{mc['loglikelihoods']}; {mc['seconds_served']} s served, {mc['seconds_hf']} s hf"
+    )
     print(f"demo_complete_line ({gen['documents']} documents, batch size 4): exact match served "
           f"{gen['exact_match_served']:.4f}, hf {gen['exact_match_hf']:.4f}; {gen['seconds_served']} s served, "
           f"{gen['seconds_hf']} s hf")

@@ -32,9 +32,11 @@ def main() -> int:
             peak = {key: max(value, getattr(memory, key)) for key, value in peak.items()}
         time.sleep(0.1)
     proc.returncode = os.waitstatus_to_exitcode(status)
-    print(f"exit {proc.returncode}, {time.perf_counter() - started:.1f} s; peak RSS {usage.ru_maxrss / 2**20:.2f} GiB "
-          f"(ru_maxrss), sampled peaks: PSS {peak['pss'] / 2**30:.2f} GiB, anonymous {peak['anonymous'] / 2**30:.2f} GiB",
-          file=sys.stderr)
+    print(
+        f"exit {proc.returncode}, {time.perf_counter() - started:.1f} s; peak RSS {usage.ru_maxrss / 2**20:.2f} GiB "
+        f"(ru_maxrss), sampled peaks: PSS {peak['pss'] / 2**30:.2f} GiB, anonymous {peak['anonymous'] / 2**30:.2f} GiB",
+        file=sys.stderr,
+    )
     return proc.returncode
 
 

@@ -77,9 +77,12 @@ def main() -> None:
         med = {k: sorted(row[k])[len(row[k]) // 2] for k in ("prefill_tok_s", "decode_ms_128", "decode_ms_960")}
         row["median"] = med
         speed = sorted(base["decode_ms_128"])[len(base["decode_ms_128"]) // 2] / med["decode_ms_128"]
-        print(f"| {name} | {row['weights_bytes'] / 1e6:.2f} MB | {row['loss_delta']:+.5f} nats | "
-              f"x{math.exp(row['loss_delta']):.4f} | {row['top1']:.2%} of {row['positions']} | {med['prefill_tok_s']:.0f} | "
-              f"{med['decode_ms_128']:.3f} | {med['decode_ms_960']:.3f} | {speed:.2f}x |")
+        print(
+            f"| {name} | {row['weights_bytes'] / 1e6:.2f} MB | {row['loss_delta']:+.5f} nats | "
+            f"x{math.exp(row['loss_delta']):.4f} | {row['top1']:.2%} of {row['positions']} | "
+            f"{med['prefill_tok_s']:.0f} | "
+            f"{med['decode_ms_128']:.3f} | {med['decode_ms_960']:.3f} | {speed:.2f}x |"
+        )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
 

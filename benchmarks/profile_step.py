@@ -112,9 +112,12 @@ def main() -> None:
     for b, (plain, wall, ops) in results.items():
         kernels = sum(ops.values()) / 1e3
         tokens = args.prefill or b
-        print(f"batch {b}: {plain:.3f} ms per {'prefill' if args.prefill else 'step'} unprofiled "
-              f"({tokens / plain * 1e3:.0f} tokens/s); profiled {wall:.3f} ms, kernels {kernels:.3f} ms "
-              f"({kernels / wall:.0%}; the profiler's own cost lands on every node, and an If's time includes its branch's nodes)")
+        print(
+            f"batch {b}: {plain:.3f} ms per {'prefill' if args.prefill else 'step'} unprofiled "
+            f"({tokens / plain * 1e3:.0f} tokens/s); profiled {wall:.3f} ms, kernels {kernels:.3f} ms "
+            f"({kernels / wall:.0%}; the profiler's own cost lands on every node, and an If's time includes its "
+            f"branch's nodes)"
+        )
     first = batches[0]
     ops = sorted(set().union(*(r[2] for r in results.values())), key=lambda o: -results[batches[-1]][2].get(o, 0))
     print("| op | " + " | ".join(f"batch {b} us (share)" for b in batches) + " | "

@@ -54,8 +54,10 @@ before = resident_memory().anonymous
 so = ort.SessionOptions(); so.intra_op_num_threads = 2; so.log_severity_level = 3
 so.register_custom_ops_library(str(kernels.library()))
 s = ort.InferenceSession(sys.argv[1], so, providers=["CPUExecutionProvider"])
-feeds = {i.name: (np.zeros([1] + i.shape[1:], np.float32) if i.name != "dispatch" else np.eye(1, i.shape[1], dtype=np.float32))
-         for i in s.get_inputs()}
+feeds = {
+    i.name: np.eye(1, i.shape[1], dtype=np.float32) if i.name == "dispatch" else np.zeros([1] + i.shape[1:], np.float32)
+    for i in s.get_inputs()
+}
 s.run(None, feeds)
 print(resident_memory().anonymous - before)
 """
@@ -68,10 +70,16 @@ def save(model: onnx.ModelProto, path: Path) -> str:
 
 
 def onnx_model(nodes, inputs, initializers, opsets, outputs=("Y",)) -> onnx.ModelProto:
-    graph = helper.make_graph(nodes, "ops", inputs, [helper.make_tensor_value_info(y, TensorProto.FLOAT, None) for y in outputs],
-                              initializer=[numpy_helper.from_array(v, k) for k, v in initializers.items()])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)] + [helper.make_opsetid(d, 1) for d in opsets],
-                             ir_version=10)
+    graph = helper.make_graph(
+        nodes,
+        "ops",
+        inputs,
+        [helper.make_tensor_value_info(y, TensorProto.FLOAT, None) for y in outputs],
+        initializer=[numpy_helper.from_array(v, k) for k, v in initializers.items()],
+    )
+    return helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21)] + [helper.make_opsetid(d, 1) for d in opsets], ir_version=10
+    )
 
 
 def quantized_weight(k: int, n: int, bits: int, block: int, rng):
@@ -92,11 +100,25 @@ def linear_models(weight, out: Path, copies: int) -> tuple[str, str, int, int]:
     ours_w, theirs_w, ours_ops, theirs_ops = {}, {}, [], []
     for i in range(copies):  # copies differ (rolled by i columns): onnxruntime shares identical initializers
         ours_w |= {f"codes{i}": np.roll(codes, i, axis=0), f"scales{i}": np.roll(scales, i, axis=0)}
-        theirs_w |= {f"B{i}": np.roll(qw.codes, i, axis=0), f"scales{i}": np.roll(qw.scales, i, axis=0).astype(np.float32)}
+        theirs_w |= {
+            f"B{i}": np.roll(qw.codes, i, axis=0),
+            f"scales{i}": np.roll(qw.scales, i, axis=0).astype(np.float32),
+        }
         ours_ops.append(helper.make_node(kernels.QMATMUL[bits], ["A", f"codes{i}", f"scales{i}"], [f"Y{i}"],
                                          domain=kernels.DOMAIN, K=k, N=n, block_size=block, accuracy_level=4))
-        theirs_ops.append(helper.make_node("MatMulNBits", ["A", f"B{i}", f"scales{i}"], [f"Y{i}"], domain="com.microsoft",
-                                           K=k, N=n, bits=bits, block_size=block, accuracy_level=4))
+        theirs_ops.append(
+            helper.make_node(
+                "MatMulNBits",
+                ["A", f"B{i}", f"scales{i}"],
+                [f"Y{i}"],
+                domain="com.microsoft",
+                K=k,
+                N=n,
+                bits=bits,
+                block_size=block,
+                accuracy_level=4,
+            )
+        )
     outputs = [f"Y{i}" for i in range(copies)]
     ours = onnx_model(ours_ops, a, ours_w, [kernels.DOMAIN], outputs)
     theirs = onnx_model(theirs_ops, a, theirs_w, ["com.microsoft"], outputs)
@@ -210,11 +232,22 @@ def run_case(case: str, m: int, args, rng, tmp: Path) -> dict:
     else:
         n = LINEAR[case][1]
         flops, bytes_ours, bytes_theirs = 2 * m * k * n, ours_bytes, theirs_bytes
-    row = {"case": case, "k": k, "n": n, "rows": m, "copies": copies, "ours_ms": t_ours * 1e3, "theirs_ms": t_theirs * 1e3,
-           "ours_gflops": flops / t_ours / 1e9, "theirs_gflops": flops / t_theirs / 1e9,
-           "ours_gbs": bytes_ours / t_ours / 1e9, "theirs_gbs": bytes_theirs / t_theirs / 1e9,
-           "ours_anonymous_mb": anon[0] / 1e6, "theirs_anonymous_mb": anon[1] / 1e6,
-           "weights_mb": ours_bytes * (MOE["experts"] if case == "moe" else 1) / 1e6}
+    row = {
+        "case": case,
+        "k": k,
+        "n": n,
+        "rows": m,
+        "copies": copies,
+        "ours_ms": t_ours * 1e3,
+        "theirs_ms": t_theirs * 1e3,
+        "ours_gflops": flops / t_ours / 1e9,
+        "theirs_gflops": flops / t_theirs / 1e9,
+        "ours_gbs": bytes_ours / t_ours / 1e9,
+        "theirs_gbs": bytes_theirs / t_theirs / 1e9,
+        "ours_anonymous_mb": anon[0] / 1e6,
+        "theirs_anonymous_mb": anon[1] / 1e6,
+        "weights_mb": ours_bytes * (MOE["experts"] if case == "moe" else 1) / 1e6,
+    }
     print(f"{case:12s} {f'{k}x{n}':>13s} {m:4d} | {row['ours_ms']:9.3f} {row['ours_gflops']:8.1f} "
           f"{row['ours_gbs']:6.1f} | {row['theirs_ms']:9.3f} {row['theirs_gflops']:8.1f} {row['theirs_gbs']:6.1f} | "
           f"{t_theirs / t_ours:6.2f}x | {row['weights_mb']:8.1f} {anon[0] / 1e6:7.1f} {anon[1] / 1e6:7.1f}", flush=True)
@@ -239,9 +272,11 @@ def main() -> None:
     bandwidth = matmul_read_gbs(args.threads)
     print(f"{platform.processor() or platform.machine()}, {args.threads} threads, int{args.bits} block {args.block}, "
           f"onnxruntime {ort.__version__}, probed bandwidth {bandwidth:.1f} GB/s", flush=True)
-    print(f"{'case':12s} {'K x N':>13s} {'M':>4s} | {'ours ms':>9s} {'GFLOP/s':>8s} {'GB/s':>6s} | "
-          f"{'ORT ms':>9s} {'GFLOP/s':>8s} {'GB/s':>6s} | {'speedup':>7s} | {'weights':>8s} {'anon MB':>7s} {'ORT':>7s}",
-          flush=True)
+    print(
+        f"{'case':12s} {'K x N':>13s} {'M':>4s} | {'ours ms':>9s} {'GFLOP/s':>8s} {'GB/s':>6s} | "
+        f"{'ORT ms':>9s} {'GFLOP/s':>8s} {'GB/s':>6s} | {'speedup':>7s} | {'weights':>8s} {'anon MB':>7s} {'ORT':>7s}",
+        flush=True,
+    )
     results = {"bandwidth_gbs": bandwidth, "bits": args.bits, "block": args.block, "threads": args.threads, "cases": []}
     with tempfile.TemporaryDirectory() as tmp:
         for case in args.cases.split(","):

@@ -48,7 +48,9 @@ def memory(directory: str, fields: dict, threads: int) -> dict:
     return json.loads(done.stdout.splitlines()[-1])
 
 
-def speed(directory: str, options: dict[str, dict], threads: int, contexts: tuple[int, ...]) -> dict[str, dict[str, float]]:
+def speed(
+    directory: str, options: dict[str, dict], threads: int, contexts: tuple[int, ...]
+) -> dict[str, dict[str, float]]:
     from mla_deploy.runtime import ExportedModel, RuntimeOptions
 
     return side_by_side.speed({name: ExportedModel(directory, RuntimeOptions(**fields, threads=threads))
@@ -67,15 +69,27 @@ def main() -> None:
         options["prepack, kernels off"] = {**OPTIONS["prepack"], "kernels": False}
     weights = (Path(args.export_dir) / "weights.bin").stat().st_size
     print(f"weights.bin {weights / 1e9:.2f} GB")
-    print("| option | load s | after load PSS / RSS / anon GB | after prefill 512 | after 8 decode steps | PSS / weights |")
+    print(
+        "| option | load s | after load PSS / RSS / anon GB | after prefill 512 | after 8 decode steps | PSS / "
+        "weights |"
+    )
     print("|---|---|---|---|---|---|")
     for name, fields in options.items():
         m = memory(args.export_dir, fields, args.threads)
-        cells = [" / ".join(f"{m[k][f] / 1e9:.2f}" for f in ("pss", "rss", "anonymous")) for k in ("loaded", "prefilled", "decoded")]
+        cells = [
+            " / ".join(f"{m[k][f] / 1e9:.2f}" for f in ("pss", "rss", "anonymous"))
+            for k in ("loaded", "prefilled", "decoded")
+        ]
         print(f"| {name} | {m['load_s']:.1f} | {' | '.join(cells)} | {m['decoded']['pss'] / weights:.2f} |", flush=True)
     print()
     others = list(options)[1:]
-    print("| point | " + " | ".join(f"{n} ms" for n in options) + " | " + " | ".join(f"{n} / prepack" for n in others) + " |")
+    print(
+        "| point | "
+        + " | ".join(f"{n} ms" for n in options)
+        + " | "
+        + " | ".join(f"{n} / prepack" for n in others)
+        + " |"
+    )
     print("|---" * (1 + len(options) + len(others)) + "|")
     contexts = tuple(int(c) for c in args.contexts.split(","))
     for point, by in speed(args.export_dir, options, args.threads, contexts).items():

@@ -169,8 +169,11 @@ def main() -> None:
             print(f"{'PASS' if ok else 'FAIL'}  {name}")
         results["concurrent"] = asyncio.run(concurrent(base, args.clients))
         c = results["concurrent"]
-        print(f"{c['clients']} concurrent clients, mixed options: {c['errors']} errors, {c['differ_from_alone']} "
-              f"replies differ from the same request alone ({c['seconds']} s){'; ' + c['first_error'] if c['errors'] else ''}")
+        print(
+            f"{c['clients']} concurrent clients, mixed options: {c['errors']} errors, {c['differ_from_alone']} "
+            f"replies differ from the same request alone ({c['seconds']} "
+            f"s){'; ' + c['first_error'] if c['errors'] else ''}"
+        )
         rounds = {"constrained": [], "unconstrained": []}
         for _ in range(args.repeats):  # alternating, on the same warm server
             for kind in ("unconstrained", "constrained"):

@@ -227,10 +227,13 @@ async def soak(client, pid: int, requests: int) -> str:
 
 
 BAD = [
-    ("bad JSON", b"{not json"), ("wrong type", {"model": MODEL, "prompt": "x", "max_tokens": "ten"}),
-    ("unknown model", {"model": "nope", "prompt": "x"}), ("too long", {"model": MODEL, "prompt": "x", "max_tokens": 99999}),
+    ("bad JSON", b"{not json"),
+    ("wrong type", {"model": MODEL, "prompt": "x", "max_tokens": "ten"}),
+    ("unknown model", {"model": "nope", "prompt": "x"}),
+    ("too long", {"model": MODEL, "prompt": "x", "max_tokens": 99999}),
     ("bad temperature", {"model": MODEL, "prompt": "x", "temperature": -3}),
-    ("bad top_p", {"model": MODEL, "prompt": "x", "top_p": 7}), ("n = 3", {"model": MODEL, "prompt": "x", "n": 3}),
+    ("bad top_p", {"model": MODEL, "prompt": "x", "top_p": 7}),
+    ("n = 3", {"model": MODEL, "prompt": "x", "n": 3}),
 ]
 
 

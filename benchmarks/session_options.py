@@ -71,8 +71,21 @@ def main() -> None:
     here = str(Path(__file__).resolve().parent)
     for r in range(args.repeats):
         for label in labels[r % len(labels):] + labels[: r % len(labels)]:
-            done = subprocess.run([sys.executable, "-c", CHILD, here, args.export, str(args.threads),
-                                   json.dumps(options[label]), args.contexts], capture_output=True, text=True, check=True)
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    "-c",
+                    CHILD,
+                    here,
+                    args.export,
+                    str(args.threads),
+                    json.dumps(options[label]),
+                    args.contexts,
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             runs[label].append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(f"repeat {r + 1}, {label}: " + ", ".join(f"{p} {ms:.2f} ms" for p, ms in runs[label][-1].items()),
                   file=sys.stderr, flush=True)

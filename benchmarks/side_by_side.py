@@ -13,7 +13,9 @@ import numpy as np
 CONTEXTS = (128, 4096)
 
 
-def speed(models: dict, rounds: int = 5, warmup: int = 3, contexts: tuple[int, ...] = CONTEXTS) -> dict[str, dict[str, float]]:
+def speed(
+    models: dict, rounds: int = 5, warmup: int = 3, contexts: tuple[int, ...] = CONTEXTS
+) -> dict[str, dict[str, float]]:
     """{label: ExportedModel} -> {point: {label: median ms}}."""
     points = ("prefill 512", *(f"decode ctx {ctx}" for ctx in contexts))
     from mla_deploy.bench.engines import random_decode_state

@@ -192,12 +192,18 @@ class MLAConfig:
             return
         routers = ROUTERS[self.model_type]
         if self.topk_method not in routers:
-            bad(f"topk_method {self.topk_method!r} is not supported for {self.model_type}; expected one of {tuple(routers)}")
+            bad(
+                f"topk_method {self.topk_method!r} is not supported for {self.model_type}; expected one of "
+                f"{tuple(routers)}"
+            )
         if self.scoring_func != routers[self.topk_method]:
             bad(f"scoring_func {self.scoring_func!r} is not supported with topk_method {self.topk_method!r} "
                 f"(expected {routers[self.topk_method]!r})")
         if not self.num_experts_per_tok or self.num_experts_per_tok > self.n_routed_experts:
-            bad(f"num_experts_per_tok={self.num_experts_per_tok!r} must be between 1 and n_routed_experts={self.n_routed_experts}")
+            bad(
+                f"num_experts_per_tok={self.num_experts_per_tok!r} must be between 1 and "
+                f"n_routed_experts={self.n_routed_experts}"
+            )
         if self.topk_method in ("group_limited_greedy", "noaux_tc"):
             if not self.n_group or not self.topk_group:
                 bad(f"topk_method {self.topk_method!r} needs n_group and topk_group")

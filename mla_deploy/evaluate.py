@@ -56,9 +56,11 @@ class EvalReport:
                          f"nats/token, perplexity x{math.exp(self.export_loss - self.torch_loss):.4f}")
         if self.quantization is not None:
             q = self.quantization
-            lines.append(f"quantized int{q['bits']}, block {q['block']}, accuracy_level {q['accuracy_level']} against the "
-                         f"float source: loss {self.export_loss - self.torch_loss:+.4f} nats/token, perplexity "
-                         f"x{math.exp(self.export_loss - self.torch_loss):.4f}")
+            lines.append(
+                f"quantized int{q['bits']}, block {q['block']}, accuracy_level {q['accuracy_level']} against the "
+                f"float source: loss {self.export_loss - self.torch_loss:+.4f} nats/token, perplexity "
+                f"x{math.exp(self.export_loss - self.torch_loss):.4f}"
+            )
         return lines
 
 
@@ -78,8 +80,13 @@ class _Progress:
         self.progress(f"{self.what}: {done}/{self.total} windows, {rate:.0f} tokens/s")
 
 
-def evaluate(export_dir: str | Path, text_file: str | Path, window: int = 256,
-             checkpoint_dir: str | Path | None = None, progress: Callable[[str], None] = lambda msg: None) -> EvalReport:
+def evaluate(
+    export_dir: str | Path,
+    text_file: str | Path,
+    window: int = 256,
+    checkpoint_dir: str | Path | None = None,
+    progress: Callable[[str], None] = lambda msg: None,
+) -> EvalReport:
     model = ExportedModel(export_dir)
     tokenizer = Tokenizer.from_export(export_dir, model.manifest)
     if tokenizer is None:
@@ -89,7 +96,9 @@ def evaluate(export_dir: str | Path, text_file: str | Path, window: int = 256,
     except OSError as e:
         raise InputError(f"{text_file}: cannot read ({e.strerror})") from None
     batch = windows(tokenizer.encode(text), window)
-    export_nll, export_top1 = export_scores(model, batch, on_run=_Progress(progress, "onnx export ", len(batch), window))
+    export_nll, export_top1 = export_scores(
+        model, batch, on_run=_Progress(progress, "onnx export ", len(batch), window)
+    )
     source = Path(checkpoint_dir or model.manifest["source"]["path"])
     ckpt = Checkpoint(source)
     if ckpt.content_hash() != model.manifest["source"]["sha256"]:

@@ -1,21 +1,29 @@
 """The one place graph inputs and outputs are named, with their axes. Exporter, runtime and verifier import it.
 
-Both graphs share one contract over caches that the runtime preallocates:
+Every graph shares one contract over caches that the runtime preallocates:
 
   input_ids        int64 [batch, seq]           new tokens (decode: seq = 1)
   position_ids     int64 [batch, seq]           RoPE position of each new token
   attention_mask   int64 [batch, capacity]      1 where a cache slot holds a real token
   write_indices    int64 [batch]                cache slot of each row's first new token
-  logits_positions int64 [batch, n]             (prefill only) chunk positions whose logits to compute
+  logits_positions int64 [batch, n]             (prefill and draft) chunk positions whose logits to compute
   past_latent.{i}  float [batch, capacity, kv_lora_rank]       ĉ after kv_a_layernorm
   past_rope.{i}    float [batch, capacity, qk_rope_head_dim]   k_pe after RoPE (rotate-half layout)
 
-  logits           float32 [batch, n or 1, vocab]
+  logits           float32 [batch, n (prefill, draft) or seq, vocab]
+  hidden           float32 [batch, seq (draft: n), hidden_size]   the final hidden state, after the final norm:
+                   what the vocabulary projection reads (the MTP draft's input, and the draft's own for chaining);
+                   from the main graphs of an export with a draft graph only
   present_latent.{i}, present_rope.{i}: the caches with the new entries written (TensorScatter).
       Bound to the same buffers as past_* through IO binding, the update happens in place.
 
 Query t of row b sits at slot write_indices[b] + t and attends to slots j <= that slot where
 attention_mask[b, j] = 1. No decompressed K or V appears in any input or output.
+
+The graphs: prefill (naive attention, any seq), decode (absorbed, seq = 1), verify (absorbed, any seq: speculative
+decoding's verification pass), and draft, the MTP module (layer index num_hidden_layers of a V3 checkpoint), whose
+input_ids are the tokens i + 1 and previous_hidden [batch, seq, hidden_size] the main model's hidden at i, over its
+own one-layer cache past_latent.{L} / past_rope.{L}, L = num_hidden_layers.
 
 A staged export (export --stages N) splits the decoder into N stages of contiguous layers, each with its own prefill
 and decode graph over the same contract, restricted to its layers' caches (past_latent.{i} for i in the stage's
@@ -33,18 +41,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .config import MLAConfig
+
 INPUT_IDS = "input_ids"
 POSITION_IDS = "position_ids"
 ATTENTION_MASK = "attention_mask"
 WRITE_INDICES = "write_indices"
 LOGITS_POSITIONS = "logits_positions"
 LOGITS = "logits"
+HIDDEN = "hidden"
+PREVIOUS_HIDDEN = "previous_hidden"
 HIDDEN_STATES = "hidden_states"
 HIDDEN_STATES_OUT = "hidden_states_out"
 
 PREFILL = "prefill"
 DECODE = "decode"
-GRAPH_FILES = {PREFILL: "prefill.onnx", DECODE: "decode.onnx"}
+VERIFY = "verify"
+DRAFT = "draft"
+GRAPH_FILES = {PREFILL: "prefill.onnx", DECODE: "decode.onnx", VERIFY: "verify.onnx", DRAFT: "draft.onnx"}
 
 
 def past_latent(layer: int) -> str:
@@ -61,6 +75,11 @@ def present_latent(layer: int) -> str:
 
 def present_rope(layer: int) -> str:
     return f"present_rope.{layer}"
+
+
+def past_of(present: str) -> str:
+    """The past_* input whose buffer a present_* output updates."""
+    return "past_" + present.removeprefix("present_")
 
 
 @dataclass(frozen=True)
@@ -120,29 +139,41 @@ def cache_widths(num_layers: int | range, kv_lora_rank: int, rope_dim: int) -> d
     return widths
 
 
-def graph_io(graph: str, num_layers: int, kv_lora_rank: int, rope_dim: int, vocab: int,
-             cache_dtype: str = "float32", stage: Stage | None = None,
-             hidden_size: int | None = None) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """(inputs, outputs) of the prefill or decode graph; of one stage's (`hidden_size` wide hidden states between
-    stages) for a staged export."""
-    stage = stage or Stage.whole(num_layers)
-    seq = "seq" if graph == PREFILL else 1
+def graph_io(graph: str, cfg: MLAConfig, cache_dtype: str = "float32", hidden: bool = False,
+             stage: Stage | None = None) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """(inputs, outputs) of the prefill, decode, verify or draft graph for the config `cfg`; `hidden`: the main graphs
+    of an export with a draft graph also output the final hidden state (the draft graph always does); `stage`: of
+    that stage of a staged export (its prefill and decode graphs)."""
+    stage = stage or Stage.whole(cfg.num_hidden_layers)
+    seq = 1 if graph == DECODE else "seq"
     inputs = [
         TensorSpec(INPUT_IDS, "int64", ("batch", seq)) if stage.first
-        else TensorSpec(HIDDEN_STATES, "float32", ("batch", seq, hidden_size)),
+        else TensorSpec(HIDDEN_STATES, "float32", ("batch", seq, cfg.hidden_size)),
         TensorSpec(POSITION_IDS, "int64", ("batch", seq)),
         TensorSpec(ATTENTION_MASK, "int64", ("batch", "capacity")),
         TensorSpec(WRITE_INDICES, "int64", ("batch",)),
     ]
-    if graph == PREFILL and stage.last:
+    gathered = graph in (PREFILL, DRAFT) and stage.last  # logits at the asked-for positions only
+    if gathered:
         inputs.append(TensorSpec(LOGITS_POSITIONS, "int64", ("batch", "n_logits")))
-    outputs = [TensorSpec(LOGITS, "float32", ("batch", "n_logits" if graph == PREFILL else 1, vocab)) if stage.last
-               else TensorSpec(HIDDEN_STATES_OUT, "float32", ("batch", seq, hidden_size))]
-    presents = dict(cache_pairs(stage.layers))
-    for past, width in cache_widths(stage.layers, kv_lora_rank, rope_dim).items():
-        inputs.append(TensorSpec(past, cache_dtype, ("batch", "capacity", width)))
-        outputs.append(TensorSpec(presents[past], cache_dtype, ("batch", "capacity", width)))
+    if graph == DRAFT:
+        inputs.append(TensorSpec(PREVIOUS_HIDDEN, "float32", ("batch", seq, cfg.hidden_size)))
+    outputs = [TensorSpec(LOGITS, "float32", ("batch", "n_logits" if gathered else seq, cfg.vocab_size)) if stage.last
+               else TensorSpec(HIDDEN_STATES_OUT, "float32", ("batch", seq, cfg.hidden_size))]
+    if hidden or graph == DRAFT:
+        outputs.append(TensorSpec(HIDDEN, "float32", ("batch", "n_logits" if graph == DRAFT else seq, cfg.hidden_size)))
+    layers = draft_layers(cfg) if graph == DRAFT else stage.layers
+    for layer in layers:
+        for past, present, width in ((past_latent(layer), present_latent(layer), cfg.kv_lora_rank),
+                                     (past_rope(layer), present_rope(layer), cfg.qk_rope_head_dim)):
+            inputs.append(TensorSpec(past, cache_dtype, ("batch", "capacity", width)))
+            outputs.append(TensorSpec(present, cache_dtype, ("batch", "capacity", width)))
     return inputs, outputs
+
+
+def draft_layers(cfg: MLAConfig) -> range:
+    """The checkpoint layer index of the MTP module the draft graph runs: the first after the main layers."""
+    return range(cfg.num_hidden_layers, cfg.num_hidden_layers + 1)
 
 
 def cache_pairs(num_layers: int | range) -> list[tuple[str, str]]:

@@ -121,8 +121,7 @@ def check_files(directory: Path, manifest: dict, check_weights: str = "sampled")
         for index in range(len(manifest["stages"])):
             check_files(*read_stage(directory, manifest, index), check_weights)
         return
-    for kind in (io_spec.PREFILL, io_spec.DECODE):
-        entry = manifest["graphs"][kind]
+    for kind, entry in manifest["graphs"].items():
         path = directory / entry["file"]
         if not path.is_file():
             raise ExportLoadError(f"{path}: missing {kind} graph")

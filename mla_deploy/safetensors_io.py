@@ -45,7 +45,9 @@ class SafetensorsFile:
                     raise CheckpointError(f"{self.path}: truncated safetensors file ({size} bytes, no header)")
                 (n,) = struct.unpack("<Q", head)
                 if n > min(_MAX_HEADER, size - 8):
-                    raise CheckpointError(f"{self.path}: not a safetensors file or truncated (header length {n}, file {size} bytes)")
+                    raise CheckpointError(
+                        f"{self.path}: not a safetensors file or truncated (header length {n}, file {size} bytes)"
+                    )
                 header = json.loads(f.read(n))
         except OSError as e:
             raise CheckpointError(f"{self.path}: cannot read ({e.strerror})") from None
@@ -86,7 +88,9 @@ class SafetensorsFile:
             shape = (rows.stop - rows.start, *shape[1:])
         count = int(np.prod(shape, dtype=np.int64))
         with open(self.path, "rb") as f:
-            data = np.fromfile(f, dtype=np_dtype, count=count, offset=self._data_start + begin + first * _ITEMSIZE[dtype])
+            data = np.fromfile(
+                f, dtype=np_dtype, count=count, offset=self._data_start + begin + first * _ITEMSIZE[dtype]
+            )
         return data.reshape(shape)  # [count] -> [*shape]
 
     def float32(self, name: str) -> np.ndarray:
@@ -131,7 +135,9 @@ class SafetensorsWriter:
     bfloat16 tensors are given as uint16 bits. `close()` checks that every planned tensor was written.
     """
 
-    def __init__(self, path: str | Path, plan: dict[str, tuple[str, tuple[int, ...]]], metadata: dict[str, str] | None = None):
+    def __init__(
+        self, path: str | Path, plan: dict[str, tuple[str, tuple[int, ...]]], metadata: dict[str, str] | None = None
+    ):
         self.path = Path(path)
         self.names = sorted(plan)
         header: dict = {"__metadata__": metadata or {"format": "pt"}}

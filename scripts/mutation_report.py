@@ -33,7 +33,9 @@ def main() -> int:
     if len(sys.argv) > 1:
         mutants = Path(sys.argv[1])
     else:
-        mutants = next((p for p in (Path("mutants"), Path("benchmarks/results/mutation")) if p.is_dir()), Path("mutants"))
+        mutants = next(
+            (p for p in (Path("mutants"), Path("benchmarks/results/mutation")) if p.is_dir()), Path("mutants")
+        )
     if not any(mutants.rglob("*.py.meta")):
         print(f"no mutmut verdicts under {mutants}/: run scripts/mutate first", file=sys.stderr)
         return 1

@@ -10,8 +10,14 @@ def torch_greedy(torch_model, prompt: list[int], n: int) -> list[int]:
     cfg = torch_model.cfg
     caches = new_caches(cfg, 1, len(prompt) + n)
     mask = torch.ones(1, len(prompt) + n)
-    logits = torch_model(torch.tensor([prompt]), torch.arange(len(prompt))[None], caches, torch.zeros(1, dtype=torch.long),
-                         mask, form=AttentionForm.NAIVE)[:, -1]
+    logits = torch_model(
+        torch.tensor([prompt]),
+        torch.arange(len(prompt))[None],
+        caches,
+        torch.zeros(1, dtype=torch.long),
+        mask,
+        form=AttentionForm.NAIVE,
+    )[:, -1]
     out = []
     for step in range(n):
         token = int(logits.argmax(-1))

@@ -27,7 +27,13 @@ def cfg(request):
 
 def weights(cfg, seed=0):
     rng = np.random.default_rng(seed)
-    h, dn, dr, dv, dc = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank)
+    h, dn, dr, dv, dc = (
+        cfg.num_attention_heads,
+        cfg.qk_nope_head_dim,
+        cfg.qk_rope_head_dim,
+        cfg.v_head_dim,
+        cfg.kv_lora_rank,
+    )
     q_in = cfg.q_lora_rank or cfg.hidden_size
     q = rng.standard_normal((h * (dn + dr), q_in), dtype=np.float32)
     kv_b = rng.standard_normal((h * (dn + dv), dc), dtype=np.float32)
@@ -37,7 +43,13 @@ def weights(cfg, seed=0):
 
 def test_fused_matrices_are_the_per_head_products(cfg):
     q, kv_b, o = weights(cfg)
-    h, dn, dr, dv, dc = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank)
+    h, dn, dr, dv, dc = (
+        cfg.num_attention_heads,
+        cfg.qk_nope_head_dim,
+        cfg.qk_rope_head_dim,
+        cfg.v_head_dim,
+        cfg.kv_lora_rank,
+    )
     fused_q = absorb.fused_query_absorb(cfg, q, kv_b)
     fused_o = absorb.fused_output_absorb(cfg, o, kv_b)
     assert fused_q.dtype == np.float32 and fused_o.dtype == np.float32
@@ -56,12 +68,18 @@ def test_query_rows_split_per_head_with_rope_rows_rotate_half(cfg):
     h, dn, dr = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
     perm = deinterleave_perm(cfg)
     whole, nope, rope = absorb.query_weight(cfg, q), absorb.query_nope_weight(cfg, q), absorb.query_rope_weight(cfg, q)
-    assert whole.shape == (q.shape[1], h * (dn + dr)) and nope.shape == (q.shape[1], h * dn) and rope.shape == (q.shape[1], h * dr)
+    assert (
+        whole.shape == (q.shape[1], h * (dn + dr))
+        and nope.shape == (q.shape[1], h * dn)
+        and rope.shape == (q.shape[1], h * dr)
+    )
     for head in range(h):
         rows = q[head * (dn + dr) : (head + 1) * (dn + dr)]
         assert (nope[:, head * dn : (head + 1) * dn] == rows[:dn].T).all()
         assert (rope[:, head * dr : (head + 1) * dr] == rows[dn:][perm].T).all()
-        assert (whole[:, head * (dn + dr) : (head + 1) * (dn + dr)] == np.concatenate([rows[:dn], rows[dn:][perm]]).T).all()
+        assert (
+            whole[:, head * (dn + dr) : (head + 1) * (dn + dr)] == np.concatenate([rows[:dn], rows[dn:][perm]]).T
+        ).all()
 
 
 def test_factored_matrices_are_kv_b_split_per_head(cfg):
@@ -94,9 +112,14 @@ def test_absorbed_bytes_are_the_bytes_of_the_matrices_a_decode_token_reads(cfg, 
 
 def test_auto_picks_fewer_bytes_and_factored_on_a_tie():
     # one head, q_in = d = d_c = 64, d_nope = d_v = 32: fused 2·64·64 = factored 64·32 + 32·64 + 64·32 + 32·64
-    tie = config(num_attention_heads=1, hidden_size=64, kv_lora_rank=64, qk_nope_head_dim=32, v_head_dim=32, q_lora_rank=None)
+    tie = config(
+        num_attention_heads=1, hidden_size=64, kv_lora_rank=64, qk_nope_head_dim=32, v_head_dim=32, q_lora_rank=None
+    )
     assert absorb.absorbed_weight_bytes(tie, AbsorbMode.FUSED) == absorb.absorbed_weight_bytes(tie, AbsorbMode.FACTORED)
     assert absorb.resolve_absorb(tie, "auto") == AbsorbMode.FACTORED  # the smaller matrices
     small_latent = dataclasses.replace(tie, kv_lora_rank=8)
     assert absorb.resolve_absorb(small_latent, "auto") == AbsorbMode.FUSED
-    assert absorb.resolve_absorb(tie, "fused") == AbsorbMode.FUSED and absorb.resolve_absorb(small_latent, "factored") == AbsorbMode.FACTORED
+    assert (
+        absorb.resolve_absorb(tie, "fused") == AbsorbMode.FUSED
+        and absorb.resolve_absorb(small_latent, "factored") == AbsorbMode.FACTORED
+    )

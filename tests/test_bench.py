@@ -19,7 +19,7 @@ from mla_deploy.presets import preset_config
 def result(tmp_path_factory):
     work = tmp_path_factory.mktemp("bench")
     cfg = BenchConfig(preset="tiny-v3", workdir=work, contexts=(8, 40), batches=(1, 3), steps=1, prefill_tokens=16,
-                      bandwidth_mb=64)
+                      bandwidth_mb=64, speculative=("lookup",), draft_tokens=3)
     return run_bench(cfg)
 
 
@@ -34,6 +34,18 @@ def test_every_engine_reports_every_point(result):
     assert set(result.bandwidth_gbs) == {"matmul_start", "numpy_threads", "matmul_end"}
     assert all(v > 0 for v in result.bandwidth_gbs.values())
     assert result.runtime_start["torch_imported"] is False and result.runtime_start["load_s"] > 0
+
+
+def test_speculative_modes_report_speed_and_acceptance_against_off(result):
+    """bench --speculative: off and lookup over the same prompts (a random model: the repeating prompt only, no
+    tokenizer), each with its tokens/s, the ratio to off in the same run, and the drafts proposed and accepted."""
+    rows = {(r["prompt"], r["mode"]): r for r in result.speculative}
+    assert set(rows) == {("repeating", "off"), ("repeating", "lookup")}
+    off, lookup = rows["repeating", "off"], rows["repeating", "lookup"]
+    assert off["tokens_per_s"] > 0 and off["vs_off"] == 1.0 and "proposed" not in off
+    assert lookup["draft_tokens"] == 3 and 0 <= lookup["accepted"] <= lookup["proposed"]
+    assert lookup["vs_off"] == pytest.approx(lookup["tokens_per_s"] / off["tokens_per_s"])
+    assert "speculative decoding" in table(result) and "lookup" in table(result)
 
 
 def test_cache_bytes_ratio_is_the_formula(result):
@@ -59,7 +71,9 @@ def test_reference_preset_traffic_matches_the_issue_figures():
     # lm_head 0.84 GB + attention 0.11 + dense MLP 0.27 + 6 routed and 2 shared experts 0.28 = 1.50 GB
     groups = decode_read_bytes(cfg, AbsorbMode.FACTORED)
     assert sum(groups.values()) / 1e9 == pytest.approx(1.50, abs=0.01)
-    assert groups["lm_head"] / 1e9 == pytest.approx(0.84, abs=0.005) and groups["dense_mlp"] / 1e9 == pytest.approx(0.27, abs=0.005)
+    assert groups["lm_head"] / 1e9 == pytest.approx(0.84, abs=0.005) and groups["dense_mlp"] / 1e9 == pytest.approx(
+        0.27, abs=0.005
+    )
     assert (groups["routed_experts"] + groups["shared_experts"]) / 1e9 == pytest.approx(0.28, abs=0.005)
     assert resolve_absorb(cfg, "auto") == AbsorbMode.FACTORED  # fused matrices are ~3x larger here
     assert mha_cache_bytes_per_token(cfg) / latent_cache_bytes_per_token(cfg) == pytest.approx(16 * 320 / 576)
@@ -98,7 +112,9 @@ def test_decompressed_kv_baseline_computes_the_same_model(checkpoint_dir, tmp_pa
     for pos, token in enumerate(ids):
         feed[io_spec.INPUT_IDS], feed[io_spec.POSITION_IDS] = np.array([[token]]), np.array([[pos]])
         out = dict(zip(names, session.run(names, feed)))
-        ref = model(torch.tensor([[token]]), torch.tensor([[pos]]), caches, torch.tensor([pos]), torch.ones(1, len(ids)))
+        ref = model(
+            torch.tensor([[token]]), torch.tensor([[pos]]), caches, torch.tensor([pos]), torch.ones(1, len(ids))
+        )
         assert np.abs(out[io_spec.LOGITS] - ref.numpy()).max() < 1e-4
         for i in range(cfg.num_hidden_layers):
             feed[past_key(i)], feed[past_value(i)] = out[present_key(i)], out[present_value(i)]

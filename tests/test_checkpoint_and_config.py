@@ -64,7 +64,10 @@ def test_missing_field_is_named(checkpoint_dir, tmp_path):
 @pytest.mark.parametrize(
     "changes, message",
     [
-        ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "rope type 'dynamic' is not supported"),
+        (
+            {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+            "rope type 'dynamic' is not supported",
+        ),
         ({"qk_rope_head_dim": 7}, "qk_rope_head_dim=7 must be even"),
         ({"q_lora_rank": "big"}, "q_lora_rank must be null"),
         ({"topk_method": "greedy"}, "topk_method 'greedy' is not supported for deepseek_v3"),
@@ -151,13 +154,22 @@ def test_missing_shard_named(checkpoint_dir, tmp_path):
         Checkpoint(tmp_path)
 
 
-def test_mtp_layer_skipped_with_note(checkpoint_dir, tmp_path):
+def test_incomplete_mtp_layer_is_refused_by_name(checkpoint_dir, tmp_path):
     d = copy_checkpoint(checkpoint_dir, tmp_path)
     n = json.loads((d / "config.json").read_text())["num_hidden_layers"]
     rewrite_weights(d, lambda s: s.update({f"model.layers.{n}.eh_proj.weight": np.ones((4, 4), np.float32)}))
+    with pytest.raises(CheckpointError, match=rf"multi-token-prediction layer {n} is incomplete: missing \(41\): "
+                                              rf"model.layers.{n}.input_layernorm.weight.* wrong shape .*eh_proj"):
+        Checkpoint(d)
+
+
+def test_layers_after_the_mtp_layer_are_skipped_with_a_note(checkpoint_dir, tmp_path):
+    d = copy_checkpoint(checkpoint_dir, tmp_path)
+    n = json.loads((d / "config.json").read_text())["num_hidden_layers"]
+    rewrite_weights(d, lambda s: s.update({f"model.layers.{n + 1}.eh_proj.weight": np.ones((4, 4), np.float32)}))
     ckpt = Checkpoint(d)
-    assert any(f"skipped layer(s) [{n}]" in note for note in ckpt.notes)
-    assert not any(name.startswith(f"model.layers.{n}.") for name in ckpt.names())
+    assert any(f"skipped layer(s) [{n + 1}]" in note for note in ckpt.notes)
+    assert not ckpt.has_mtp and not any(name.startswith(f"model.layers.{n + 1}.") for name in ckpt.names())
 
 
 def test_packed_experts_read_as_per_expert(checkpoint_dir, tmp_path):
@@ -167,7 +179,10 @@ def test_packed_experts_read_as_per_expert(checkpoint_dir, tmp_path):
     def pack(s):
         prefix = "model.layers.1.mlp.experts"
         n = 8
-        gate_up = [np.concatenate([s.pop(f"{prefix}.{e}.gate_proj.weight"), s.pop(f"{prefix}.{e}.up_proj.weight")]) for e in range(n)]
+        gate_up = [
+            np.concatenate([s.pop(f"{prefix}.{e}.gate_proj.weight"), s.pop(f"{prefix}.{e}.up_proj.weight")])
+            for e in range(n)
+        ]
         s[f"{prefix}.gate_up_proj"] = np.stack(gate_up)
         s[f"{prefix}.down_proj"] = np.stack([s.pop(f"{prefix}.{e}.down_proj.weight") for e in range(n)])
 

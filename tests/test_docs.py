@@ -104,7 +104,9 @@ def test_summary_picks_the_latest_file_for_each_precision(tmp_path):
             "theirs": dict.fromkeys(("prefill_512", "decode_128", "decode_4096", "decode_16384", "batch8_128"), 1.0)}
     later = {**pair, "ours": dict.fromkeys(pair["ours"], 3.0)}
     (tmp_path / "llamacpp.json").write_text(
-        f'{{"date": "2026-01-01", "cpu": "A", "threads": 2, "pairs": [{_json(pair)}, {_json({**pair, "mla_deploy": "x"})}]}}')
+        f'{{"date": "2026-01-01", "cpu": "A", "threads": 2, '
+        f'"pairs": [{_json(pair)}, {_json({**pair, "mla_deploy": "x"})}]}}'
+    )
     (tmp_path / "llamacpp-q8_0.json").write_text(
         f'{{"date": "2026-01-01", "cpu": "B", "threads": 4, "pairs": [{_json(later)}]}}')
     chosen = figures.llamacpp_pairs(tmp_path)

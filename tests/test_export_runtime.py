@@ -111,7 +111,9 @@ def test_moe_runs_one_branch_per_expert(checkpoint_dir, exported):
     ifs = [n for n in graph.node if n.op_type == "If"]
     moe_layers = hf.config.num_hidden_layers - hf.config.first_k_dense_replace
     assert len(ifs) == moe_layers * hf.config.n_routed_experts
-    top_level_expert_matmuls = [n for n in graph.node if n.op_type == "MatMul" and any(".experts." in i for i in n.input)]
+    top_level_expert_matmuls = [
+        n for n in graph.node if n.op_type == "MatMul" and any(".experts." in i for i in n.input)
+    ]
     assert top_level_expert_matmuls == []  # routed experts run only inside their If branch
 
 
@@ -200,13 +202,19 @@ def test_a_long_cache_is_the_a_operand_and_exact(checkpoint_dir, exported, varia
 
     src, hf = checkpoint_dir(variant)
     assert transposed_a(exported(variant, absorb)) == 0
-    assert "mla_deploy::LatentAttention" in ExportedModel(exported(variant, absorb)).manifest["graphs"]["decode"]["op_counts"]
+    assert (
+        "mla_deploy::LatentAttention"
+        in ExportedModel(exported(variant, absorb)).manifest["graphs"]["decode"]["op_counts"]
+    )
     monkeypatch.setattr(plan, "LONG_CACHE_BYTES", 4 * hf.config.kv_lora_rank * 8)
     ops, kernel = tmp_path / "ops", tmp_path / "kernel"
     export(src, ops, ExportOptions(absorb=absorb, experts="branches", decode_attention="ops"))
     assert transposed_a(ops) == hf.config.num_hidden_layers
     result = export(src, kernel, ExportOptions(absorb=absorb, experts="branches"))
-    assert result.manifest["graphs"]["decode"]["op_counts"]["mla_deploy::LatentAttentionLong"] == hf.config.num_hidden_layers
+    assert (
+        result.manifest["graphs"]["decode"]["op_counts"]["mla_deploy::LatentAttentionLong"]
+        == hf.config.num_hidden_layers
+    )
     for directory in (ops, kernel):
         report = verify_export(directory, src, steps=4)
         assert report.passed, report.lines
@@ -290,7 +298,8 @@ def test_manifest_describes_the_export(checkpoint_dir, exported):
     assert meta["producer"] == "mla-deploy" and meta["export_id"] == manifest["export_id"]
     assert manifest["tokenizer"] == ["generation_config.json"]  # save_pretrained wrote no tokenizer
     assert sorted(p.name for p in out.iterdir()) == ["decode.onnx", "generation_config.json", "manifest.json",
-                                                     "prefill.onnx", "weights.bin"]
+                                                     "prefill.onnx", "verify.onnx", "weights.bin"]
+    assert manifest["draft"] is False and "draft" not in manifest["graphs"]  # no MTP layer in this checkpoint
 
 
 def test_weights_shared_between_graphs_stored_once(exported):
@@ -324,7 +333,9 @@ def test_context_length_guard(checkpoint_dir, tmp_path):
     export(src, out, ExportOptions(max_seq_len=24))
     gen = Generator(ExportedModel(out), stop_token_ids=())
     prompt = list(range(3, 23))
-    with pytest.raises(InputError, match="20 prompt tokens \\+ 5 new tokens = 25 exceeds the export's maximum length 24"):
+    with pytest.raises(
+        InputError, match="20 prompt tokens \\+ 5 new tokens = 25 exceeds the export's maximum length 24"
+    ):
         gen.generate([prompt], 5)
     at_limit = gen.generate([prompt], 4).token_ids[0]  # exactly the maximum length: every token, and right
     assert at_limit == torch_greedy(load_model(src), prompt, 4)

@@ -86,7 +86,9 @@ def test_a_large_file_is_sampled_at_load_and_read_whole_when_asked(demo_export, 
     assert n > 10 * integrity.SAMPLED_BLOCKS
     assert integrity.check_weights(weights, entry, "sampled", random.Random(0)) == integrity.SAMPLED_BLOCKS + 2
     assert integrity.check_weights(weights, entry, "full") == n
-    flip_bytes(weights, entry["block_bytes"] * (n // 2) + 5)  # one damaged block: found by the full check, by some loads
+    flip_bytes(
+        weights, entry["block_bytes"] * (n // 2) + 5
+    )  # one damaged block: found by the full check, by some loads
     with pytest.raises(ExportLoadError, match=f"block {n // 2} "):
         integrity.check_weights(weights, entry, "full")
     caught = 0
@@ -191,7 +193,9 @@ def test_session_config_options_reach_the_sessions_of_run_and_serve(demo_export,
     class Recording(runtime.ExportedModel):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            seen.append({kind: s.get_session_options().get_session_config_entry(key) for kind, s in self.sessions.items()})
+            seen.append(
+                {kind: s.get_session_options().get_session_config_entry(key) for kind, s in self.sessions.items()}
+            )
 
     monkeypatch.setattr(runtime, "ExportedModel", Recording)
     result = CliRunner().invoke(main, ["run", str(demo_export), "--prompt-ids", "5,6", "-n", "2", "--json",
@@ -199,7 +203,9 @@ def test_session_config_options_reach_the_sessions_of_run_and_serve(demo_export,
     assert result.exit_code == 0, result.output
     assert seen == [{"prefill": "1", "decode": "1"}]
     served = []
-    monkeypatch.setattr(server, "build_service", lambda *args: served.append(args[5]) or SimpleNamespace(model_name="m"))
+    monkeypatch.setattr(
+        server, "build_service", lambda *args: served.append(args[5]) or SimpleNamespace(model_name="m")
+    )
     monkeypatch.setattr(server, "serve", lambda *args: None)
     result = CliRunner().invoke(main, ["serve", str(demo_export), "--session-config", f"{key}=1"])
     assert result.exit_code == 0, result.output
@@ -252,8 +258,12 @@ def test_bench_results_default_beside_the_committed_ones():
 
 
 def test_bench_does_not_import_the_command_line():
-    done = subprocess.run([sys.executable, "-c", "import sys, mla_deploy.bench.run; print('mla_deploy.cli' in sys.modules)"],
-                          capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys, mla_deploy.bench.run; print('mla_deploy.cli' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert done.stdout.strip() == "False"
 
 
@@ -265,8 +275,11 @@ def test_killed_preset_leaves_no_partial_directory(tmp_path):
     import time
 
     out = tmp_path / "ckpt"
-    proc = subprocess.Popen([sys.executable, "-m", "mla_deploy.cli", "preset", "v2lite", "--layers", "1", "-o", str(out)],
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mla_deploy.cli", "preset", "v2lite", "--layers", "1", "-o", str(out)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 60
     while not list(tmp_path.glob(".ckpt.partial-*")) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -296,4 +309,6 @@ def test_preset_replaces_only_an_earlier_random_checkpoint(tmp_path):
     assert json.loads((earlier / "config.json").read_text())["_random_weights"] == {"seed": 2}
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert cli.invoke(main, ["preset", "tiny-v3", "-o", str(empty)]).exit_code == 0 and (empty / "config.json").is_file()
+    assert (
+        cli.invoke(main, ["preset", "tiny-v3", "-o", str(empty)]).exit_code == 0 and (empty / "config.json").is_file()
+    )

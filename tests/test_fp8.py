@@ -63,7 +63,12 @@ def dequantize_torch(codes: torch.Tensor, scale_inv: torch.Tensor, block) -> tor
 
 def is_fp8_weight(name: str, array: np.ndarray) -> bool:
     """What DeepSeek-V3 stores in FP8: every linear projection (not the embedding, head, norms or routers)."""
-    return array.ndim == 2 and "embed_tokens" not in name and "lm_head" not in name and not name.endswith("mlp.gate.weight")
+    return (
+        array.ndim == 2
+        and "embed_tokens" not in name
+        and "lm_head" not in name
+        and not name.endswith("mlp.gate.weight")
+    )
 
 
 @pytest.fixture(scope="module")

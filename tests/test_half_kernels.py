@@ -72,8 +72,12 @@ def _one_op_model(k: int, n: int, dtype: str = "float16", weight: np.ndarray | N
         [helper.make_node(kernels.HALF_MATMUL[dtype], ["a", "b"], ["y"], domain=kernels.DOMAIN)], "one_op", inputs,
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=initializers)
     function = ir.serde.serialize_function(half_matmul_function(dtype))
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(kernels.DOMAIN, 1)],
-                              functions=[function], ir_version=11)
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(kernels.DOMAIN, 1)],
+        functions=[function],
+        ir_version=11,
+    )
     return model.SerializeToString()
 
 

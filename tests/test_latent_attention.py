@@ -41,7 +41,11 @@ def _model(dtype: str, long: bool = False) -> bytes:
         [helper.make_node(name, NAMES, ["out"], domain=kernels.DOMAIN)], "one_op",
         [helper.make_tensor_value_info(n, t, None) for n, t in zip(NAMES, types)],
         [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)])
-    opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid(kernels.DOMAIN, 1), helper.make_opsetid("com.microsoft", 1)]
+    opsets = [
+        helper.make_opsetid("", OPSET),
+        helper.make_opsetid(kernels.DOMAIN, 1),
+        helper.make_opsetid("com.microsoft", 1),
+    ]
     model = helper.make_model(graph, opset_imports=opsets, ir_version=11,
                               functions=[ir.serde.serialize_function(latent_attention_function(dtype, long))])
     return model.SerializeToString()
@@ -130,7 +134,9 @@ def _forced(isa: str, monkeypatch) -> bool:
 @pytest.mark.parametrize("holes", [False, True])
 def test_latent_attention_matches_numpy(b, h, dc, dr, cap, lengths, holes, threads, isa, monkeypatch):
     library = _forced(isa, monkeypatch)
-    _check(np.random.default_rng(b * 1000 + h * 100 + cap), b, h, dc, dr, cap, lengths, holes, threads, library, "float32")
+    _check(
+        np.random.default_rng(b * 1000 + h * 100 + cap), b, h, dc, dr, cap, lengths, holes, threads, library, "float32"
+    )
 
 
 @pytest.mark.parametrize("isa", PATHS)
@@ -163,15 +169,33 @@ def _check(rng, b, h, dc, dr, cap, lengths, holes, threads, library, dtype, long
 
 
 @needs_library
-@pytest.mark.parametrize("shapes,message", [
-    (([2, 4, 64], [2, 4, 16], [2, 10, 64], [2, 10, 16], [2, 1, 1, 10]), None),  # well-formed: runs
-    (([2, 4, 64], [2, 3, 16], [2, 10, 64], [2, 10, 16], [2, 1, 1, 10]), "disagree on the rows, the heads or the widths"),
-    (([2, 4, 64], [2, 4, 16], [2, 10, 32], [2, 10, 16], [2, 1, 1, 10]), "disagree on the rows, the heads or the widths"),
-    (([2, 4, 64], [2, 4, 16], [2, 10, 64], [2, 9, 16], [2, 1, 1, 10]), "disagree on the rows, the heads or the widths"),
-    (([2, 4, 64], [2, 4, 16], [2, 10, 64], [2, 10, 16], [2, 1, 1, 9]), r"bias must hold one value per row and cache slot"),
-    (([2, 4, 40], [2, 4, 16], [2, 10, 40], [2, 10, 16], [2, 1, 1, 10]), "d_c must be a multiple of 16 and d_r of 8"),
-    (([2, 4, 64], [2, 4, 16], [2, 10, 64], [2, 10, 16, 1], [2, 1, 1, 10]), r"expected q_latent \[b, h, d_c\]"),
-])
+@pytest.mark.parametrize(
+    "shapes,message",
+    [
+        (([2, 4, 64], [2, 4, 16], [2, 10, 64], [2, 10, 16], [2, 1, 1, 10]), None),  # well-formed: runs
+        (
+            ([2, 4, 64], [2, 3, 16], [2, 10, 64], [2, 10, 16], [2, 1, 1, 10]),
+            "disagree on the rows, the heads or the widths",
+        ),
+        (
+            ([2, 4, 64], [2, 4, 16], [2, 10, 32], [2, 10, 16], [2, 1, 1, 10]),
+            "disagree on the rows, the heads or the widths",
+        ),
+        (
+            ([2, 4, 64], [2, 4, 16], [2, 10, 64], [2, 9, 16], [2, 1, 1, 10]),
+            "disagree on the rows, the heads or the widths",
+        ),
+        (
+            ([2, 4, 64], [2, 4, 16], [2, 10, 64], [2, 10, 16], [2, 1, 1, 9]),
+            r"bias must hold one value per row and cache slot",
+        ),
+        (
+            ([2, 4, 40], [2, 4, 16], [2, 10, 40], [2, 10, 16], [2, 1, 1, 10]),
+            "d_c must be a multiple of 16 and d_r of 8",
+        ),
+        (([2, 4, 64], [2, 4, 16], [2, 10, 64], [2, 10, 16, 1], [2, 1, 1, 10]), r"expected q_latent \[b, h, d_c\]"),
+    ],
+)
 def test_latent_attention_refuses_malformed_inputs_by_name(shapes, message):
     session = _session("float32", True, 1)
     feed = {n: np.zeros(s, np.float32) for n, s in zip(NAMES, shapes)}
@@ -211,7 +235,10 @@ def test_the_demo_decodes_the_same_with_the_kernel_and_with_onnxruntimes_ops(tmp
         assert result.manifest["decode_attention"] == ("kernel" if choice == "auto" else "ops")
         assert counts.get("mla_deploy::LatentAttention", 0) == (4 if choice == "auto" else 0)
     prompts = [[1, 17, 300, 42], [1, 5], [1, 900, 901, 902, 903, 904, 905, 906]]
-    runs = {c: Generator(ExportedModel(d), SamplingParams(), stop_token_ids=()).generate(prompts, 24) for c, d in outs.items()}
+    runs = {
+        c: Generator(ExportedModel(d), SamplingParams(), stop_token_ids=()).generate(prompts, 24)
+        for c, d in outs.items()
+    }
     assert runs["auto"].token_ids == runs["ops"].token_ids
     models = {c: ExportedModel(d) for c, d in outs.items()}
     feed = prefill_feed(models["ops"].config, np.array([prompts[2]]))

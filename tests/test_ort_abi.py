@@ -1,8 +1,8 @@
 """The onnxruntime C API slots that mla_deploy/kernels/ort_abi.h counts by hand, checked against the installed
 onnxruntime by what they do: tests/ort_abi_probe.c, built on the header, calls every slot it names with inputs whose
 results only the right function gives (a shape read back, data summed, a status round trip, every ParallelFor index
-visited once, a release that frees, an integer attribute read back). The same probe with any one slot moved one place either way must fail, so a
-miscount cannot pass. Each probe runs in its own process: a wrong slot may crash it."""
+visited once, a release that frees, an integer attribute read back). The same probe with any one slot moved one
+place either way must fail, so a miscount cannot pass. Each probe runs in its own process: a wrong slot may crash it."""
 
 import json
 import re
@@ -23,8 +23,8 @@ COMPILER = shutil.which("cc") or shutil.which("gcc")
 needs_compiler = pytest.mark.skipif(COMPILER is None, reason="no C compiler to build the probe")
 
 X = np.arange(42, dtype=np.float64).reshape(2, 3, 7) * 0.5
-PROBE_TASKS, LEAK_BYTES = 37, 256 * 1024
-PROBE_VALUE = 4_000_000_123  # an int64 attribute beyond 32 bits  # ParallelFor's tasks; 20000 unreleased shape infos leak over 1 MB
+PROBE_TASKS, LEAK_BYTES = 37, 256 * 1024  # ParallelFor's tasks; 20000 unreleased shape infos leak over 1 MB
+PROBE_VALUE = 4_000_000_123  # an int64 attribute beyond 32 bits
 RUN = """
 import json, sys
 import numpy as np, onnxruntime as ort
@@ -48,8 +48,9 @@ def _model(path: Path) -> Path:
     graph = helper.make_graph([node], "probe",
                               [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [2, 3, 7])],
                               [helper.make_tensor_value_info("y", TensorProto.DOUBLE, None)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("mla_deploy_probe", 1)],
-                              ir_version=9)
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("mla_deploy_probe", 1)], ir_version=9
+    )
     path.write_bytes(model.SerializeToString())
     return path
 

@@ -72,7 +72,9 @@ def test_half_and_quantized_exports_report_their_quality_against_the_float_sourc
         assert q["positions"] == 13 + 7 + 3 + 3 * 3  # every prompt position and every decode step
         assert 0.5 <= q["top1"] <= 1.0 and 0 < q["mean_abs"] <= q["max_abs"]
         assert any(line.startswith("quality  against the float32 source") for line in report.lines)
-    assert q["max_abs"] > 10 * verify_export(half(variant, "bfloat16"), src, steps=3).quality["max_abs"]  # int4 costs more
+    assert (
+        q["max_abs"] > 10 * verify_export(half(variant, "bfloat16"), src, steps=3).quality["max_abs"]
+    )  # int4 costs more
 
 
 def test_bfloat16_is_exact_only_against_rounded_weights_and_rounded_caches(checkpoint_dir, half, monkeypatch):
@@ -82,7 +84,7 @@ def test_bfloat16_is_exact_only_against_rounded_weights_and_rounded_caches(check
     out, src = half(variant, "bfloat16"), checkpoint_dir(variant)[0]
     assert verify_export(out, src, steps=4).passed
     real = verify_module.layerwise_logits
-    monkeypatch.setattr("mla_deploy.verify.layerwise_logits", lambda *a, cache_dtype=None: real(*a))
+    monkeypatch.setattr("mla_deploy.verify.layerwise_logits", lambda *a, cache_dtype=None, **kw: real(*a, **kw))
     assert not verify_export(out, src, steps=4).passed
     monkeypatch.undo()
     monkeypatch.setattr("mla_deploy.verify.RoundedCheckpoint", lambda ckpt, dtype: ckpt)
@@ -127,7 +129,9 @@ def test_half_exports_generate_like_the_rounded_source_through_generator_and_sch
 def test_a_float32_cache_given_to_a_bfloat16_graph_is_refused_by_name(half):
     model = ExportedModel(half("v3_dense_tied", "bfloat16"))
     feed = prefill_feed(model.config, np.array([[1, 2, 3]]))  # float32 caches
-    with pytest.raises(InputError, match=r"past_latent\.0: dtype float32, expected bfloat16: numpy uint16 \(bfloat16 bit"):
+    with pytest.raises(
+        InputError, match=r"past_latent\.0: dtype float32, expected bfloat16: numpy uint16 \(bfloat16 bit"
+    ):
         model.run(io_spec.PREFILL, feed)
     good = prefill_feed(model.config, np.array([[1, 2, 3]]), cache_dtype="bfloat16")
     out = model.run(io_spec.PREFILL, good)
@@ -157,7 +161,10 @@ def test_float32_islands_hold_where_float16_overflows(checkpoint_dir, tmp_path):
     src = _scaled_checkpoint(checkpoint_dir, tmp_path, 3000.0)
     ckpt = Checkpoint(src)
     cfg: MLAConfig = ckpt.config
-    q, kv_b = ckpt.tensor("model.layers.0.self_attn.q_proj.weight"), ckpt.tensor("model.layers.0.self_attn.kv_b_proj.weight")
+    q, kv_b = (
+        ckpt.tensor("model.layers.0.self_attn.q_proj.weight"),
+        ckpt.tensor("model.layers.0.self_attn.kv_b_proj.weight"),
+    )
     assert max(np.abs(q).max(), np.abs(kv_b).max()) < FLOAT16_MAX  # every weight fits float16 ...
     assert np.abs(absorb_module.fused_query_absorb(cfg, q, kv_b)).max() > FLOAT16_MAX  # ... their product does not
     for absorb in ("fused", "factored"):
@@ -169,8 +176,11 @@ def test_float32_islands_hold_where_float16_overflows(checkpoint_dir, tmp_path):
 
 def test_a_weight_beyond_float16_is_refused_by_name(checkpoint_dir, tmp_path):
     src = _scaled_checkpoint(checkpoint_dir, tmp_path, 1e6)
-    with pytest.raises(ExportError, match=r"--dtype float16: model\.layers\.\d+\.self_attn\.(q_proj|kv_b_proj)\.weight holds "
-                                          r"\|w\| = .* beyond float16's largest value 65504; export it as bfloat16"):
+    with pytest.raises(
+        ExportError,
+        match=r"--dtype float16: model\.layers\.\d+\.self_attn\.(q_proj|kv_b_proj)\.weight holds "
+        r"\|w\| = .* beyond float16's largest value 65504; export it as bfloat16",
+    ):
         export(src, tmp_path / "out", ExportOptions(dtype="float16"))
     assert not (tmp_path / "out").exists()
     export(src, tmp_path / "bf16", ExportOptions(dtype="bfloat16", absorb="factored", experts="branches"))

@@ -55,8 +55,9 @@ def matmul_nbits(qw, m: int, accuracy_level: int) -> ort.InferenceSession:
     graph = helper.make_graph([node], "q", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [m, k])],
                               [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [m, n])],
                               [numpy_helper.from_array(qw.codes, "B"), numpy_helper.from_array(qw.scales, "scales")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)],
-                              ir_version=10)
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)], ir_version=10
+    )
     so = ort.SessionOptions()
     so.log_severity_level = 3
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])

@@ -27,7 +27,9 @@ def test_float16_scales_are_rounded_before_the_codes(bits, block):
     safe = np.where(expected == 0, 1, expected.astype(np.float64))[..., None]
     assert np.array_equal(unpack_codes(qw), np.clip(np.rint(blocks / safe), -qmax, qmax))
     deq = dequantize(qw)
-    assert np.array_equal(deq, (unpack_codes(qw) * expected.astype(np.float32)[..., None]).reshape(9, -1)[:, : w.shape[0]].T)
+    assert np.array_equal(
+        deq, (unpack_codes(qw) * expected.astype(np.float32)[..., None]).reshape(9, -1)[:, : w.shape[0]].T
+    )
     step = np.repeat(expected.astype(np.float64).T, block, axis=0)[: w.shape[0]]
     # half a step, plus what clipping at qmax can add when the rounded scale is below max|W| / qmax
     assert (np.abs(deq - w) <= step * (0.5 + qmax * 2.0**-11) + 1e-12).all()
@@ -44,7 +46,9 @@ def test_quantization_records_its_scale_dtype():
     q = Quantization(4, 32, scale_dtype="float16")
     assert q.to_dict()["scale_dtype"] == "float16" and Quantization.from_dict(q.to_dict()) == q
     assert q.bytes_per_weight() == 0.5 + 2 / 32 and Quantization(8, 32).bytes_per_weight() == 1 + 4 / 32
-    legacy = {k: v for k, v in Quantization(4).to_dict().items() if k != "scale_dtype"}  # manifests written before the field
+    legacy = {
+        k: v for k, v in Quantization(4).to_dict().items() if k != "scale_dtype"
+    }  # manifests written before the field
     assert Quantization.from_dict(legacy).scale_dtype == "float32"
 
 
@@ -101,7 +105,11 @@ def test_gate_up_columns_alternate_16_gate_columns_with_the_same_up_columns(bits
     assert np.array_equal(w[:, 0:16], g[:, 0:16]) and np.array_equal(w[:, 16:32], u[:, 0:16])
     assert np.array_equal(w[:, 32:40], g[:, 16:24]) and np.array_equal(w[:, 48:56], u[:, 16:24])
     assert not w[:, 40:48].any() and not w[:, 56:64].any()
-    fc = layouts.routed_experts_layout([gate, gate], [up, up], [quantize(rng.standard_normal((inter, d)).astype(np.float32), bits, 16, scale_dtype="float16")] * 2)
+    fc = layouts.routed_experts_layout(
+        [gate, gate],
+        [up, up],
+        [quantize(rng.standard_normal((inter, d)).astype(np.float32), bits, 16, scale_dtype="float16")] * 2,
+    )
     assert fc["fc1_codes"].shape == (2, 4, 3, 32 * bits) and fc["fc1_scales"].shape == (2, 4, 3, 16)
     assert fc["fc2_codes"].shape == (2, 3, 2, 32 * bits) and fc["fc2_scales"].shape == (2, 3, 2, 16)
 

@@ -46,7 +46,11 @@ def model(exported):
         (5, 3, r"^prompts: expected a non-empty list of token-id lists$"),
         ([[5, 6], "abc"], 3, r"prompt 1: expected a list of token ids, got str"),
         ([[5, 2.5]], 3, r"prompt 0, position 1: token id 2.5 is not an integer"),
-        ([list(range(3, 90)) * 3], 3, r"261 prompt tokens \+ 3 new tokens = 264 exceeds the export's maximum length 256"),
+        (
+            [list(range(3, 90)) * 3],
+            3,
+            r"261 prompt tokens \+ 3 new tokens = 264 exceeds the export's maximum length 256",
+        ),
         ([[5]], 0, r"max_new_tokens=0: must be a positive integer"),
         ([[5]], True, r"max_new_tokens=True: must be a positive integer"),
         ([[5]], "3", r"max_new_tokens='3': must be a positive integer"),
@@ -104,28 +108,67 @@ def good_feed(model, b=2, t=3, cap=8):
 @pytest.mark.parametrize(
     "change, message",
     [
-        (lambda f: f.update({"past_latent.1": f["past_latent.1"].astype(np.float64)}),
-         "^past_latent.1: dtype float64, expected float32: numpy float32$"),
-        (lambda f: f.update({"past_latent.0": np.zeros((2, 8, 31), np.float32)}),
-         r"^past_latent.0: shape \[2, 8, 31\], expected \['batch', 'capacity', 32\]$"),
-        (lambda f: f.update({io_spec.INPUT_IDS: [[5, 5, 5], [5, 5, 5]]}), "^input_ids: expected a numpy array, got list$"),
-        (lambda f: f.update({io_spec.INPUT_IDS: np.full((2, 3, 1), 5)}),
-         r"^input_ids: shape \[2, 3, 1\], expected rank 2 \['batch', 'seq'\]$"),
-        (lambda f: f.update({"past_latent.9": np.zeros((2, 8, 32), np.float32)}), r"^prefill inputs: missing \[\], unknown \['past_latent.9'\]$"),
-        (lambda f: f.update({"past_rope.0": np.zeros((2, 8, 5), np.float32)}), r"past_rope.0: shape \[2, 8, 5\], expected \['batch', 'capacity', 8\]"),
-        (lambda f: f.update({"past_latent.2": np.zeros((3, 8, 32), np.float32)}), "past_latent.2: batch is 3 but input_ids has batch 2: the inputs disagree"),
-        (lambda f: f.update({"past_rope.2": np.zeros((2, 9, 8), np.float32)}), "past_rope.2: capacity is 9 but attention_mask has capacity 8"),
+        (
+            lambda f: f.update({"past_latent.1": f["past_latent.1"].astype(np.float64)}),
+            "^past_latent.1: dtype float64, expected float32: numpy float32$",
+        ),
+        (
+            lambda f: f.update({"past_latent.0": np.zeros((2, 8, 31), np.float32)}),
+            r"^past_latent.0: shape \[2, 8, 31\], expected \['batch', 'capacity', 32\]$",
+        ),
+        (
+            lambda f: f.update({io_spec.INPUT_IDS: [[5, 5, 5], [5, 5, 5]]}),
+            "^input_ids: expected a numpy array, got list$",
+        ),
+        (
+            lambda f: f.update({io_spec.INPUT_IDS: np.full((2, 3, 1), 5)}),
+            r"^input_ids: shape \[2, 3, 1\], expected rank 2 \['batch', 'seq'\]$",
+        ),
+        (
+            lambda f: f.update({"past_latent.9": np.zeros((2, 8, 32), np.float32)}),
+            r"^prefill inputs: missing \[\], unknown \['past_latent.9'\]$",
+        ),
+        (
+            lambda f: f.update({"past_rope.0": np.zeros((2, 8, 5), np.float32)}),
+            r"past_rope.0: shape \[2, 8, 5\], expected \['batch', 'capacity', 8\]",
+        ),
+        (
+            lambda f: f.update({"past_latent.2": np.zeros((3, 8, 32), np.float32)}),
+            "past_latent.2: batch is 3 but input_ids has batch 2: the inputs disagree",
+        ),
+        (
+            lambda f: f.update({"past_rope.2": np.zeros((2, 9, 8), np.float32)}),
+            "past_rope.2: capacity is 9 but attention_mask has capacity 8",
+        ),
         (lambda f: f.pop("past_rope.1"), r"^prefill inputs: missing \['past_rope.1'\], unknown \[\]$"),
         (lambda f: f.update({io_spec.WRITE_INDICES: np.array([0, 6])}), r"do not fit a cache of capacity 8"),
-        (lambda f: f.update({io_spec.INPUT_IDS: np.array([[5, 5, 5], [5, 500, 5]])}), r"input_ids\[1, 1\] = 500: outside the vocabulary"),
-        (lambda f: f.update({io_spec.POSITION_IDS: np.full((2, 3), 300)}), r"position_ids: values must be in \[0, 256\)"),
-        (lambda f: f.update({io_spec.POSITION_IDS: np.array([[0, 1, 2], [253, 254, 256]])}),
-         r"position_ids: values must be in \[0, 256\) \(the export's maximum length\), got \[0, 256\]"),
+        (
+            lambda f: f.update({io_spec.INPUT_IDS: np.array([[5, 5, 5], [5, 500, 5]])}),
+            r"input_ids\[1, 1\] = 500: outside the vocabulary",
+        ),
+        (
+            lambda f: f.update({io_spec.POSITION_IDS: np.full((2, 3), 300)}),
+            r"position_ids: values must be in \[0, 256\)",
+        ),
+        (
+            lambda f: f.update({io_spec.POSITION_IDS: np.array([[0, 1, 2], [253, 254, 256]])}),
+            r"position_ids: values must be in \[0, 256\) \(the export's maximum length\), got \[0, 256\]",
+        ),
         (lambda f: f.update({io_spec.POSITION_IDS: np.array([[-1, 0, 1], [0, 1, 2]])}), r"got \[-1, 2\]"),
-        (lambda f: f.update({io_spec.INPUT_IDS: np.array([[5, 5, 97], [5, 5, 5]])}), r"input_ids\[0, 2\] = 97: outside the vocabulary \[0, 97\)"),
-        (lambda f: f.update({io_spec.INPUT_IDS: np.zeros((2, 0), np.int64), io_spec.POSITION_IDS: np.zeros((2, 0), np.int64)}),
-         "input_ids: empty; at least one token per row"),
-        (lambda f: f.update({io_spec.LOGITS_POSITIONS: np.array([[2], [3]])}), r"logits_positions: values must be in \[0, 3\), got \[2, 3\]"),
+        (
+            lambda f: f.update({io_spec.INPUT_IDS: np.array([[5, 5, 97], [5, 5, 5]])}),
+            r"input_ids\[0, 2\] = 97: outside the vocabulary \[0, 97\)",
+        ),
+        (
+            lambda f: f.update(
+                {io_spec.INPUT_IDS: np.zeros((2, 0), np.int64), io_spec.POSITION_IDS: np.zeros((2, 0), np.int64)}
+            ),
+            "input_ids: empty; at least one token per row",
+        ),
+        (
+            lambda f: f.update({io_spec.LOGITS_POSITIONS: np.array([[2], [3]])}),
+            r"logits_positions: values must be in \[0, 3\), got \[2, 3\]",
+        ),
     ],
 )
 def test_caches_and_feeds_checked_through_the_api(model, change, message):
@@ -193,7 +236,9 @@ def test_force_replaces_only_an_earlier_export(checkpoint_dir, exported, tmp_pat
         out.mkdir()
         (out / "keep.txt").write_text("mine")
         if kind != "directory":
-            (out / "manifest.json").write_text('{"format": "another tool"}' if kind == "foreign manifest" else "{not json")
+            (out / "manifest.json").write_text(
+                '{"format": "another tool"}' if kind == "foreign manifest" else "{not json"
+            )
     before, linked = _tree(work), _tree(exported(VARIANT))
     for force in (False, True):
         with pytest.raises(ExportError) as refused:
@@ -227,7 +272,9 @@ def test_disk_full_mid_write_leaves_nothing(checkpoint_dir, tmp_path, monkeypatc
         return real(self, name, make, dtype)
 
     monkeypatch.setattr(WeightsFile, "tensor", full)
-    with pytest.raises(ExportError, match="writing the export failed \\(No space left on device\\); nothing was left behind"):
+    with pytest.raises(
+        ExportError, match="writing the export failed \\(No space left on device\\); nothing was left behind"
+    ):
         export(src, tmp_path / "out")
     assert len(written) == 3 and list(tmp_path.iterdir()) == []
 
@@ -253,7 +300,10 @@ def test_export_refuses_bad_checkpoints(checkpoint_dir, tmp_path):
     [
         (lambda d: (d / "decode.onnx").unlink(), r"decode.onnx: missing decode graph"),
         (lambda d: (d / "weights.bin").unlink(), r"weights.bin: missing external weight data"),
-        (lambda d: (d / "weights.bin").write_bytes((d / "weights.bin").read_bytes()[:-100]), r"weights.bin: \d+ bytes, the manifest says"),
+        (
+            lambda d: (d / "weights.bin").write_bytes((d / "weights.bin").read_bytes()[:-100]),
+            r"weights.bin: \d+ bytes, the manifest says",
+        ),
         (lambda d: (d / "prefill.onnx").write_bytes(b"garbage"), r"prefill.onnx: does not match the manifest"),
         (lambda d: (d / "manifest.json").write_text("{not json"), r"manifest.json: corrupt manifest"),
         (lambda d: (d / "manifest.json").unlink(), r"manifest.json: missing"),
@@ -287,7 +337,9 @@ def test_newer_manifest_version_refused(exported, tmp_path):
     manifest["manifest_version"] = 99
     manifest["mla_deploy_version"] = "9.0.0"
     (d / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(ExportLoadError, match="manifest_version 99 was written by mla-deploy 9.0.0.*upgrade mla-deploy"):
+    with pytest.raises(
+        ExportLoadError, match="manifest_version 99 was written by mla-deploy 9.0.0.*upgrade mla-deploy"
+    ):
         ExportedModel(d)
 
 
@@ -514,7 +566,9 @@ def test_cli_provider_fallback_is_one_warning_line(exported):
 
     if "CUDAExecutionProvider" in ort.get_available_providers():
         pytest.skip("CUDA is available here")
-    result = CliRunner().invoke(main, ["run", str(exported(VARIANT)), "--prompt-ids", "5,6", "-n", "2", "--provider", "cuda", "--json"])
+    result = CliRunner().invoke(
+        main, ["run", str(exported(VARIANT)), "--prompt-ids", "5,6", "-n", "2", "--provider", "cuda", "--json"]
+    )
     assert result.exit_code == 0, result.output
     warned = [line for line in result.output.splitlines() if "CUDAExecutionProvider" in line]
     assert len(warned) == 1 and warned[0].startswith("warning: ") and "falling back to CPU" in warned[0]
@@ -534,7 +588,9 @@ def test_timings_count_every_step_on_a_known_clock(exported, graphs, monkeypatch
     result = Generator(model, stop_token_ids=(), chunk_size=64).generate([[5, 6, 7], [8, 9]], max_new_tokens=5)
     steps = 4  # the first token comes from the prefill's logits
     assert result.prefill_ms == pytest.approx(10.0) and result.decode_ms == pytest.approx(10.0 * steps)
-    assert result.decode_tokens == 2 * steps and result.decode_tokens_per_s == pytest.approx(2 * steps / (10.0 * steps / 1e3))
+    assert result.decode_tokens == 2 * steps and result.decode_tokens_per_s == pytest.approx(
+        2 * steps / (10.0 * steps / 1e3)
+    )
 
 
 def test_cache_buffers_grow_in_blocks_and_refuse_beyond_the_export(model):
@@ -543,12 +599,16 @@ def test_cache_buffers_grow_in_blocks_and_refuse_beyond_the_export(model):
     caches = CacheBuffers(model.config, 2, 5, 3 * BLOCK, "cpu")
     assert caches.capacity == BLOCK  # rounded up to a block
     latent = caches.arrays[io_spec.past_latent(0)]
-    assert caches.ensure(BLOCK) is False and caches.arrays[io_spec.past_latent(0)] is latent  # enough: nothing reallocated
+    assert (
+        caches.ensure(BLOCK) is False and caches.arrays[io_spec.past_latent(0)] is latent
+    )  # enough: nothing reallocated
     latent[:, :5] = 7.0
     assert caches.ensure(BLOCK + 1) is True and caches.capacity == 2 * BLOCK  # one more block, contents kept
     assert (caches.arrays[io_spec.past_latent(0)][:, :5] == 7.0).all()
     assert caches.ensure(3 * BLOCK) is True and caches.capacity == 3 * BLOCK
-    with pytest.raises(InputError, match=f"sequence needs {3 * BLOCK + 1} cache slots, the export's maximum length is {3 * BLOCK}"):
+    with pytest.raises(
+        InputError, match=f"sequence needs {3 * BLOCK + 1} cache slots, the export's maximum length is {3 * BLOCK}"
+    ):
         caches.ensure(3 * BLOCK + 1)
 
 

@@ -25,7 +25,8 @@ def yarn_config(top: dict | None = None, preset: str = "tiny-v3", **scaling) -> 
     # DeepSeek-V2-Lite's own rope (d_r 64, factor 40, original 4096): the ramp spans dims 10..23
     ({"preset": "v2lite", "max_position_embeddings": 163840},
      {"factor": 40, "original_max_position_embeddings": 4096, "mscale": 0.707, "mscale_all_dim": 0.707}),
-    # an empty ramp (both correction dims at 0, then both at 7 = d_r/2 - 1): its end moved by 0.001, as transformers does
+    # an empty ramp (both correction dims at 0, then both at 7 = d_r/2 - 1): its end moved by 0.001, as
+    # transformers does
     ({}, {"beta_fast": 32, "beta_slow": 32}),
     ({"rope_theta": 10.0, "max_position_embeddings": 4096},
      {"beta_fast": 1, "beta_slow": 2, "original_max_position_embeddings": 471}),

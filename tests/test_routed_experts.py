@@ -46,7 +46,10 @@ def test_fc2_strips_are_downs_transpose_zero_padded_to_whole_strips():
 def _experts(rng, e: int, d: int, inter: int):
     """HF-shaped gate, up [E, I, d] and down [E, d, I], float32."""
     scale = 1.0 / np.sqrt(d)
-    return [(rng.standard_normal(shape) * scale).astype(np.float32) for shape in ((e, inter, d), (e, inter, d), (e, d, inter))]
+    return [
+        (rng.standard_normal(shape) * scale).astype(np.float32)
+        for shape in ((e, inter, d), (e, inter, d), (e, d, inter))
+    ]
 
 
 ONNX_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
@@ -71,13 +74,25 @@ def _one_op_model(gate, up, down, dtype: str = "float32") -> bytes:
     fc1 = np.stack([kernels.expert_fc1_strips(gate[i], up[i]) for i in range(e)])
     fc2 = np.stack([kernels.expert_fc2_strips(down[i]) for i in range(e)])
     graph = helper.make_graph(
-        [helper.make_node(kernels.ROUTED_EXPERTS[dtype], ["x", "dispatch", "fc1", "fc2"], ["y"], domain=kernels.DOMAIN)],
-        "one_op", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", d]),
-                   helper.make_tensor_value_info("dispatch", TensorProto.FLOAT, ["T", e])],
+        [
+            helper.make_node(
+                kernels.ROUTED_EXPERTS[dtype], ["x", "dispatch", "fc1", "fc2"], ["y"], domain=kernels.DOMAIN
+            )
+        ],
+        "one_op",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", d]),
+            helper.make_tensor_value_info("dispatch", TensorProto.FLOAT, ["T", e]),
+        ],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-        initializer=[_stored(fc1, "fc1", dtype), _stored(fc2, "fc2", dtype)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(kernels.DOMAIN, 1)],
-                              functions=[ir.serde.serialize_function(routed_experts_function(dtype))], ir_version=11)
+        initializer=[_stored(fc1, "fc1", dtype), _stored(fc2, "fc2", dtype)],
+    )
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(kernels.DOMAIN, 1)],
+        functions=[ir.serde.serialize_function(routed_experts_function(dtype))],
+        ir_version=11,
+    )
     return model.SerializeToString()
 
 
@@ -101,7 +116,11 @@ def _reference(x, dispatch, gate, up, down) -> tuple[np.ndarray, np.ndarray]:
         act = g / (1 + np.exp(-g)) * u
         y[t] += dispatch[t, e] * (down[e] @ act)
         # the activations' own error (relative ~d 2^-24 through gate and up) carried through down, plus down's sum
-        act_err = (d * 2.0**-24 * 4) * (np.abs(gate[e]) @ np.abs(x[t]) + np.abs(up[e]) @ np.abs(x[t])) * (1 + np.abs(g) + np.abs(u))
+        act_err = (
+            (d * 2.0**-24 * 4)
+            * (np.abs(gate[e]) @ np.abs(x[t]) + np.abs(up[e]) @ np.abs(x[t]))
+            * (1 + np.abs(g) + np.abs(u))
+        )
         bound[t] += abs(dispatch[t, e]) * (np.abs(down[e]) @ (inter * 2.0**-24 * np.abs(act) + act_err))
     return y, bound + 1e-7 * np.abs(y).max()
 
@@ -179,8 +198,9 @@ def test_routed_experts_refuse_malformed_inputs_by_name(shapes, message):
         [helper.make_node(kernels.ROUTED_EXPERTS["float32"], names, ["y"], domain=kernels.DOMAIN)], "one_op",
         [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in names],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(kernels.DOMAIN, 1)],
-                              ir_version=11)
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(kernels.DOMAIN, 1)], ir_version=11
+    )
     session = _session(model.SerializeToString(), True, 1)
     feed = {n: np.ones(s, np.float32) for n, s in zip(names, shapes)}
     if message is None:
@@ -216,7 +236,9 @@ def test_the_demo_export_runs_its_experts_in_the_kernel_and_its_function_body_al
         so = on.session_options()
         so.optimized_model_filepath = str(tmp_path / f"{kind}.onnx")
         ort.InferenceSession(str(demo_export / on.manifest["graphs"][kind]["file"]), so, providers=on.providers)
-        assert op_type in {n.op_type for n in onnx.load(so.optimized_model_filepath, load_external_data=False).graph.node}
+        assert op_type in {
+            n.op_type for n in onnx.load(so.optimized_model_filepath, load_external_data=False).graph.node
+        }
     feed = prefill_feed(on.config, np.array([[1, 17, 300, 42, 9, 77, 5, 1000, 3]]))
     logits = [m.run(io_spec.PREFILL, feed)[io_spec.LOGITS] for m in (on, off)]
     assert float(np.abs(logits[0] - logits[1]).max()) <= 1e-4 * float(np.abs(logits[1]).max())

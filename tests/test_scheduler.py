@@ -7,7 +7,6 @@ import pytest
 
 from mla_deploy.errors import InputError
 from mla_deploy.presets import DEMO_CHECKPOINT
-from mla_deploy.presets import DEMO_CHECKPOINT
 from mla_deploy.runtime import ExportedModel, Generator, SamplingParams
 from mla_deploy.runtime.cache import BLOCK
 from mla_deploy.runtime.engine import Engine
@@ -178,7 +177,9 @@ def test_a_cancelled_request_frees_its_row_within_one_step(model):
     assert out.finished.reason == "cancelled" and len(out.tokens) == 4
     assert scheduler.rows == [waiting]  # admitted into the freed row in the same step
     drain(scheduler)
-    assert waiting_out.tokens == Generator(model, SamplingParams(), stop_token_ids=()).generate([[8, 9]], 3).token_ids[0]
+    assert (
+        waiting_out.tokens == Generator(model, SamplingParams(), stop_token_ids=()).generate([[8, 9]], 3).token_ids[0]
+    )
 
 
 def test_a_long_prompt_is_prefilled_in_budgeted_chunks_while_running_rows_keep_decoding(model):
@@ -255,7 +256,10 @@ def test_an_engine_outlives_the_event_loops_of_its_callers(model):
     try:
         for _ in range(3):
             asyncio.run(first_token())
-        assert asyncio.run(asyncio.wait_for(whole(), 60)) == Generator(model, SamplingParams(), stop_token_ids=()).generate([[5, 6, 7]], 8).token_ids[0]
+        assert (
+            asyncio.run(asyncio.wait_for(whole(), 60))
+            == Generator(model, SamplingParams(), stop_token_ids=()).generate([[5, 6, 7]], 8).token_ids[0]
+        )
         assert engine.error is None
     finally:
         engine.close()

@@ -159,7 +159,10 @@ def test_models_health_and_metrics(server, client):
     client.completions.create(prompt="x = ", max_tokens=5, **greedy())
     after = _metrics(server[0])
     assert after["mla_generation_tokens_total"] - before["mla_generation_tokens_total"] == 5
-    assert after['mla_requests_finished_total{reason="length"}'] == before['mla_requests_finished_total{reason="length"}'] + 1
+    assert (
+        after['mla_requests_finished_total{reason="length"}']
+        == before['mla_requests_finished_total{reason="length"}'] + 1
+    )
     assert after["mla_time_to_first_token_seconds_count"] > before["mla_time_to_first_token_seconds_count"]
     assert after['mla_time_to_first_token_seconds_bucket{le="+Inf"}'] == after["mla_time_to_first_token_seconds_count"]
 
@@ -230,15 +233,32 @@ BAD_REQUESTS = [
     ("best_of below n", {"model": MODEL, "prompt": "x", "n": 3, "best_of": 2}, 400, "best_of"),
     ("best_of streamed", {"model": MODEL, "prompt": "x", "best_of": 2, "stream": True}, 400, "best_of"),
     ("suffix", {"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix"),
-    ("tools", {"model": MODEL, "prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    (
+        "tools",
+        {"model": MODEL, "prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]},
+        400,
+        "tools",
+    ),
     ("presence_penalty past 2", {"model": MODEL, "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ("logit_bias key", {"model": MODEL, "prompt": "x", "logit_bias": {"a": 1}}, 400, "logit_bias"),
     ("logit_bias value", {"model": MODEL, "prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias[5]"),
     ("logit_bias id", {"model": MODEL, "prompt": "x", "logit_bias": {"4096": 1}}, 400, "logit_bias"),
-    ("response_format type", {"model": MODEL, "prompt": "x", "response_format": {"type": "xml"}}, 400,
-     "response_format"),
-    ("response_format schema", {"model": MODEL, "prompt": "x", "response_format": {
-        "type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "strin"}}}}, 400, "response_format"),
+    (
+        "response_format type",
+        {"model": MODEL, "prompt": "x", "response_format": {"type": "xml"}},
+        400,
+        "response_format",
+    ),
+    (
+        "response_format schema",
+        {
+            "model": MODEL,
+            "prompt": "x",
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "strin"}}},
+        },
+        400,
+        "response_format",
+    ),
     ("lone surrogate", b'{"model": "demo", "prompt": "a\\ud800b"}', 400, "prompt"),
     ("lone surrogate in a list", b'{"model": "demo", "prompt": ["ok", "\\udfff"]}', 400, "prompt"),
     ("an empty prompt in a list", {"model": MODEL, "prompt": ["x", ""]}, 400, "prompt"),
@@ -257,7 +277,9 @@ def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving(serve
         assert r.status_code == status, (name, r.text)
         error = r.json()["error"]
         assert error["message"] and error["type"] and error["param"] == param, name
-    chat = httpx.post(base + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "robot", "content": "x"}]})
+    chat = httpx.post(
+        base + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}
+    )
     assert chat.status_code == 400 and "role" in chat.json()["error"]["message"]
     for field, value in (("top_logprobs", 2), ("tool_choice", "auto")):
         chat = httpx.post(base + "/v1/chat/completions",
@@ -292,10 +314,15 @@ def test_a_full_queue_answers_429_with_retry_after(demo_export):
     with running_server(demo_export, max_batch=1, max_queue=1) as (base, service):
         scheduler = service.engine.scheduler
         gate, step = threading.Event(), scheduler.step
-        scheduler.step = lambda **kw: (gate.wait(30), step(**kw))  # the scheduler thread waits here: nothing is admitted
+        scheduler.step = lambda **kw: (
+            gate.wait(30),
+            step(**kw),
+        )  # the scheduler thread waits here: nothing is admitted
         body = {"model": MODEL, "prompt": "def ", "max_tokens": 4}
         first = []
-        waiter = threading.Thread(target=lambda: first.append(httpx.post(base + "/v1/completions", json=body, timeout=30)))
+        waiter = threading.Thread(
+            target=lambda: first.append(httpx.post(base + "/v1/completions", json=body, timeout=30))
+        )
         waiter.start()
         deadline = time.monotonic() + 10
         while service.engine.queue_depth < 1:

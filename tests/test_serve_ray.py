@@ -1,7 +1,6 @@
 """Scale-out on Ray Serve: two replicas on a local Ray instance behind Ray's HTTP proxy, driven by the openai client."""
 
 import socket
-import sys
 import time
 
 import pytest

@@ -187,7 +187,14 @@ def test_layer_by_layer_source_equals_the_whole_model(checkpoint_dir, variant):
     mask = torch.ones(2, 9 + 5)
     prefill, steps = layerwise_logits(Checkpoint(directory), ids, mask, lens, tokens)
     caches = new_caches(model.cfg, 2, 14)
-    ref = model(ids, torch.arange(9)[None].expand(2, -1), caches, torch.zeros(2, dtype=torch.long), mask, form=AttentionForm.NAIVE)
+    ref = model(
+        ids,
+        torch.arange(9)[None].expand(2, -1),
+        caches,
+        torch.zeros(2, dtype=torch.long),
+        mask,
+        form=AttentionForm.NAIVE,
+    )
     assert ref.abs().max() > 0.5 and (prefill - ref).abs().max().item() < 1e-5
     for s in range(5):
         slot = lens + s

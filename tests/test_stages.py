@@ -171,7 +171,8 @@ def test_stages_of_different_exports_are_refused(exports, tmp_path):
     with pytest.raises(ExportLoadError, match="stage-1: not stage 1 .* stages of different exports cannot be mixed"):
         StageChain(mixed)
     manifest = json.loads((exports["2"] / "manifest.json").read_text())
-    assert manifest["stages"][1]["export_id"] != json.loads((mixed / "stage-1" / "manifest.json").read_text())["export_id"]
+    swapped = json.loads((mixed / "stage-1" / "manifest.json").read_text())
+    assert manifest["stages"][1]["export_id"] != swapped["export_id"]
 
 
 def test_inspect_reports_every_stage(exports):

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-ray = pytest.importorskip("ray", reason="pipeline stages on Ray are the optional 'ray' extra: pip install 'mla-deploy[ray]'")
+ray = pytest.importorskip("ray", reason="pipeline stages on Ray are the optional 'ray' extra: "
+                                       "pip install 'mla-deploy[ray]'")
 
 from mla_deploy.errors import StageFailedError  # noqa: E402
 from mla_deploy.export import ExportOptions, export  # noqa: E402

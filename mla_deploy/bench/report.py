@@ -9,11 +9,14 @@ from .run import BenchResult
 
 def table(result: BenchResult) -> str:
     bw = result.bandwidth_gbs
-    lines = [f"machine: {result.machine['cpu']}, {result.machine['threads']} threads, "
-             f"onnxruntime {result.machine['onnxruntime']}",
-             "bandwidth (GB/s): " + ", ".join(f"{k} {v:.1f}" for k, v in bw.items()),
-             "",
-             f"{'engine':<20}{'ctx':>7}{'batch':>6}{'ms/step':>10}{'tok/s':>9}{'of limit':>10}{'cache B/tok':>13}{'rss MB':>8}"]
+    lines = [
+        f"machine: {result.machine['cpu']}, {result.machine['threads']} threads, "
+        f"onnxruntime {result.machine['onnxruntime']}",
+        "bandwidth (GB/s): " + ", ".join(f"{k} {v:.1f}" for k, v in bw.items()),
+        "",
+        f"{'engine':<20}{'ctx':>7}{'batch':>6}{'ms/step':>10}{'tok/s':>9}{'of limit':>10}"
+        f"{'cache B/tok':>13}{'rss MB':>8}",
+    ]
     for r in result.rows:
         if "skipped" in r:
             lines.append(f"{r['engine']:<20}{r['ctx']:>7}{r['batch']:>6}  skipped: {r['skipped']}")
@@ -21,11 +24,21 @@ def table(result: BenchResult) -> str:
         frac = f"{r['fraction_of_limit']:.2f}" if "fraction_of_limit" in r else "-"
         lines.append(f"{r['engine']:<20}{r['ctx']:>7}{r['batch']:>6}{r['step_ms']:>10.2f}{r['tokens_per_s']:>9.1f}"
                      f"{frac:>10}{r['cache_bytes_per_token']:>13}{r['rss_mb']:>8}")
-    lines.append("(rss MB: resident memory the engine added: the absorbed exports, loaded side by side, show what their "
-                 "load added; the others the growth from their load through that point)")
+    lines.append(
+        "(rss MB: resident memory the engine added: the absorbed exports, loaded side by side, show what their "
+        "load added; the others the growth from their load through that point)"
+    )
     if result.prefill:
         lines += ["", f"{'engine':<20}{'prefill tokens':>15}{'tok/s':>9}"]
         lines += [f"{p['engine']:<20}{p['tokens']:>15}{p['tokens_per_s']:>9.1f}" for p in result.prefill]
+    if result.speculative:
+        from .speculative import table as speculative_table
+
+        lines += [
+            "",
+            "speculative decoding (greedy, the same tokens in every mode):",
+            *speculative_table(result.speculative),
+        ]
     lines += ["", *targets(result), "", f"run time {result.seconds:.0f} s"]
     return "\n".join(lines)
 
@@ -51,9 +64,18 @@ def targets(result: BenchResult) -> list[str]:
     check(f"{best} decode at ctx 128, fraction of the bandwidth limit (>= 0.9)",
           r128 and r128.get("fraction_of_limit"), lambda v: v >= 0.9)
     r16k = _step(result, best, 16384)
-    check(f"{best} step at 16k / step at 128 (<= 1.15)", r16k and r128 and r16k["step_ms"] / r128["step_ms"], lambda v: v <= 1.15)
+    check(
+        f"{best} step at 16k / step at 128 (<= 1.15)",
+        r16k and r128 and r16k["step_ms"] / r128["step_ms"],
+        lambda v: v <= 1.15,
+    )
     hf4k, ours4k = _step(result, "transformers", 4096), _step(result, best, 4096)
-    check("decode at 4k vs transformers (>= 15x)", hf4k and ours4k and hf4k["step_ms"] / ours4k["step_ms"], lambda v: v >= 15, "{:.1f}x")
+    check(
+        "decode at 4k vs transformers (>= 15x)",
+        hf4k and ours4k and hf4k["step_ms"] / ours4k["step_ms"],
+        lambda v: v >= 15,
+        "{:.1f}x",
+    )
     mha16k = _step(result, "onnx-mha-baseline", 16384)
     check("decode at 16k vs decompressed-K/V ONNX (>= 4x)", mha16k and r16k and mha16k["step_ms"] / r16k["step_ms"],
           lambda v: v >= 4, "{:.1f}x")
@@ -62,15 +84,29 @@ def targets(result: BenchResult) -> list[str]:
           mha and ours and mha["cache_bytes_per_token"] / ours["cache_bytes_per_token"],
           lambda v: True, "{:.2f}x")
     pre = [p for p in result.prefill if p["engine"] == best]
-    check(f"{best} prefill of 512 tokens (>= 850 tok/s)", pre[0]["tokens_per_s"] if pre else None, lambda v: v >= 850, "{:.0f} tok/s")
+    check(
+        f"{best} prefill of 512 tokens (>= 850 tok/s)",
+        pre[0]["tokens_per_s"] if pre else None,
+        lambda v: v >= 850,
+        "{:.0f} tok/s",
+    )
     b8 = _step(result, best, 128, 8)
-    check("batch 8 vs batch 1 decode tokens/s at ctx 128 (>= 5x)", b8 and r128 and b8["tokens_per_s"] / r128["tokens_per_s"],
-          lambda v: v >= 5, "{:.1f}x")
+    check(
+        "batch 8 vs batch 1 decode tokens/s at ctx 128 (>= 5x)",
+        b8 and r128 and b8["tokens_per_s"] / r128["tokens_per_s"],
+        lambda v: v >= 5,
+        "{:.1f}x",
+    )
     start = result.runtime_start
     if start:
         total = start["import_s"] + start["load_s"]
-        check(f"runtime import + load of a small export ({start['export']}), torch imported: {start['torch_imported']} (< 1 s)",
-              total, lambda v: v < 1 and not start["torch_imported"], "{:.2f} s")
+        check(
+            f"runtime import + load of a small export ({start['export']}), torch imported: "
+            f"{start['torch_imported']} (< 1 s)",
+            total,
+            lambda v: v < 1 and not start["torch_imported"],
+            "{:.2f} s",
+        )
     return out
 
 
@@ -113,9 +149,13 @@ def markdown(result: BenchResult) -> str:
     contexts = sorted({r["ctx"] for r in result.rows})
     out = []
     for batch in sorted({r["batch"] for r in result.rows}):
-        out += [f"Decode tokens/s, batch {batch} (step ms in brackets; fraction of the bandwidth limit for the ONNX engines):", "",
-                "| engine | " + " | ".join(f"ctx {c}" for c in contexts) + " |",
-                "|---|" + "---|" * len(contexts)]
+        out += [
+            f"Decode tokens/s, batch {batch} (step ms in brackets; fraction of the bandwidth limit for the ONNX "
+            f"engines):",
+            "",
+            "| engine | " + " | ".join(f"ctx {c}" for c in contexts) + " |",
+            "|---|" + "---|" * len(contexts),
+        ]
         for engine in engines:
             cells = []
             for c in contexts:
@@ -128,5 +168,9 @@ def markdown(result: BenchResult) -> str:
             out.append(f"| {engine} | " + " | ".join(cells) + " |")
         out.append("")
     if result.prefill:
-        out += ["Prefill of 512 tokens (tokens/s): " + ", ".join(f"{p['engine']} {p['tokens_per_s']:.0f}" for p in result.prefill), ""]
+        out += [
+            "Prefill of 512 tokens (tokens/s): "
+            + ", ".join(f"{p['engine']} {p['tokens_per_s']:.0f}" for p in result.prefill),
+            "",
+        ]
     return "\n".join(out)

@@ -36,7 +36,9 @@ def split_heads(cfg: MLAConfig, q_weight: np.ndarray) -> tuple[np.ndarray, np.nd
 
 def split_kv_b(cfg: MLAConfig, kv_b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """kv_b_proj.weight [h·(d_nope+d_v), d_c] -> W^UK [h, d_nope, d_c], W^UV [h, d_v, d_c]."""
-    w = kv_b.reshape(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)  # [h, d_nope + d_v, d_c]
+    w = kv_b.reshape(
+        cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank
+    )  # [h, d_nope + d_v, d_c]
     return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
 
 

@@ -2,8 +2,8 @@
 over the latent and rope caches written in place; and the decode attention core, which the graph runs in
 onnxruntime's ops or in mla_deploy.LatentAttention, whose ONNX body is the same core (`latent_attention_function`).
 
-Attention is plain MatMul-Softmax-MatMul: measured 4-8x faster on CPU than the fused Attention /
-GroupQueryAttention ops for 576-wide absorbed heads. Caches are written with TensorScatter straight into the graph
+Attention is plain MatMul-Softmax-MatMul, faster on CPU than the fused Attention / GroupQueryAttention ops for
+576-wide absorbed heads (docs/benchmarks.md). Caches are written with TensorScatter straight into the graph
 outputs, so with IO binding the runtime's buffers are updated in place.
 """
 
@@ -39,28 +39,48 @@ def attention_bias(op, input_ids: ir.Value, attention_mask: ir.Value, write_indi
 
 
 def latent_attention_core(op, q_latent: ir.Value, q_rope: ir.Value, latent: ir.Value, rope_cache: ir.Value,
-                          bias: ir.Value, cache_type: ir.DataType, long_cache: bool, scale: float | None = None):
-    """softmax(scale · (q_latent · latent + q_rope · rope) + bias) @ latent -> [b, h, d_c] float32: the absorbed
-    decode attention's core, over q_latent [b, h, d_c], q_rope [b, h, d_r] (float32), the caches [b, cap, d_c] and
-    [b, cap, d_r] as stored (`cache_type`) and bias [b, 1, 1, cap]. `scale` None: the queries come scaled."""
+                          bias: ir.Value, cache_type: ir.DataType, long_cache: bool, scale: float | None = None,
+                          heads: int | None = None, width: int | None = None):
+    """softmax(scale · (q_latent · latent + q_rope · rope) + bias) @ latent -> [b, T·h, d_c] float32: the absorbed
+    attention's core, over q_latent [b, T·h, d_c], q_rope [b, T·h, d_r] (float32; token-major), the caches
+    [b, cap, d_c] and [b, cap, d_r] as stored (`cache_type`) and bias [b, 1, T, cap]. `heads` None: one query token
+    per row (the decode graph, and mla_deploy.LatentAttention's body); else T tokens of `heads` heads, token t
+    masked by bias[:, 0, t] (the verify and draft graphs), `width` = d_c. `scale` None: the queries come scaled."""
     latent = cast(op, latent, cache_type, FLOAT)
     scores = op.Add(
-        op.MatMul(latent, op.Transpose(q_latent, perm=[0, 2, 1])),  # [b, cap, d_c] @ [b, d_c, h] -> [b, cap, h]
-        op.MatMul(cast(op, rope_cache, cache_type, FLOAT), op.Transpose(q_rope, perm=[0, 2, 1])),  # [b, cap, d_r] @ [b, d_r, h] -> [b, cap, h]
+        op.MatMul(latent, op.Transpose(q_latent, perm=[0, 2, 1])),  # [b, cap, d_c] @ [b, d_c, T·h] -> [b, cap, T·h]
+        op.MatMul(cast(op, rope_cache, cache_type, FLOAT), op.Transpose(q_rope, perm=[0, 2, 1])),  # [b, cap, d_r] @ [b, d_r, T·h] -> [b, cap, T·h]
     )
     if scale is not None:
         scores = op.Mul(scores, scale)
-    return probs_at_latent(op, scores, bias, latent, long_cache)
+    if heads is None:
+        return probs_at_latent(op, scores, bias, latent, long_cache)
+    return probs_at_latent_tokens(op, scores, bias, latent, long_cache, heads, width)
+
+
+def probs_at_latent_tokens(op, logits, bias, latent, long_cache: bool, heads: int, width: int) -> ir.Value:
+    """probs_at_latent for T query tokens of `heads` heads each: logits [b, cap, T·h], bias [b, 1, T, cap] (token t's
+    own causal mask), latent [b, cap, d_c = width] -> [b, T·h, d_c]; the cache as MatMul's A operand where it is
+    long, else B, broadcast over the tokens."""
+    by_token = op.Reshape(logits, [0, 0, -1, heads])  # [b, cap, T·h] -> [b, cap, T, h]
+    if long_cache:
+        probs = op.Softmax(op.Add(by_token, op.Transpose(bias, perm=[0, 3, 2, 1])), axis=1)  # + [b, cap, T, 1]
+        o = op.FusedMatMul(latent, op.Reshape(probs, [0, 0, -1]), transA=1, _domain="com.microsoft")  # [b, d_c, T·h]
+        return op.Transpose(o, perm=[0, 2, 1])  # [b, d_c, T·h] -> [b, T·h, d_c]
+    by_token = op.Transpose(by_token, perm=[0, 2, 3, 1])  # [b, T, h, cap]
+    probs = op.Softmax(op.Add(by_token, op.Transpose(bias, perm=[0, 2, 1, 3])), axis=-1)  # + [b, T, 1, cap]
+    o = op.MatMul(probs, op.Unsqueeze(latent, [1]))  # [b, T, h, cap] @ [b, 1, cap, d_c] -> [b, T, h, d_c]
+    return op.Reshape(o, [0, -1, width])  # [b, T, h, d_c] -> [b, T·h, d_c]
 
 
 def probs_at_latent(op, logits, bias, latent, long_cache: bool) -> ir.Value:
     """softmax(logits [b, cap, h] + bias [b, 1, 1, cap]) over the cache, times latent [b, cap, d_c] -> [b, h, d_c].
     MLAS packs a MatMul's B operand on every call; for a cache that can outgrow the plan's long-cache size per row,
     packing it costs as much as the product, so such a cache is the A operand (FusedMatMul transA); a short one stays
-    B, where the plain MatMul is faster (README, Versus llama.cpp). Chosen at export from the maximum length: an If on
+    B, where the plain MatMul is faster (docs/benchmarks.md). Chosen at export from the maximum length: an If on
     the capacity measured no better on the demo, within this machine's noise. The short path adds the bias after the
     transpose: broadcast over heads it is one row of cap floats per head, where in [b, cap, h] it is one float per
-    h-wide row (onnxruntime's Add: 120 vs ~15 us per layer at batch 16 on the demo)."""
+    h-wide row, several times cheaper for onnxruntime's Add."""
     if long_cache:
         logits = op.Add(logits, op.Reshape(bias, [0, -1, 1]))  # [b, 1, 1, cap] -> [b, cap, 1]
         probs = op.Softmax(logits, axis=1)  # [b, cap, h]
@@ -153,10 +173,11 @@ class MLAttention:
         out = linear(g, op, g.to_compute(op, o), f"{self.name}.o", lambda: t(self.hf + "o_proj.weight").T)
         return out, cache_latent, cache_rope
 
-    def absorbed(self, op, x, cos, sin, bias, past_latent, past_rope, write_indices):
-        """Decode (T = 1): the query moves into latent space; attention reads ĉ directly; W^UV after. The plan picks
-        the absorbed form (fused or factored), the core (mla_deploy.LatentAttention or onnxruntime's ops) and the
-        long-cache form."""
+    def absorbed(self, op, x, cos, sin, bias, past_latent, past_rope, write_indices, tokens: bool = False):
+        """The query moves into latent space; attention reads ĉ directly; W^UV after. The decode graph: one token per
+        row (T = 1); `tokens`: any number T per row (the verify and draft graphs), each seeing the cache up to its own
+        slot. The plan picks the absorbed form (fused or factored), the core for one token (mla_deploy.LatentAttention
+        or onnxruntime's ops; T tokens: the ops) and the long-cache form."""
         cfg, g, plan = self.cfg, self.g, self.g.plan
         h, dn, dr, dc, dv = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
                              cfg.kv_lora_rank, cfg.v_head_dim)
@@ -165,18 +186,26 @@ class MLAttention:
         if plan.absorb == AbsorbMode.FUSED:  # the product that overflows half precision first: float32
             q_latent = linear(g, op, g.to_float(op, q_in), f"{self.name}.q_uk",
                               lambda: absorb.fused_query_absorb(cfg, q_weight(), kv_b()), island=True)
-            q_latent = op.Reshape(q_latent, [0, h, dc])  # [b, 1, h·d_c] -> [b, h, d_c]
+            q_latent = op.Reshape(q_latent, [0, -1, dc] if tokens else [0, h, dc])  # [b, T, h·d_c] -> [b, T·h, d_c]
         else:
             q_nope = linear(g, op, q_in, f"{self.name}.q_nope", lambda: absorb.query_nope_weight(cfg, q_weight()))
-            q_nope = op.Transpose(op.Reshape(g.to_float(op, q_nope), [0, h, dn]), perm=[1, 0, 2])  # [b, 1, h·d_nope] -> [b, h, d_nope] -> [h, b, d_nope]
+            q_nope = op.Transpose(op.Reshape(g.to_float(op, q_nope), [-1, h, dn] if tokens else [0, h, dn]),
+                                  perm=[1, 0, 2])  # [b, T, h·d_nope] -> [b·T, h, d_nope] -> [h, b·T, d_nope]
             uk = g.weight(f"{self.name}.uk", lambda: absorb.factored_uk(cfg, kv_b()), island=True)
-            q_latent = op.Transpose(op.MatMul(q_nope, uk), perm=[1, 0, 2])  # [h, b, d_c] -> [b, h, d_c]
+            q_latent = op.Transpose(op.MatMul(q_nope, uk), perm=[1, 0, 2])  # [h, b·T, d_c] -> [b·T, h, d_c]
+            if tokens:
+                q_latent = op.Reshape(q_latent, op.Concat(op.Shape(x, start=0, end=1), [-1, dc], axis=0))  # [b, T·h, d_c]
         q_pe = linear(g, op, q_in, f"{self.name}.q_rope", lambda: absorb.query_rope_weight(cfg, q_weight()))
-        q_pe = op.Reshape(g.to_float(op, q_pe), [0, h, dr])  # [b, 1, h·d_r] -> [b, h, d_r]
-        q_pe = rope(op, q_pe, cos, sin)  # cos [b, 1, d_r/2] broadcasts over heads
+        if tokens:
+            q_pe = op.Reshape(g.to_float(op, q_pe), [0, 0, h, dr])  # [b, T, h·d_r] -> [b, T, h, d_r]
+            q_pe = rope(op, q_pe, op.Unsqueeze(cos, [2]), op.Unsqueeze(sin, [2]))  # cos [b, T, 1, d_r/2]
+            q_pe = op.Reshape(q_pe, [0, -1, dr])  # [b, T·h, d_r]
+        else:
+            q_pe = op.Reshape(g.to_float(op, q_pe), [0, h, dr])  # [b, 1, h·d_r] -> [b, h, d_r]
+            q_pe = rope(op, q_pe, cos, sin)  # cos [b, 1, d_r/2] broadcasts over heads
         latent, k_pe = self.latent_and_rope(op, x, cos, sin)
         cache_latent, cache_rope = self.write_cache(op, latent, k_pe, past_latent, past_rope, write_indices)
-        if plan.decode_attention == "kernel":  # the softmax scale on the queries: h·(d_c + d_r) products, not h·cap
+        if plan.decode_attention == "kernel" and not tokens:  # the softmax scale on the queries: h·(d_c + d_r) products
             names = kernels.LATENT_ATTENTION_LONG if plan.long_cache else kernels.LATENT_ATTENTION
             o_latent = g.kernel_op(op, names[plan.cache_dtype],
                                    lambda: latent_attention_function(plan.cache_dtype, plan.long_cache),
@@ -184,16 +213,19 @@ class MLAttention:
                                    bias)  # [b, h, d_c]
         else:
             o_latent = latent_attention_core(op, q_latent, q_pe, cache_latent, cache_rope, bias, g.cache_type,
-                                             plan.long_cache, self.scale)  # [b, h, d_c]
+                                             plan.long_cache, self.scale, h if tokens else None, dc)  # [b, T·h, d_c]
         o_weight = self._hf("o_proj.weight")
         if plan.absorb == AbsorbMode.FUSED:
-            o = op.Reshape(o_latent, [0, 1, h * dc])  # [b, h, d_c] -> [b, 1, h·d_c]
+            o = op.Reshape(o_latent, [0, -1, h * dc] if tokens else [0, 1, h * dc])  # [b, T·h, d_c] -> [b, T, h·d_c]
             out = g.to_compute(op, linear(g, op, o, f"{self.name}.uv_o",
-                                          lambda: absorb.fused_output_absorb(cfg, o_weight(), kv_b()), island=True))  # [b, 1, d]
+                                          lambda: absorb.fused_output_absorb(cfg, o_weight(), kv_b()), island=True))  # [b, T, d]
         else:
-            o_latent = op.Transpose(o_latent, perm=[1, 0, 2])  # [b, h, d_c] -> [h, b, d_c]
+            if tokens:
+                o_latent = op.Reshape(o_latent, [-1, h, dc])  # [b, T·h, d_c] -> [b·T, h, d_c]
+            o_latent = op.Transpose(o_latent, perm=[1, 0, 2])  # [b·T, h, d_c] -> [h, b·T, d_c]
             uv = g.weight(f"{self.name}.uv", lambda: absorb.factored_uv(cfg, kv_b()), island=True)
-            o = op.MatMul(o_latent, uv)  # [h, b, d_v]
-            o = op.Reshape(op.Transpose(o, perm=[1, 0, 2]), [0, 1, h * dv])  # [h, b, d_v] -> [b, h, d_v] -> [b, 1, h·d_v]
+            o = op.Transpose(op.MatMul(o_latent, uv), perm=[1, 0, 2])  # [h, b·T, d_v] -> [b·T, h, d_v]
+            o = op.Reshape(o, op.Concat(op.Shape(x, start=0, end=2), [h * dv], axis=0) if tokens
+                           else [0, 1, h * dv])  # [b·T, h, d_v] -> [b, T, h·d_v]
             out = linear(g, op, g.to_compute(op, o), f"{self.name}.o", lambda: o_weight().T)
         return out, cache_latent, cache_rope

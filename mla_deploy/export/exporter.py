@@ -1,12 +1,13 @@
-"""Checkpoint -> export directory: prefill.onnx, decode.onnx, one shared weights file, manifest, tokenizer; or, staged
-(--stages N), one such directory per stage (stage-0, stage-1, ..., each with its graphs, weights and manifest) under a
-manifest that orders them, beside the tokenizer.
+"""Checkpoint -> export directory: prefill.onnx, decode.onnx, verify.onnx (and draft.onnx from a checkpoint with an
+MTP layer), one shared weights file, manifest, tokenizer; or, staged (--stages N), one directory per stage (stage-0,
+stage-1, ..., each with its prefill and decode graphs, weights and manifest) under a manifest that orders them,
+beside the tokenizer.
 
 Everything is written to a temporary sibling directory, checked (onnx.checker full check, and the
 verifier unless skipped), fsynced, then renamed into place: a failed export leaves nothing behind.
 Weights stream: each is read from the checkpoint, transformed, appended to `weights.bin` and dropped
 while the graphs are built (export.weights), so memory follows the largest tensor, not the model.
-Both graphs refer to that one file as external data: the tensors they share are stored once.
+Every graph refers to that one file as external data: the tensors they share are stored once.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
     cfg = ckpt.config
     for note in ckpt.notes:
         progress(f"note: {note}")
-    plan = ExportPlan.resolve(cfg, options)
+    plan = ExportPlan.resolve(cfg, options, ckpt.has_mtp)
     _report_choices(cfg, options, plan, progress)
     source = RoundedCheckpoint(ckpt, plan.dtype)  # the weights as the export's dtype holds them
     progress("hashing source weights")
@@ -80,7 +81,8 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
                                         _manifest(cfg, plan, source_hash, stage_id, ckpt, stage, export_id), stage)
                 manifest["stages"][stage.index].update(export_id=stage_id, weights_bytes=written["weights"]["bytes"])
         else:
-            manifest = _write_graphs(tmp, cfg, plan, source, progress, _manifest(cfg, plan, source_hash, export_id, ckpt))
+            manifest = _write_graphs(tmp, cfg, plan, source, progress,
+                                     _manifest(cfg, plan, source_hash, export_id, ckpt))
         manifest["tokenizer"] = _copy_tokenizer(ckpt.directory, tmp)
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         if verify is not None:
@@ -99,15 +101,14 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
 
 def _write_graphs(directory: Path, cfg, plan: ExportPlan, source: RoundedCheckpoint, progress: Progress, manifest: dict,
                   stage: io_spec.Stage | None = None) -> dict:
-    """The prefill and decode graphs (of one stage) and their one weights file into `directory`; returns `manifest`
-    completed with the weights' digests and the graphs' hashes and operator counts."""
+    """The graphs (of one stage) and their one weights file into `directory`; returns `manifest` completed with the
+    weights' digests and the graphs' hashes and operator counts."""
     graphs, layers = {}, len(stage.layers) if stage else cfg.num_hidden_layers
     metadata = {"producer": "mla-deploy", "mla_deploy_version": __version__, "export_id": manifest["export_id"]}
     with WeightsFile(directory / WEIGHTS_FILE) as weights:
-        for kind in (io_spec.PREFILL, io_spec.DECODE):
-            progress(f"building {kind} graph" + (f" (absorbed, {plan.absorb.value})" if kind == io_spec.DECODE
-                                                 else " (naive attention)") + ", writing its weights")
-            with progress_bar(layers, f"{kind} layers", "layer") as advance:
+        for kind in graph_kinds(plan):
+            progress(f"building {kind} graph ({FORMS[kind].format(absorb=plan.absorb.value)}), writing its weights")
+            with progress_bar(1 if kind == io_spec.DRAFT else layers, f"{kind} layers", "layer") as advance:
                 graphs[kind] = build_graph(kind, cfg, source.tensor, plan, weights, metadata,
                                            on_layer=lambda i: advance(1), stage=stage)
     progress(f"wrote weights ({weights.nbytes / 1e9:.2f} GB)")
@@ -123,6 +124,18 @@ def _write_graphs(directory: Path, cfg, plan: ExportPlan, source: RoundedCheckpo
     if stage is not None:
         (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest
+
+
+FORMS = {io_spec.PREFILL: "naive attention", io_spec.DECODE: "absorbed, {absorb}",
+         io_spec.VERIFY: "absorbed, {absorb}, any number of tokens", io_spec.DRAFT: "the MTP layer, absorbed, {absorb}"}
+
+
+def graph_kinds(plan: ExportPlan) -> tuple[str, ...]:
+    """The graphs an export holds: prefill, decode and verify; the MTP draft where the plan has it. A stage of a
+    staged export: prefill and decode (speculative decoding runs on one host)."""
+    if plan.stages:
+        return io_spec.PREFILL, io_spec.DECODE
+    return (io_spec.PREFILL, io_spec.DECODE, io_spec.VERIFY) + ((io_spec.DRAFT,) if plan.draft else ())
 
 
 def _report_choices(cfg, options: ExportOptions, plan: ExportPlan, progress: Progress) -> None:
@@ -142,10 +155,8 @@ def _manifest(cfg, plan: ExportPlan, source_hash: str, export_id: str, ckpt: Che
     """The manifest of an export, or of one stage of a staged export (`stage`, and the id of the staged export it
     belongs to)."""
     graphs = {}
-    for kind in (io_spec.PREFILL, io_spec.DECODE):
-        inputs, outputs = io_spec.graph_io(kind, cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
-                                           cfg.vocab_size, cache_dtype=plan.cache_dtype, stage=stage,
-                                           hidden_size=cfg.hidden_size)
+    for kind in graph_kinds(plan):
+        inputs, outputs = io_spec.graph_io(kind, cfg, plan.cache_dtype, hidden=plan.draft, stage=stage)
         graphs[kind] = {"file": io_spec.GRAPH_FILES[kind], "inputs": [s.to_dict() for s in inputs],
                         "outputs": [s.to_dict() for s in outputs]}
     return {

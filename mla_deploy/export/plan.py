@@ -3,7 +3,7 @@ below -> a frozen `ExportPlan`. The graph builders read the plan and nothing els
 it (`manifest_fields`) and `inspect` reads it back (`from_manifest`). The rules depend on the config and the options
 alone, never on the machine that exports, so one checkpoint and one set of options give the same export anywhere.
 
-The rules (each form measured against the others: README):
+The rules (each form measured against the others: docs/benchmarks.md):
 - absorb: auto picks the absorbed form that reads fewer weight bytes per decode token (export.absorb).
 - precision: weights and caches are stored in --dtype; the layers compute in float32 for every dtype, as
   onnxruntime's CPU provider has no bfloat16 arithmetic and widens float16 MatMuls itself (export.precision).
@@ -20,6 +20,10 @@ The rules (each form measured against the others: README):
   16, d_r of 8), for half caches always (onnxruntime's ops would cast the whole cache to float32 in every layer of
   every step) and for float32 caches below KERNEL_HEADS_BELOW heads (at 16 heads MLAS's 16-column panels win);
   "ops" otherwise: onnxruntime's MatMul, Softmax, MatMul, the portable form.
+- draft: a checkpoint with a multi-token-prediction layer (DeepSeek-V3's layer num_hidden_layers) gets the draft
+  graph (draft.onnx: the MTP module, speculative decoding's proposer), unless --no-draft; every export gets the
+  verify graph (verify.onnx: the decode graph's absorbed attention over any number of tokens, the verification pass;
+  measured against the prefill graph's chunked form: docs/design.md).
 - long cache: where a row's float32 latent cache at the export's maximum length can outgrow LONG_CACHE_BYTES, the
   ops multiply probs by the cache as MatMul's A operand (MLAS packs the B operand on every call, which then costs as
   much as the product), and the kernel op is LatentAttentionLong, whose function body does the same.
@@ -69,6 +73,7 @@ class ExportOptions:
     head_bits: int = 8  # the embedding and the output layer of a quantized export: 8, or 4 (smallest, fastest)
     experts: str = "auto"  # routed experts: auto, qmoe (quantized), kernel (float), branches (portable)
     decode_attention: str = "auto"  # the decode graph's attention core: auto, kernel, ops (portable)
+    draft: bool = True  # the MTP draft graph, where the checkpoint has an MTP layer
     stages: int = 1  # pipeline stages: N stage exports of contiguous layers, joined by their hidden states
 
     def check(self) -> None:
@@ -112,10 +117,12 @@ class ExportPlan:
     decode_attention: str  # the decode attention core: "kernel" or "ops"
     long_cache: bool  # decode attention multiplies probs by the cache as the A operand (LatentAttentionLong)
     max_seq_len: int
+    draft: bool = False  # the MTP draft graph is written (the checkpoint has an MTP layer, and it was not refused)
     stages: tuple[io_spec.Stage, ...] = ()  # a staged export's stages in order; () for one export of every layer
 
     @classmethod
-    def resolve(cls, cfg: MLAConfig, options: ExportOptions) -> "ExportPlan":
+    def resolve(cls, cfg: MLAConfig, options: ExportOptions, has_mtp: bool = False) -> "ExportPlan":
+        """`has_mtp`: the checkpoint holds an MTP layer (Checkpoint.has_mtp)."""
         options.check()
         max_seq_len = options.max_seq_len or cfg.max_position_embeddings
         if not 1 <= max_seq_len <= cfg.max_position_embeddings:
@@ -127,13 +134,14 @@ class ExportPlan:
                    cache_dtype=cache_dtype, quantization=quantization,
                    experts=resolve_experts(cfg, options.experts, quantization),
                    decode_attention=resolve_decode_attention(cfg, options.decode_attention, cache_dtype),
-                   long_cache=long_cache(cfg, max_seq_len), max_seq_len=max_seq_len)
+                   long_cache=long_cache(cfg, max_seq_len), max_seq_len=max_seq_len, draft=has_mtp and options.draft)
         if options.stages == 1:
             return plan
         if options.stages > cfg.num_hidden_layers:
             raise ExportError(f"--stages {options.stages}: the model has {cfg.num_hidden_layers} layers, and every "
                               f"stage needs at least one")
-        return replace(plan, stages=balanced_stages(*stored_bytes(cfg, plan), options.stages))
+        # a stage's graphs are prefill and decode only: speculative decoding (verify, the MTP draft) runs on one host
+        return replace(plan, draft=False, stages=balanced_stages(*stored_bytes(cfg, plan), options.stages))
 
     @property
     def half_weights(self) -> bool:
@@ -145,7 +153,7 @@ class ExportPlan:
         return {"absorb": self.absorb.value, "dtype": self.dtype, "compute": self.compute, "cache_dtype": self.cache_dtype,
                 "quantization": None if self.quantization is None else self.quantization.to_dict(),
                 "experts": self.experts, "decode_attention": self.decode_attention, "long_cache": self.long_cache,
-                "max_seq_len": self.max_seq_len,
+                "max_seq_len": self.max_seq_len, "draft": self.draft,
                 "stages": [[s.first_layer, s.end_layer] for s in self.stages] or None}
 
     def describe(self) -> str:
@@ -159,7 +167,7 @@ class ExportPlan:
                 f"decode attention in {core}" + (" (the cache as MatMul's A operand: long cache)" if self.long_cache
                                                  else "")
                 + (f"; routed experts in {experts.get(self.experts, self.experts)}" if self.experts else "")
-                + f"; max_seq_len {self.max_seq_len}"
+                + f"; max_seq_len {self.max_seq_len}" + ("; the MTP draft graph" if self.draft else "")
                 + (f"; {len(self.stages)} stages, layers " + ", ".join(f"{s.first_layer}-{s.end_layer - 1}"
                                                                       for s in self.stages) if self.stages else ""))
 
@@ -167,7 +175,8 @@ class ExportPlan:
         """What the export id hashes: the source and every choice that is not a function of the others (the cache
         dtype is the dtype, the long-cache form follows from the config and the length)."""
         return (f"{source_hash}|{self.absorb.value}|{self.dtype}|{self.max_seq_len}|{self.quantization}|{self.experts}|"
-                f"{self.decode_attention}|{version}" + "".join(f"|{s.first_layer}-{s.end_layer}" for s in self.stages))
+                f"{self.decode_attention}|{self.draft}|{version}"
+                + "".join(f"|{s.first_layer}-{s.end_layer}" for s in self.stages))
 
     def manifest_fields(self, cfg: MLAConfig) -> dict:
         """The manifest's record of the plan (read back by from_manifest)."""
@@ -176,7 +185,7 @@ class ExportPlan:
         return {
             "absorb": self.absorb.value, "dtype": self.dtype, "max_seq_len": self.max_seq_len,
             "experts": self.experts if cfg.n_routed_experts else None, "decode_attention": self.decode_attention,
-            "long_cache": self.long_cache,
+            "long_cache": self.long_cache, "draft": self.draft,
             **({"stages": [{"layers": [s.first_layer, s.end_layer]} for s in self.stages]} if self.stages else {}),
             "precision": {"dtype": self.dtype, "compute": self.compute, "caches": self.cache_dtype,
                           "float32": FLOAT32_ISLANDS},
@@ -200,7 +209,7 @@ class ExportPlan:
                    quantization=Quantization.from_dict(quantization) if quantization else None,
                    experts=manifest.get("experts"), decode_attention=manifest.get("decode_attention", "ops"),
                    long_cache=long_cache(cfg, max_seq_len) if recorded_long is None else bool(recorded_long),
-                   max_seq_len=max_seq_len, stages=stages)
+                   max_seq_len=max_seq_len, draft=bool(manifest.get("draft", False)), stages=stages)
 
 
 def resolve_experts(cfg: MLAConfig, requested: str, quantization: Quantization | None) -> str:
@@ -263,8 +272,9 @@ def stored_bytes(cfg: MLAConfig, plan: ExportPlan) -> tuple[float, list[float], 
     embedding = size("model.embed_tokens.weight", tensors["model.embed_tokens.weight"])
     head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     head = size(head_name, tensors[head_name]) + size("model.norm.weight", tensors["model.norm.weight"])
-    absorbed = absorbed_weight_bytes(cfg, plan.absorb, 1) * (q.bytes_per_weight() if q and plan.absorb == AbsorbMode.FUSED
-                                                             else 4)  # fused: quantized; factored: float32 islands
+    # the absorbed weights: quantized where fused, float32 islands where factored
+    absorbed = absorbed_weight_bytes(cfg, plan.absorb, 1) * (
+        q.bytes_per_weight() if q and plan.absorb == AbsorbMode.FUSED else 4)
     layers = [absorbed + sum(size(name, shape) for name, shape in tensors.items()
                              if name.startswith(f"model.layers.{i}.")) for i in range(cfg.num_hidden_layers)]
     return embedding, layers, head

@@ -83,7 +83,9 @@ class MLAttention(nn.Module):
 
     def _split_kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        w = self.kv_b_proj.weight.view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)  # [h, d_nope + d_v, d_c]
+        w = self.kv_b_proj.weight.view(
+            cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank
+        )  # [h, d_nope + d_v, d_c]
         return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]  # W^UK [h, d_nope, d_c], W^UV [h, d_v, d_c]
 
     def _naive(self, q_nope, rope_scores, bias, cache):
@@ -110,7 +112,9 @@ class MLAttention(nn.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         w_quk, w_uvo = self.fused
-        q_latent = (self.query_input(x) @ w_quk).view(b, t, cfg.num_attention_heads, cfg.kv_lora_rank)  # [b, T, h·d_c] -> [b, T, h, d_c]
+        q_latent = (self.query_input(x) @ w_quk).view(
+            b, t, cfg.num_attention_heads, cfg.kv_lora_rank
+        )  # [b, T, h·d_c] -> [b, T, h, d_c]
         scores = torch.einsum("bthc,bsc->bhts", q_latent, cache.latent) + rope_scores
         probs = torch.softmax(scores * self.scale + bias, dim=-1, dtype=torch.float32).to(x.dtype)
         out_latent = torch.einsum("bhts,bsc->bthc", probs, cache.latent)  # [b, T, h, d_c]

@@ -38,12 +38,14 @@ def _layer(ckpt: Checkpoint, i: int) -> DecoderLayer:
 
 @torch.no_grad()
 def layerwise_logits(ckpt: Checkpoint, ids: torch.Tensor, kv_mask: torch.Tensor, lengths: torch.Tensor,
-                     decode_tokens: torch.Tensor, cache_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     decode_tokens: torch.Tensor, cache_dtype: torch.dtype | None = None,
+                     hidden: bool = False) -> tuple[torch.Tensor, ...]:
     """Prefill logits [b, T, vocab] of right-padded prompts `ids` [b, T] (`lengths` [b] real tokens each), then the
     logits [b, steps, vocab] of decoding `decode_tokens` [b, steps] one at a time at slots lengths + step.
     `kv_mask` [b, capacity >= T + steps] as the graphs take it. `ckpt` may be any reader with `config`, `names()`
     and `tensor(name)`: verification of a quantized export passes export.quantize.DequantizedCheckpoint. `cache_dtype`:
-    cache entries rounded to it as written, as a half-precision export's caches hold them."""
+    cache entries rounded to it as written, as a half-precision export's caches hold them. `hidden`: the final hidden
+    states (after the final norm) [b, T, d] and [b, steps, d] follow the logits."""
     cfg = ckpt.config
     b, t = ids.shape
     steps = decode_tokens.shape[1]
@@ -68,4 +70,6 @@ def layerwise_logits(ckpt: Checkpoint, ids: torch.Tensor, kv_mask: torch.Tensor,
     norm.load_state_dict(_weights(ckpt, "model.norm."))
     head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     head = torch.from_numpy(ckpt.tensor(head_name))  # [vocab, d]
-    return F.linear(norm(prompt), head).float(), F.linear(norm(decoded), head).float()
+    prompt, decoded = norm(prompt), norm(decoded)
+    logits = F.linear(prompt, head).float(), F.linear(decoded, head).float()
+    return (*logits, prompt.float(), decoded.float()) if hidden else logits

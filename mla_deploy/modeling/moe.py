@@ -77,7 +77,9 @@ class MoE(nn.Module):
     def __init__(self, cfg: MLAConfig):
         super().__init__()
         self.gate = Router(cfg)
-        self.experts = nn.ModuleList(SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.n_routed_experts))
+        self.experts = nn.ModuleList(
+            SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.n_routed_experts)
+        )
         self.shared_experts = (
             SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
         )

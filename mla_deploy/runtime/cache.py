@@ -26,7 +26,8 @@ class CacheBuffers:
 
     def __init__(self, cfg: MLAConfig, batch: int, capacity: int, max_capacity: int, device: str, dtype: str = "float32",
                  layers: range | None = None):
-        """`dtype`: the export's cache dtype (runtime.dtypes); `layers`: a stage's (default: every layer)."""
+        """`dtype`: the export's cache dtype (runtime.dtypes); `layers`: the main model's (default), the MTP
+        draft's (io_spec.draft_layers), or a stage's of a staged export."""
         self.cfg, self.batch, self.device, self.max_capacity, self.dtype = cfg, batch, device, max_capacity, dtype
         self.layers = range(cfg.num_hidden_layers) if layers is None else layers
         self.capacity = 0
@@ -67,7 +68,8 @@ class CacheBuffers:
 
 class DecodeBinding:
     """The decode graph bound once per cache shape over rows [0, rows): input buffers written in place each step,
-    logits read from `logits` [rows, 1, vocab] after the run."""
+    logits read from `logits` [rows, 1, vocab] after the run, and the final hidden state from `hidden` [rows, 1, d]
+    (None from an export without that output)."""
 
     def __init__(self, session: ort.InferenceSession, caches: CacheBuffers, rows: int, vocab: int):
         self.rows = rows
@@ -82,3 +84,8 @@ class DecodeBinding:
         self._values += caches.bind(self.binding, None if rows == caches.batch else slice(0, rows))
         self._values.append(ort.OrtValue.ortvalue_from_numpy(self.logits))
         self.binding.bind_ortvalue_output(io_spec.LOGITS, self._values[-1])
+        self.hidden = None
+        if io_spec.HIDDEN in {o.name for o in session.get_outputs()}:
+            self.hidden = np.zeros((rows, 1, caches.cfg.hidden_size), np.float32)
+            self._values.append(ort.OrtValue.ortvalue_from_numpy(self.hidden))
+            self.binding.bind_ortvalue_output(io_spec.HIDDEN, self._values[-1])

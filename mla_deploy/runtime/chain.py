@@ -105,6 +105,13 @@ class StageChain(StagedExport):
             new = worker.step(key, kind, new, positions, write, logits_positions)
         return new
 
+    @property
+    def has_draft(self) -> bool:
+        return False  # a staged export holds prefill and decode graphs only
+
+    def has_graph(self, kind: str) -> bool:
+        return kind in (io_spec.PREFILL, io_spec.DECODE)
+
     def resolve(self, handle: np.ndarray) -> np.ndarray:
         return handle  # in this process a step's result is at hand (runtime.stages: a Ray object ref)
 

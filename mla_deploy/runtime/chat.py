@@ -45,7 +45,9 @@ class GenerationDefaults:
         except InputError as e:
             raise ExportLoadError(f"{path}: {e}") from None
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in eos):
-            raise ExportLoadError(f"{path}: eos_token_id {g.get('eos_token_id')!r} must be an integer or a list of them")
+            raise ExportLoadError(
+                f"{path}: eos_token_id {g.get('eos_token_id')!r} must be an integer or a list of them"
+            )
         return cls(sampling, eos)
 
     def override(self, **fields) -> SamplingParams:
@@ -58,7 +60,9 @@ class ChatTemplate:
         from jinja2 import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
         env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

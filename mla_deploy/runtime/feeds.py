@@ -16,8 +16,8 @@ from .dtypes import numpy_dtype
 
 def empty_caches(cfg: MLAConfig, batch: int, capacity: int, dtype: str = "float32",
                  layers: range | None = None) -> dict[str, np.ndarray]:
-    """Zero-filled past_latent/past_rope inputs for every layer (or a stage's `layers`), in the export's cache `dtype`
-    (runtime.dtypes; for one-off graph calls: the Generator keeps its own in-place buffers)."""
+    """Zero-filled past_latent/past_rope inputs for every layer (or `layers`: the draft's, a stage's), in the export's
+    cache `dtype` (runtime.dtypes; for one-off graph calls: the Generator keeps its own in-place buffers)."""
     widths = io_spec.cache_widths(cfg.num_hidden_layers if layers is None else layers, cfg.kv_lora_rank,
                                   cfg.qk_rope_head_dim)
     return {name: np.zeros((batch, capacity, width), numpy_dtype(dtype)) for name, width in widths.items()}
@@ -37,8 +37,7 @@ def prefill_feed(cfg: MLAConfig, ids: np.ndarray, capacity: int | None = None,
 
 def check_feed(kind: str, feed: dict, cfg: MLAConfig, max_seq_len: int, cache_dtype: str = "float32",
                stage: io_spec.Stage | None = None) -> None:
-    inputs, _ = io_spec.graph_io(kind, cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.vocab_size,
-                                 cache_dtype=cache_dtype, stage=stage, hidden_size=cfg.hidden_size)
+    inputs, _ = io_spec.graph_io(kind, cfg, cache_dtype, stage=stage)
     expected = {s.name: s for s in inputs}
     missing = sorted(expected.keys() - feed.keys())
     unknown = sorted(feed.keys() - expected.keys())
@@ -75,7 +74,8 @@ def _check_values(feed: dict, axes: dict, cfg: MLAConfig, max_seq_len: int) -> N
         bad = np.argwhere((ids < 0) | (ids >= cfg.vocab_size))
         if len(bad):
             r, t = bad[0]
-            raise InputError(f"{io_spec.INPUT_IDS}[{r}, {t}] = {ids[r, t]}: outside the vocabulary [0, {cfg.vocab_size})")
+            raise InputError(f"{io_spec.INPUT_IDS}[{r}, {t}] = {ids[r, t]}: outside the vocabulary "
+                             f"[0, {cfg.vocab_size})")
     if pos.min() < 0 or pos.max() >= max_seq_len:
         raise InputError(f"{io_spec.POSITION_IDS}: values must be in [0, {max_seq_len}) (the export's maximum length), "
                          f"got [{pos.min()}, {pos.max()}]")

@@ -1,7 +1,8 @@
 """A staged export (export --stages N) over Ray (the 'ray' extra): one actor per stage, each loading only its stage's
 directory and holding its layers' caches for every sequence, on whichever node of the cluster has room, or, where
 nodes offer the stages' resources (stage_resource: `ray start --resources '{"mla_stage_1": 1}'` pins stage 1 to that
-host), each on the node that offers its own. A step's hidden states go from one actor to the next as a Ray object ref, never through the driver.
+host), each on the node that offers its own. A step's hidden states go from one actor to the next as a Ray object
+ref, never through the driver.
 
     model = StagedModel("out/", address="auto")          # join a running cluster; None starts a local one
     result = PipelineGenerator(model, micro_batches=2).generate(prompts, 64)
