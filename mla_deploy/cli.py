@@ -135,12 +135,15 @@ def main(ctx, debug):
                    "that runs anywhere, CUDA included; docs/design.md).")
 @click.option("--no-draft", is_flag=True,
               help="Leave out the MTP draft graph of a checkpoint with a multi-token-prediction layer.")
+@click.option("--stages", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Split the model into N pipeline stages (contiguous layers balanced by weight bytes), one export "
+                   "directory each under the output, for hosts that cannot hold the whole model (run, Ray).")
 @click.option("--force", is_flag=True, help="Replace an earlier export at the output path (nothing else is ever "
               "replaced).")
 def export(checkpoint, out, absorb, dtype, max_seq_len, no_verify, steps, quantize, block_size, accuracy_level,
-           quantized_ops, head_bits, experts, decode_attention, no_draft, force):
+           quantized_ops, head_bits, experts, decode_attention, no_draft, stages, force):
     """Export CHECKPOINT (default: the bundled demo model) to prefill.onnx, decode.onnx and verify.onnx (and
-    draft.onnx from a checkpoint with an MTP layer)."""
+    draft.onnx from a checkpoint with an MTP layer); with --stages N, N stage directories."""
     from .export import ExportOptions
     from .export import export as run_export
     from .verify import verify_export
@@ -158,7 +161,7 @@ def export(checkpoint, out, absorb, dtype, max_seq_len, no_verify, steps, quanti
     options = ExportOptions(absorb=absorb, dtype=dtype, max_seq_len=max_seq_len, force=force, quantize=quantize,
                             block_size=int(block_size), accuracy_level=int(accuracy_level), head_bits=int(head_bits),
                             quantized_ops=quantized_ops, experts=experts, decode_attention=decode_attention,
-                            draft=not no_draft)
+                            draft=not no_draft, stages=stages)
     run_export(checkpoint, out, options, progress=progress, verify=None if no_verify else verify)
 
 
@@ -188,11 +191,15 @@ def export(checkpoint, out, absorb, dtype, max_seq_len, no_verify, steps, quanti
                    "the weights instead of two, where they are prepacked (a model near the machine's memory).")
 @_session_config_option
 @_speculation_options
+@click.option("--ray-address", default=None,
+              help="A staged export (export --stages N): the Ray cluster its stages' actors join ('auto': the one "
+                   "started on this host); default: a local Ray instance. Needs the 'ray' extra.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text (with the "
               "draft tokens proposed and accepted).")
 def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, provider,
-        threads, check_weights, prepack, decode_only, session_config, speculative, draft_tokens, as_json):
+        threads, check_weights, prepack, decode_only, session_config, speculative, draft_tokens, ray_address, as_json):
     """Generate from EXPORT_DIR, streaming the text as it is produced."""
+    from .manifest import is_staged, read_manifest
     from .runtime import ExportedModel, RuntimeOptions, SamplingParams
     from .runtime.complete import complete
 
@@ -204,6 +211,21 @@ def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_
         speculation = _speculation("off", draft_tokens)  # a decode-only model holds no verify graph
     options = RuntimeOptions(provider=provider, threads=threads, check_weights="full" if check_weights else "sampled",
                              prepack=prepack, session_config=session_config)
+    if is_staged(read_manifest(export_dir)):
+        from .runtime.stages import StagedModel
+
+        with StagedModel(export_dir, options, address=ray_address) as model:
+            stages = ", ".join(f"stage {p['index']} RSS {p['rss_bytes'] / 1e9:.2f} GB" for p in model.placement)
+            result = complete(model, prompt, ids, max_new_tokens, model.generation.override(**given),
+                              None if as_json else (lambda s: click.echo(s, nl=False)))
+        if as_json:
+            click.echo(json.dumps({**result, "stages": model.placement}))
+            return
+        click.echo() if "text" in result else click.echo(" ".join(map(str, result["token_ids"])))
+        click.echo(f"[{len(result['token_ids'])} tokens, prefill {result['prefill_ms']:.1f} ms, decode "
+                   f"{result['decode_tokens_per_s']:.1f} tok/s; {len(model.placement)} stages on Ray: {stages}]",
+                   err=True)
+        return
     model = ExportedModel(export_dir, options, graphs=("decode",) if decode_only else ("prefill", "decode"))
     sampling = model.generation.override(**given)
     memory = model.load_memory

@@ -33,6 +33,10 @@ class ProviderError(MLADeployError):
     """An onnxruntime execution provider that was asked for but cannot be used."""
 
 
+class StageFailedError(MLADeployError):
+    """A stage of a staged export that stopped answering (its Ray actor or node died): the rows it held are lost."""
+
+
 def read_json(path, error: type[MLADeployError], what: str):
     """Parse a JSON file, or raise `error` naming the file: missing, unreadable or not JSON."""
     import json

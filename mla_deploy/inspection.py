@@ -14,7 +14,8 @@ from .errors import ExportLoadError, InputError
 from .export.absorb import AbsorbMode, resolve_absorb
 from .export.plan import ExportOptions, ExportPlan
 from .export.quantize import Quantization
-from .manifest import MANIFEST_FILE, check_files, read_manifest
+from .io_spec import Stage
+from .manifest import MANIFEST_FILE, check_files, is_staged, read_manifest, read_stage
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -26,13 +27,18 @@ def inspect_path(path: str | Path) -> dict:
         manifest = read_manifest(path)
         cfg, absorb, dtype = manifest["config_obj"], AbsorbMode(manifest["absorb"]), manifest["dtype"]
         quantization = manifest.get("quantization")
+        # a staged export: every stage's graphs, named by stage, and their weights files together
+        parts = ([read_stage(path, manifest, i)[1] for i in range(len(manifest["stages"]))] if is_staged(manifest)
+                 else [manifest])
         report = {"kind": "export", "path": str(path), "plan": ExportPlan.from_manifest(manifest).to_dict(),
                   "absorb": absorb.value, "dtype": dtype,
                   "decode_attention": manifest.get("decode_attention"), "experts": manifest.get("experts"),
                   "precision": manifest.get("precision"), "quantization": quantization,
-                  "max_seq_len": manifest["max_seq_len"], "weights_file_bytes": manifest["weights"]["bytes"],
-                  "graphs": {kind: {"inputs": g["inputs"], "outputs": g["outputs"], "op_counts": g.get("op_counts")}
-                             for kind, g in manifest["graphs"].items()}}
+                  "max_seq_len": manifest["max_seq_len"],
+                  "weights_file_bytes": sum(part["weights"]["bytes"] for part in parts),
+                  "graphs": {(kind if len(parts) == 1 else f"stage {i} {kind}"):
+                             {"inputs": g["inputs"], "outputs": g["outputs"], "op_counts": g.get("op_counts")}
+                             for i, part in enumerate(parts) for kind, g in part["graphs"].items()}}
         report["kernels"] = _kernel_ops(report["graphs"])
         report["damage"] = _damage(path, manifest)
     elif (path / "config.json").is_file():
@@ -81,9 +87,10 @@ def _kernel_ops(graphs: dict) -> dict | None:
 
 
 def _plan(recorded: dict) -> str:
-    q = recorded["quantization"]
+    q, stages = recorded["quantization"], recorded.get("stages") or []
     return ExportPlan(**{**recorded, "absorb": AbsorbMode(recorded["absorb"]),
-                         "quantization": Quantization.from_dict(q) if q else None}).describe()
+                         "quantization": Quantization.from_dict(q) if q else None,
+                         "stages": tuple(Stage(i, len(stages), a, b) for i, (a, b) in enumerate(stages))}).describe()
 
 
 def _quantized_sizes(q: dict | None) -> dict[str, float]:
@@ -134,7 +141,8 @@ def format_report(r: dict) -> list[str]:
         for bits, layout in (q.get("layouts") or {}).items():
             lines.append(f"  {bits} layout {layout['layout']}: codes {layout['codes']}, scales {layout['scales']}")
     if r["kind"] == "export":
-        lines.append(f"weights    {_size(r['weights_file_bytes'])} in weights.bin, max_seq_len {r['max_seq_len']}")
+        lines.append(f"weights    {_size(r['weights_file_bytes'])} in weights.bin" + (
+            " (its stages' together)" if r["plan"].get("stages") else "") + f", max_seq_len {r['max_seq_len']}")
     else:
         lines.append(f"files      {_size(r['files_bytes'])} of safetensors")
     read = r["decode_read_bytes"]

@@ -24,6 +24,17 @@ The graphs: prefill (naive attention, any seq), decode (absorbed, seq = 1), veri
 decoding's verification pass), and draft, the MTP module (layer index num_hidden_layers of a V3 checkpoint), whose
 input_ids are the tokens i + 1 and previous_hidden [batch, seq, hidden_size] the main model's hidden at i, over its
 own one-layer cache past_latent.{L} / past_rope.{L}, L = num_hidden_layers.
+
+A staged export (export --stages N) splits the decoder into N stages of contiguous layers, each with its own prefill
+and decode graph over the same contract, restricted to its layers' caches (past_latent.{i} for i in the stage's
+range, the model's own layer numbers), and joined by the residual stream:
+
+  hidden_states    float32 [batch, seq, hidden_size]   the residual stream before the stage's first layer (input of
+                   every stage but the first, in place of input_ids)
+  hidden_states_out  the same after its last layer (output of every stage but the last, in place of logits): the
+                   next stage's hidden_states
+
+The first stage holds the embedding, the last the final norm and the head (logits, logits_positions).
 """
 
 from __future__ import annotations
@@ -40,6 +51,8 @@ LOGITS_POSITIONS = "logits_positions"
 LOGITS = "logits"
 HIDDEN = "hidden"
 PREVIOUS_HIDDEN = "previous_hidden"
+HIDDEN_STATES = "hidden_states"
+HIDDEN_STATES_OUT = "hidden_states_out"
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -70,6 +83,43 @@ def past_of(present: str) -> str:
 
 
 @dataclass(frozen=True)
+class Stage:
+    """Stage `index` of `count`, running layers [first_layer, end_layer) of the model."""
+
+    index: int
+    count: int
+    first_layer: int
+    end_layer: int
+
+    @property
+    def layers(self) -> range:
+        return range(self.first_layer, self.end_layer)
+
+    @property
+    def first(self) -> bool:
+        """Takes input_ids through the embedding."""
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        """Ends in the final norm and the head: logits."""
+        return self.index == self.count - 1
+
+    def to_dict(self) -> dict:
+        return {"index": self.index, "count": self.count, "layers": [self.first_layer, self.end_layer]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Stage":
+        first, end = d["layers"]
+        return cls(int(d["index"]), int(d["count"]), int(first), int(end))
+
+    @classmethod
+    def whole(cls, num_layers: int) -> "Stage":
+        """The whole model as one stage: what an export without stages runs."""
+        return cls(0, 1, 0, num_layers)
+
+
+@dataclass(frozen=True)
 class TensorSpec:
     name: str
     dtype: str  # numpy dtype name
@@ -89,26 +139,30 @@ def cache_widths(num_layers: int | range, kv_lora_rank: int, rope_dim: int) -> d
     return widths
 
 
-def graph_io(graph: str, cfg: MLAConfig, cache_dtype: str = "float32",
-             hidden: bool = False) -> tuple[list[TensorSpec], list[TensorSpec]]:
+def graph_io(graph: str, cfg: MLAConfig, cache_dtype: str = "float32", hidden: bool = False,
+             stage: Stage | None = None) -> tuple[list[TensorSpec], list[TensorSpec]]:
     """(inputs, outputs) of the prefill, decode, verify or draft graph for the config `cfg`; `hidden`: the main graphs
-    of an export with a draft graph also output the final hidden state (the draft graph always does)."""
+    of an export with a draft graph also output the final hidden state (the draft graph always does); `stage`: of
+    that stage of a staged export (its prefill and decode graphs)."""
+    stage = stage or Stage.whole(cfg.num_hidden_layers)
     seq = 1 if graph == DECODE else "seq"
     inputs = [
-        TensorSpec(INPUT_IDS, "int64", ("batch", seq)),
+        TensorSpec(INPUT_IDS, "int64", ("batch", seq)) if stage.first
+        else TensorSpec(HIDDEN_STATES, "float32", ("batch", seq, cfg.hidden_size)),
         TensorSpec(POSITION_IDS, "int64", ("batch", seq)),
         TensorSpec(ATTENTION_MASK, "int64", ("batch", "capacity")),
         TensorSpec(WRITE_INDICES, "int64", ("batch",)),
     ]
-    gathered = graph in (PREFILL, DRAFT)  # logits at the asked-for positions only
+    gathered = graph in (PREFILL, DRAFT) and stage.last  # logits at the asked-for positions only
     if gathered:
         inputs.append(TensorSpec(LOGITS_POSITIONS, "int64", ("batch", "n_logits")))
     if graph == DRAFT:
         inputs.append(TensorSpec(PREVIOUS_HIDDEN, "float32", ("batch", seq, cfg.hidden_size)))
-    outputs = [TensorSpec(LOGITS, "float32", ("batch", "n_logits" if gathered else seq, cfg.vocab_size))]
+    outputs = [TensorSpec(LOGITS, "float32", ("batch", "n_logits" if gathered else seq, cfg.vocab_size)) if stage.last
+               else TensorSpec(HIDDEN_STATES_OUT, "float32", ("batch", seq, cfg.hidden_size))]
     if hidden or graph == DRAFT:
         outputs.append(TensorSpec(HIDDEN, "float32", ("batch", "n_logits" if graph == DRAFT else seq, cfg.hidden_size)))
-    layers = draft_layers(cfg) if graph == DRAFT else range(cfg.num_hidden_layers)
+    layers = draft_layers(cfg) if graph == DRAFT else stage.layers
     for layer in layers:
         for past, present, width in ((past_latent(layer), present_latent(layer), cfg.kv_lora_rank),
                                      (past_rope(layer), present_rope(layer), cfg.qk_rope_head_dim)):

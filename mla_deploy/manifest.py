@@ -3,6 +3,9 @@
 Torch-free (the runtime uses it). A manifest names the model config, the graphs with every input and
 output, the absorb mode, dtype, opset, maximum length, the source checkpoint's hash and an export id
 that is also stamped into each graph's metadata, so graphs from different exports are refused.
+
+A staged export's manifest names no graphs: it orders its stages, each a directory with an export's files and
+manifest (its own export id, and the staged export's id it belongs to, so stages of different exports are refused).
 """
 
 from __future__ import annotations
@@ -70,18 +73,54 @@ def read_manifest(directory: str | Path) -> dict:
         )
     try:
         manifest["config_obj"] = MLAConfig.from_dict(manifest["config"])
-        for kind in (io_spec.PREFILL, io_spec.DECODE):
-            manifest["graphs"][kind]["file"]
         int(manifest["max_seq_len"])
-        manifest["weights"]["file"], manifest["weights"]["bytes"]
+        if is_staged(manifest):
+            for entry in manifest["stages"]:
+                str(entry["directory"]), str(entry["export_id"]), [int(x) for x in entry["layers"]]
+        else:
+            for kind in (io_spec.PREFILL, io_spec.DECODE):
+                manifest["graphs"][kind]["file"]
+            manifest["weights"]["file"], manifest["weights"]["bytes"]
     except (KeyError, TypeError, ValueError, MLADeployError) as e:
         raise ExportLoadError(f"{path}: incomplete or invalid manifest ({e})") from None
     return manifest
 
 
+def is_staged(manifest: dict) -> bool:
+    """A staged export's own manifest (its stages in directories of their own), not one stage's or a whole export's."""
+    return "graphs" not in manifest and isinstance(manifest.get("stages"), list)
+
+
+def stage_of(manifest: dict) -> io_spec.Stage | None:
+    """The stage an export directory holds (its manifest's `stage`), or None for a whole export."""
+    recorded = manifest.get("stage")
+    return None if recorded is None else io_spec.Stage.from_dict(recorded)
+
+
+def read_stage(directory: str | Path, manifest: dict, index: int) -> tuple[Path, dict]:
+    """Stage `index` of the staged export at `directory` (manifest: read_manifest's): its directory and manifest,
+    checked to be that stage of that export."""
+    entry = manifest["stages"][index]
+    stage_dir = Path(directory) / entry["directory"]
+    stage_manifest = read_manifest(stage_dir)
+    stage = stage_of(stage_manifest)
+    recorded = stage_manifest.get("stage") or {}
+    if (stage is None or stage.index != index or list(stage.layers) != list(range(*entry["layers"]))
+            or recorded.get("staged_export_id") != manifest["export_id"]
+            or stage_manifest["export_id"] != entry["export_id"]):
+        raise ExportLoadError(f"{stage_dir}: not stage {index} (layers {entry['layers'][0]}-{entry['layers'][1] - 1}) "
+                              f"of the export {manifest['export_id']!r} at {directory}: stages of different exports "
+                              f"cannot be mixed")
+    return stage_dir, stage_manifest
+
+
 def check_files(directory: Path, manifest: dict, check_weights: str = "sampled") -> None:
     """Every file the manifest names exists; graph hashes match; the weights file's size and blocks match
-    (all blocks, or a sample of a large file: mla_deploy.integrity)."""
+    (all blocks, or a sample of a large file: mla_deploy.integrity); of every stage, for a staged export."""
+    if is_staged(manifest):
+        for index in range(len(manifest["stages"])):
+            check_files(*read_stage(directory, manifest, index), check_weights)
+        return
     for kind, entry in manifest["graphs"].items():
         path = directory / entry["file"]
         if not path.is_file():
@@ -102,5 +141,7 @@ def check_export(directory: str | Path) -> dict:
     start = time.perf_counter()
     manifest = read_manifest(directory)
     check_files(directory, manifest, "full")
-    return {"blocks": len(manifest["weights"]["block_digests"]), "bytes": manifest["weights"]["bytes"],
-            "seconds": time.perf_counter() - start}
+    parts = ([read_stage(directory, manifest, i)[1] for i in range(len(manifest["stages"]))] if is_staged(manifest)
+             else [manifest])
+    return {"blocks": sum(len(m["weights"]["block_digests"]) for m in parts),
+            "bytes": sum(m["weights"]["bytes"] for m in parts), "seconds": time.perf_counter() - start}

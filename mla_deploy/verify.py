@@ -1,7 +1,8 @@
 """Verify an export against its torch source: prefill logits, N decode steps, and generated tokens.
 
 The runtime's own Generator (in-place caches, chunked prefill) generates N greedy tokens for a batch
-of rows of different lengths. Then the same prompts go through the prefill graph, and the generated
+of rows of different lengths (a staged export: its stages chained in this process, runtime.chain and
+runtime.pipeline). Then the same prompts go through the prefill graph, and the generated
 tokens through the decode graph one step at a time; the torch source takes exactly those inputs, one
 decoder layer at a time (modeling.layerwise: one layer's weights in memory, so any checkpoint that
 fits on disk verifies). Every step's logits are compared, and the source's greedy choice at each
@@ -34,9 +35,12 @@ from .errors import ExportError
 from .export.precision import RoundedCheckpoint
 from .export.quantize import DequantizedCheckpoint, Quantization
 from .modeling.layerwise import layerwise_logits
+from .manifest import is_staged, read_manifest
 from .runtime import ExportedModel, Generator, RuntimeOptions, SamplingParams
+from .runtime.chain import StageChain
 from .runtime.feeds import empty_caches, prefill_feed
 from .runtime.session import provider_options
+from .runtime.pipeline import PipelineGenerator
 
 DEFAULT_RTOL = 1e-4
 RTOL = {"float32": DEFAULT_RTOL, "float16": 1e-3, "bfloat16": 1e-3}  # the worst measured sits 10x below (docs/development.md)
@@ -76,10 +80,14 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
                   rtol: float | None = None, lengths: tuple[int, ...] = (13, 7, 3), seed: int = 0,
                   provider: str = "cpu") -> VerifyReport:
     """`rtol`: default by the export's dtype (RTOL), on every provider. `provider`: where the export runs ('cpu',
-    'cuda': the runtime's generation over device-resident caches; the torch source runs on the CPU)."""
+    'cuda': the runtime's generation over device-resident caches; the torch source runs on the CPU). A staged export
+    (export --stages N) runs its stages chained."""
     # Unpacked, MatMulNBits dequantizes and multiplies in float whatever its accuracy_level; mla_deploy's quantized
     # ops are given accuracy_level 0: the check is exact.
-    model = FloatActivations(export_dir, RuntimeOptions(provider=provider, prepack=False))
+    staged = is_staged(read_manifest(export_dir))
+    exact = RuntimeOptions(provider=provider, prepack=False)
+    model = (StageChain(export_dir, exact, model_class=FloatActivations) if staged
+             else FloatActivations(export_dir, exact))
     manifest = model.manifest
     source = Path(checkpoint_dir or manifest["source"]["path"])
     ckpt = Checkpoint(source)
@@ -103,8 +111,10 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
         ids[r, : len(row)] = row
     lens = np.array(lengths, np.int64)
 
-    # the runtime end to end: in-place caches, chunked prefill, greedy sampling
-    greedy = Generator(model, SamplingParams(), chunk_size=max(1, longest // 2), stop_token_ids=())
+    # the runtime end to end: in-place caches, chunked prefill, greedy sampling (a staged export: its stages chained,
+    # each with its own caches, two micro-batches in flight)
+    greedy = (PipelineGenerator(model, SamplingParams(), stop_token_ids=(), micro_batches=2) if staged else
+              Generator(model, SamplingParams(), chunk_size=max(1, longest // 2), stop_token_ids=()))
     generated = greedy.generate(rows, steps).token_ids
     if any(len(g) != steps for g in generated):
         raise ExportError(f"the runtime generated {[len(g) for g in generated]} tokens per row, expected {steps}")
@@ -172,15 +182,17 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
                             f"agreement {q['top1']:.1%}, max |Δlogit| {q['max_abs']:.3e}, mean {q['mean_abs']:.3e} "
                             "(perplexity: mla-deploy eval)")
     if quantization:  # as deployed: default options (int8 activations at accuracy_level 4)
-        deployed_model = ExportedModel(export_dir, RuntimeOptions(provider=provider))
+        deployed_model = (StageChain if staged else ExportedModel)(export_dir, RuntimeOptions(provider=provider))
         deployed = deployed_model.run(io_spec.PREFILL, prefill)
         report.deployed_drift = drift = float(np.abs(deployed[io_spec.LOGITS] - prefill_logits)[valid].max())
-        ops = "prepacked MatMulNBits" if deployed_model.prepack else "mla-deploy's quantized kernels"
+        prepacked = (deployed_model.workers[0].model if staged else deployed_model).prepack
+        ops = "prepacked MatMulNBits" if prepacked else "mla-deploy's quantized kernels"
         report.lines.append(f"deployed prefill with {ops} (accuracy_level {quantization['accuracy_level']}): "
                             f"max |Δlogit| {drift:.3e} from the exact run (quality against the float model: mla-deploy eval)")
-    report.device = model.device
-    if model.device != "cpu":
-        report.lines.append(f"device   the export ran on {model.device} ({model.providers[0]})")
+    ran = model.workers[0].model if staged else model
+    report.device = ran.device
+    if ran.device != "cpu":
+        report.lines.append(f"device   the export ran on {ran.device} ({ran.providers[0]})")
     report.lines.append(f"{'PASS' if report.passed else 'FAIL'}: tolerance {report.tolerance:.3e} "
                         f"(rtol {rtol:g} x logit scale {max(1.0, report.logit_scale):.2f})")
     return report

@@ -1,5 +1,7 @@
 """Checkpoint -> export directory: prefill.onnx, decode.onnx, verify.onnx (and draft.onnx from a checkpoint with an
-MTP layer), one shared weights file, manifest, tokenizer.
+MTP layer), one shared weights file, manifest, tokenizer; or, staged (--stages N), one directory per stage (stage-0,
+stage-1, ..., each with its prefill and decode graphs, weights and manifest) under a manifest that orders them,
+beside the tokenizer.
 
 Everything is written to a temporary sibling directory, checked (onnx.checker full check, and the
 verifier unless skipped), fsynced, then renamed into place: a failed export leaves nothing behind.
@@ -61,31 +63,26 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
     progress("hashing source weights")
     source_hash = ckpt.content_hash()
     export_id = hashlib.sha256(plan.recipe(source_hash, __version__).encode()).hexdigest()[:32]
-    metadata = {"producer": "mla-deploy", "mla_deploy_version": __version__, "export_id": export_id}
 
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        graphs = {}
-        with WeightsFile(tmp / WEIGHTS_FILE) as weights:
-            for kind in graph_kinds(plan):
-                progress(f"building {kind} graph ({FORMS[kind].format(absorb=plan.absorb.value)}), writing its weights")
-                with progress_bar(1 if kind == io_spec.DRAFT else cfg.num_hidden_layers, f"{kind} layers",
-                                  "layer") as advance:
-                    graphs[kind] = build_graph(kind, cfg, source.tensor, plan, weights, metadata,
-                                               on_layer=lambda i: advance(1))
-        progress(f"wrote weights ({weights.nbytes / 1e9:.2f} GB)")
-        manifest = _manifest(cfg, plan, source_hash, export_id, ckpt)
-        manifest["weights"].update(bytes=weights.nbytes, block_bytes=integrity.BLOCK_BYTES,
-                                   digest=integrity.DIGEST, block_digests=integrity.block_digests(tmp / WEIGHTS_FILE))
-        for kind, model in graphs.items():
-            progress(f"saving and checking {kind}.onnx")
-            path = tmp / io_spec.GRAPH_FILES[kind]
-            ir.save(model, path)  # external tensors stay references into weights.bin
-            onnx.checker.check_model(str(path), full_check=True)
-            manifest["graphs"][kind]["sha256"] = file_sha256(path)
-            manifest["graphs"][kind]["op_counts"] = op_counts(model)
+        if plan.stages:
+            manifest = _top_manifest(cfg, plan, source_hash, export_id, ckpt)
+            for stage in plan.stages:
+                directory = tmp / manifest["stages"][stage.index]["directory"]
+                directory.mkdir()
+                stage_id = hashlib.sha256(f"{export_id}|stage {stage.index}".encode()).hexdigest()[:32]
+                progress(f"stage {stage.index + 1} of {len(plan.stages)}: layers {stage.first_layer}-"
+                         f"{stage.end_layer - 1}" + (", the embedding" if stage.first else "")
+                         + (", the final norm and head" if stage.last else ""))
+                written = _write_graphs(directory, cfg, plan, source, progress,
+                                        _manifest(cfg, plan, source_hash, stage_id, ckpt, stage, export_id), stage)
+                manifest["stages"][stage.index].update(export_id=stage_id, weights_bytes=written["weights"]["bytes"])
+        else:
+            manifest = _write_graphs(tmp, cfg, plan, source, progress,
+                                     _manifest(cfg, plan, source_hash, export_id, ckpt))
         manifest["tokenizer"] = _copy_tokenizer(ckpt.directory, tmp)
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         if verify is not None:
@@ -102,12 +99,42 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
     return ExportResult(out, plan, manifest, list(ckpt.notes))
 
 
+def _write_graphs(directory: Path, cfg, plan: ExportPlan, source: RoundedCheckpoint, progress: Progress, manifest: dict,
+                  stage: io_spec.Stage | None = None) -> dict:
+    """The graphs (of one stage) and their one weights file into `directory`; returns `manifest` completed with the
+    weights' digests and the graphs' hashes and operator counts."""
+    graphs, layers = {}, len(stage.layers) if stage else cfg.num_hidden_layers
+    metadata = {"producer": "mla-deploy", "mla_deploy_version": __version__, "export_id": manifest["export_id"]}
+    with WeightsFile(directory / WEIGHTS_FILE) as weights:
+        for kind in graph_kinds(plan):
+            progress(f"building {kind} graph ({FORMS[kind].format(absorb=plan.absorb.value)}), writing its weights")
+            with progress_bar(1 if kind == io_spec.DRAFT else layers, f"{kind} layers", "layer") as advance:
+                graphs[kind] = build_graph(kind, cfg, source.tensor, plan, weights, metadata,
+                                           on_layer=lambda i: advance(1), stage=stage)
+    progress(f"wrote weights ({weights.nbytes / 1e9:.2f} GB)")
+    manifest["weights"].update(bytes=weights.nbytes, block_bytes=integrity.BLOCK_BYTES, digest=integrity.DIGEST,
+                               block_digests=integrity.block_digests(directory / WEIGHTS_FILE))
+    for kind, model in graphs.items():
+        progress(f"saving and checking {kind}.onnx")
+        path = directory / io_spec.GRAPH_FILES[kind]
+        ir.save(model, path)  # external tensors stay references into weights.bin
+        onnx.checker.check_model(str(path), full_check=True)
+        manifest["graphs"][kind]["sha256"] = file_sha256(path)
+        manifest["graphs"][kind]["op_counts"] = op_counts(model)
+    if stage is not None:
+        (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return manifest
+
+
 FORMS = {io_spec.PREFILL: "naive attention", io_spec.DECODE: "absorbed, {absorb}",
          io_spec.VERIFY: "absorbed, {absorb}, any number of tokens", io_spec.DRAFT: "the MTP layer, absorbed, {absorb}"}
 
 
 def graph_kinds(plan: ExportPlan) -> tuple[str, ...]:
-    """The graphs an export holds: prefill, decode and verify; the MTP draft where the plan has it."""
+    """The graphs an export holds: prefill, decode and verify; the MTP draft where the plan has it. A stage of a
+    staged export: prefill and decode (speculative decoding runs on one host)."""
+    if plan.stages:
+        return io_spec.PREFILL, io_spec.DECODE
     return (io_spec.PREFILL, io_spec.DECODE, io_spec.VERIFY) + ((io_spec.DRAFT,) if plan.draft else ())
 
 
@@ -125,17 +152,39 @@ def _report_choices(cfg, options: ExportOptions, plan: ExportPlan, progress: Pro
              + (", the cache as MatMul's A operand (long cache)" if plan.long_cache else ""))
 
 
-def _manifest(cfg, plan: ExportPlan, source_hash: str, export_id: str, ckpt: Checkpoint) -> dict:
+def _manifest(cfg, plan: ExportPlan, source_hash: str, export_id: str, ckpt: Checkpoint,
+              stage: io_spec.Stage | None = None, staged_export_id: str | None = None) -> dict:
+    """The manifest of an export, or of one stage of a staged export (`stage`, and the id of the staged export it
+    belongs to)."""
     graphs = {}
     for kind in graph_kinds(plan):
-        inputs, outputs = io_spec.graph_io(kind, cfg, plan.cache_dtype, hidden=plan.draft)
+        inputs, outputs = io_spec.graph_io(kind, cfg, plan.cache_dtype, hidden=plan.draft, stage=stage)
         graphs[kind] = {"file": io_spec.GRAPH_FILES[kind], "inputs": [s.to_dict() for s in inputs],
                         "outputs": [s.to_dict() for s in outputs]}
+    return {
+        **_common(cfg, plan, source_hash, export_id, ckpt), "weights": {"file": WEIGHTS_FILE}, "graphs": graphs,
+        **({"stage": {**stage.to_dict(), "staged_export_id": staged_export_id}} if stage else {}),
+    }
+
+
+def _top_manifest(cfg, plan: ExportPlan, source_hash: str, export_id: str, ckpt: Checkpoint) -> dict:
+    """A staged export's own manifest: the plan (its stages' layers in order) and each stage's directory; the graphs
+    and weights are in the stages' directories, each with its manifest."""
+    manifest = _common(cfg, plan, source_hash, export_id, ckpt)
+    for stage, entry in zip(plan.stages, manifest["stages"]):
+        entry["directory"] = stage_directory(stage.index)
+    return manifest
+
+
+def stage_directory(index: int) -> str:
+    return f"stage-{index}"
+
+
+def _common(cfg, plan: ExportPlan, source_hash: str, export_id: str, ckpt: Checkpoint) -> dict:
     return {
         "format": "mla-deploy-export", "manifest_version": MANIFEST_VERSION, "mla_deploy_version": __version__,
         "export_id": export_id, "config": cfg.to_dict(), "opset": OPSET, **plan.manifest_fields(cfg),
         "source": {"path": str(ckpt.directory.resolve()), "sha256": source_hash},
-        "weights": {"file": WEIGHTS_FILE}, "graphs": graphs,
     }
 
 
@@ -150,6 +199,9 @@ def _copy_tokenizer(src: Path, dst: Path) -> list[str]:
 
 def _fsync_tree(directory: Path) -> None:
     for p in directory.iterdir():
+        if p.is_dir():  # a stage of a staged export
+            _fsync_tree(p)
+            continue
         with open(p, "rb") as f:
             os.fsync(f.fileno())
 

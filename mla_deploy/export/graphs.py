@@ -1,6 +1,7 @@
 """The graphs over the io_spec contract, built from the plan: prefill (any number of new tokens, naive attention),
 decode (one token, absorbed), verify (any number of tokens, absorbed: speculative decoding's verification pass) and
-draft (the MTP module of a V3 checkpoint: modeling/mtp.py)."""
+draft (the MTP module of a V3 checkpoint: modeling/mtp.py); for one stage of a staged export, prefill and decode over
+the stage's layers."""
 
 from __future__ import annotations
 
@@ -21,14 +22,16 @@ from .weights import WeightsFile
 
 
 def build_graph(kind: str, cfg: MLAConfig, t: Tensors, plan: ExportPlan, weights: WeightsFile, metadata: dict[str, str],
-                on_layer: Callable[[int], None] = lambda i: None) -> ir.Model:
-    """prefill, decode, verify or draft; `weights` is the file every graph's initializers live in."""
+                on_layer: Callable[[int], None] = lambda i: None, stage: io_spec.Stage | None = None) -> ir.Model:
+    """prefill, decode, verify or draft (prefill or decode of one `stage` of a staged export); `weights` is the file
+    every graph's initializers live in."""
     g = Graph(kind, weights, plan)
     op = g.op
-    specs_in, specs_out = io_spec.graph_io(kind, cfg, plan.cache_dtype, hidden=plan.draft)
+    specs_in, specs_out = io_spec.graph_io(kind, cfg, plan.cache_dtype, hidden=plan.draft, stage=stage)
     inputs = {spec.name: g.input(spec) for spec in specs_in}
     write_indices = inputs[io_spec.WRITE_INDICES]
-    bias = attention_bias(op, inputs[io_spec.INPUT_IDS], inputs[io_spec.ATTENTION_MASK], write_indices)  # [b, 1, T, cap]
+    new = inputs.get(io_spec.INPUT_IDS, inputs.get(io_spec.HIDDEN_STATES))  # [b, T] or [b, T, d]: T new tokens
+    bias = attention_bias(op, new, inputs[io_spec.ATTENTION_MASK], write_indices)  # [b, 1, T, cap]
     outputs: dict[str, ir.Value] = {}
 
     def attention(op, attn: MLAttention, h, cos, sin):
@@ -46,8 +49,10 @@ def build_graph(kind: str, cfg: MLAConfig, t: Tensors, plan: ExportPlan, weights
         logits, hidden = draft(g, cfg, t, inputs, attention, positions)
         on_layer(0)
     else:
-        logits, hidden = decoder(g, cfg, t, inputs, attention, positions, on_layer, hidden=plan.draft)
-    outputs[io_spec.LOGITS], outputs[io_spec.HIDDEN] = logits, hidden
+        logits, hidden = decoder(g, cfg, t, inputs, attention, positions, on_layer, hidden=plan.draft, stage=stage)
+    # a stage before the last returns its hidden states where the last returns logits
+    outputs[io_spec.LOGITS if stage is None or stage.last else io_spec.HIDDEN_STATES_OUT], outputs[io_spec.HIDDEN] = \
+        logits, hidden
     for spec in specs_out:  # the caches' TensorScatter outputs become present_* themselves
         g.output(outputs[spec.name], spec)
     return g.model({**metadata, "graph": kind})

@@ -1,5 +1,7 @@
 """modeling/model.py as graph code: the decoder stack every graph shares (embedding, per-layer norm / attention /
-MLP or MoE with residuals, final norm, vocabulary projection); a graph only chooses the attention of each layer."""
+MLP or MoE with residuals, final norm, vocabulary projection); a graph only chooses the attention of each layer.
+A stage of a staged export is the same stack over its range of layers: the first stage starts from the embedding,
+the others from the hidden states the stage before returns, and only the last ends in the final norm and head."""
 
 from __future__ import annotations
 
@@ -22,19 +24,27 @@ AttentionFn = Callable[..., ir.Value]
 
 def decoder(g: Graph, cfg: MLAConfig, t: Tensors, inputs: dict[str, ir.Value], attention: AttentionFn,
             logits_positions: ir.Value | None = None, on_layer: Callable[[int], None] = lambda i: None,
-            hidden: bool = False) -> tuple[ir.Value, ir.Value | None]:
+            hidden: bool = False, stage: io_spec.Stage | None = None) -> tuple[ir.Value, ir.Value | None]:
     """input_ids, position_ids -> logits [b, n, vocab] (at logits_positions; all positions where None) and, with
     `hidden`, the final hidden state [b, T, d] float32 at every position (after the final norm: what the head reads,
     and what the MTP draft reads); on_layer(i) after each layer (weights written). Without `hidden`, what follows the
     last attention (its MLP or MoE, the final norm, the head) works token by token and no cache needs it: only the
-    positions whose logits are asked for go on (llama.cpp's inp_out_ids)."""
+    positions whose logits are asked for go on (llama.cpp's inp_out_ids). A `stage` runs its layers only, from
+    hidden_states [b, T, d] unless it is the first, and returns, unless it is the last, hidden_states_out [b, T, d]
+    (float32) in place of the logits."""
     op, eps = g.op, cfg.rms_norm_eps
-    x = embedding(g, inputs[io_spec.INPUT_IDS], lambda: t("model.embed_tokens.weight"))  # [b, T, d]
+    stage = stage or io_spec.Stage.whole(cfg.num_hidden_layers)
+    if stage.first:
+        x = embedding(g, inputs[io_spec.INPUT_IDS], lambda: t("model.embed_tokens.weight"))  # [b, T, d]
+    else:
+        x = g.to_compute(op, inputs[io_spec.HIDDEN_STATES])  # [b, T, d]
     cos, sin = rope_lookup(g, cfg, inputs[io_spec.POSITION_IDS])  # [b, T, d_r/2]
     last = cfg.num_hidden_layers - 1
-    for i in range(cfg.num_hidden_layers):
+    for i in stage.layers:
         x = decoder_layer(g, cfg, t, i, x, cos, sin, attention, None if hidden or i < last else logits_positions)
         on_layer(i)
+    if not stage.last:
+        return g.to_float(op, x), None
     x = RMSNorm(g, "final_norm", "model.norm.weight", t, eps)(op, x)  # [b, T or n, d]
     if not hidden:
         return vocabulary(g, cfg, t, x), None

@@ -35,16 +35,22 @@ The rules (each form measured against the others: docs/benchmarks.md):
 - long cache: where a row's float32 latent cache at the export's maximum length can outgrow LONG_CACHE_BYTES, the
   ops multiply probs by the cache as MatMul's A operand (MLAS packs the B operand on every call, which then costs as
   much as the product), and the kernel op is LatentAttentionLong, whose function body does the same.
+- stages (--stages N): contiguous layer ranges, the embedding in the first and the final norm and head in the last,
+  chosen to make the largest stage's weight bytes as small as it can be (each tensor at the width the export stores
+  it, from the config: `stored_bytes`), so that a model split over N hosts needs the least memory on the fullest.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .. import kernels
+import numpy as np
+
+from .. import io_spec, kernels
+from ..checkpoint import expected_tensors
 from ..config import MLAConfig
 from ..errors import ExportError
-from .absorb import AbsorbMode, resolve_absorb
+from .absorb import AbsorbMode, absorbed_weight_bytes, resolve_absorb
 from .precision import DTYPES
 from . import layouts
 from .quantize import Quantization, quantized_hf_names
@@ -82,6 +88,7 @@ class ExportOptions:
     experts: str = "auto"  # routed experts: auto, kernel, qmoe (quantized), branches (portable)
     decode_attention: str = "auto"  # the decode graph's attention core: auto, kernel, ops (portable)
     draft: bool = True  # the MTP draft graph, where the checkpoint has an MTP layer
+    stages: int = 1  # pipeline stages: N stage exports of contiguous layers, joined by their hidden states
 
     def check(self) -> None:
         """The checks that need no config, so that a bad option fails before the checkpoint is read."""
@@ -97,6 +104,8 @@ class ExportOptions:
             raise ExportError(f"experts={self.experts!r}: expected one of {', '.join(EXPERTS)}")
         if self.decode_attention not in DECODE_ATTENTION:
             raise ExportError(f"decode_attention={self.decode_attention!r}: expected one of {', '.join(DECODE_ATTENTION)}")
+        if not isinstance(self.stages, int) or isinstance(self.stages, bool) or self.stages < 1:
+            raise ExportError(f"--stages {self.stages!r}: expected a positive integer")
 
     def quantization(self) -> Quantization | None:
         if self.quantize is None:
@@ -129,6 +138,7 @@ class ExportPlan:
     long_cache: bool  # decode attention multiplies probs by the cache as the A operand (LatentAttentionLong)
     max_seq_len: int
     draft: bool = False  # the MTP draft graph is written (the checkpoint has an MTP layer, and it was not refused)
+    stages: tuple[io_spec.Stage, ...] = ()  # a staged export's stages in order; () for one export of every layer
 
     @classmethod
     def resolve(cls, cfg: MLAConfig, options: ExportOptions, has_mtp: bool = False) -> "ExportPlan":
@@ -144,11 +154,18 @@ class ExportPlan:
             quantized_ops = "kernel" if options.quantized_ops == "auto" else options.quantized_ops
             quantization = replace(quantization, scale_dtype=SCALE_DTYPE[quantized_ops])
         cache_dtype = options.dtype
-        return cls(absorb=resolve_absorb(cfg, options.absorb), dtype=options.dtype, compute=COMPUTE,
+        plan = cls(absorb=resolve_absorb(cfg, options.absorb), dtype=options.dtype, compute=COMPUTE,
                    cache_dtype=cache_dtype, quantization=quantization, quantized_ops=quantized_ops,
                    experts=resolve_experts(cfg, options.experts, quantization, quantized_ops),
                    decode_attention=resolve_decode_attention(cfg, options.decode_attention, cache_dtype),
                    long_cache=long_cache(cfg, max_seq_len), max_seq_len=max_seq_len, draft=has_mtp and options.draft)
+        if options.stages == 1:
+            return plan
+        if options.stages > cfg.num_hidden_layers:
+            raise ExportError(f"--stages {options.stages}: the model has {cfg.num_hidden_layers} layers, and every "
+                              f"stage needs at least one")
+        # a stage's graphs are prefill and decode only: speculative decoding (verify, the MTP draft) runs on one host
+        return replace(plan, draft=False, stages=balanced_stages(*stored_bytes(cfg, plan), options.stages))
 
     @property
     def half_weights(self) -> bool:
@@ -160,7 +177,8 @@ class ExportPlan:
         return {"absorb": self.absorb.value, "dtype": self.dtype, "compute": self.compute, "cache_dtype": self.cache_dtype,
                 "quantization": None if self.quantization is None else self.quantization.to_dict(),
                 "quantized_ops": self.quantized_ops, "experts": self.experts, "decode_attention": self.decode_attention,
-                "long_cache": self.long_cache, "max_seq_len": self.max_seq_len, "draft": self.draft}
+                "long_cache": self.long_cache, "max_seq_len": self.max_seq_len, "draft": self.draft,
+                "stages": [[s.first_layer, s.end_layer] for s in self.stages] or None}
 
     def describe(self) -> str:
         """One line for a reader: each choice and where it runs."""
@@ -176,13 +194,16 @@ class ExportPlan:
                 f"decode attention in {core}" + (" (the cache as MatMul's A operand: long cache)" if self.long_cache
                                                  else "")
                 + (f"; routed experts in {experts.get(self.experts, self.experts)}" if self.experts else "")
-                + f"; max_seq_len {self.max_seq_len}" + ("; the MTP draft graph" if self.draft else ""))
+                + f"; max_seq_len {self.max_seq_len}" + ("; the MTP draft graph" if self.draft else "")
+                + (f"; {len(self.stages)} stages, layers " + ", ".join(f"{s.first_layer}-{s.end_layer - 1}"
+                                                                      for s in self.stages) if self.stages else ""))
 
     def recipe(self, source_hash: str, version: str) -> str:
         """What the export id hashes: the source and every choice that is not a function of the others (the cache
         dtype is the dtype, the long-cache form follows from the config and the length)."""
         return (f"{source_hash}|{self.absorb.value}|{self.dtype}|{self.max_seq_len}|{self.quantization}|"
-                f"{self.quantized_ops}|{self.experts}|{self.decode_attention}|{self.draft}|{version}")
+                f"{self.quantized_ops}|{self.experts}|{self.decode_attention}|{self.draft}|{version}"
+                + "".join(f"|{s.first_layer}-{s.end_layer}" for s in self.stages))
 
     def manifest_fields(self, cfg: MLAConfig) -> dict:
         """The manifest's record of the plan (read back by from_manifest)."""
@@ -192,6 +213,7 @@ class ExportPlan:
             "absorb": self.absorb.value, "dtype": self.dtype, "max_seq_len": self.max_seq_len,
             "experts": self.experts if cfg.n_routed_experts else None, "decode_attention": self.decode_attention,
             "long_cache": self.long_cache, "quantized_ops": self.quantized_ops, "draft": self.draft,
+            **({"stages": [{"layers": [s.first_layer, s.end_layer]} for s in self.stages]} if self.stages else {}),
             "precision": {"dtype": self.dtype, "compute": self.compute, "caches": self.cache_dtype,
                           "float32": FLOAT32_ISLANDS},
             "quantization": None if q is None else {
@@ -209,13 +231,15 @@ class ExportPlan:
         max_seq_len = int(manifest["max_seq_len"])
         recorded_long = manifest.get("long_cache")
         quantized_ops = manifest.get("quantized_ops") or ("onnxruntime" if quantization else None)
+        recorded = manifest.get("stages") or []
+        stages = tuple(io_spec.Stage(i, len(recorded), *_layer_range(r["layers"])) for i, r in enumerate(recorded))
         return cls(absorb=AbsorbMode(manifest["absorb"]), dtype=manifest["dtype"],
                    compute=precision.get("compute", COMPUTE), cache_dtype=precision.get("caches", manifest["dtype"]),
                    quantization=Quantization.from_dict(quantization) if quantization else None,
                    quantized_ops=quantized_ops, experts=manifest.get("experts"),
                    decode_attention=manifest.get("decode_attention", "ops"),
                    long_cache=long_cache(cfg, max_seq_len) if recorded_long is None else bool(recorded_long),
-                   max_seq_len=max_seq_len, draft=bool(manifest.get("draft", False)))
+                   max_seq_len=max_seq_len, draft=bool(manifest.get("draft", False)), stages=stages)
 
 
 def quantized_layouts(q: Quantization, quantized_ops: str) -> dict:
@@ -271,3 +295,60 @@ def resolve_decode_attention(cfg: MLAConfig, requested: str, cache_dtype: str = 
 def long_cache(cfg: MLAConfig, max_seq_len: int) -> bool:
     """Whether a row's float32 latent cache at the export's full length outgrows LONG_CACHE_BYTES."""
     return max_seq_len * cfg.kv_lora_rank * 4 > LONG_CACHE_BYTES
+
+
+def stored_bytes(cfg: MLAConfig, plan: ExportPlan) -> tuple[float, list[float], float]:
+    """Weight bytes the export stores for the embedding, for each layer (both graphs' forms: the naive weights and
+    the absorbed ones of the decode graph) and for the final norm and head, from the config: each tensor at the
+    width it is stored in (quantized weights: codes plus a scale per block; a tied table counted on both ends, as
+    the first and the last stage each hold it)."""
+    q = plan.quantization
+    itemsize = np.dtype(np.float32 if plan.dtype == "float32" else np.float16).itemsize
+    quantized = set(quantized_hf_names(cfg)) if q else set()
+
+    def size(name: str, shape: tuple[int, ...]) -> float:
+        n = float(np.prod(shape))
+        return n * q.bytes_per_weight(q.bits_of(name)) if name in quantized else n * itemsize
+
+    tensors = expected_tensors(cfg)
+    embedding = size("model.embed_tokens.weight", tensors["model.embed_tokens.weight"])
+    head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    head = size(head_name, tensors[head_name]) + size("model.norm.weight", tensors["model.norm.weight"])
+    # the absorbed weights: quantized where fused, float32 islands where factored
+    absorbed = absorbed_weight_bytes(cfg, plan.absorb, 1) * (
+        q.bytes_per_weight() if q and plan.absorb == AbsorbMode.FUSED else 4)
+    layers = [absorbed + sum(size(name, shape) for name, shape in tensors.items()
+                             if name.startswith(f"model.layers.{i}.")) for i in range(cfg.num_hidden_layers)]
+    return embedding, layers, head
+
+
+def balanced_stages(embedding: float, layers: list[float], head: float, count: int) -> tuple[io_spec.Stage, ...]:
+    """`count` stages of contiguous layers, at least one each, the embedding's bytes on the first and the head's on
+    the last, whose largest holds the fewest bytes (ties: the earliest cut points); exact, by dynamic programming
+    over the cut points."""
+    n = len(layers)
+    prefix = np.concatenate([[0.0], np.cumsum(layers)])
+
+    def stage_bytes(start: int, end: int, index: int) -> float:
+        return (prefix[end] - prefix[start] + (embedding if index == 0 else 0.0)
+                + (head if index == count - 1 else 0.0))
+
+    # best[k][e]: the smallest largest-stage bytes of layers [0, e) as stages 0..k, and the cut before the last
+    best = [[(np.inf, 0)] * (n + 1) for _ in range(count)]
+    for e in range(1, n + 1):
+        best[0][e] = (stage_bytes(0, e, 0), 0)
+    for k in range(1, count):
+        for e in range(k + 1, n + 1):
+            best[k][e] = min(((max(best[k - 1][s][0], stage_bytes(s, e, k)), s) for s in range(k, e)),
+                             key=lambda candidate: candidate[0])
+    cuts, end = [], n
+    for k in range(count - 1, -1, -1):
+        start = best[k][end][1]
+        cuts.append((start, end))
+        end = start
+    return tuple(io_spec.Stage(i, count, start, end) for i, (start, end) in enumerate(reversed(cuts)))
+
+
+def _layer_range(recorded) -> tuple[int, int]:
+    first, end = recorded
+    return int(first), int(end)

@@ -32,7 +32,7 @@ class CacheBuffers:
     def __init__(self, cfg: MLAConfig, batch: int, capacity: int, max_capacity: int, device: str,
                  dtype: str = "float32", layers: range | None = None, resident: bool | None = None):
         """`dtype`: the export's cache dtype (runtime.dtypes); `layers`: the main model's (default), or the MTP
-        draft's (io_spec.draft_layers)."""
+        draft's (io_spec.draft_layers), or a stage's of a staged export."""
         self.cfg, self.batch, self.device, self.max_capacity, self.dtype = cfg, batch, device, max_capacity, dtype
         self.resident = device != "cpu" if resident is None else resident
         self.layers = range(cfg.num_hidden_layers) if layers is None else layers

@@ -6,18 +6,21 @@ import time
 from typing import Callable
 
 from ..errors import InputError
+from .chain import StagedExport
 from .generator import Generator
+from .pipeline import PipelineGenerator
 from .sampling import SamplingParams
 from .session import ExportedModel
 from .speculative import Speculation
 from .text import TextStream, Tokenizer
 
 
-def complete(model: ExportedModel, prompt: str | None = None, prompt_ids: list[int] | None = None,
+def complete(model: ExportedModel | StagedExport, prompt: str | None = None, prompt_ids: list[int] | None = None,
              max_new_tokens: int = 64, sampling: SamplingParams | None = None,
              on_text: Callable[[str], None] | None = None, speculation: Speculation | None = None) -> dict:
     """Generate from text (needs the export's tokenizer) or ids; `on_text` receives text as it is generated.
-    sampling defaults to the export's generation_config.json (model.generation); speculation to off."""
+    sampling defaults to the export's generation_config.json (model.generation); speculation to off. A staged
+    export's stages (runtime.chain, runtime.stages) generate through runtime.pipeline, without speculation."""
     tokenizer = Tokenizer.from_export(model.directory, model.manifest)
     if (prompt is None) == (prompt_ids is None):
         raise InputError("give exactly one of a text prompt or prompt token ids")
@@ -26,7 +29,8 @@ def complete(model: ExportedModel, prompt: str | None = None, prompt_ids: list[i
             raise InputError(f"{model.directory}: this export has no tokenizer; pass token ids (--prompt-ids)")
         prompt_ids = tokenizer.encode(prompt)
     stream = TextStream(tokenizer) if tokenizer is not None else None
-    generator = Generator(model, sampling, speculation=speculation)
+    generator = (Generator(model, sampling, speculation=speculation) if isinstance(model, ExportedModel)
+                 else PipelineGenerator(model, sampling))
     generator.check_prompts([prompt_ids], max_new_tokens)  # every option checked before anything is printed
     if on_text is not None and prompt is not None:
         on_text(prompt)  # the prompt first, then the completion as it is generated

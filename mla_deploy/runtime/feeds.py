@@ -16,8 +16,8 @@ from .dtypes import numpy_dtype
 
 def empty_caches(cfg: MLAConfig, batch: int, capacity: int, dtype: str = "float32",
                  layers: range | None = None) -> dict[str, np.ndarray]:
-    """Zero-filled past_latent/past_rope inputs for every layer (or `layers`: the draft's), in the export's cache
-    `dtype` (runtime.dtypes; for one-off graph calls: the Generator keeps its own in-place buffers)."""
+    """Zero-filled past_latent/past_rope inputs for every layer (or `layers`: the draft's, a stage's), in the export's
+    cache `dtype` (runtime.dtypes; for one-off graph calls: the Generator keeps its own in-place buffers)."""
     widths = io_spec.cache_widths(cfg.num_hidden_layers if layers is None else layers, cfg.kv_lora_rank,
                                   cfg.qk_rope_head_dim)
     return {name: np.zeros((batch, capacity, width), numpy_dtype(dtype)) for name, width in widths.items()}
@@ -35,8 +35,9 @@ def prefill_feed(cfg: MLAConfig, ids: np.ndarray, capacity: int | None = None,
             **empty_caches(cfg, b, capacity, cache_dtype)}
 
 
-def check_feed(kind: str, feed: dict, cfg: MLAConfig, max_seq_len: int, cache_dtype: str = "float32") -> None:
-    inputs, _ = io_spec.graph_io(kind, cfg, cache_dtype)
+def check_feed(kind: str, feed: dict, cfg: MLAConfig, max_seq_len: int, cache_dtype: str = "float32",
+               stage: io_spec.Stage | None = None) -> None:
+    inputs, _ = io_spec.graph_io(kind, cfg, cache_dtype, stage=stage)
     expected = {s.name: s for s in inputs}
     missing = sorted(expected.keys() - feed.keys())
     unknown = sorted(feed.keys() - expected.keys())
@@ -64,19 +65,22 @@ def check_feed(kind: str, feed: dict, cfg: MLAConfig, max_seq_len: int, cache_dt
 
 
 def _check_values(feed: dict, axes: dict, cfg: MLAConfig, max_seq_len: int) -> None:
-    ids = feed[io_spec.INPUT_IDS]
-    if ids.size == 0:
-        raise InputError(f"{io_spec.INPUT_IDS}: empty; at least one token per row")
-    bad = np.argwhere((ids < 0) | (ids >= cfg.vocab_size))
-    if len(bad):
-        r, t = bad[0]
-        raise InputError(f"{io_spec.INPUT_IDS}[{r}, {t}] = {ids[r, t]}: outside the vocabulary [0, {cfg.vocab_size})")
     pos = feed[io_spec.POSITION_IDS]
+    new = io_spec.INPUT_IDS if io_spec.INPUT_IDS in feed else io_spec.HIDDEN_STATES  # a later stage's: hidden states
+    if feed[new].size == 0:
+        raise InputError(f"{new}: empty; at least one token per row")
+    if io_spec.INPUT_IDS in feed:
+        ids = feed[io_spec.INPUT_IDS]
+        bad = np.argwhere((ids < 0) | (ids >= cfg.vocab_size))
+        if len(bad):
+            r, t = bad[0]
+            raise InputError(f"{io_spec.INPUT_IDS}[{r}, {t}] = {ids[r, t]}: outside the vocabulary "
+                             f"[0, {cfg.vocab_size})")
     if pos.min() < 0 or pos.max() >= max_seq_len:
         raise InputError(f"{io_spec.POSITION_IDS}: values must be in [0, {max_seq_len}) (the export's maximum length), "
                          f"got [{pos.min()}, {pos.max()}]")
     write = feed[io_spec.WRITE_INDICES]
-    capacity, seq = axes["capacity"][0], ids.shape[1]
+    capacity, seq = axes["capacity"][0], pos.shape[1]
     if write.min() < 0 or (write + seq).max() > capacity:
         raise InputError(f"{io_spec.WRITE_INDICES}: each row writes {seq} slots from its index; indices "
                          f"[{write.min()}, {write.max()}] do not fit a cache of capacity {capacity}")

@@ -14,7 +14,7 @@ import onnxruntime as ort
 from .. import integrity, io_spec, kernels
 from ..config import MLAConfig
 from ..errors import ExportLoadError, InputError, ProviderError
-from ..manifest import check_files, read_manifest
+from ..manifest import check_files, is_staged, read_manifest, stage_of
 from .chat import GenerationDefaults
 from .dtypes import ort_value
 from .feeds import check_feed
@@ -89,7 +89,11 @@ def needs_prepacking(manifest: dict) -> bool:
 
 class ExportedModel:
     """An export directory, checked, with a prefill and a decode session; speculative decoding loads the verify and
-    draft sessions when it is first asked for (`load`). Safe to share across threads."""
+    draft sessions when it is first asked for (`load`). Safe to share across threads.
+
+    One stage's directory of a staged export (export --stages N) loads here like any export, its graphs taking and
+    returning hidden states (io_spec); the staged export's own directory runs through runtime.chain (in this process)
+    or runtime.stages (one Ray actor per stage)."""
 
     def __init__(self, directory: str | Path, options: RuntimeOptions | None = None,
                  graphs: tuple[str, ...] = (io_spec.PREFILL, io_spec.DECODE)):
@@ -103,8 +107,14 @@ class ExportedModel:
             if not (isinstance(entry, tuple) and len(entry) == 2 and all(isinstance(x, str) and x for x in entry)):
                 raise InputError(f"session_config entry {entry!r}: expected a (key, value) pair of non-empty strings")
         self.manifest = read_manifest(self.directory)
+        if is_staged(self.manifest):
+            raise ExportLoadError(f"{self.directory}: a staged export of {len(self.manifest['stages'])} stages; run it "
+                                  "with runtime.stages.StagedModel (one Ray actor per stage: the 'ray' extra) or "
+                                  "runtime.chain.StageChain (every stage in this process), or load one of its stage "
+                                  "directories")
         check_files(self.directory, self.manifest, self.options.check_weights)
         self.config: MLAConfig = self.manifest["config_obj"]
+        self.stage: io_spec.Stage = stage_of(self.manifest) or io_spec.Stage.whole(self.config.num_hidden_layers)
         self.max_seq_len: int = int(self.manifest["max_seq_len"])
         # the caches' dtype (runtime.dtypes), as the manifest's precision records it; logits are always float32
         self.cache_dtype: str = (self.manifest.get("precision") or {}).get("caches", self.manifest["dtype"])
@@ -145,14 +155,15 @@ class ExportedModel:
         ways."""
         if kind not in self.sessions:
             raise ValueError(f"graph {kind!r}: this model has loaded {', '.join(map(repr, self.sessions))}")
-        check_feed(kind, feed, self.config, self.max_seq_len, self.cache_dtype)
+        check_feed(kind, feed, self.config, self.max_seq_len, self.cache_dtype, self.stage)
         session = self.sessions[kind]
-        inputs, outputs = io_spec.graph_io(kind, self.config, self.cache_dtype, hidden=self.has_draft)
-        ids = feed[io_spec.INPUT_IDS]
-        n = feed[io_spec.LOGITS_POSITIONS].shape[1] if io_spec.LOGITS_POSITIONS in feed else ids.shape[1]
-        results = {io_spec.LOGITS: np.empty((ids.shape[0], n, self.config.vocab_size), np.float32),
-                   io_spec.HIDDEN: np.empty((ids.shape[0], ids.shape[1] if kind != io_spec.DRAFT else n,
-                                             self.config.hidden_size), np.float32)}
+        inputs, outputs = self.graph_io(kind)
+        new = feed[io_spec.INPUT_IDS if self.stage.first else io_spec.HIDDEN_STATES]  # [b, T] or [b, T, d]
+        n = feed[io_spec.LOGITS_POSITIONS].shape[1] if io_spec.LOGITS_POSITIONS in feed else new.shape[1]
+        b, t, d = new.shape[0], new.shape[1], self.config.hidden_size
+        results = {io_spec.LOGITS: np.empty((b, n, self.config.vocab_size), np.float32),
+                   io_spec.HIDDEN: np.empty((b, t if kind != io_spec.DRAFT else n, d), np.float32),
+                   io_spec.HIDDEN_STATES_OUT: np.empty((b, t, d), np.float32)}  # a stage's but the last
         for spec in outputs:
             if spec.name not in results:
                 results[spec.name] = np.empty_like(feed[io_spec.past_of(spec.name)])
@@ -167,6 +178,10 @@ class ExportedModel:
                 binding.bind_ortvalue_output(spec.name, held[-1])
         session.run_with_iobinding(binding)
         return {name: value for name, value in results.items() if name in given}
+
+    def graph_io(self, kind: str) -> tuple[list[io_spec.TensorSpec], list[io_spec.TensorSpec]]:
+        """The inputs and outputs of this export's (or this stage's) `kind` graph."""
+        return io_spec.graph_io(kind, self.config, self.cache_dtype, hidden=self.has_draft, stage=self.stage)
 
     def prepacks(self, kind: str) -> bool:
         """Whether `kind`'s session prepacks its MatMul weights: RuntimeOptions.prepack where set. Auto: as `prepack`

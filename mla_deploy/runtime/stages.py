@@ -1,0 +1,132 @@
+"""A staged export (export --stages N) over Ray (the 'ray' extra): one actor per stage, each loading only its stage's
+directory and holding its layers' caches for every sequence, on whichever node of the cluster has room, or, where
+nodes offer the stages' resources (stage_resource: `ray start --resources '{"mla_stage_1": 1}'` pins stage 1 to that
+host), each on the node that offers its own. A step's hidden states go from one actor to the next as a Ray object
+ref, never through the driver.
+
+    model = StagedModel("out/", address="auto")          # join a running cluster; None starts a local one
+    result = PipelineGenerator(model, micro_batches=2).generate(prompts, 64)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Hashable
+
+import numpy as np
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from ..errors import ExportLoadError, StageFailedError
+from .chain import StagedExport, StageWorker
+from .session import RuntimeOptions
+
+LOAD_TIMEOUT_S = 600.0  # a stage that is not placed and loaded by then: the cluster lacks what it asks for
+
+
+def stage_resource(index: int) -> str:
+    """The custom Ray resource that pins stage `index` to the nodes offering it."""
+    return f"mla_stage_{index}"
+
+
+class _StageActor(StageWorker):
+    def node(self) -> dict:
+        """Where this stage runs, and how much memory its process holds there."""
+        context = ray.get_runtime_context()
+        return {**self.describe(), "node_id": context.get_node_id(), "pid": os.getpid()}
+
+
+class StagedModel(StagedExport):
+    """The stages of a staged export as Ray actors, driven as runtime.chain.StageChain is (runtime.pipeline)."""
+
+    def __init__(self, directory: str | Path, options: RuntimeOptions | None = None, address: str | None = None,
+                 load_timeout_s: float = LOAD_TIMEOUT_S):
+        """`address`: a running cluster's ('auto': the one on this host); None starts a local Ray instance (or uses
+        the one this process already joined). `options.threads` 0: the cluster's CPUs shared out over the stages."""
+        super().__init__(directory)
+        self.started_ray = not ray.is_initialized()
+        if self.started_ray:
+            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        resources = ray.cluster_resources()
+        count = len(self.stage_dirs)
+        options = options or RuntimeOptions()
+        if options.threads == 0:
+            options = replace(options, threads=max(1, int(resources.get("CPU", 1)) // count))
+        share = min(1.0, resources.get("CPU", 1) / count)  # more stages than CPUs (a test) still all start
+        self.actors = []
+        # a cluster whose nodes offer any stage's resource pins every stage (one whose node has yet to join waits)
+        pinned = any(stage_resource(i) in resources for i in range(count))
+        for index, stage_dir in enumerate(self.stage_dirs):
+            placement = {stage_resource(index): 1} if pinned else {}
+            actor = ray.remote(_StageActor).options(num_cpus=share, resources=placement, max_restarts=0,
+                                                    max_task_retries=0, name=None)
+            self.actors.append(actor.remote(str(Path(stage_dir).resolve()), options))
+        try:
+            self.placement = ray.get([a.node.remote() for a in self.actors], timeout=load_timeout_s)
+        except GetTimeoutError:
+            self.shutdown()
+            raise StageFailedError(f"{self.directory}: the stages were not all placed and loaded within "
+                                   f"{load_timeout_s:.0f} s: each needs a share of a CPU, and stage i the resource "
+                                   f"'{stage_resource(0).replace('0', 'i')}' where a node offers it; the cluster has "
+                                   f"{resources}") from None
+        except RayTaskError as e:  # a stage that cannot load: its own error (missing file, mixed exports)
+            self.shutdown()
+            cause = e.cause if isinstance(getattr(e, "cause", None), Exception) else None
+            raise (cause if isinstance(cause, ExportLoadError) else StageFailedError(str(e).splitlines()[0])) from None
+
+    # ---- the chain runtime.pipeline drives ----
+    def forward(self, key: Hashable, kind: str, new: np.ndarray, positions: np.ndarray, write: np.ndarray,
+                logits_positions: np.ndarray | None = None):
+        """One step of group `key` through every stage's actor: an object ref to the last stage's logits."""
+        for actor in self.actors:
+            new = actor.step.remote(key, kind, new, positions, write, logits_positions)
+        return new
+
+    def resolve(self, handle) -> np.ndarray:
+        """The logits a step's ref names. A stage whose actor died: StageFailedError naming it, not a hang."""
+        try:
+            return ray.get(handle)
+        except RayActorError as e:
+            raise StageFailedError(f"{self._dead_stages()}: its Ray actor died ({type(e).__name__}); the sequences it "
+                                   "held are lost") from None
+        except RayTaskError as e:
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, Exception) and not isinstance(cause, RayActorError):
+                raise cause from None  # the stage's own error (an input out of range)
+            raise StageFailedError(f"{self._dead_stages()}: {_first_line(e)}") from None
+
+    def close(self, key: Hashable) -> None:
+        for actor in self.actors:  # a dead actor's close is never waited for
+            actor.close.remote(key)
+
+    # ---- lifetime ----
+    def shutdown(self) -> None:
+        """Stop the stages' actors, and Ray itself where this model started it."""
+        for actor in self.actors:
+            ray.kill(actor)
+        self.actors = []
+        if self.started_ray and ray.is_initialized():
+            ray.shutdown()
+
+    def __enter__(self) -> "StagedModel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def _dead_stages(self) -> str:
+        dead = []
+        for index, actor in enumerate(self.actors):
+            try:
+                ray.get(actor.describe.remote(), timeout=30)
+            except (RayActorError, GetTimeoutError):
+                dead.append(index)
+        names = [f"stage {i} (layers {self.placement[i]['layers'][0]}-{self.placement[i]['layers'][1]})" for i in dead]
+        return ", ".join(names) or "a stage"
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

@@ -1,0 +1,142 @@
+"""A staged export's stages as Ray actors: on a local Ray instance, and on two Ray nodes started as separate processes
+on loopback (`ray start --head`, `ray start --address`), one stage pinned to each; a killed stage is a clear error."""
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="pipeline stages on Ray are the optional 'ray' extra: "
+                                       "pip install 'mla-deploy[ray]'")
+
+from mla_deploy.errors import StageFailedError  # noqa: E402
+from mla_deploy.export import ExportOptions, export  # noqa: E402
+from mla_deploy.presets import DEMO_CHECKPOINT  # noqa: E402
+from mla_deploy.runtime import ExportedModel, Generator, SamplingParams  # noqa: E402
+from mla_deploy.runtime.pipeline import PipelineGenerator  # noqa: E402
+from mla_deploy.runtime.stages import StagedModel, stage_resource  # noqa: E402
+
+PROMPTS = [[5, 9, 200, 7, 31], [3] * 17, [44, 45, 46, 47, 48, 49, 50, 51, 52], [8], list(range(100, 130))]
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ray-stages")
+    built = {}
+    for name, options in {"whole": ExportOptions(), "2": ExportOptions(stages=2), "3": ExportOptions(stages=3)}.items():
+        built[name] = root / name
+        export(DEMO_CHECKPOINT, built[name], options)
+    built["tokens"] = Generator(ExportedModel(built["whole"]), SamplingParams(), stop_token_ids=()).generate(
+        PROMPTS, 24).token_ids
+    return built
+
+
+@pytest.fixture
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.parametrize("name", ["2", "3"])
+def test_stage_actors_generate_the_whole_exports_tokens(exports, local_ray, name):
+    with StagedModel(exports[name]) as model:
+        assert len({p["pid"] for p in model.placement}) == int(name)  # one process per stage
+        for micro_batches in (1, 2):
+            result = PipelineGenerator(model, SamplingParams(), stop_token_ids=(),
+                                       micro_batches=micro_batches).generate(PROMPTS, 24)
+            assert result.token_ids == exports["tokens"]
+        sizes = ray.get([a.describe.remote() for a in model.actors])
+        assert all(s["groups"] == 0 for s in sizes)  # every sequence's caches freed on every stage
+
+
+def test_a_killed_stage_is_a_clear_error_not_a_hang(exports, local_ray):
+    with StagedModel(exports["2"]) as model:
+        ray.kill(model.actors[1])
+        start = time.monotonic()
+        with pytest.raises(StageFailedError, match=r"stage 1 \(layers 2-3\): its Ray actor died"):
+            PipelineGenerator(model, SamplingParams(), stop_token_ids=()).generate(PROMPTS, 8)
+        assert time.monotonic() - start < 60
+
+
+def free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+DRIVER = """
+import json, sys
+from mla_deploy.runtime import SamplingParams
+from mla_deploy.runtime.pipeline import PipelineGenerator
+from mla_deploy.runtime.stages import StagedModel
+export_dir, address, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+with StagedModel(export_dir, address=address) as model:
+    result = PipelineGenerator(model, SamplingParams(), stop_token_ids=(), micro_batches=2).generate(prompts, 24)
+    print(json.dumps({"tokens": result.token_ids, "placement": model.placement}))
+"""
+
+
+def ray_node(head: str | None, resources: dict, tmp: Path, env: dict) -> subprocess.Popen:
+    """`ray start --block` as its own process: a head (head=None) or a node joining `head`, every port its own, so
+    that two nodes share this host and no other Ray on it. Terminating it stops that node's processes."""
+    agent, grpc, metrics, env_agent, client, port = free_ports(6)
+    args = [RAY_CLI, "start", "--block", "--num-cpus", "1", "--resources", json.dumps(resources),
+            "--node-ip-address", "127.0.0.1", "--dashboard-agent-listen-port", str(agent),
+            "--dashboard-agent-grpc-port", str(grpc), "--metrics-export-port", str(metrics),
+            "--runtime-env-agent-port", str(env_agent), "--disable-usage-stats"]
+    if head is None:
+        args += ["--head", "--port", str(port), "--include-dashboard", "false", "--ray-client-server-port", str(client),
+                 "--temp-dir", str(tmp)]
+    else:
+        args += ["--address", head]
+    log = open(tmp / f"ray-{'head' if head is None else 'node'}.log", "w")
+    process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    process.address = f"127.0.0.1:{port}"
+    return process
+
+
+RAY_CLI = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
+
+
+def test_two_ray_nodes_each_run_one_stage(exports):
+    """The head offers stage 0's resource, the second node stage 1's; the driver is a third process, as on real hosts,
+    every one of them holding the cluster's token."""
+    temp = Path(tempfile.mkdtemp(prefix="mla-ray-", dir="/tmp"))  # Ray's socket paths must fit in 107 bytes
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+    nodes = [ray_node(None, {stage_resource(0): 1}, temp, env)]
+    try:
+        head = nodes[0].address
+        deadline = time.monotonic() + 120
+        while True:  # the head's GCS port accepts connections once it is up
+            assert nodes[0].poll() is None, (temp / "ray-head.log").read_text()[-3000:]
+            try:
+                socket.create_connection(("127.0.0.1", int(head.split(":")[1])), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the Ray head did not come up"
+                time.sleep(1)
+        nodes.append(ray_node(head, {stage_resource(1): 1}, temp, env))
+        driver = subprocess.run([sys.executable, "-c", DRIVER, str(exports["2"]), head, json.dumps(PROMPTS)], env=env,
+                                capture_output=True, text=True, timeout=300)
+        assert driver.returncode == 0, driver.stderr[-3000:]
+        out = json.loads(driver.stdout.strip().splitlines()[-1])
+        assert out["tokens"] == exports["tokens"]
+        assert len({p["node_id"] for p in out["placement"]}) == 2  # stage 0 on the head, stage 1 on the other node
+    finally:
+        for node in reversed(nodes):
+            node.terminate()
+            node.wait(timeout=60)
+        shutil.rmtree(temp, ignore_errors=True)
