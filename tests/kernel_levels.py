@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-LEVELS = ("scalar", "avx2", "avx512")  # MLA_DEPLOY_ISA's values, each level including the ones before it
+from mla_deploy import kernels
+
+LEVELS = kernels.ISA_LEVELS  # MLA_DEPLOY_ISA's values, each level including the ones before it
 NEEDS = {"avx2": {"avx2", "fma", "f16c"}, "avx512": {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"}}
 
 

@@ -3,48 +3,40 @@ function bodies, sessions at a forced instruction-set level, and float64 referen
 
 from __future__ import annotations
 
-import functools
 
 import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
+import kernel_levels
 from mla_deploy import kernels
 from mla_deploy.export import layouts
 from mla_deploy.export.opset import IR_VERSION, OPSET
-from mla_deploy.export.quantize import dequantize, quantize, unpack_codes
-from mla_deploy.export.linear import qgather_function, qmatmul_function
-from mla_deploy.export.moe import qrouted_experts_function
+from mla_deploy.export.quantize import quantize, unpack_codes
+from mla_deploy.export.linear import qmatmul_function
 
 U = 2.0**-24  # float32's unit roundoff
 
 
-@functools.cache
-def cpu_level() -> str:
-    """The best MLA_DEPLOY_ISA level this CPU runs, from the flags dispatch.c reads."""
-    flags = set()
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    if not {"avx2", "fma", "f16c"} <= flags:
-        return "scalar"
-    return "avx512" if {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"} <= flags else "avx2"
-
-
 def has_level(isa: str) -> bool:
-    return kernels.ISA_LEVELS.index(isa) <= kernels.ISA_LEVELS.index(cpu_level())
+    """Whether this CPU runs MLA_DEPLOY_ISA level `isa` (tests/kernel_levels.py reads the cpuid flags)."""
+    return kernels.ISA_LEVELS.index(isa) <= kernels.ISA_LEVELS.index(kernel_levels.cpu_level())
 
 
 def model(op: str, inputs: list, initializers: dict[str, np.ndarray], function, **attributes) -> bytes:
     """Y = mla_deploy.<op>(inputs..., initializers...) carrying `function` as its body."""
-    node = helper.make_node(op, [i.name for i in inputs] + list(initializers), ["Y"], domain=kernels.DOMAIN, **attributes)
+    node = helper.make_node(
+        op, [i.name for i in inputs] + list(initializers), ["Y"], domain=kernels.DOMAIN, **attributes
+    )
     graph = helper.make_graph([node], "one_op", inputs, [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
                               initializer=[numpy_helper.from_array(v, k) for k, v in initializers.items()])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(kernels.DOMAIN, 1)],
-                             functions=[ir.serde.serialize_function(function)], ir_version=IR_VERSION).SerializeToString()
+    return helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(kernels.DOMAIN, 1)],
+        functions=[ir.serde.serialize_function(function)],
+        ir_version=IR_VERSION,
+    ).SerializeToString()
 
 
 def session(onnx_model: bytes, library: bool, threads: int = 2) -> ort.InferenceSession:
@@ -77,7 +69,9 @@ def quantize_rows(a: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
     padded[:, :k] = a
     blocks = padded.reshape(m, kb, block)
     amax = np.abs(blocks).max(-1)
-    inv = np.where(amax != 0, np.float32(127) / np.where(amax != 0, amax, np.float32(1)), np.float32(0)).astype(np.float32)
+    inv = np.where(amax != 0, np.float32(127) / np.where(amax != 0, amax, np.float32(1)), np.float32(0)).astype(
+        np.float32
+    )
     codes = np.rint(blocks * inv[..., None])
     return codes.astype(np.float64), (amax / np.float32(127)).astype(np.float32)
 

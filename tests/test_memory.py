@@ -14,10 +14,24 @@ from mla_deploy.presets import checkpoint_bytes, preset_config, write_random_che
 N = 2
 MiB = 1 << 20
 # DeepSeek-V2-Lite's structure at 1/4 of its width: a MoE layer is ~33 MB of float32, the largest tensor 1 MB.
-SMALL_V2 = dict(vocab_size=1024, hidden_size=512, intermediate_size=1024, moe_intermediate_size=512, num_attention_heads=8,
-                num_key_value_heads=8, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
-                n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, max_position_embeddings=256,
-                bos_token_id=1, eos_token_id=2)
+SMALL_V2 = dict(
+    vocab_size=1024,
+    hidden_size=512,
+    intermediate_size=1024,
+    moe_intermediate_size=512,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    kv_lora_rank=256,
+    qk_nope_head_dim=64,
+    qk_rope_head_dim=32,
+    v_head_dim=64,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 
 def config(layers: int) -> dict:
@@ -28,7 +42,9 @@ def config(layers: int) -> dict:
 
 def layer_bytes(layers: int) -> int:
     """float32 bytes of one MoE layer (every layer past the first is one)."""
-    return (checkpoint_bytes(MLAConfig.from_hf_dict(config(layers))) - checkpoint_bytes(MLAConfig.from_hf_dict(config(1)))) // (layers - 1)
+    return (
+        checkpoint_bytes(MLAConfig.from_hf_dict(config(layers))) - checkpoint_bytes(MLAConfig.from_hf_dict(config(1)))
+    ) // (layers - 1)
 
 
 def child(code: str) -> dict:

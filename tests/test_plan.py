@@ -53,7 +53,9 @@ def test_the_manifest_records_the_plan_and_the_graphs_follow_it(tiny, tmp_path, 
     assert ("com.microsoft::MatMulNBits" in decode) == (plan.quantized_ops == "onnxruntime")
     assert ("com.microsoft::QMoE" in decode) == (plan.experts == "qmoe")
     assert ("If" in decode) == (plan.experts == "branches")
-    prefill_ops = {op.split("::")[1] for op in manifest["graphs"]["prefill"]["op_counts"] if op.startswith("mla_deploy::")}
+    prefill_ops = {
+        op.split("::")[1] for op in manifest["graphs"]["prefill"]["op_counts"] if op.startswith("mla_deploy::")
+    }
     half = {"MatMulF16", "MatMulBF16"}
     assert bool((kernel_ops | prefill_ops) & half) == plan.half_weights  # quantized: kv_b, a prefill weight
     model = onnx.load(str(out / "decode.onnx"), load_external_data=False)
@@ -91,15 +93,21 @@ def test_a_manifest_without_the_long_cache_field_reads_back_by_the_rule(tiny, tm
     assert ExportPlan.from_manifest(read_manifest(out)) == plan
 
 
-@pytest.mark.parametrize("options,message", [
-    (ExportOptions(dtype="float8"), "--dtype float8: dtype 'float8': expected one of float32, float16, bfloat16"),
-    (ExportOptions(experts="dense"), "experts='dense': expected one of auto, qmoe, kernel, branches"),
-    (ExportOptions(decode_attention="fast"), "decode_attention='fast': expected one of auto, kernel, ops"),
-    (ExportOptions(quantize="int3"), "--quantize int3: expected one of int4, int8"),
-    (ExportOptions(head_bits=4), "--head-bits 4: the embedding and output layer keep"),
-    (ExportOptions(quantized_ops="kernel"), "--quantized-ops kernel: chooses the ops of quantized weights"),
-    (ExportOptions(quantize="int4", quantized_ops="ort"), "--quantized-ops ort: expected one of auto, kernel, onnxruntime"),
-])
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (ExportOptions(dtype="float8"), "--dtype float8: dtype 'float8': expected one of float32, float16, bfloat16"),
+        (ExportOptions(experts="dense"), "experts='dense': expected one of auto, qmoe, kernel, branches"),
+        (ExportOptions(decode_attention="fast"), "decode_attention='fast': expected one of auto, kernel, ops"),
+        (ExportOptions(quantize="int3"), "--quantize int3: expected one of int4, int8"),
+        (ExportOptions(head_bits=4), "--head-bits 4: the embedding and output layer keep"),
+        (ExportOptions(quantized_ops="kernel"), "--quantized-ops kernel: chooses the ops of quantized weights"),
+        (
+            ExportOptions(quantize="int4", quantized_ops="ort"),
+            "--quantized-ops ort: expected one of auto, kernel, onnxruntime",
+        ),
+    ],
+)
 def test_a_bad_option_fails_before_the_checkpoint_is_read(tmp_path, options, message):
     with pytest.raises(ExportError, match=message.replace("(", r"\(").replace(")", r"\)")):
         export(tmp_path / "no-such-checkpoint", tmp_path / "out", options)

@@ -119,7 +119,9 @@ def test_routed_experts_match_numpy(isa, bits, block, level, monkeypatch):
         x = rng.standard_normal((tokens, d)).astype(np.float32)
         dispatch = routing(rng, tokens, experts, chosen, unchosen=experts - 1)
         onnx_model = layer.model(level)
-        outputs = [session(onnx_model, True, threads).run(None, {"X": x, "dispatch": dispatch})[0] for threads in (1, 2)]
+        outputs = [
+            session(onnx_model, True, threads).run(None, {"X": x, "dispatch": dispatch})[0] for threads in (1, 2)
+        ]
         assert np.array_equal(outputs[0], outputs[1]), "Y receives the experts in the same order on any threads"
         expected, bound = layer.reference(x, dispatch, level)
         assert outputs[0].shape == (tokens, d)

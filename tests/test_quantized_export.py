@@ -335,7 +335,10 @@ def test_every_experts_form_computes_the_same_experts(tmp_path, variant, bits, b
     save_hf_model(build_hf_model(variant, moe_intermediate_size=32), src)  # whole blocks: QMoE's rule
     cfg = Checkpoint(src).config
     moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
-    for quantized_ops, op in (("kernel", f"mla_deploy::QRoutedExperts{bits[3:]}"), ("onnxruntime", "com.microsoft::QMoE")):
+    for quantized_ops, op in (
+        ("kernel", f"mla_deploy::QRoutedExperts{bits[3:]}"),
+        ("onnxruntime", "com.microsoft::QMoE"),
+    ):
         logits = {}
         for experts, expected, per_layer in (("auto", op, 1), ("branches", "If", cfg.n_routed_experts)):
             out = tmp_path / f"{quantized_ops}-{experts}"

@@ -24,7 +24,13 @@ def shapes(block: int) -> list[tuple[int, int, int]]:
     """(M, K, N): one row (decode), a few (batched decode), many (prefill, row tiles with a ragged last one); K a
     whole number of blocks or not (the last block zero-padded), shorter than one block too; N a whole number of
     16-column groups or not."""
-    return [(1, 2 * block + 5, 37), (3, block - 3, 50), (8, 3 * block, 64), (64, block + 7, 130), (512, 2 * block + 1, 20)]
+    return [
+        (1, 2 * block + 5, 37),
+        (3, block - 3, 50),
+        (8, 3 * block, 64),
+        (64, block + 7, 130),
+        (512, 2 * block + 1, 20),
+    ]
 
 
 def float_bound(a: np.ndarray, w_deq: np.ndarray, block: int) -> np.ndarray:
@@ -94,7 +100,9 @@ def test_qmatmul_keeps_leading_dimensions_with_or_without_the_library(bits, leve
     k, n, block = 150, 45, 64
     qw, codes, scales = quantized(rng.standard_normal((k, n)).astype(np.float32), bits, block)
     a = rng.standard_normal((2, 3, k)).astype(np.float32)
-    y = session(qmatmul_model(k, n, bits, block, level, codes, scales, a_shape=[2, None, k]), library).run(None, {"A": a})[0]
+    y = session(qmatmul_model(k, n, bits, block, level, codes, scales, a_shape=[2, None, k]), library).run(
+        None, {"A": a}
+    )[0]
     assert y.shape == (2, 3, n)
     a2, y2 = a.reshape(6, k), y.reshape(6, n).astype(np.float64)
     if level == 0:
@@ -107,12 +115,19 @@ def test_qmatmul_keeps_leading_dimensions_with_or_without_the_library(bits, leve
 
 
 @needs_library
-@pytest.mark.parametrize("change,message", [
-    (dict(codes_shape=(3, 4, 128)), r"QMatMul4: B must be codes \[3, 4, 256\] and scales \[3, 4, 16\] for a 4-bit \[100, 40\] weight in blocks of 32"),
-    (dict(k=120), r"QMatMul4: A's last dimension must equal the attribute K"),
-    (dict(block=24), r"QMatMul4: block_size must be 16, 32, 64 or 128"),
-    (dict(level=2), r"QMatMul4: accuracy_level must be 0"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (
+            dict(codes_shape=(3, 4, 128)),
+            r"QMatMul4: B must be codes \[3, 4, 256\] and scales \[3, 4, 16\] "
+            r"for a 4-bit \[100, 40\] weight in blocks of 32",
+        ),
+        (dict(k=120), r"QMatMul4: A's last dimension must equal the attribute K"),
+        (dict(block=24), r"QMatMul4: block_size must be 16, 32, 64 or 128"),
+        (dict(level=2), r"QMatMul4: accuracy_level must be 0"),
+    ],
+)
 def test_qmatmul_refuses_what_it_cannot_multiply_by_name(change, message):
     rng = np.random.default_rng(0)
     _, codes, scales = quantized(rng.standard_normal((100, 40)).astype(np.float32), 4, 32)
@@ -141,7 +156,9 @@ def test_qgather_reads_a_heads_columns_as_embedding_rows(bits, block, library):
     d, vocab = 2 * block + 3, 75  # d padded to whole blocks, V to whole groups
     qw, codes, scales = quantized(rng.standard_normal((d, vocab)).astype(np.float32), bits, block)
     ids = np.array([[0, 74, 16, -1], [15, 31, 32, 3]], np.int64)
-    rows = session(gather_model(d, vocab, bits, block, codes, scales, [2, 4]), library, threads=2).run(None, {"ids": ids})[0]
+    rows = session(gather_model(d, vocab, bits, block, codes, scales, [2, 4]), library, threads=2).run(
+        None, {"ids": ids}
+    )[0]
     assert rows.shape == (2, 4, d) and np.array_equal(rows, dequantize(qw).T[ids])
 
 

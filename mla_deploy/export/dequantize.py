@@ -32,7 +32,9 @@ def dequantized_weight(op, codes: ir.Value, scales: ir.Value, bits: int, lead: i
     q = op.Sub(op.Reshape(x, keep + [-1, COLUMNS, 4]), float(2 ** (bits - 1)))  # [.., G, KB, B/4, 16, 4]
     s = op.Reshape(op.Cast(scales, to=FLOAT), keep + [1, COLUMNS, 1])  # [.., G, KB, 1, 16, 1]
     axes = list(range(lead))
-    w = op.Transpose(op.Mul(q, s), perm=axes + [lead + 1, lead + 2, lead + 4, lead, lead + 3])  # [.., KB, B/4, 4, G, 16]
+    w = op.Transpose(
+        op.Mul(q, s), perm=axes + [lead + 1, lead + 2, lead + 4, lead, lead + 3]
+    )  # [.., KB, B/4, 4, G, 16]
     columns = op.Mul(op.Shape(codes, start=lead, end=lead + 1), COLUMNS)  # [1]: 16 G
     return op.Reshape(w, op.Concat([0] * lead + [-1], columns, axis=0))  # [.., KB·B, 16 G]
 

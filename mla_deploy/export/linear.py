@@ -56,13 +56,17 @@ def qmatmul(op, a: ir.Value, codes: ir.Value, scales: ir.Value, bits: int) -> ir
 def qmatmul_function(bits: int) -> ir.Function:
     """The body of mla_deploy.QMatMul4 / QMatMul8: what onnxruntime runs where the kernel library is not registered
     (it folds the weight's dequantization at load into a float32 copy)."""
-    return kernel_function(kernels.QMATMUL[bits], {"A": FLOAT, "codes": UINT8, "scales": FLOAT16}, "Y",
-                           lambda op, a, codes, scales: qmatmul(op, a, codes, scales, bits),
-                           f"Y = A @ W for float32 A [..., K] and an int{bits} W [K, N] in mla-deploy's quantized layout "
-                           "(export.layouts: codes [G, KB, 2·B·bits], float16 scales [G, KB, 16]); accuracy_level 4 "
-                           "quantizes A's rows per block to int8 first. mla-deploy's kernel library reads W as stored; "
-                           "this body, where that is not registered, multiplies by a float32 copy folded at load.",
-                           attributes={"K": None, "N": None, "block_size": None, "accuracy_level": 0})
+    return kernel_function(
+        kernels.QMATMUL[bits],
+        {"A": FLOAT, "codes": UINT8, "scales": FLOAT16},
+        "Y",
+        lambda op, a, codes, scales: qmatmul(op, a, codes, scales, bits),
+        f"Y = A @ W for float32 A [..., K] and an int{bits} W [K, N] in mla-deploy's quantized layout "
+        "(export.layouts: codes [G, KB, 2·B·bits], float16 scales [G, KB, 16]); accuracy_level 4 "
+        "quantizes A's rows per block to int8 first. mla-deploy's kernel library reads W as stored; "
+        "this body, where that is not registered, multiplies by a float32 copy folded at load.",
+        attributes={"K": None, "N": None, "block_size": None, "accuracy_level": 0},
+    )
 
 
 def qgather(op, ids: ir.Value, codes: ir.Value, scales: ir.Value, bits: int) -> ir.Value:

@@ -34,8 +34,13 @@ class SwiGLU:
 
     def __call__(self, op, x: ir.Value) -> ir.Value:
         t, hf = self.t, self.hf
-        gu = linear(self.g, op, x, f"{self.name}.gate_up",
-                    lambda: absorb.gate_up_weight(t(hf + "gate_proj.weight"), t(hf + "up_proj.weight")))  # [..., 2·inter]
+        gu = linear(
+            self.g,
+            op,
+            x,
+            f"{self.name}.gate_up",
+            lambda: absorb.gate_up_weight(t(hf + "gate_proj.weight"), t(hf + "up_proj.weight")),
+        )  # [..., 2·inter]
         gate, up = op.Split(gu, [self.inter, self.inter], axis=-1, _outputs=2)
         return linear(self.g, op, silu_mul(op, gate, up), f"{self.name}.down",
                       lambda: t(hf + "down_proj.weight").T)  # [..., d]
@@ -62,7 +67,9 @@ def routed_experts_dense(op, x: ir.Value, dispatch: ir.Value, fc1: ir.Value, fc2
                          [0, 0, 0, 2, kernels.GATE_UP])  # [E, J, d, 64] -> [E, d, J, 64] -> [E, d, J, 2, 32]
     gate = op.Reshape(op.Gather(gate_up, 0, axis=3), [0, 0, -1])  # [E, d, J, 32] -> [E, d, I']
     up = op.Reshape(op.Gather(gate_up, 1, axis=3), [0, 0, -1])  # [E, d, I']
-    down = op.Reshape(op.Transpose(fc2, perm=[0, 2, 1, 3]), [0, 0, -1])  # [E, S, I', 64] -> [E, I', S, 64] -> [E, I', d']
+    down = op.Reshape(
+        op.Transpose(fc2, perm=[0, 2, 1, 3]), [0, 0, -1]
+    )  # [E, S, I', 64] -> [E, I', S, 64] -> [E, I', d']
     return every_expert(op, x, dispatch, gate, up, down, op.Shape(x, start=1))
 
 
@@ -189,7 +196,8 @@ class MoE:
             active = op.Greater(op.ReduceSum(chosen, [0], keepdims=0), 0.0)  # [E]
             flags = op.Split(active, axis=0, num_outputs=cfg.n_routed_experts, _outputs=cfg.n_routed_experts)
             flags = flags if isinstance(flags, (list, tuple)) else [flags]
-            # accumulated in float32: onnxruntime's CPU ScatterND has no float16 reduction (and the sum is better for it)
+            # accumulated in float32: onnxruntime's CPU ScatterND has no float16 reduction (and the sum is better
+            # for it)
             out = g.to_float(op, op.Mul(x2, 0.0) if shared is None else shared)
             for e, flag in enumerate(flags):
                 out = self._expert(op, e, flag, x2, chosen, dispatch, out)

@@ -59,8 +59,11 @@ class Quantization:
             raise ValueError(f"accuracy_level={self.accuracy_level}: expected one of {ACCURACY_LEVELS}")
 
     def to_dict(self) -> dict:
-        return {"method": "block-wise symmetric: one scale per block of `block` values along K per output column, codes "
-                          "unsigned with zero point 2^(bits-1)", **asdict(self)}
+        return {
+            "method": "block-wise symmetric: one scale per block of `block` values along K per output column, codes "
+            "unsigned with zero point 2^(bits-1)",
+            **asdict(self),
+        }
 
     @classmethod
     def from_dict(cls, recorded: dict) -> "Quantization":
@@ -189,7 +192,9 @@ def unpack_codes(qw: QuantizedWeight) -> np.ndarray:
     """Signed codes [N, k_blocks, B] (int16) from the packed bytes."""
     codes = qw.codes.astype(np.int16)
     if qw.bits == 4:
-        codes = np.stack([codes & 0xF, codes >> 4], axis=-1).reshape(qw.n, -1, qw.block)  # [N, k_blocks, B/2, 2] -> [N, k_blocks, B]
+        codes = np.stack([codes & 0xF, codes >> 4], axis=-1).reshape(
+            qw.n, -1, qw.block
+        )  # [N, k_blocks, B/2, 2] -> [N, k_blocks, B]
     return codes - 2 ** (qw.bits - 1)
 
 
