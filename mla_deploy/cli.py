@@ -87,6 +87,9 @@ def main(ctx, debug):
                    "per-head W^UK / W^UV; auto picks the one with fewer weight bytes per token (computed from the config).")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True,
               help="Weights and caches (bfloat16 computes in float32 on the CPU: README, Precision).")
+@click.option("--cache-dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16", "int8"]), default="auto",
+              show_default=True, help="The latent cache: auto stores it in --dtype; int8 stores codes with a float32 "
+                                      "scale per token and layer, the roped key staying in --dtype (README, Precision).")
 @click.option("--max-seq-len", type=click.IntRange(min=1), default=None, help="Longest sequence (default: the config's).")
 @click.option("--no-verify", is_flag=True, help="Skip checking the export against the torch source.")
 @click.option("--steps", type=click.IntRange(min=1), default=8, show_default=True,
@@ -109,7 +112,7 @@ def main(ctx, debug):
                    "that runs anywhere, CUDA included; README, Serving).")
 @click.option("--force", is_flag=True, help="Replace an earlier export at the output path (nothing else is ever "
               "replaced).")
-def export(checkpoint, out, absorb, dtype, max_seq_len, no_verify, steps, quantize, block_size, accuracy_level,
+def export(checkpoint, out, absorb, dtype, cache_dtype, max_seq_len, no_verify, steps, quantize, block_size, accuracy_level,
            head_bits, experts, decode_attention, force):
     """Export CHECKPOINT (default: the bundled demo model) to prefill.onnx + decode.onnx."""
     from .export import ExportOptions
@@ -128,7 +131,7 @@ def export(checkpoint, out, absorb, dtype, max_seq_len, no_verify, steps, quanti
 
     options = ExportOptions(absorb=absorb, dtype=dtype, max_seq_len=max_seq_len, force=force, quantize=quantize,
                             block_size=int(block_size), accuracy_level=int(accuracy_level), head_bits=int(head_bits),
-                            experts=experts, decode_attention=decode_attention)
+                            experts=experts, decode_attention=decode_attention, cache_dtype=cache_dtype)
     run_export(checkpoint, out, options, progress=progress, verify=None if no_verify else verify)
 
 

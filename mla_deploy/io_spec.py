@@ -8,11 +8,16 @@ Both graphs share one contract over caches that the runtime preallocates:
   write_indices    int64 [batch]                cache slot of each row's first new token
   logits_positions int64 [batch, n]             (prefill only) chunk positions whose logits to compute
   past_latent.{i}  float [batch, capacity, kv_lora_rank]       ĉ after kv_a_layernorm
+  past_latent_scale.{i} float32 [batch, capacity, 1]           (int8 latent caches only) each entry's scale
   past_rope.{i}    float [batch, capacity, qk_rope_head_dim]   k_pe after RoPE (rotate-half layout)
 
   logits           float32 [batch, n or 1, vocab]
-  present_latent.{i}, present_rope.{i}: the caches with the new entries written (TensorScatter).
-      Bound to the same buffers as past_* through IO binding, the update happens in place.
+  present_latent.{i}, present_latent_scale.{i}, present_rope.{i}: the caches with the new entries written
+      (TensorScatter). Bound to the same buffers as past_* through IO binding, the update happens in place.
+
+The caches' element types are a CacheFormat: the latent in float32, float16, bfloat16 or int8, the rope in a float
+type. An int8 latent entry is ĉ quantized symmetrically with one float32 scale per token and layer:
+scale = max(max |ĉ| / 127, FLT_MIN), code = clip(round_half_even(ĉ / scale), -127, 127), ĉ' = code · scale.
 
 Query t of row b sits at slot write_indices[b] + t and attends to slots j <= that slot where
 attention_mask[b, j] = 1. No decompressed K or V appears in any input or output.
@@ -50,6 +55,73 @@ def present_rope(layer: int) -> str:
     return f"present_rope.{layer}"
 
 
+def past_latent_scale(layer: int) -> str:
+    return f"past_latent_scale.{layer}"
+
+
+def present_latent_scale(layer: int) -> str:
+    return f"present_latent_scale.{layer}"
+
+
+FLOAT_CACHES = ("float32", "float16", "bfloat16")
+QUANTIZED_CACHES = ("int8",)
+INT8_MAX = 127  # an int8 latent's codes are in [-127, 127]: symmetric, so -code is a code too
+
+
+@dataclass(frozen=True)
+class CacheFormat:
+    """What the caches store: the latent in `latent` (a float type, or int8 with a float32 scale per entry), the
+    roped key in `rope` (a float type)."""
+
+    latent: str = "float32"
+    rope: str = "float32"
+
+    def __post_init__(self):
+        if self.latent not in FLOAT_CACHES + QUANTIZED_CACHES:
+            raise ValueError(f"latent cache dtype {self.latent!r}: expected one of "
+                             f"{', '.join(FLOAT_CACHES + QUANTIZED_CACHES)}")
+        if self.rope not in FLOAT_CACHES:
+            raise ValueError(f"rope cache dtype {self.rope!r}: expected one of {', '.join(FLOAT_CACHES)}")
+
+    @classmethod
+    def of(cls, cache: "CacheFormat | str") -> "CacheFormat":
+        """A format, or one float dtype for both caches."""
+        return cache if isinstance(cache, CacheFormat) else cls(cache, cache)
+
+    @property
+    def scaled(self) -> bool:
+        """The latent is stored as codes with a scale per entry."""
+        return self.latent in QUANTIZED_CACHES
+
+    def tensors(self, num_layers: int, kv_lora_rank: int, rope_dim: int) -> list["CacheTensor"]:
+        """Every cache tensor, layer by layer: the latent, its scales where it has them, the roped key."""
+        out = []
+        for i in range(num_layers):
+            out.append(CacheTensor(past_latent(i), present_latent(i), self.latent, kv_lora_rank, "latent"))
+            if self.scaled:
+                out.append(CacheTensor(past_latent_scale(i), present_latent_scale(i), "float32", 1, "scale"))
+            out.append(CacheTensor(past_rope(i), present_rope(i), self.rope, rope_dim, "rope"))
+        return out
+
+    def bytes_per_token(self, num_layers: int, kv_lora_rank: int, rope_dim: int) -> int:
+        """Cache bytes one token takes over every layer."""
+        return sum(ITEMSIZE[t.dtype] * t.width for t in self.tensors(num_layers, kv_lora_rank, rope_dim))
+
+
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
+
+
+@dataclass(frozen=True)
+class CacheTensor:
+    """One cache buffer [batch, capacity, width], bound as both `past` and `present`."""
+
+    past: str
+    present: str
+    dtype: str
+    width: int
+    role: str  # "latent", "scale" (an int8 latent's, one per entry) or "rope"
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
@@ -60,18 +132,10 @@ class TensorSpec:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
 
 
-def cache_widths(num_layers: int, kv_lora_rank: int, rope_dim: int) -> dict[str, int]:
-    """past_* cache name -> width, layer by layer: the latent ĉ, then the roped key."""
-    widths = {}
-    for i in range(num_layers):
-        widths[past_latent(i)] = kv_lora_rank
-        widths[past_rope(i)] = rope_dim
-    return widths
-
-
 def graph_io(graph: str, num_layers: int, kv_lora_rank: int, rope_dim: int, vocab: int,
-             cache_dtype: str = "float32") -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """(inputs, outputs) of the prefill or decode graph."""
+             cache_dtype: CacheFormat | str = "float32") -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """(inputs, outputs) of the prefill or decode graph over caches in `cache_dtype` (a CacheFormat, or one float
+    dtype for both caches)."""
     seq = "seq" if graph == PREFILL else 1
     inputs = [
         TensorSpec(INPUT_IDS, "int64", ("batch", seq)),
@@ -82,16 +146,7 @@ def graph_io(graph: str, num_layers: int, kv_lora_rank: int, rope_dim: int, voca
     if graph == PREFILL:
         inputs.append(TensorSpec(LOGITS_POSITIONS, "int64", ("batch", "n_logits")))
     outputs = [TensorSpec(LOGITS, "float32", ("batch", "n_logits" if graph == PREFILL else 1, vocab))]
-    presents = dict(cache_pairs(num_layers))
-    for past, width in cache_widths(num_layers, kv_lora_rank, rope_dim).items():
-        inputs.append(TensorSpec(past, cache_dtype, ("batch", "capacity", width)))
-        outputs.append(TensorSpec(presents[past], cache_dtype, ("batch", "capacity", width)))
+    for cache in CacheFormat.of(cache_dtype).tensors(num_layers, kv_lora_rank, rope_dim):
+        inputs.append(TensorSpec(cache.past, cache.dtype, ("batch", "capacity", cache.width)))
+        outputs.append(TensorSpec(cache.present, cache.dtype, ("batch", "capacity", cache.width)))
     return inputs, outputs
-
-
-def cache_pairs(num_layers: int) -> list[tuple[str, str]]:
-    """(past, present) name pairs that alias one buffer when the runtime updates caches in place."""
-    pairs = []
-    for i in range(num_layers):
-        pairs += [(past_latent(i), present_latent(i)), (past_rope(i), present_rope(i))]
-    return pairs

@@ -7,9 +7,13 @@ decoder layer at a time (modeling.layerwise: one layer's weights in memory, so a
 fits on disk verifies). Every step's logits are compared, and the source's greedy choice at each
 step must be the token the runtime generated, unless the source itself scores the runtime's token within the
 tolerance of its own choice (a near tie the export's error may flip). Tolerance: max |Δlogit| <= rtol ·
-max(1, max |logit|), rtol by the export's dtype: 1e-4 in float32; float16 and bfloat16 exports are compared
-with the source on their rounded weights and caches (export.precision.RoundedCheckpoint), computing in float32
-like it, at the rtol measured over every test configuration with a margin (RTOL; README, Precision).
+max(1, max |logit|), rtol by the export's dtypes (the weights' and the caches'): 1e-4 in float32; float16 and
+bfloat16 exports are compared with the source on their rounded weights and caches (export.precision.RoundedCheckpoint),
+computing in float32 like it, and an int8-cache export with the source whose cache entries are quantized by the same
+rule as they are written (modeling.cache.stored_values), each at the rtol measured over every test configuration
+with a margin (RTOL; README, Precision). An int8 entry whose value sits on a rounding boundary may round the other
+way in the export than in the source (their float32 sums differ in order): one code step of one entry, which the
+int8 rtol covers.
 
 A quantized export is compared with the checkpoint's weights dequantized (export.quantize), exactly: its
 sessions run unpacked, where MatMulNBits dequantizes and multiplies in float. How far the deployed kernel
@@ -27,6 +31,7 @@ import torch
 
 from . import io_spec
 from .checkpoint import Checkpoint
+from .io_spec import CacheFormat
 from .errors import ExportError
 from .export.precision import RoundedCheckpoint
 from .export.quantize import DequantizedCheckpoint, Quantization
@@ -35,7 +40,7 @@ from .runtime import ExportedModel, Generator, RuntimeOptions, SamplingParams
 from .runtime.feeds import prefill_feed
 
 DEFAULT_RTOL = 1e-4
-RTOL = {"float32": DEFAULT_RTOL, "float16": 1e-3, "bfloat16": 1e-3}  # measured worst: 9.5e-5, 9.1e-5 (README)
+RTOL = {"float32": DEFAULT_RTOL, "float16": 1e-3, "bfloat16": 1e-3, "int8": 1e-3}  # measured worst: 9.5e-5, 9.1e-5 (README)
 
 
 @dataclass
@@ -73,7 +78,8 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
     if ckpt.content_hash() != manifest["source"]["sha256"]:
         raise ExportError(f"{source}: checkpoint differs from the one {export_dir} was exported from (sha256 mismatch)")
     cfg = ckpt.config
-    rtol = RTOL[model.cache_dtype] if rtol is None else rtol
+    cache = model.cache_format
+    rtol = max(RTOL[d] for d in (manifest["dtype"], cache.latent, cache.rope)) if rtol is None else rtol
     quantization = manifest.get("quantization")
     # an export is compared with the weights it stands for: rounded to its dtype, then dequantized if quantized
     reference = RoundedCheckpoint(ckpt, manifest["dtype"])
@@ -98,7 +104,7 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
     tokens = np.array(generated, np.int64)  # [b, steps]
 
     # the graphs: prefill scores every position; decode steps are fed the generated tokens
-    prefill = prefill_feed(cfg, ids, capacity, model.cache_dtype)
+    prefill = prefill_feed(cfg, ids, capacity, cache)
     mask = prefill[io_spec.ATTENTION_MASK]
     out = model.run(io_spec.PREFILL, prefill)
     prefill_logits, step_logits = out[io_spec.LOGITS], []
@@ -113,7 +119,7 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
     # the torch source on the same inputs, one layer at a time
     ref_prefill, ref_steps = (t.numpy() for t in layerwise_logits(
         reference, torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(lens), torch.from_numpy(tokens),
-        cache_dtype=None if model.cache_dtype == "float32" else getattr(torch, model.cache_dtype)))
+        stored=None if cache == CacheFormat() else cache))
     valid = np.arange(longest)[None, :] < lens[:, None]
     prefill_diff = float(np.abs(prefill_logits - ref_prefill)[valid].max())
     report = VerifyReport(prefill_diff, [], 0.0, float(np.abs(ref_prefill[valid]).max()), rtol)
@@ -131,7 +137,7 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
     report.token_agreement = (exact + ties) / (b * steps)
     report.lines.append(f"tokens   runtime greedy vs torch greedy: {exact}/{b * steps} agree, "
                         f"{ties} more within the tolerance of the source's own choice (near ties)")
-    if quantization or model.cache_dtype != "float32":  # the cost of the rounding, against the unrounded source
+    if quantization or cache != CacheFormat():  # the cost of the rounding, against the unrounded source
         report.quality = _quality(ckpt, ids, mask, lens, tokens, prefill_logits[valid], np.stack(step_logits, 1))
         q = report.quality
         report.lines.append(f"quality  against the float32 source, {q['positions']} teacher-forced positions: top-1 "

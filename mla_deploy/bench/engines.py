@@ -54,12 +54,19 @@ def _median_ms(fn, steps: int) -> float:
 
 def random_decode_state(gen, batch: int, context: int, room: int, rng: np.random.Generator):
     """A Generator's state of `batch` rows at `context` slots, caches grown by `room` more and holding standard normal
-    values in every slot, in the caches' dtype (bfloat16: its bit patterns, runtime.dtypes): never the zero page."""
+    values in every slot, as the caches store them (bfloat16: its bit patterns, runtime.dtypes; an int8 latent: codes
+    of standard normal entries and their scales): never the zero page."""
     state = gen.new_state([np.zeros(1, np.int64)] * batch, context=context)
     state.caches.ensure(context + room)
-    for arr in state.caches.arrays.values():
+    for t in state.caches.tensors:
+        arr = state.caches.arrays[t.past]
         values = rng.standard_normal(arr.shape, dtype=np.float32)
-        arr[:] = float32_to_bf16(values) if state.caches.dtype == "bfloat16" else values
+        if t.dtype == "int8":
+            arr[:] = np.clip(np.round(values / (np.abs(values).max(-1, keepdims=True) / 127)), -127, 127)
+        elif t.role == "scale":  # an int8 latent's: its standard normal entries' peaks / 127
+            arr[:] = 3.5 / 127
+        else:
+            arr[:] = float32_to_bf16(values) if t.dtype == "bfloat16" else values
     return state
 
 

@@ -4,27 +4,55 @@ onnxruntime's ops or in mla_deploy.LatentAttention, whose ONNX body is the same 
 
 Attention is plain MatMul-Softmax-MatMul: measured 4-8x faster on CPU than the fused Attention /
 GroupQueryAttention ops for 576-wide absorbed heads. Caches are written with TensorScatter straight into the graph
-outputs, so with IO binding the runtime's buffers are updated in place.
+outputs, so with IO binding the runtime's buffers are updated in place. An int8 latent cache (io_spec.CacheFormat) is
+written as codes and a scale per entry (`quantize_latent`) and read through DequantizeLinear (`read_latent`), or as
+stored by mla_deploy.LatentAttentionQ8.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import onnx_ir as ir
 
-from .. import kernels
+from .. import io_spec, kernels
 from .. import rope as rope_math
 from ..config import MLAConfig
 from . import absorb
 from .absorb import AbsorbMode
-from .builder import BOOL, DATA_TYPES, FLOAT, Graph, Tensors, cast, kernel_function
+from .builder import BOOL, DATA_TYPES, FLOAT, INT8, Graph, Tensors, cast, kernel_function
 from .linear import linear
 from .norm import RMSNorm
 from .rope import rope
 
 NEG_INF = float(np.finfo(np.float32).min)
+FLT_MIN = float(np.finfo(np.float32).tiny)  # the smallest scale: an all-zero entry's codes are 0, not 0 / 0
+
+
+class Caches(NamedTuple):
+    """One layer's caches as graph values: the latent, the roped key, and the latent's scales (int8 latents only)."""
+
+    latent: ir.Value
+    rope: ir.Value
+    scale: ir.Value | None = None
+
+
+def quantize_latent(op, latent: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """ĉ [b, T, d_c] float32 -> int8 codes [b, T, d_c] and scales [b, T, 1], io_spec's rule: scale = max(max |ĉ| /
+    127, FLT_MIN) per entry, code = clip(round(ĉ / scale), -127, 127) (Round: half to even, as torch.round)."""
+    peak = op.ReduceMax(op.Abs(latent), [-1], keepdims=1)  # [b, T, 1]
+    scale = op.Max(op.Div(peak, float(io_spec.INT8_MAX)), FLT_MIN)
+    codes = op.Clip(op.Round(op.Div(latent, scale)), float(-io_spec.INT8_MAX), float(io_spec.INT8_MAX))
+    return op.Cast(codes, to=INT8), scale
+
+
+def read_latent(op, latent: ir.Value, scale: ir.Value | None, cache_type: ir.DataType, width: int) -> ir.Value:
+    """The latent cache [b, cap, d_c] as float32: int8 codes times their entry's scale [b, cap, 1] (DequantizeLinear,
+    one block of `width` = d_c per entry), or a float cache widened."""
+    if scale is None:
+        return cast(op, latent, cache_type, FLOAT)
+    return op.DequantizeLinear(latent, scale, axis=-1, block_size=width)
 
 
 def attention_bias(op, input_ids: ir.Value, attention_mask: ir.Value, write_indices: ir.Value) -> ir.Value:
@@ -38,15 +66,16 @@ def attention_bias(op, input_ids: ir.Value, attention_mask: ir.Value, write_indi
     return op.Unsqueeze(bias, [1])  # [b, 1, T, cap]
 
 
-def latent_attention_core(op, q_latent: ir.Value, q_rope: ir.Value, latent: ir.Value, rope_cache: ir.Value,
-                          bias: ir.Value, cache_type: ir.DataType, long_cache: bool, scale: float | None = None):
+def latent_attention_core(op, q_latent: ir.Value, q_rope: ir.Value, caches: Caches, bias: ir.Value,
+                          cache: io_spec.CacheFormat, width: int, long_cache: bool, scale: float | None = None):
     """softmax(scale · (q_latent · latent + q_rope · rope) + bias) @ latent -> [b, h, d_c] float32: the absorbed
     decode attention's core, over q_latent [b, h, d_c], q_rope [b, h, d_r] (float32), the caches [b, cap, d_c] and
-    [b, cap, d_r] as stored (`cache_type`) and bias [b, 1, 1, cap]. `scale` None: the queries come scaled."""
-    latent = cast(op, latent, cache_type, FLOAT)
+    [b, cap, d_r] as stored (`cache`; an int8 latent with its scales, d_c = `width`) and bias [b, 1, 1, cap].
+    `scale` None: the queries come scaled."""
+    latent = read_latent(op, caches.latent, caches.scale, DATA_TYPES[cache.latent], width)
     scores = op.Add(
         op.MatMul(latent, op.Transpose(q_latent, perm=[0, 2, 1])),  # [b, cap, d_c] @ [b, d_c, h] -> [b, cap, h]
-        op.MatMul(cast(op, rope_cache, cache_type, FLOAT), op.Transpose(q_rope, perm=[0, 2, 1])),  # [b, cap, d_r] @ [b, d_r, h] -> [b, cap, h]
+        op.MatMul(cast(op, caches.rope, DATA_TYPES[cache.rope], FLOAT), op.Transpose(q_rope, perm=[0, 2, 1])),  # [b, cap, d_r] @ [b, d_r, h] -> [b, cap, h]
     )
     if scale is not None:
         scores = op.Mul(scores, scale)
@@ -71,19 +100,39 @@ def probs_at_latent(op, logits, bias, latent, long_cache: bool) -> ir.Value:
     return op.MatMul(probs, latent)  # [b, h, cap] @ [b, cap, d_c] -> [b, h, d_c]
 
 
-def latent_attention_function(cache_dtype: str, long_cache: bool) -> ir.Function:
-    """The body of mla_deploy.LatentAttention over `cache_dtype` caches (LatentAttentionLong: a cache that can
-    outgrow the long-cache size a row, multiplied as MatMul's A operand): what onnxruntime runs where the kernel
-    library is not registered."""
-    names = kernels.LATENT_ATTENTION_LONG if long_cache else kernels.LATENT_ATTENTION
-    cache = DATA_TYPES[cache_dtype]
+def latent_attention_op(cache: io_spec.CacheFormat | str, long_cache: bool) -> str:
+    """The kernel op's name for these caches: LatentAttention* over float caches (by their dtype), LatentAttentionQ8*
+    over an int8 latent (by the rope's dtype); *Long* where the cache can outgrow the long-cache size a row."""
+    cache = io_spec.CacheFormat.of(cache)
+    if cache.scaled:
+        return (kernels.LATENT_ATTENTION_LONG_Q8 if long_cache else kernels.LATENT_ATTENTION_Q8)[cache.rope]
+    return (kernels.LATENT_ATTENTION_LONG if long_cache else kernels.LATENT_ATTENTION)[cache.latent]
 
-    def body(op, q_latent, q_rope, latent, rope_cache, bias):
-        return latent_attention_core(op, q_latent, q_rope, latent, rope_cache, bias, cache, long_cache)
 
-    inputs = {"q_latent": FLOAT, "q_rope": FLOAT, "latent": cache, "rope": cache, "bias": FLOAT}
-    return kernel_function(names[cache_dtype], inputs, "out", body,
-                           f"out = softmax(q_latent · latent + q_rope · rope + bias) @ latent over {cache_dtype} caches "
+def latent_attention_function(cache: io_spec.CacheFormat | str, long_cache: bool, width: int | None = None) -> ir.Function:
+    """The body of the kernel op over `cache` (latent_attention_op; an int8 latent's d_c = `width`, DequantizeLinear's
+    block; LatentAttentionLong*: a cache that can outgrow the long-cache size a row, multiplied as MatMul's A
+    operand): what onnxruntime runs where the kernel library is not registered."""
+    cache = io_spec.CacheFormat.of(cache)
+    latent, rope = DATA_TYPES[cache.latent], DATA_TYPES[cache.rope]
+
+    if cache.scaled:
+        def body(op, q_latent, q_rope, codes, scale, rope_cache, bias):
+            return latent_attention_core(op, q_latent, q_rope, Caches(codes, rope_cache, scale), bias, cache, width,
+                                         long_cache)
+
+        inputs = {"q_latent": FLOAT, "q_rope": FLOAT, "latent": latent, "latent_scale": FLOAT, "rope": rope,
+                  "bias": FLOAT}
+        stored = f"an int8 latent cache (DequantizeLinear: codes x their entry's scale) and a {cache.rope} rope cache"
+    else:
+        def body(op, q_latent, q_rope, latent_cache, rope_cache, bias):
+            return latent_attention_core(op, q_latent, q_rope, Caches(latent_cache, rope_cache), bias, cache, width,
+                                         long_cache)
+
+        inputs = {"q_latent": FLOAT, "q_rope": FLOAT, "latent": latent, "rope": rope, "bias": FLOAT}
+        stored = f"{cache.latent} caches"
+    return kernel_function(latent_attention_op(cache, long_cache), inputs, "out", body,
+                           f"out = softmax(q_latent · latent + q_rope · rope + bias) @ latent over {stored} "
                            "(the queries already scaled). mla-deploy's kernel library reads the caches as stored and "
                            "only the slots each row sees; this body, where that is not registered, reads every slot"
                            + (", the cache as the A operand" if long_cache else ""),
@@ -111,23 +160,28 @@ class MLAttention:
         c_q = RMSNorm(self.g, f"{self.name}.q_a_norm", self.hf + "q_a_layernorm.weight", self.t, cfg.rms_norm_eps)(op, c_q)
         return c_q, self._hf("q_b_proj.weight")
 
-    def latent_and_rope(self, op, x: ir.Value, cos: ir.Value, sin: ir.Value) -> tuple[ir.Value, ir.Value]:
-        """x [b, T, d] -> ĉ [b, T, d_c] (normed), k_pe [b, T, d_r] (roped), both in the caches' stored dtype."""
+    def latent_and_rope(self, op, x: ir.Value, cos: ir.Value, sin: ir.Value) -> Caches:
+        """x [b, T, d] -> ĉ [b, T, d_c] (normed), k_pe [b, T, d_r] (roped), as the caches store them (an int8 latent:
+        codes and their scales)."""
         cfg, g = self.cfg, self.g
         kv = linear(g, op, x, f"{self.name}.kv_a",
                     lambda: absorb.kv_a_weight(cfg, self.t(self.hf + "kv_a_proj_with_mqa.weight")))
         latent, k_pe = op.Split(kv, [cfg.kv_lora_rank, cfg.qk_rope_head_dim], axis=-1, _outputs=2)
         latent = RMSNorm(g, f"{self.name}.kv_norm", self.hf + "kv_a_layernorm.weight", self.t, cfg.rms_norm_eps)(op, latent)
-        k_pe = rope(op, g.to_float(op, k_pe), cos, sin)
-        return cast(op, latent, g.compute_type, g.cache_type), cast(op, k_pe, FLOAT, g.cache_type)
+        k_pe = cast(op, rope(op, g.to_float(op, k_pe), cos, sin), FLOAT, g.rope_type)
+        if g.plan.cache_format.scaled:
+            codes, scale = quantize_latent(op, g.to_float(op, latent))
+            return Caches(codes, k_pe, scale)
+        return Caches(cast(op, latent, g.compute_type, g.cache_type), k_pe)
 
-    def write_cache(self, op, latent, k_pe, past_latent, past_rope, write_indices) -> tuple[ir.Value, ir.Value]:
+    def write_cache(self, op, new: Caches, past: Caches, write_indices) -> Caches:
         """TensorScatter; the graph makes its outputs the present_* outputs themselves: with the output bound to
         the past buffer, onnxruntime updates it in place (an Identity in between would force a copy)."""
-        return (op.TensorScatter(past_latent, latent, write_indices, axis=-2),  # [b, cap, d_c]
-                op.TensorScatter(past_rope, k_pe, write_indices, axis=-2))  # [b, cap, d_r]
+        return Caches(op.TensorScatter(past.latent, new.latent, write_indices, axis=-2),  # [b, cap, d_c]
+                      op.TensorScatter(past.rope, new.rope, write_indices, axis=-2),  # [b, cap, d_r]
+                      None if past.scale is None else op.TensorScatter(past.scale, new.scale, write_indices, axis=-2))
 
-    def naive(self, op, x, cos, sin, bias, past_latent, past_rope, write_indices):
+    def naive(self, op, x, cos, sin, bias, past: Caches, write_indices):
         """Prefill: decompress K/V from the whole latent cache, standard attention per head."""
         cfg, g, t = self.cfg, self.g, self.t
         h, dn, dr, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -136,24 +190,24 @@ class MLAttention:
         q = op.Transpose(op.Reshape(g.to_float(op, q), [0, 0, h, dn + dr]), perm=[0, 2, 1, 3])  # -> [b, T, h, ·] -> [b, h, T, d_nope+d_r]
         q_nope, q_pe = op.Split(q, [dn, dr], axis=-1, _outputs=2)
         q_pe = rope(op, q_pe, op.Unsqueeze(cos, [1]), op.Unsqueeze(sin, [1]))  # cos [b, 1, T, d_r/2]
-        latent, k_pe = self.latent_and_rope(op, x, cos, sin)
-        cache_latent, cache_rope = self.write_cache(op, latent, k_pe, past_latent, past_rope, write_indices)
+        present = self.write_cache(op, self.latent_and_rope(op, x, cos, sin), past, write_indices)
 
-        kv = linear(g, op, cast(op, cache_latent, g.cache_type, g.compute_type), f"{self.name}.kv_b",
+        latent = read_latent(op, present.latent, present.scale, g.cache_type, cfg.kv_lora_rank)
+        kv = linear(g, op, g.to_compute(op, latent), f"{self.name}.kv_b",
                     lambda: t(self.hf + "kv_b_proj.weight").T, quantizable=False)  # [b, cap, h·(d_nope+d_v)]
         kv = op.Transpose(op.Reshape(g.to_float(op, kv), [0, 0, h, dn + dv]), perm=[0, 2, 1, 3])  # -> [b, cap, h, ·] -> [b, h, cap, d_nope+d_v]
         k_nope, v = op.Split(kv, [dn, dv], axis=-1, _outputs=2)
         scores = op.Add(
             op.MatMul(q_nope, op.Transpose(k_nope, perm=[0, 1, 3, 2])),  # [b, h, T, cap]
-            op.MatMul(q_pe, op.Unsqueeze(op.Transpose(cast(op, cache_rope, g.cache_type, FLOAT), perm=[0, 2, 1]), [1])),  # k_pe [b, 1, d_r, cap]
+            op.MatMul(q_pe, op.Unsqueeze(op.Transpose(cast(op, present.rope, g.rope_type, FLOAT), perm=[0, 2, 1]), [1])),  # k_pe [b, 1, d_r, cap]
         )
         probs = op.Softmax(op.Add(op.Mul(scores, self.scale), bias), axis=-1)
         o = op.Transpose(op.MatMul(probs, v), perm=[0, 2, 1, 3])  # [b, T, h, d_v]
         o = op.Reshape(o, [0, 0, h * dv])  # [b, T, h, d_v] -> [b, T, h·d_v]
         out = linear(g, op, g.to_compute(op, o), f"{self.name}.o", lambda: t(self.hf + "o_proj.weight").T)
-        return out, cache_latent, cache_rope
+        return out, present
 
-    def absorbed(self, op, x, cos, sin, bias, past_latent, past_rope, write_indices):
+    def absorbed(self, op, x, cos, sin, bias, past: Caches, write_indices):
         """Decode (T = 1): the query moves into latent space; attention reads ĉ directly; W^UV after. The plan picks
         the absorbed form (fused or factored), the core (mla_deploy.LatentAttention or onnxruntime's ops) and the
         long-cache form."""
@@ -174,17 +228,16 @@ class MLAttention:
         q_pe = linear(g, op, q_in, f"{self.name}.q_rope", lambda: absorb.query_rope_weight(cfg, q_weight()))
         q_pe = op.Reshape(g.to_float(op, q_pe), [0, h, dr])  # [b, 1, h·d_r] -> [b, h, d_r]
         q_pe = rope(op, q_pe, cos, sin)  # cos [b, 1, d_r/2] broadcasts over heads
-        latent, k_pe = self.latent_and_rope(op, x, cos, sin)
-        cache_latent, cache_rope = self.write_cache(op, latent, k_pe, past_latent, past_rope, write_indices)
+        present = self.write_cache(op, self.latent_and_rope(op, x, cos, sin), past, write_indices)
         if plan.decode_attention == "kernel":  # the softmax scale on the queries: h·(d_c + d_r) products, not h·cap
-            names = kernels.LATENT_ATTENTION_LONG if plan.long_cache else kernels.LATENT_ATTENTION
-            o_latent = g.kernel_op(op, names[plan.cache_dtype],
-                                   lambda: latent_attention_function(plan.cache_dtype, plan.long_cache),
-                                   op.Mul(q_latent, self.scale), op.Mul(q_pe, self.scale), cache_latent, cache_rope,
-                                   bias)  # [b, h, d_c]
+            cache = plan.cache_format
+            stored = (present.latent, present.scale, present.rope) if cache.scaled else (present.latent, present.rope)
+            o_latent = g.kernel_op(op, latent_attention_op(cache, plan.long_cache),
+                                   lambda: latent_attention_function(cache, plan.long_cache, dc),
+                                   op.Mul(q_latent, self.scale), op.Mul(q_pe, self.scale), *stored, bias)  # [b, h, d_c]
         else:
-            o_latent = latent_attention_core(op, q_latent, q_pe, cache_latent, cache_rope, bias, g.cache_type,
-                                             plan.long_cache, self.scale)  # [b, h, d_c]
+            o_latent = latent_attention_core(op, q_latent, q_pe, present, bias, plan.cache_format, dc, plan.long_cache,
+                                             self.scale)  # [b, h, d_c]
         o_weight = self._hf("o_proj.weight")
         if plan.absorb == AbsorbMode.FUSED:
             o = op.Reshape(o_latent, [0, 1, h * dc])  # [b, h, d_c] -> [b, 1, h·d_c]
@@ -196,4 +249,4 @@ class MLAttention:
             o = op.MatMul(o_latent, uv)  # [h, b, d_v]
             o = op.Reshape(op.Transpose(o, perm=[1, 0, 2]), [0, 1, h * dv])  # [h, b, d_v] -> [b, h, d_v] -> [b, 1, h·d_v]
             out = linear(g, op, g.to_compute(op, o), f"{self.name}.o", lambda: o_weight().T)
-        return out, cache_latent, cache_rope
+        return out, present

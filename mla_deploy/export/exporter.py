@@ -109,6 +109,7 @@ def _report_choices(cfg, options: ExportOptions, plan: ExportPlan, progress: Pro
                  f"from the config: factored {factored:.2f} MB, fused {fused:.2f} MB (bytes decide, not a timing)")
     if cfg.n_routed_experts:
         progress(f"routed experts: {plan.experts} ({options.experts})")
+    progress(f"caches: {plan.cache_format.latent} latent, {plan.cache_format.rope} rope ({options.cache_dtype})")
     progress(f"decode attention: {plan.decode_attention} ({options.decode_attention})"
              + (", the cache as MatMul's A operand (long cache)" if plan.long_cache else ""))
 
@@ -117,7 +118,7 @@ def _manifest(cfg, plan: ExportPlan, source_hash: str, export_id: str, ckpt: Che
     graphs = {}
     for kind in (io_spec.PREFILL, io_spec.DECODE):
         inputs, outputs = io_spec.graph_io(kind, cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
-                                           cfg.vocab_size, cache_dtype=plan.cache_dtype)
+                                           cfg.vocab_size, cache_dtype=plan.cache_format)
         graphs[kind] = {"file": io_spec.GRAPH_FILES[kind], "inputs": [s.to_dict() for s in inputs],
                         "outputs": [s.to_dict() for s in outputs]}
     return {

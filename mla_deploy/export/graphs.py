@@ -9,7 +9,7 @@ import onnx_ir as ir
 
 from .. import io_spec
 from ..config import MLAConfig
-from .attention import MLAttention, attention_bias
+from .attention import Caches, MLAttention, attention_bias
 from .builder import Graph, Tensors
 from .model import decoder
 from .plan import ExportPlan
@@ -22,7 +22,7 @@ def build_graph(kind: str, cfg: MLAConfig, t: Tensors, plan: ExportPlan, weights
     g = Graph(kind, weights, plan)
     op = g.op
     specs_in, specs_out = io_spec.graph_io(kind, cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
-                                           cfg.vocab_size, cache_dtype=plan.cache_dtype)
+                                           cfg.vocab_size, cache_dtype=plan.cache_format)
     inputs = {spec.name: g.input(spec) for spec in specs_in}
     write_indices = inputs[io_spec.WRITE_INDICES]
     bias = attention_bias(op, inputs[io_spec.INPUT_IDS], inputs[io_spec.ATTENTION_MASK], write_indices)  # [b, 1, T, cap]
@@ -30,10 +30,13 @@ def build_graph(kind: str, cfg: MLAConfig, t: Tensors, plan: ExportPlan, weights
 
     def attention(op, attn: MLAttention, h, cos, sin):
         i = attn.layer
-        cache = (inputs[io_spec.past_latent(i)], inputs[io_spec.past_rope(i)], write_indices)
+        past = Caches(inputs[io_spec.past_latent(i)], inputs[io_spec.past_rope(i)],
+                      inputs.get(io_spec.past_latent_scale(i)))
         form = attn.naive if kind == io_spec.PREFILL else attn.absorbed
-        out, latent, rope = form(op, h, cos, sin, bias, *cache)
-        caches[io_spec.present_latent(i)], caches[io_spec.present_rope(i)] = latent, rope
+        out, present = form(op, h, cos, sin, bias, past, write_indices)
+        caches[io_spec.present_latent(i)], caches[io_spec.present_rope(i)] = present.latent, present.rope
+        if present.scale is not None:
+            caches[io_spec.present_latent_scale(i)] = present.scale
         return out
 
     logits = decoder(g, cfg, t, inputs, attention, inputs.get(io_spec.LOGITS_POSITIONS), on_layer)

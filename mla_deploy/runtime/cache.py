@@ -1,9 +1,9 @@
 """Preallocated latent/rope cache buffers, written in place by the graphs through IO binding.
 
-Design (measured in benchmarks/): each layer owns two buffers [batch, capacity, width] that are
-bound both as `past_*` input and `present_*` output. The graph's TensorScatter writes the new
-entries into them, so a decode step moves only the new token's 576 values per layer, never the
-whole cache. Attention reads all `capacity` slots (later ones masked), so capacity grows in
+Design (measured in benchmarks/): each layer owns two buffers [batch, capacity, width] (three for an int8 latent:
+its scales too; io_spec.CacheFormat) that are bound both as `past_*` input and `present_*` output. The graph's
+TensorScatter writes the new entries into them, so a decode step moves only the new token's 576 values per layer
+(and its scale), never the whole cache. Attention reads all `capacity` slots (later ones masked), so capacity grows in
 blocks as the sequence grows instead of being fixed at the maximum length: a step costs the
 context rounded up to a block, and a grow copies the cache once per block.
 """
@@ -24,9 +24,12 @@ BLOCK = 256  # slots added per growth step
 class CacheBuffers:
     """The per-layer caches of one generation (one batch of rows), owned by the caller's thread."""
 
-    def __init__(self, cfg: MLAConfig, batch: int, capacity: int, max_capacity: int, device: str, dtype: str = "float32"):
-        """`dtype`: the export's cache dtype (runtime.dtypes)."""
-        self.cfg, self.batch, self.device, self.max_capacity, self.dtype = cfg, batch, device, max_capacity, dtype
+    def __init__(self, cfg: MLAConfig, batch: int, capacity: int, max_capacity: int, device: str,
+                 dtype: io_spec.CacheFormat | str = "float32"):
+        """`dtype`: the export's cache format (or one float dtype for both caches; runtime.dtypes)."""
+        self.cfg, self.batch, self.device, self.max_capacity = cfg, batch, device, max_capacity
+        self.format = io_spec.CacheFormat.of(dtype)
+        self.tensors = self.format.tensors(cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
         self.capacity = 0
         self.arrays: dict[str, np.ndarray] = {}
         self.values: dict[str, ort.OrtValue] = {}
@@ -39,14 +42,13 @@ class CacheBuffers:
         if needed > self.max_capacity:
             raise InputError(f"sequence needs {needed} cache slots, the export's maximum length is {self.max_capacity}")
         capacity = min(self.max_capacity, -(-needed // BLOCK) * BLOCK)
-        cfg = self.cfg
-        for name, width in io_spec.cache_widths(cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim).items():
-            new = np.zeros((self.batch, capacity, width), numpy_dtype(self.dtype))
-            old = self.arrays.get(name)
+        for t in self.tensors:
+            new = np.zeros((self.batch, capacity, t.width), numpy_dtype(t.dtype))
+            old = self.arrays.get(t.past)
             if old is not None:
-                new[:, : self.capacity] = old if self.device == "cpu" else self.values[name].numpy()
-            self.arrays[name] = new
-            self.values[name] = ort_value(new, self.dtype, self.device)
+                new[:, : self.capacity] = old if self.device == "cpu" else self.values[t.past].numpy()
+            self.arrays[t.past] = new
+            self.values[t.past] = ort_value(new, t.dtype, self.device)
         self.capacity = capacity
         return True
 
@@ -55,10 +57,10 @@ class CacheBuffers:
         rows, as numpy views of the buffers (CPU; a scheduler's one row, or its occupied prefix). Returns the bound
         OrtValues: a view must outlive the run."""
         values = []
-        for past, present in io_spec.cache_pairs(self.cfg.num_hidden_layers):
-            value = self.values[past] if rows is None else ort_value(self.arrays[past][rows], self.dtype)
-            binding.bind_ortvalue_input(past, value)
-            binding.bind_ortvalue_output(present, value)
+        for t in self.tensors:
+            value = self.values[t.past] if rows is None else ort_value(self.arrays[t.past][rows], t.dtype)
+            binding.bind_ortvalue_input(t.past, value)
+            binding.bind_ortvalue_output(t.present, value)
             values.append(value)
         return values
 

@@ -13,7 +13,7 @@ import onnxruntime as ort
 from .. import integrity, io_spec, kernels
 from ..config import MLAConfig
 from ..errors import ExportLoadError, InputError, ProviderError
-from ..manifest import check_files, read_manifest
+from ..manifest import cache_format, check_files, read_manifest
 from .chat import GenerationDefaults
 from .dtypes import ort_value
 from .feeds import check_feed
@@ -77,8 +77,10 @@ class ExportedModel:
         check_files(self.directory, self.manifest, self.options.check_weights)
         self.config: MLAConfig = self.manifest["config_obj"]
         self.max_seq_len: int = int(self.manifest["max_seq_len"])
-        # the caches' dtype (runtime.dtypes), as the manifest's precision records it; logits are always float32
-        self.cache_dtype: str = (self.manifest.get("precision") or {}).get("caches", self.manifest["dtype"])
+        # the caches' element types (io_spec.CacheFormat, runtime.dtypes), as the manifest's precision records them;
+        # cache_dtype is the latent's; logits are always float32
+        self.cache_format: io_spec.CacheFormat = cache_format(self.manifest)
+        self.cache_dtype: str = self.cache_format.latent
         self.providers = resolve_providers(self.options.provider)
         self.device = "cuda" if self.providers[0] == PROVIDERS["cuda"] else "cpu"
         self.generation = GenerationDefaults.from_export(self.directory)  # generation_config.json's defaults
@@ -94,15 +96,16 @@ class ExportedModel:
         Bound through IO binding, so bfloat16 caches (uint16 bit patterns here: runtime.dtypes) pass both ways."""
         if kind not in self.sessions:
             raise ValueError(f"graph {kind!r}: expected {io_spec.PREFILL!r} or {io_spec.DECODE!r}")
-        check_feed(kind, feed, self.config, self.max_seq_len, self.cache_dtype)
+        check_feed(kind, feed, self.config, self.max_seq_len, self.cache_format)
         session = self.sessions[kind]
         inputs, outputs = io_spec.graph_io(kind, self.config.num_hidden_layers, self.config.kv_lora_rank,
-                                           self.config.qk_rope_head_dim, self.config.vocab_size, self.cache_dtype)
+                                           self.config.qk_rope_head_dim, self.config.vocab_size, self.cache_format)
         ids = feed[io_spec.INPUT_IDS]
         n_logits = feed[io_spec.LOGITS_POSITIONS].shape[1] if kind == io_spec.PREFILL else 1
         results = {io_spec.LOGITS: np.empty((ids.shape[0], n_logits, self.config.vocab_size), np.float32)}
-        for past, present in io_spec.cache_pairs(self.config.num_hidden_layers):
-            results[present] = np.empty_like(feed[past])
+        for t in self.cache_format.tensors(self.config.num_hidden_layers, self.config.kv_lora_rank,
+                                           self.config.qk_rope_head_dim):
+            results[t.present] = np.empty_like(feed[t.past])
         binding, held = session.io_binding(), []
         for spec in inputs:
             held.append(ort_value(np.ascontiguousarray(feed[spec.name]), spec.dtype))
