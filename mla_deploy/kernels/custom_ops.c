@@ -8,6 +8,9 @@
  *                    rope cache [b, cap, d_r], bias float32 [b, 1, 1, cap]) -> float32 [b, h, d_c]
  *                    (latent_attention.h; LatentAttentionF16 / BF16 with the caches in half precision;
  *                    LatentAttentionLong* the same kernels under other names, whose function bodies suit long caches)
+ *   LatentAttentionQ8 (q_latent, q_rope, latent int8 [b, cap, d_c], latent_scale float32 [b, cap, 1],
+ *                      rope float32 [b, cap, d_r], bias) -> float32 [b, h, d_c]   (latent_attention_q8.h;
+ *                      Q8F16 / Q8BF16 with the rope cache in half precision; LatentAttentionLongQ8* likewise)
  * registered by RegisterCustomOps, which onnxruntime calls on SessionOptions.register_custom_ops_library. The
  * arithmetic is strip_matmul.c's, routed_experts.c's and latent_attention.c's; this file reads shapes, allocates the
  * outputs and splits the work over the session's intra-op threads. Every graph using these ops also carries them as
@@ -18,6 +21,7 @@
 
 #include "dispatch.h"
 #include "latent_attention.h"
+#include "latent_attention_q8.h"
 #include "routed_experts.h"
 #include "strip_matmul.h"
 #include "ort_abi.h"
@@ -210,6 +214,66 @@ static OrtStatus *compute_latent_attention(OrtKernelContext *context, StripKind 
     return status;
 }
 
+static void run_latent_range_q8(void *data, size_t task) { latent_attention_q8_range(data, (int64_t)task); }
+
+/* the kernel's instruction-set level, read when onnxruntime created it (create_at_level): dispatch.h */
+static Isa level_of(void *kernel) { return (Isa)((intptr_t)kernel - 1); }
+
+static OrtStatus *compute_latent_attention_q8(void *kernel, OrtKernelContext *context, StripKind rope_kind,
+                                              const char *op) {
+    int64_t dims[6][MAX_RANK];
+    size_t rank[6];
+    void *data[6], *y;
+    OrtStatus *status = inputs(context, op, 6, dims, rank, data);
+    if (status) return status;
+    if (rank[0] != 3 || rank[1] != 3 || rank[2] != 3 || rank[3] != 3 || rank[4] != 3 || rank[5] < 1)
+        return error(op, "expected q_latent [b, h, d_c], q_rope [b, h, d_r], latent [b, cap, d_c], latent_scale "
+                         "[b, cap, 1], rope [b, cap, d_r], bias [b, 1, 1, cap]");
+    LatentAttentionQ8 job = {.isa = level_of(kernel), .rope_kind = rope_kind, .rows = dims[0][0], .heads = dims[0][1],
+                             .latent = dims[0][2], .rope = dims[1][2], .capacity = dims[2][1]};
+    int64_t bias_size = 1;
+    for (size_t i = 0; i < rank[5]; i++) bias_size *= dims[5][i];
+    if (dims[1][0] != job.rows || dims[1][1] != job.heads || dims[2][0] != job.rows || dims[2][2] != job.latent ||
+        dims[4][0] != job.rows || dims[4][1] != job.capacity || dims[4][2] != job.rope)
+        return error(op, "the queries and the caches disagree on the rows, the heads or the widths");
+    if (dims[3][0] != job.rows || dims[3][1] != job.capacity || dims[3][2] != 1)
+        return error(op, "latent_scale must hold one scale per row and cache slot [b, cap, 1]");
+    if (dims[5][rank[5] - 1] != job.capacity || bias_size != job.rows * job.capacity)
+        return error(op, "bias must hold one value per row and cache slot [b, 1, 1, cap]");
+    if (job.latent % 16 || job.rope % 8) return error(op, "d_c must be a multiple of 16 and d_r of 8");
+    OrtValue *y_value;
+    if (ORT_FN(api, OrtKernelContextGetOutputFn, ORT_KernelContext_GetOutput)(context, 0, dims[0], 3, &y_value) ||
+        ORT_FN(api, OrtGetTensorMutableDataFn, ORT_GetTensorMutableData)(y_value, &y))
+        return error(op, "cannot allocate the output");
+    job.q_latent = data[0], job.q_rope = data[1], job.codes = data[2], job.scales = data[3], job.rope_cache = data[4];
+    job.bias = data[5], job.out = y;
+    if (job.rows == 0 || job.heads == 0 || job.latent == 0) return NULL;
+    if (job.capacity == 0) return error(op, "the cache has no slots");
+    if (latent_attention_q8_plan(&job)) return error(op, "out of memory for the packed queries and partial results");
+    /* about a quarter of the float kernel's instructions a slot (int8 products): the same threshold in slots */
+    status = parallel_for(pool_for(context, job.rows * job.capacity * job.heads * (job.latent + job.rope) / 4),
+                          run_latent_range_q8, (size_t)(job.rows * job.splits), &job);
+    for (int64_t r = 0; !status && r < job.rows; r++) latent_attention_q8_combine(&job, r);
+    if (!status && __atomic_load_n(&job.failed, __ATOMIC_RELAXED)) status = error(op, "out of memory for a range's scores");
+    latent_attention_q8_release(&job);
+    return status;
+}
+
+#define Q8_FUNCTIONS(ID, KIND, NAME)                                                                                   \
+    static OrtStatus *compute_##ID(void *kernel, OrtKernelContext *context) {                                        \
+        return compute_latent_attention_q8(kernel, context, KIND, NAME);                                              \
+    }                                                                                                                 \
+    static const char *name_##ID(const OrtCustomOp *op) {                                                            \
+        (void)op;                                                                                                     \
+        return NAME;                                                                                                  \
+    }
+Q8_FUNCTIONS(q8_f32, STRIP_F32, "LatentAttentionQ8")
+Q8_FUNCTIONS(q8_f16, STRIP_F16, "LatentAttentionQ8F16")
+Q8_FUNCTIONS(q8_bf16, STRIP_BF16, "LatentAttentionQ8BF16")
+Q8_FUNCTIONS(long_q8_f32, STRIP_F32, "LatentAttentionLongQ8")
+Q8_FUNCTIONS(long_q8_f16, STRIP_F16, "LatentAttentionLongQ8F16")
+Q8_FUNCTIONS(long_q8_bf16, STRIP_BF16, "LatentAttentionLongQ8BF16")
+
 /* each registered op: its name, and its compute as one of the three above with the weights' (caches') type */
 #define OP_FUNCTIONS(ID, COMPUTE, KIND, NAME)                                                                         \
     static OrtStatus *compute_##ID(void *kernel, OrtKernelContext *context) {                                        \
@@ -259,11 +323,19 @@ static ONNXTensorElementDataType experts_bf16(const OrtCustomOp *op, size_t i) {
     (void)op;
     return i >= 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 }
+/* LatentAttentionQ8's latent (input 2) is int8, its rope cache (input 4) in the rope's type, the rest float32 */
+static ONNXTensorElementDataType q8_input(size_t i, ONNXTensorElementDataType rope) {
+    return i == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8 : i == 4 ? rope : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+static ONNXTensorElementDataType q8_f32(const OrtCustomOp *op, size_t i) { (void)op; return q8_input(i, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT); }
+static ONNXTensorElementDataType q8_f16(const OrtCustomOp *op, size_t i) { (void)op; return q8_input(i, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16); }
+static ONNXTensorElementDataType q8_bf16(const OrtCustomOp *op, size_t i) { (void)op; return q8_input(i, ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16); }
 static ONNXTensorElementDataType output_float(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
 static const char *cpu(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
 static size_t two(const OrtCustomOp *op) { (void)op; return 2; }
 static size_t four(const OrtCustomOp *op) { (void)op; return 4; }
 static size_t five(const OrtCustomOp *op) { (void)op; return 5; }
+static size_t six(const OrtCustomOp *op) { (void)op; return 6; }
 static size_t one(const OrtCustomOp *op) { (void)op; return 1; }
 static OrtCustomOpInputOutputCharacteristic required(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return INPUT_OUTPUT_REQUIRED; }
 static OrtMemType default_memory(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return OrtMemTypeDefault; }
@@ -274,19 +346,26 @@ static OrtStatus *create(const OrtCustomOp *op, const OrtApi *a, const OrtKernel
     *kernel = (void *)1; /* stateless */
     return NULL;
 }
+/* a kernel that holds its level (level_of's encoding: level + 1, never NULL) */
+static OrtStatus *create_at_level(const OrtCustomOp *op, const OrtApi *a, const OrtKernelInfo *info, void **kernel) {
+    (void)op, (void)a, (void)info;
+    *kernel = (void *)(intptr_t)(mla_isa() + 1);
+    return NULL;
+}
 static void destroy(void *kernel) { (void)kernel; }
 static int first_version(const OrtCustomOp *op) { (void)op; return 1; }
 static int last_version(const OrtCustomOp *op) { (void)op; return 2147483647; }
 static size_t no_pairs(int **input_index, int **output_index) { *input_index = NULL, *output_index = NULL; return 0; }
 static void release_pairs(int *input_index, int *output_index) { (void)input_index, (void)output_index; }
 
-#define CPU_OP(NAME, INPUT, INPUTS, COMPUTE)                                                                          \
+#define CPU_OP(NAME, INPUT, INPUTS, COMPUTE) CPU_OP_CREATED(NAME, INPUT, INPUTS, COMPUTE, create)
+#define CPU_OP_CREATED(NAME, INPUT, INPUTS, COMPUTE, CREATE)                                                          \
     {                                                                                                                 \
         .version = ORT_ABI_VERSION, .GetName = NAME, .GetExecutionProviderType = cpu, .GetInputType = INPUT,          \
         .GetInputTypeCount = INPUTS, .GetOutputType = output_float, .GetOutputTypeCount = one, .KernelDestroy = destroy, \
         .GetInputCharacteristic = required, .GetOutputCharacteristic = required, .GetInputMemoryType = default_memory, \
         .GetVariadicInputMinArity = min_arity, .GetVariadicInputHomogeneity = homogeneous,                            \
-        .GetVariadicOutputMinArity = min_arity, .GetVariadicOutputHomogeneity = homogeneous, .CreateKernelV2 = create, \
+        .GetVariadicOutputMinArity = min_arity, .GetVariadicOutputHomogeneity = homogeneous, .CreateKernelV2 = CREATE, \
         .KernelComputeV2 = COMPUTE, .GetStartVersion = first_version, .GetEndVersion = last_version,                  \
         .GetMayInplace = no_pairs, .ReleaseMayInplace = release_pairs, .GetAliasMap = no_pairs,                       \
         .ReleaseAliasMap = release_pairs,                                                                             \
@@ -301,15 +380,25 @@ static OrtCustomOp ops[] = {CPU_OP(name_f16, input_f16, two, compute_f16), CPU_O
                             CPU_OP(name_long_f32, input_float, five, compute_long_f32),
                             CPU_OP(name_long_f16, attention_f16, five, compute_long_f16),
                             CPU_OP(name_long_bf16, attention_bf16, five, compute_long_bf16)};
+/* the ops with a plain C path beside their SIMD ones: registered at every level */
+static OrtCustomOp q8_ops[] = {CPU_OP_CREATED(name_q8_f32, q8_f32, six, compute_q8_f32, create_at_level),
+                               CPU_OP_CREATED(name_q8_f16, q8_f16, six, compute_q8_f16, create_at_level),
+                               CPU_OP_CREATED(name_q8_bf16, q8_bf16, six, compute_q8_bf16, create_at_level),
+                               CPU_OP_CREATED(name_long_q8_f32, q8_f32, six, compute_long_q8_f32, create_at_level),
+                               CPU_OP_CREATED(name_long_q8_f16, q8_f16, six, compute_long_q8_f16, create_at_level),
+                               CPU_OP_CREATED(name_long_q8_bf16, q8_bf16, six, compute_long_q8_bf16, create_at_level)};
 
-/* Below the AVX2 level (a CPU without AVX2, FMA and F16C, or MLA_DEPLOY_ISA=scalar: dispatch.h), or on an onnxruntime
- * older than the ABI slots used, it registers nothing and the graphs run the ops' function bodies. */
+/* Below the AVX2 level (a CPU without AVX2, FMA and F16C, or MLA_DEPLOY_ISA=scalar: dispatch.h) it registers only the
+ * ops with a plain C path; on an onnxruntime older than the ABI slots used it registers nothing, and the graphs run
+ * the ops' function bodies. */
 __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
     api = base->GetApi(ORT_ABI_VERSION);
-    if (!api || mla_isa() < ISA_AVX2) return NULL;
+    if (!api) return NULL;
     OrtCustomOpDomain *domain; /* lives as long as the process: sessions keep referring to it */
     OrtStatus *status = ORT_FN(api, OrtCreateCustomOpDomainFn, ORT_CreateCustomOpDomain)("mla_deploy", &domain);
-    for (size_t i = 0; !status && i < sizeof(ops) / sizeof(ops[0]); i++)
+    for (size_t i = 0; !status && mla_isa() >= ISA_AVX2 && i < sizeof(ops) / sizeof(ops[0]); i++)
         status = ORT_FN(api, OrtCustomOpDomainAddFn, ORT_CustomOpDomain_Add)(domain, &ops[i]);
+    for (size_t i = 0; !status && i < sizeof(q8_ops) / sizeof(q8_ops[0]); i++)
+        status = ORT_FN(api, OrtCustomOpDomainAddFn, ORT_CustomOpDomain_Add)(domain, &q8_ops[i]);
     return status ? status : ORT_FN(api, OrtAddCustomOpDomainFn, ORT_AddCustomOpDomain)(options, domain);
 }

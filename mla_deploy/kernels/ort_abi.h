@@ -27,6 +27,7 @@ typedef struct OrtApi OrtApi; /* opaque here: reached through ort_fn() */
 typedef enum { ORT_OK, ORT_FAIL, ORT_INVALID_ARGUMENT } OrtErrorCode;
 typedef enum {
     ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT = 1,
+    ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8 = 3,
     ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 = 10,
     ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16 = 16,
 } ONNXTensorElementDataType;
