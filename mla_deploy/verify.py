@@ -18,7 +18,10 @@ int8 rtol covers.
 A quantized export is compared with the checkpoint's weights dequantized (export.quantize), exactly: its
 sessions run unpacked, where MatMulNBits dequantizes and multiplies in float. How far the deployed kernel
 (prepacked, int8 activations at accuracy_level 4) moves the logits is reported beside it; whether that
-costs quality is measured against the float model by `mla-deploy eval`.
+costs quality is measured against the float model by `mla-deploy eval`. Likewise an int8-cache export is compared
+through the exact form of its decode attention, the kernel op's function body (DequantizeLinear, then float32), with
+mla-deploy's kernel library off; mla_deploy.LatentAttentionQ8, which also quantizes the queries to int8, is run on
+the same steps and its distance from the exact run reported beside it.
 """
 
 from __future__ import annotations
@@ -31,16 +34,18 @@ import torch
 
 from . import io_spec
 from .checkpoint import Checkpoint
-from .io_spec import CacheFormat
 from .errors import ExportError
 from .export.precision import RoundedCheckpoint
 from .export.quantize import DequantizedCheckpoint, Quantization
+from .io_spec import CacheFormat
+from .manifest import cache_format, read_manifest
 from .modeling.layerwise import layerwise_logits
 from .runtime import ExportedModel, Generator, RuntimeOptions, SamplingParams
 from .runtime.feeds import prefill_feed
 
 DEFAULT_RTOL = 1e-4
-RTOL = {"float32": DEFAULT_RTOL, "float16": 1e-3, "bfloat16": 1e-3, "int8": 1e-3}  # measured worst: 9.5e-5, 9.1e-5 (README)
+# measured worst: 9.5e-5, 9.1e-5 (README); int8 caches 3.9e-4 over 120 verifications (docs/precision.md)
+RTOL = {"float32": DEFAULT_RTOL, "float16": 1e-3, "bfloat16": 1e-3, "int8": 1e-3}
 
 
 @dataclass
@@ -54,7 +59,8 @@ class VerifyReport:
     # a quantized or half-precision export against the original float32 source (reported, not held to rtol): top-1
     # agreement over the teacher-forced positions, max and mean |Δlogit|
     quality: dict | None = None
-    # a quantized export, prefill: the deployed session (prepacked, accuracy_level as exported) against the exact one
+    # a quantized export, prefill: the deployed session (prepacked, accuracy_level as exported) against the exact one;
+    # an int8-cache export, decode: the steps with the kernel library against the exact ones
     deployed_drift: float | None = None
 
     @property
@@ -70,8 +76,10 @@ class VerifyReport:
 def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = None, steps: int = 8,
                   rtol: float | None = None, lengths: tuple[int, ...] = (13, 7, 3), seed: int = 0) -> VerifyReport:
     """`rtol`: default by the export's dtype (RTOL)."""
-    # Unpacked, MatMulNBits dequantizes and multiplies in float whatever its accuracy_level: the check is exact.
-    model = ExportedModel(export_dir, RuntimeOptions(prepack=False))
+    # Unpacked, MatMulNBits dequantizes and multiplies in float whatever its accuracy_level: the check is exact; so is
+    # an int8 cache's attention through its function body
+    exact_attention = not cache_format(read_manifest(export_dir)).scaled
+    model = ExportedModel(export_dir, RuntimeOptions(prepack=False, kernels=exact_attention))
     manifest = model.manifest
     source = Path(checkpoint_dir or manifest["source"]["path"])
     ckpt = Checkpoint(source)
@@ -106,15 +114,8 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
     # the graphs: prefill scores every position; decode steps are fed the generated tokens
     prefill = prefill_feed(cfg, ids, capacity, cache)
     mask = prefill[io_spec.ATTENTION_MASK]
-    out = model.run(io_spec.PREFILL, prefill)
-    prefill_logits, step_logits = out[io_spec.LOGITS], []
-    for step in range(steps):
-        slot = lens + step
-        feed = {io_spec.INPUT_IDS: tokens[:, step : step + 1], io_spec.POSITION_IDS: slot[:, None],
-                io_spec.ATTENTION_MASK: mask, io_spec.WRITE_INDICES: slot}
-        feed.update({k.replace("present", "past"): v for k, v in out.items() if k != io_spec.LOGITS})
-        out = model.run(io_spec.DECODE, feed)
-        step_logits.append(out[io_spec.LOGITS][:, 0])
+    prefilled = model.run(io_spec.PREFILL, prefill)
+    prefill_logits, step_logits = prefilled[io_spec.LOGITS], decode_steps(model, prefilled, tokens, lens, mask)
 
     # the torch source on the same inputs, one layer at a time
     ref_prefill, ref_steps = (t.numpy() for t in layerwise_logits(
@@ -148,9 +149,31 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
         report.deployed_drift = drift = float(np.abs(deployed[io_spec.LOGITS] - prefill_logits)[valid].max())
         report.lines.append(f"deployed prefill with prepacked MatMulNBits (accuracy_level {quantization['accuracy_level']}): "
                             f"max |Δlogit| {drift:.3e} from the exact run (quality against the float model: mla-deploy eval)")
+    if not exact_attention:  # as deployed: mla_deploy.LatentAttentionQ8, its queries in int8
+        kernel = decode_steps(ExportedModel(export_dir, RuntimeOptions(prepack=False)), prefilled, tokens, lens, mask)
+        drift = float(max(np.abs(k - e).max() for k, e in zip(kernel, step_logits)))
+        report.deployed_drift = max(report.deployed_drift or 0.0, drift)
+        same = int(sum((k.argmax(-1) == e.argmax(-1)).sum() for k, e in zip(kernel, step_logits)))
+        report.lines.append(f"deployed decode with mla_deploy.LatentAttentionQ8 (int8 queries): max |Δlogit| "
+                            f"{drift:.3e} from the exact run, top-1 the same at {same}/{b * steps} steps")
     report.lines.append(f"{'PASS' if report.passed else 'FAIL'}: tolerance {report.tolerance:.3e} "
                         f"(rtol {rtol:g} x logit scale {max(1.0, report.logit_scale):.2f})")
     return report
+
+
+def decode_steps(model: ExportedModel, prefilled: dict, tokens: np.ndarray, lens: np.ndarray,
+                 mask: np.ndarray) -> list[np.ndarray]:
+    """Logits [b, vocab] of feeding `tokens` [b, steps] through the decode graph one step at a time, row b's token s
+    at slot lens[b] + s, over the caches of the prefill graph's outputs `prefilled`."""
+    out, logits = prefilled, []
+    for step in range(tokens.shape[1]):
+        slot = lens + step
+        feed = {io_spec.INPUT_IDS: tokens[:, step : step + 1], io_spec.POSITION_IDS: slot[:, None],
+                io_spec.ATTENTION_MASK: mask, io_spec.WRITE_INDICES: slot}
+        feed.update({k.replace("present", "past"): v for k, v in out.items() if k != io_spec.LOGITS})
+        out = model.run(io_spec.DECODE, feed)
+        logits.append(out[io_spec.LOGITS][:, 0])
+    return logits
 
 
 def greedy_agreement(before: np.ndarray, tokens: np.ndarray, tolerance: float) -> tuple[int, int]:
