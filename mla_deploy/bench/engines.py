@@ -109,7 +109,8 @@ class OnnxEngine:
         return _median_ms(lambda: self.gen.decode_step(state, tokens), steps)
 
     def cache_bytes_per_token(self) -> int:
-        return footprint.latent_cache_bytes_per_token(self.cfg)
+        cfg = self.cfg
+        return self.model.cache_format.bytes_per_token(cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
 
     def weight_bytes_per_token(self, active_experts: int) -> int:
         return sum(footprint.decode_read_bytes(self.cfg, self.absorb, active_experts=active_experts).values())
@@ -209,7 +210,8 @@ class TorchEngine:
         return _median_ms(lambda: self.model(ids, slot[:, None], caches, slot, mask, form=self.form), steps)
 
     def cache_bytes_per_token(self) -> int:
-        return footprint.latent_cache_bytes_per_token(self.cfg)
+        cfg = self.cfg
+        return self.model.cache_format.bytes_per_token(cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
 
     def weight_bytes_per_token(self, active_experts: int):
         return None
