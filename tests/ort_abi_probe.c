@@ -9,6 +9,9 @@
  * the first release), and the heap left over after PROBE_CYCLES of GetTensorTypeAndShape and
  * ReleaseTensorTypeAndShapeInfo (0 unless the release frees something else, or nothing). An X whose first value is
  * negative makes the kernel return CreateStatus(ORT_INVALID_ARGUMENT, PROBE_REFUSAL), which onnxruntime raises.
+ * When onnxruntime creates the kernel, KernelInfoGetAttribute_int64 reads the node's integer attribute probe_value
+ * (Y holds it) and a missing one gives a status that ReleaseStatus frees; the kernel writes the heap left over after
+ * PROBE_CYCLES statuses made by CreateStatus and freed by ReleaseStatus (0 unless the release frees nothing).
  *
  * Built with -DSHIFT_SLOT=ORT_<name> -DSHIFT_BY=<n>, it calls that one slot n places off: the test checks that every
  * such library fails, so an off-by-one in ort_abi.h cannot pass.
@@ -45,8 +48,13 @@ static double heap_in_use(void) { return (double)mallinfo().uordblks; }
 
 static void mark(void *data, size_t i) { ((int *)data)[i] += 1; }
 
+typedef struct {
+    int64_t value;   /* the attribute probe_value */
+    int missing_ok;  /* a missing attribute gave a status, released */
+} ProbeKernel;
+
 static OrtStatus *compute(void *kernel, OrtKernelContext *context) {
-    (void)kernel;
+    const ProbeKernel *k = kernel;
     double y[PROBE_OUT] = {0};
     const OrtValue *x;
     if (ORT_FN(api, OrtKernelContextGetInputFn, SLOT(ORT_KernelContext_GetInput))(context, 0, &x)) return NULL;
@@ -85,6 +93,12 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *context) {
         ORT_FN(api, OrtReleaseTensorTypeAndShapeInfoFn, SLOT(ORT_ReleaseTensorTypeAndShapeInfo))(info);
     }
     y[10] = heap_in_use() - before;
+    y[11] = (double)k->value, y[12] = k->missing_ok;
+    before = heap_in_use();
+    for (int i = 0; i < PROBE_CYCLES; i++)
+        ORT_FN(api, OrtReleaseStatusFn, SLOT(ORT_ReleaseStatus))(
+            ORT_FN(api, OrtCreateStatusFn, SLOT(ORT_CreateStatus))(ORT_INVALID_ARGUMENT, PROBE_MESSAGE));
+    y[13] = heap_in_use() - before;
 
     int64_t shape[1] = {PROBE_OUT};
     OrtValue *out;
@@ -102,9 +116,19 @@ static OrtCustomOpInputOutputCharacteristic required(const OrtCustomOp *op, size
 static OrtMemType default_memory(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return OrtMemTypeDefault; }
 static int min_arity(const OrtCustomOp *op) { (void)op; return 1; }
 static int homogeneous(const OrtCustomOp *op) { (void)op; return 1; }
+static ProbeKernel made; /* one node per session: a static kernel needs no release */
 static OrtStatus *create(const OrtCustomOp *op, const OrtApi *a, const OrtKernelInfo *info, void **kernel) {
-    (void)op, (void)a, (void)info;
-    *kernel = (void *)1;
+    (void)op, (void)a;
+    made.value = -1;
+    if (ORT_FN(api, OrtKernelInfoGetAttributeInt64Fn, SLOT(ORT_KernelInfoGetAttribute_int64))(info, "probe_value",
+                                                                                              &made.value))
+        made.value = -2;
+    int64_t absent = 0;
+    OrtStatus *status =
+        ORT_FN(api, OrtKernelInfoGetAttributeInt64Fn, SLOT(ORT_KernelInfoGetAttribute_int64))(info, "absent", &absent);
+    made.missing_ok = status != NULL;
+    if (status) ORT_FN(api, OrtReleaseStatusFn, SLOT(ORT_ReleaseStatus))(status);
+    *kernel = &made;
     return NULL;
 }
 static void destroy(void *kernel) { (void)kernel; }

@@ -1,7 +1,7 @@
 """The onnxruntime C API slots that mla_deploy/kernels/ort_abi.h counts by hand, checked against the installed
 onnxruntime by what they do: tests/ort_abi_probe.c, built on the header, calls every slot it names with inputs whose
 results only the right function gives (a shape read back, data summed, a status round trip, every ParallelFor index
-visited once, a release that frees). The same probe with any one slot moved one place either way must fail, so a
+visited once, a release that frees, an integer attribute read back). The same probe with any one slot moved one place either way must fail, so a
 miscount cannot pass. Each probe runs in its own process: a wrong slot may crash it."""
 
 import json
@@ -23,7 +23,8 @@ COMPILER = shutil.which("cc") or shutil.which("gcc")
 needs_compiler = pytest.mark.skipif(COMPILER is None, reason="no C compiler to build the probe")
 
 X = np.arange(42, dtype=np.float64).reshape(2, 3, 7) * 0.5
-PROBE_TASKS, LEAK_BYTES = 37, 256 * 1024  # ParallelFor's tasks; 20000 unreleased shape infos leak over 1 MB
+PROBE_TASKS, LEAK_BYTES = 37, 256 * 1024
+PROBE_VALUE = 4_000_000_123  # an int64 attribute beyond 32 bits  # ParallelFor's tasks; 20000 unreleased shape infos leak over 1 MB
 RUN = """
 import json, sys
 import numpy as np, onnxruntime as ort
@@ -43,7 +44,8 @@ print(json.dumps({"y": y.tolist(), "refused": refused}))
 
 
 def _model(path: Path) -> Path:
-    graph = helper.make_graph([helper.make_node("SlotProbe", ["x"], ["y"], domain="mla_deploy_probe")], "probe",
+    node = helper.make_node("SlotProbe", ["x"], ["y"], domain="mla_deploy_probe", probe_value=PROBE_VALUE)
+    graph = helper.make_graph([node], "probe",
                               [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [2, 3, 7])],
                               [helper.make_tensor_value_info("y", TensorProto.DOUBLE, None)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("mla_deploy_probe", 1)],
@@ -74,10 +76,13 @@ def _probe(directory: Path, shift: tuple[str, int] | None = None) -> list[str]:
         return [f"the output holds {len(y)} values (expected 16)"]
     expected = {"element type": (y[0], 11), "rank": (y[1], 3), "dims": (y[2:5], [2, 3, 7]), "sum": (y[5], X.sum()),
                 "ParallelFor status": (y[6], 1), "ParallelFor indices seen once": (y[7], PROBE_TASKS),
-                "error code read back": (y[8], 2), "message read back": (y[9], 1)}
+                "error code read back": (y[8], 2), "message read back": (y[9], 1),
+                "int64 attribute read back": (y[11], PROBE_VALUE), "a missing attribute's status": (y[12], 1)}
     problems = [f"{what}: {got} (expected {want})" for what, (got, want) in expected.items() if got != want]
     if not abs(y[10]) < LEAK_BYTES:
         problems.append(f"heap grew {y[10]:.0f} bytes over the released shape infos")
+    if not abs(y[13]) < LEAK_BYTES:
+        problems.append(f"heap grew {y[13]:.0f} bytes over the released statuses")
     if found["refused"] is None or "slot probe: refused" not in found["refused"]:
         problems.append(f"a status from CreateStatus did not reach onnxruntime: {found['refused']!r}")
     return problems

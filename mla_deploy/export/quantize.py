@@ -9,6 +9,12 @@ and codes q = round(W / s) in [-qmax, qmax] (ties to even), stored unsigned as q
 default zero point, so no zero-point tensor is needed. Codes are packed along K low bits first: two int4
 codes per byte. A K that is not a multiple of the block is zero-padded (padding codes dequantize to 0).
 Dequantized: W'[k, n] = (code - 2^(bits-1)) · s[n, k // B]; every |W - W'| <= s / 2.
+
+Scales are float32, or float16 (as llama.cpp's q4_0 / q8_0 store them: 0.5625 / 1.0625 bytes per weight at block 32
+instead of 0.625 / 1.125, which a batch-1 decode reads at the memory bandwidth). With float16 scales each scale is
+rounded to float16 first and the codes are computed against the rounded scale, so the dequantized weight is exactly
+what a kernel reading float16 scales multiplies by; a code can then reach qmax and be clipped (the rounded scale may
+be a little smaller than max |W| / qmax), which adds at most qmax · 2^-11 · s to that element's error.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from . import absorb
 
 BITS = (4, 8)
 BLOCKS = (16, 32, 64, 128)
+SCALE_DTYPES = ("float32", "float16")
 ACCURACY_LEVELS = (0, 4)  # 0: float activations (exact against the dequantized weights); 4: int8 activations
 # HF linear weights left in float: kv_b (prefill decompresses with it, decode splits it into the small per-head W^UK /
 # W^UV, so one float copy keeps both graphs on the same weights), the routers (tiny, and they choose the experts).
@@ -41,11 +48,12 @@ class Quantization:
     # demo model's int4 export lost 0.0105 nats/token with its tied 4096 x 256 table at 4 bits, 0.0032 at 8 bits
     # (first 20k characters of its held-out text).
     head_bits: int = 8
+    scale_dtype: str = "float32"  # float16: what mla_deploy's quantized kernels read (export/layouts.py)
 
     def __post_init__(self):
         if self.head_bits not in BITS:
             raise ValueError(f"head_bits={self.head_bits}: expected one of {BITS}")
-        _check(self.bits, self.block)
+        _check(self.bits, self.block, self.scale_dtype)
         if self.accuracy_level not in ACCURACY_LEVELS:
             raise ValueError(f"accuracy_level={self.accuracy_level}: expected one of {ACCURACY_LEVELS}")
 
@@ -55,11 +63,12 @@ class Quantization:
     @classmethod
     def from_dict(cls, recorded: dict) -> "Quantization":
         """The spec an export's manifest records (`to_dict` plus what the exporter adds)."""
-        return cls(recorded["bits"], recorded["block"], recorded["accuracy_level"], recorded["head_bits"])
+        return cls(recorded["bits"], recorded["block"], recorded["accuracy_level"], recorded["head_bits"],
+                   recorded.get("scale_dtype", "float32"))
 
     def bytes_per_weight(self, bits: int | None = None) -> float:
-        """Codes plus one float32 scale per block."""
-        return (bits or self.bits) / 8 + 4 / self.block
+        """Codes plus one scale per block."""
+        return (bits or self.bits) / 8 + np.dtype(self.scale_dtype).itemsize / self.block
 
     def bits_of(self, hf_name: str) -> int:
         return self.head_bits if hf_name in HEAD_WEIGHTS else self.bits
@@ -90,7 +99,7 @@ class DequantizedCheckpoint:
         if name not in self._quantized:
             return w
         q = self.quantization
-        return np.ascontiguousarray(dequantize(quantize(w.T, q.bits_of(name), q.block)).T)
+        return np.ascontiguousarray(dequantize(quantize(w.T, q.bits_of(name), q.block, scale_dtype=q.scale_dtype)).T)
 
     def absorbed_matrices(self, layer: int) -> tuple[np.ndarray, np.ndarray] | None:
         """Layer `layer`'s fused W^Q·W^UK [in, h·d_c] and W^UV·W^O [h·d_c, d] as the export quantized them (from the
@@ -100,14 +109,14 @@ class DequantizedCheckpoint:
         cfg, q, hf = self.config, self.quantization, f"model.layers.{layer}.self_attn."
         q_weight = self.ckpt.tensor(hf + ("q_proj.weight" if cfg.q_lora_rank is None else "q_b_proj.weight"))
         kv_b, o_weight = self.ckpt.tensor(hf + "kv_b_proj.weight"), self.ckpt.tensor(hf + "o_proj.weight")
-        return tuple(dequantize(quantize(w, q.bits, q.block)) for w in (
+        return tuple(dequantize(quantize(w, q.bits, q.block, scale_dtype=q.scale_dtype)) for w in (
             absorb.fused_query_absorb(cfg, q_weight, kv_b), absorb.fused_output_absorb(cfg, o_weight, kv_b)))
 
 
 @dataclass(frozen=True)
 class QuantizedWeight:
     codes: np.ndarray  # uint8 [N, k_blocks, block·bits/8]: MatMulNBits' B
-    scales: np.ndarray  # float32 [N, k_blocks]
+    scales: np.ndarray  # float32 or float16 [N, k_blocks]
     bits: int
     block: int
     k: int  # rows of the float weight before padding to whole blocks
@@ -117,36 +126,46 @@ class QuantizedWeight:
         return self.codes.shape[0]
 
 
-def quantize(w: np.ndarray, bits: int, block: int, chunk_bytes: int = 1 << 26) -> QuantizedWeight:
-    """W [K, N] (float) -> codes and scales; the arithmetic in float64, scales stored as float32. Columns are
+def quantize(w: np.ndarray, bits: int, block: int, chunk_bytes: int = 1 << 26,
+             scale_dtype: str = "float32") -> QuantizedWeight:
+    """W [K, N] (float) -> codes and scales; the arithmetic in float64, scales stored as `scale_dtype`. Columns are
     quantized a chunk at a time (`chunk_bytes` of float64 work), so a vocabulary-sized head costs its codes, not
     several float64 copies of itself."""
-    _check(bits, block)
+    _check(bits, block, scale_dtype)
     k, n = w.shape
     k_blocks = -(-k // block)
     codes = np.empty((n, k_blocks, block * bits // 8), np.uint8)
-    scales = np.empty((n, k_blocks), np.float32)
+    scales = np.empty((n, k_blocks), scale_dtype)
     step = max(1, chunk_bytes // (8 * k_blocks * block))
     for start in range(0, n, step):
         cols = slice(start, min(start + step, n))
-        codes[cols], scales[cols] = _quantize_columns(w[:, cols], bits, block, k_blocks)
+        codes[cols], scales[cols] = _quantize_columns(w[:, cols], bits, block, k_blocks, np.dtype(scale_dtype))
     return QuantizedWeight(codes, scales, bits, block, k)
 
 
-def _check(bits: int, block: int) -> None:
+def _check(bits: int, block: int, scale_dtype: str = "float32") -> None:
     if bits not in BITS:
         raise ValueError(f"bits={bits}: expected one of {BITS}")
     if block not in BLOCKS:
         raise ValueError(f"block={block}: expected one of {BLOCKS}")
+    if scale_dtype not in SCALE_DTYPES:
+        raise ValueError(f"scale_dtype={scale_dtype!r}: expected one of {SCALE_DTYPES}")
 
 
-def _quantize_columns(w: np.ndarray, bits: int, block: int, k_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+def _quantize_columns(w: np.ndarray, bits: int, block: int, k_blocks: int,
+                      scale_dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     k, n = w.shape
     padded = np.zeros((k_blocks * block, n), np.float64)
     padded[:k] = w
     blocks = padded.T.reshape(n, k_blocks, block)  # [K_pad, n] -> [n, k_blocks, B]
     qmax = 2 ** (bits - 1) - 1
-    scales = (np.abs(blocks).max(axis=-1) / qmax).astype(np.float32)  # [n, k_blocks]
+    exact = np.abs(blocks).max(axis=-1) / qmax  # [n, k_blocks]
+    with np.errstate(over="ignore"):
+        scales = exact.astype(scale_dtype)
+    if not np.isfinite(scales).all():
+        worst = float(exact[~np.isfinite(scales)].max())
+        raise ValueError(f"quantize: a block's scale max|W| / {qmax} = {worst:.4g} does not fit in {scale_dtype} "
+                         "(largest 65504): quantize with scale_dtype='float32'")
     safe = np.where(scales == 0, 1.0, scales.astype(np.float64))[..., None]  # an all-zero block codes as zero
     q = np.clip(np.rint(blocks / safe), -qmax, qmax).astype(np.int16)  # [n, k_blocks, B]
     unsigned = (q + 2 ** (bits - 1)).astype(np.uint8)
@@ -165,5 +184,5 @@ def unpack_codes(qw: QuantizedWeight) -> np.ndarray:
 
 def dequantize(qw: QuantizedWeight) -> np.ndarray:
     """The float32 weight [K, N] the quantized one stands for: what an exact export is checked against."""
-    values = unpack_codes(qw) * qw.scales[..., None]  # [N, k_blocks, B]
+    values = unpack_codes(qw) * qw.scales.astype(np.float32)[..., None]  # [N, k_blocks, B]
     return np.ascontiguousarray(values.reshape(qw.n, -1)[:, : qw.k].T).astype(np.float32)  # [N, K_pad] -> [K, N]

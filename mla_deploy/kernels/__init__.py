@@ -16,6 +16,23 @@ call once the expert has two tokens, and multiplies float32 only; this op reads 
 absorbed decode attention's core, softmax(q_latent · latent + q_rope · rope + bias) @ latent, reading the caches as
 stored and only the slots each row sees (export.plan chooses it).
 
+`mla_deploy.QMatMul4` / `QMatMul8` (qmatmul.c): Y [..., N] = A [..., K] @ W for an int4 / int8 block-quantized W
+read where it lies in the mapped weights.bin: inputs A (float32), codes (uint8 [G, KB, 2·B·bits]) and scales
+(float16 [G, KB, 16]) in export.layouts' layout (16-column groups, per group and block one contiguous run), attributes
+K, N, block_size (16, 32, 64, 128) and accuracy_level (0: float activations, exact against the dequantized weight up to
+float32 rounding; 4: A's rows quantized to int8 per block on the fly, integer dot products with AVX-512 VNNI or AVX2,
+MatMulNBits' meaning). onnxruntime's MatMulNBits prepacks a private copy of its weight in every session; these ops
+read the file's one copy from every session that maps it. `QRoutedExperts4` / `QRoutedExperts8` (qexperts.c): a MoE
+layer's routed experts over such weights (export.layouts.routed_experts_layout), each expert reading only its own
+tokens' rows; `QGather4` / `QGather8` (qgather.c): columns of such a W dequantized, so that a tied embedding is read
+from its head's codes, and a separate table stored as Eᵀ costs no second layout. The quantized ops have a plain C path
+and register on any x86-64 CPU; MLA_DEPLOY_ISA=scalar|avx2|avx512 (dispatch.h) caps the path a session's kernels take.
+Their function bodies (export.quantized_functions) are stock ONNX over the same initializers: Cast the codes, split
+int4 nibbles as floor(x / 16) and x - 16 floor(x / 16), Reshape to [G, KB, B/4, 16, 4], subtract the zero point
+2^(bits-1), multiply by the scales reshaped [G, KB, 1, 16, 1], Transpose to [KB, B/4, 4, G, 16] and Reshape to
+[KB·B, 16 G] (W zero-padded), Slice N columns and MatMul by A zero-padded to KB·B (at accuracy_level 4 quantized and
+dequantized per block first, as the kernels quantize it), so they run on plain onnxruntime and on CUDA.
+
 Every graph that uses the ops also carries them as ONNX functions, built from the graph code that computes the same
 math (export.linear, export.moe, export.attention: the same product through Cast and MatMul; every expert on every
 token, weighted by dispatch; MatMul, Softmax, MatMul), which onnxruntime runs wherever the library is not
@@ -40,6 +57,11 @@ LATENT_ATTENTION_LONG = {dtype: name.replace("Attention", "AttentionLong") for d
 LATENT_ATTENTION_Q8 = {"float32": "LatentAttentionQ8", "float16": "LatentAttentionQ8F16", "bfloat16": "LatentAttentionQ8BF16"}
 LATENT_ATTENTION_LONG_Q8 = {dtype: name.replace("Attention", "AttentionLong") for dtype, name in LATENT_ATTENTION_Q8.items()}
 GATE_UP = 32  # RoutedExperts' fc1 strip: 32 gate columns, then the same 32 columns of up
+# the quantized ops, by their weights' bits (their layout: export.layouts)
+QMATMUL = {4: "QMatMul4", 8: "QMatMul8"}
+QROUTED_EXPERTS = {4: "QRoutedExperts4", 8: "QRoutedExperts8"}
+QGATHER = {4: "QGather4", 8: "QGather8"}
+ISA_LEVELS = ("scalar", "avx2", "avx512")  # MLA_DEPLOY_ISA's values, each level including the ones before it
 
 
 def library() -> Path | None:

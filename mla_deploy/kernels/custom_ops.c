@@ -11,17 +11,29 @@
  *   LatentAttentionQ8 (q_latent, q_rope, latent int8 [b, cap, d_c], latent_scale float32 [b, cap, 1],
  *                      rope float32 [b, cap, d_r], bias) -> float32 [b, h, d_c]   (latent_attention_q8.h;
  *                      Q8F16 / Q8BF16 with the rope cache in half precision; LatentAttentionLongQ8* likewise)
+ *   QMatMul4, QMatMul8 (A float32 [..., K], codes uint8 [G, KB, 2·B·bits], scales float16 [G, KB, 16]; attributes
+ *                       K, N, block_size, accuracy_level) -> Y float32 [..., N]   (qmatmul.h: int4 / int8 weights)
+ *   QRoutedExperts4, QRoutedExperts8 (X float32 [T, d], dispatch float32 [T, E], fc1 codes and scales, fc2 codes and
+ *                       scales, each [E, ...] of qmatmul.h's layout; attributes block_size, accuracy_level) -> Y [T, d]
+ *                       (qexperts.h)
+ *   QGather4, QGather8 (ids int64 [...], codes, scales; attributes K, N, block_size) -> rows float32 [..., K]
+ *                       (qgather.h: columns of W [K, N], a tied head's embedding rows)
  * registered by RegisterCustomOps, which onnxruntime calls on SessionOptions.register_custom_ops_library. The
- * arithmetic is strip_matmul.c's, routed_experts.c's and latent_attention.c's; this file reads shapes, allocates the
- * outputs and splits the work over the session's intra-op threads. Every graph using these ops also carries them as
- * ONNX functions (export/layers.py), which onnxruntime runs where this library is not registered.
+ * arithmetic is strip_matmul.c's, routed_experts.c's, latent_attention.c's, qmatmul.c's, qexperts.c's and qgather.c's;
+ * this file reads shapes, allocates the outputs and splits the work over the session's intra-op threads. Every graph
+ * using these ops also carries them as ONNX functions (export/kernel_functions.py, export/quantized_functions.py),
+ * which onnxruntime runs where this library is not registered.
  */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "dispatch.h"
 #include "latent_attention.h"
 #include "latent_attention_q8.h"
+#include "qexperts.h"
+#include "qgather.h"
+#include "qmatmul.h"
 #include "routed_experts.h"
 #include "strip_matmul.h"
 #include "ort_abi.h"
@@ -274,6 +286,256 @@ Q8_FUNCTIONS(long_q8_f32, STRIP_F32, "LatentAttentionLongQ8")
 Q8_FUNCTIONS(long_q8_f16, STRIP_F16, "LatentAttentionLongQ8F16")
 Q8_FUNCTIONS(long_q8_bf16, STRIP_BF16, "LatentAttentionLongQ8BF16")
 
+/* ---------- the quantized ops: QMatMul4/8, QRoutedExperts4/8, QGather4/8 (qmatmul.h's layout) ---------- */
+
+/* a quantized op's node: its attributes and the instruction-set level, both read when onnxruntime creates it */
+typedef struct {
+    const char *op;
+    int64_t k, n, bits, block, level;
+    Isa isa;
+} QKernel;
+
+static OrtStatus *attribute(const OrtKernelInfo *info, const char *op, const char *name, int64_t *value, int required) {
+    OrtStatus *status =
+        ORT_FN(api, OrtKernelInfoGetAttributeInt64Fn, ORT_KernelInfoGetAttribute_int64)(info, name, value);
+    if (!status) return NULL;
+    ORT_FN(api, OrtReleaseStatusFn, ORT_ReleaseStatus)(status);
+    if (!required) return NULL;
+    char problem[96];
+    snprintf(problem, sizeof(problem), "the integer attribute %s is missing", name);
+    return error(op, problem);
+}
+
+/* the op's name ends in its weights' bits (QMatMul4, QRoutedExperts8, ...): their function bodies unpack differently */
+static OrtStatus *create_quantized(const OrtCustomOp *op, const OrtApi *a, const OrtKernelInfo *info, void **kernel) {
+    (void)a;
+    QKernel q = {.op = op->GetName(op), .level = 0, .isa = mla_isa()};
+    q.bits = q.op[strlen(q.op) - 1] - '0';
+    int experts = !strncmp(q.op, "QRoutedExperts", 14), gather = !strncmp(q.op, "QGather", 7);
+    OrtStatus *status = NULL;
+    if (!status && !experts) status = attribute(info, q.op, "K", &q.k, 1);
+    if (!status && !experts) status = attribute(info, q.op, "N", &q.n, 1);
+    if (!status) status = attribute(info, q.op, "block_size", &q.block, 1);
+    if (!status && !gather) status = attribute(info, q.op, "accuracy_level", &q.level, 0);
+    if (status) return status;
+    if (q.block != 16 && q.block != 32 && q.block != 64 && q.block != 128)
+        return error(q.op, "block_size must be 16, 32, 64 or 128");
+    if (q.level != 0 && q.level != 4) return error(q.op, "accuracy_level must be 0 (float activations) or 4 (int8)");
+    if (!experts && (q.k < 1 || q.n < 1)) return error(q.op, "K and N must be positive");
+    QKernel *node = malloc(sizeof(QKernel));
+    if (!node) return error(q.op, "out of memory");
+    *node = q;
+    *kernel = node;
+    return NULL;
+}
+
+static void destroy_quantized(void *kernel) { free(kernel); }
+
+/* the weight [k, n] of `node` whose codes and scales have dims c and s (rank 3 each); NULL or a status naming what
+ * disagrees */
+static OrtStatus *quantized_weight(const QKernel *node, const char *what, int64_t k, int64_t n, const int64_t *c,
+                                   const int64_t *s, const void *codes, const void *scales, QWeight *w) {
+    *w = (QWeight){.bits = (int)node->bits, .block = (int)node->block, .k = k, .n = n, .codes = codes, .scales = scales,
+                   .kb = (k + node->block - 1) / node->block, .groups = (n + QCOLS - 1) / QCOLS};
+    if (c[0] != w->groups || c[1] != w->kb || c[2] != qweight_run_bytes(w) || s[0] != w->groups || s[1] != w->kb ||
+        s[2] != QCOLS) {
+        char problem[200];
+        snprintf(problem, sizeof(problem), "%s must be codes [%lld, %lld, %lld] and scales [%lld, %lld, 16] for a "
+                 "%lld-bit [%lld, %lld] weight in blocks of %lld", what, (long long)w->groups, (long long)w->kb,
+                 (long long)qweight_run_bytes(w), (long long)w->groups, (long long)w->kb, (long long)node->bits,
+                 (long long)k, (long long)n, (long long)node->block);
+        return error(node->op, problem);
+    }
+    return NULL;
+}
+
+typedef struct {
+    const QKernel *node;
+    const QWeight *w;
+    const float *a;
+    QActs acts;
+    int8_t *q;        /* level 4: where the quantized rows go (acts' codes, scales and offsets) */
+    float *scale;
+    int32_t *offset;
+    float *padded;    /* level 0: the rows zero-padded to whole blocks */
+    int64_t m, row_chunk, rows_chunks, group_chunk;
+    float *y;
+} QProduct;
+
+static void run_quantize(void *data, size_t task) {
+    QProduct *p = data;
+    int64_t end = ((int64_t)task + 1) * p->row_chunk < p->m ? ((int64_t)task + 1) * p->row_chunk : p->m;
+    for (int64_t r = (int64_t)task * p->row_chunk; r < end; r++) {
+        if (p->acts.level == 4)
+            qmatmul_quantize_row(p->node->isa, p->a + r * p->w->k, p->w->k, p->w->block, 1 << (p->w->bits - 1),
+                                 p->q + r * p->acts.lda, p->scale + r * p->w->kb, p->offset + r * p->w->kb);
+        else
+            qmatmul_pad_row(p->a + r * p->w->k, p->w->k, p->acts.lda, p->padded + r * p->acts.lda);
+    }
+}
+
+static void run_product(void *data, size_t task) {
+    QProduct *p = data;
+    int64_t rc = (int64_t)task % p->rows_chunks, gc = (int64_t)task / p->rows_chunks;
+    int64_t r0 = rc * p->row_chunk, r1 = r0 + p->row_chunk < p->m ? r0 + p->row_chunk : p->m;
+    int64_t g0 = gc * p->group_chunk, g1 = g0 + p->group_chunk < p->w->groups ? g0 + p->group_chunk : p->w->groups;
+    qmatmul_rows_groups(p->node->isa, p->w, &p->acts, r0, r1, g0, g1, p->y + r0 * p->w->n + g0 * QCOLS, p->w->n);
+}
+
+#define PRODUCT_ROWS 64 /* rows per task: their codes (64 x K bytes) stay in L2 while a task's column tiles pass */
+
+static OrtStatus *compute_qmatmul(void *kernel, OrtKernelContext *context) {
+    const QKernel *node = kernel;
+    int64_t dims[3][MAX_RANK], y_dims[MAX_RANK];
+    size_t rank[3];
+    void *data[3], *y;
+    OrtStatus *status = inputs(context, node->op, 3, dims, rank, data);
+    if (status) return status;
+    if (rank[0] < 1 || rank[1] != 3 || rank[2] != 3)
+        return error(node->op, "expected A [..., K], codes [G, KB, bytes], scales [G, KB, 16]");
+    if (dims[0][rank[0] - 1] != node->k) return error(node->op, "A's last dimension must equal the attribute K");
+    QWeight w;
+    if ((status = quantized_weight(node, "B", node->k, node->n, dims[1], dims[2], data[1], data[2], &w))) return status;
+    QProduct p = {.node = node, .w = &w, .a = data[0], .m = 1,
+                  .acts = {.level = (int)node->level, .lda = w.kb * w.block}};
+    for (size_t i = 0; i + 1 < rank[0]; i++) p.m *= dims[0][i];
+    memcpy(y_dims, dims[0], sizeof(int64_t) * rank[0]);
+    y_dims[rank[0] - 1] = node->n;
+    OrtValue *y_value;
+    if (ORT_FN(api, OrtKernelContextGetOutputFn, ORT_KernelContext_GetOutput)(context, 0, y_dims, rank[0], &y_value) ||
+        ORT_FN(api, OrtGetTensorMutableDataFn, ORT_GetTensorMutableData)(y_value, &y))
+        return error(node->op, "cannot allocate Y");
+    if (p.m == 0) return NULL;
+    p.y = y;
+    /* level 4: A's rows quantized (codes, scales, offsets); level 0: copied zero-padded where K is not whole blocks */
+    int64_t lda = p.acts.lda, copies = node->level == 4 ? p.m * lda + 8 * p.m * w.kb
+                                      : node->k % node->block ? 4 * p.m * lda : 0;
+    char *scratch = NULL;
+    if (copies && !(scratch = malloc((size_t)copies))) return error(node->op, "out of memory for A's rows");
+    if (node->level == 4) {
+        p.acts.scale = p.scale = (float *)scratch, p.acts.offset = p.offset = (int32_t *)(scratch + 4 * p.m * w.kb);
+        p.acts.q = p.q = (int8_t *)(scratch + 8 * p.m * w.kb);
+    } else {
+        p.acts.f = p.padded = scratch ? (float *)scratch : NULL;
+        if (!scratch) p.acts.f = p.a;
+        p.acts.lda = scratch ? lda : node->k;
+    }
+    OrtKernelContext *pool = pool_for(context, p.m * node->k * node->n);
+    p.row_chunk = 32;
+    if (scratch) status = parallel_for(pool, run_quantize, (size_t)((p.m + p.row_chunk - 1) / p.row_chunk), &p);
+    /* tasks: row chunks x column chunks (multiples of 4 groups, one row's tile), about 16 of them in all */
+    p.row_chunk = PRODUCT_ROWS;
+    p.rows_chunks = (p.m + PRODUCT_ROWS - 1) / PRODUCT_ROWS;
+    int64_t column_chunks = p.rows_chunks >= 8 ? 2 : 16 / p.rows_chunks;
+    p.group_chunk = ((w.groups + column_chunks - 1) / column_chunks + 3) / 4 * 4;
+    column_chunks = (w.groups + p.group_chunk - 1) / p.group_chunk;
+    if (!status) status = parallel_for(pool, run_product, (size_t)(p.rows_chunks * column_chunks), &p);
+    free(scratch);
+    return status;
+}
+
+typedef struct {
+    QExperts *job;
+    void (*step)(QExperts *, int64_t);
+} QExpertStep;
+
+static void run_qexpert_step(void *data, size_t task) {
+    QExpertStep *s = data;
+    s->step(s->job, (int64_t)task);
+}
+
+static OrtStatus *compute_qexperts(void *kernel, OrtKernelContext *context) {
+    const QKernel *node = kernel;
+    int64_t dims[6][MAX_RANK];
+    size_t rank[6];
+    void *data[6], *y;
+    OrtStatus *status = inputs(context, node->op, 6, dims, rank, data);
+    if (status) return status;
+    if (rank[0] != 2 || rank[1] != 2 || rank[2] != 4 || rank[3] != 4 || rank[4] != 4 || rank[5] != 4)
+        return error(node->op, "expected X [T, d], dispatch [T, E], fc1 codes and scales [E, 2 I'/16, KB, ...], "
+                               "fc2 codes and scales [E, d'/16, KB, ...]");
+    QExperts job = {.isa = node->isa, .level = (int)node->level, .bits = (int)node->bits, .block = (int)node->block,
+                    .tokens = dims[0][0], .d = dims[0][1], .experts = dims[1][1], .groups1 = dims[2][1],
+                    .groups2 = dims[4][1], .kb2 = dims[4][2]};
+    if (dims[1][0] != job.tokens || dims[2][0] != job.experts || dims[3][0] != job.experts ||
+        dims[4][0] != job.experts || dims[5][0] != job.experts)
+        return error(node->op, "X, dispatch and the expert weights disagree on the tokens or the experts");
+    if (job.groups1 % 2) return error(node->op, "fc1 must hold pairs of gate and up groups (2 I' / 16 even)");
+    job.inter = job.groups1 / 2 * QCOLS;
+    QWeight fc1, fc2;
+    status = quantized_weight(node, "fc1", job.d, 2 * job.inter, dims[2] + 1, dims[3] + 1, data[2], data[3], &fc1);
+    if (!status)
+        status = quantized_weight(node, "fc2", job.kb2 * job.block, job.d, dims[4] + 1, dims[5] + 1, data[4], data[5], &fc2);
+    if (status) return status;
+    if (job.kb2 * job.block < job.inter || (job.kb2 - 1) * job.block >= job.inter)
+        return error(node->op, "fc2's K blocks must cover fc1's I' activations (ceil(I / block) blocks)");
+    job.kb1 = fc1.kb;
+    job.x = data[0], job.dispatch = data[1], job.fc1_codes = data[2], job.fc1_scales = data[3];
+    job.fc2_codes = data[4], job.fc2_scales = data[5];
+    OrtValue *y_value;
+    if (ORT_FN(api, OrtKernelContextGetOutputFn, ORT_KernelContext_GetOutput)(context, 0, dims[0], 2, &y_value) ||
+        ORT_FN(api, OrtGetTensorMutableDataFn, ORT_GetTensorMutableData)(y_value, &y))
+        return error(node->op, "cannot allocate Y");
+    job.y = y;
+    if (job.tokens == 0 || job.d == 0) return NULL;
+    if (qexperts_plan(&job)) return error(node->op, "out of memory planning the experts' rows");
+    if (job.active) {
+        OrtKernelContext *pool = pool_for(context, job.first[job.active] * 3 * job.inter * job.d);
+        QExpertStep steps[] = {{&job, qexperts_x}, {&job, qexperts_fc1}, {&job, qexperts_acts}, {&job, qexperts_fc2}};
+        int64_t tasks[] = {qexperts_x_tasks(&job), qexperts_fc1_tasks(&job), 0, 0};
+        for (int i = 0; !status && i < 4; i++) {
+            if (i == 2) tasks[2] = qexperts_acts_tasks(&job), tasks[3] = qexperts_fc2_tasks(&job);
+            if (tasks[i]) status = parallel_for(pool, run_qexpert_step, (size_t)tasks[i], &steps[i]);
+        }
+    }
+    qexperts_release(&job);
+    return status;
+}
+
+typedef struct {
+    const QWeight *w;
+    const int64_t *ids;
+    float *out;
+} QGatherJob;
+
+static void run_gather(void *data, size_t i) {
+    QGatherJob *g = data;
+    int64_t id = g->ids[i];
+    qgather_column(g->w, id < 0 ? id + g->w->n : id, g->out + (int64_t)i * g->w->k);
+}
+
+static OrtStatus *compute_qgather(void *kernel, OrtKernelContext *context) {
+    const QKernel *node = kernel;
+    int64_t dims[3][MAX_RANK], y_dims[MAX_RANK];
+    size_t rank[3];
+    void *data[3], *y;
+    OrtStatus *status = inputs(context, node->op, 3, dims, rank, data);
+    if (status) return status;
+    if (rank[0] + 1 > MAX_RANK || rank[1] != 3 || rank[2] != 3)
+        return error(node->op, "expected ids [...], codes [G, KB, bytes], scales [G, KB, 16]");
+    QWeight w;
+    status = quantized_weight(node, "the table", node->k, node->n, dims[1], dims[2], data[1], data[2], &w);
+    if (status) return status;
+    int64_t count = 1;
+    for (size_t i = 0; i < rank[0]; i++) count *= dims[0][i], y_dims[i] = dims[0][i];
+    const int64_t *ids = data[0];
+    for (int64_t i = 0; i < count; i++)
+        if (ids[i] < -node->n || ids[i] >= node->n) {
+            char problem[128];
+            snprintf(problem, sizeof(problem), "id %lld is outside [-%lld, %lld)", (long long)ids[i], (long long)node->n,
+                     (long long)node->n);
+            return error(node->op, problem);
+        }
+    y_dims[rank[0]] = node->k;
+    OrtValue *y_value;
+    if (ORT_FN(api, OrtKernelContextGetOutputFn, ORT_KernelContext_GetOutput)(context, 0, y_dims, rank[0] + 1,
+                                                                               &y_value) ||
+        ORT_FN(api, OrtGetTensorMutableDataFn, ORT_GetTensorMutableData)(y_value, &y))
+        return error(node->op, "cannot allocate the rows");
+    QGatherJob job = {&w, ids, y};
+    return count ? parallel_for(pool_for(context, count * node->k * 16), run_gather, (size_t)count, &job) : NULL;
+}
+
 /* each registered op: its name, and its compute as one of the three above with the weights' (caches') type */
 #define OP_FUNCTIONS(ID, COMPUTE, KIND, NAME)                                                                         \
     static OrtStatus *compute_##ID(void *kernel, OrtKernelContext *context) {                                        \
@@ -330,13 +592,37 @@ static ONNXTensorElementDataType q8_input(size_t i, ONNXTensorElementDataType ro
 static ONNXTensorElementDataType q8_f32(const OrtCustomOp *op, size_t i) { (void)op; return q8_input(i, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT); }
 static ONNXTensorElementDataType q8_f16(const OrtCustomOp *op, size_t i) { (void)op; return q8_input(i, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16); }
 static ONNXTensorElementDataType q8_bf16(const OrtCustomOp *op, size_t i) { (void)op; return q8_input(i, ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16); }
+/* QMatMul* (A, codes, scales), QGather* (ids, codes, scales), QRoutedExperts* (X, dispatch, fc1 codes, fc1 scales, fc2
+ * codes, fc2 scales) */
+static ONNXTensorElementDataType quantized_type(int i) {
+    return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+}
+static ONNXTensorElementDataType qmatmul_input(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : quantized_type((int)i - 1);
+}
+static ONNXTensorElementDataType qgather_input(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : quantized_type((int)i - 1);
+}
+static ONNXTensorElementDataType qexperts_input(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    return i < 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : quantized_type((int)(i - 2) % 2);
+}
 static ONNXTensorElementDataType output_float(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
 static const char *cpu(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
 static size_t two(const OrtCustomOp *op) { (void)op; return 2; }
 static size_t four(const OrtCustomOp *op) { (void)op; return 4; }
 static size_t five(const OrtCustomOp *op) { (void)op; return 5; }
-static size_t six(const OrtCustomOp *op) { (void)op; return 6; }
 static size_t one(const OrtCustomOp *op) { (void)op; return 1; }
+static size_t three(const OrtCustomOp *op) { (void)op; return 3; }
+static size_t six(const OrtCustomOp *op) { (void)op; return 6; }
+static const char *name_qmatmul4(const OrtCustomOp *op) { (void)op; return "QMatMul4"; }
+static const char *name_qmatmul8(const OrtCustomOp *op) { (void)op; return "QMatMul8"; }
+static const char *name_qexperts4(const OrtCustomOp *op) { (void)op; return "QRoutedExperts4"; }
+static const char *name_qexperts8(const OrtCustomOp *op) { (void)op; return "QRoutedExperts8"; }
+static const char *name_qgather4(const OrtCustomOp *op) { (void)op; return "QGather4"; }
+static const char *name_qgather8(const OrtCustomOp *op) { (void)op; return "QGather8"; }
 static OrtCustomOpInputOutputCharacteristic required(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return INPUT_OUTPUT_REQUIRED; }
 static OrtMemType default_memory(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return OrtMemTypeDefault; }
 static int min_arity(const OrtCustomOp *op) { (void)op; return 1; }
@@ -358,11 +644,11 @@ static int last_version(const OrtCustomOp *op) { (void)op; return 2147483647; }
 static size_t no_pairs(int **input_index, int **output_index) { *input_index = NULL, *output_index = NULL; return 0; }
 static void release_pairs(int *input_index, int *output_index) { (void)input_index, (void)output_index; }
 
-#define CPU_OP(NAME, INPUT, INPUTS, COMPUTE) CPU_OP_CREATED(NAME, INPUT, INPUTS, COMPUTE, create)
-#define CPU_OP_CREATED(NAME, INPUT, INPUTS, COMPUTE, CREATE)                                                          \
+#define CPU_OP(NAME, INPUT, INPUTS, COMPUTE) KERNEL_OP(NAME, INPUT, INPUTS, create, COMPUTE, destroy)
+#define KERNEL_OP(NAME, INPUT, INPUTS, CREATE, COMPUTE, DESTROY)                                                      \
     {                                                                                                                 \
         .version = ORT_ABI_VERSION, .GetName = NAME, .GetExecutionProviderType = cpu, .GetInputType = INPUT,          \
-        .GetInputTypeCount = INPUTS, .GetOutputType = output_float, .GetOutputTypeCount = one, .KernelDestroy = destroy, \
+        .GetInputTypeCount = INPUTS, .GetOutputType = output_float, .GetOutputTypeCount = one, .KernelDestroy = DESTROY, \
         .GetInputCharacteristic = required, .GetOutputCharacteristic = required, .GetInputMemoryType = default_memory, \
         .GetVariadicInputMinArity = min_arity, .GetVariadicInputHomogeneity = homogeneous,                            \
         .GetVariadicOutputMinArity = min_arity, .GetVariadicOutputHomogeneity = homogeneous, .CreateKernelV2 = CREATE, \
@@ -380,25 +666,34 @@ static OrtCustomOp ops[] = {CPU_OP(name_f16, input_f16, two, compute_f16), CPU_O
                             CPU_OP(name_long_f32, input_float, five, compute_long_f32),
                             CPU_OP(name_long_f16, attention_f16, five, compute_long_f16),
                             CPU_OP(name_long_bf16, attention_bf16, five, compute_long_bf16)};
-/* the ops with a plain C path beside their SIMD ones: registered at every level */
-static OrtCustomOp q8_ops[] = {CPU_OP_CREATED(name_q8_f32, q8_f32, six, compute_q8_f32, create_at_level),
-                               CPU_OP_CREATED(name_q8_f16, q8_f16, six, compute_q8_f16, create_at_level),
-                               CPU_OP_CREATED(name_q8_bf16, q8_bf16, six, compute_q8_bf16, create_at_level),
-                               CPU_OP_CREATED(name_long_q8_f32, q8_f32, six, compute_long_q8_f32, create_at_level),
-                               CPU_OP_CREATED(name_long_q8_f16, q8_f16, six, compute_long_q8_f16, create_at_level),
-                               CPU_OP_CREATED(name_long_q8_bf16, q8_bf16, six, compute_long_q8_bf16, create_at_level)};
+/* the quantized ops and LatentAttentionQ8* have a plain C path (dispatch.h's scalar level): they register on any
+ * x86-64 CPU */
+static OrtCustomOp quantized_ops[] = {
+    KERNEL_OP(name_qmatmul4, qmatmul_input, three, create_quantized, compute_qmatmul, destroy_quantized),
+    KERNEL_OP(name_qmatmul8, qmatmul_input, three, create_quantized, compute_qmatmul, destroy_quantized),
+    KERNEL_OP(name_qexperts4, qexperts_input, six, create_quantized, compute_qexperts, destroy_quantized),
+    KERNEL_OP(name_qexperts8, qexperts_input, six, create_quantized, compute_qexperts, destroy_quantized),
+    KERNEL_OP(name_qgather4, qgather_input, three, create_quantized, compute_qgather, destroy_quantized),
+    KERNEL_OP(name_qgather8, qgather_input, three, create_quantized, compute_qgather, destroy_quantized),
+    KERNEL_OP(name_q8_f32, q8_f32, six, create_at_level, compute_q8_f32, destroy),
+    KERNEL_OP(name_q8_f16, q8_f16, six, create_at_level, compute_q8_f16, destroy),
+    KERNEL_OP(name_q8_bf16, q8_bf16, six, create_at_level, compute_q8_bf16, destroy),
+    KERNEL_OP(name_long_q8_f32, q8_f32, six, create_at_level, compute_long_q8_f32, destroy),
+    KERNEL_OP(name_long_q8_f16, q8_f16, six, create_at_level, compute_long_q8_f16, destroy),
+    KERNEL_OP(name_long_q8_bf16, q8_bf16, six, create_at_level, compute_long_q8_bf16, destroy)};
 
-/* Below the AVX2 level (a CPU without AVX2, FMA and F16C, or MLA_DEPLOY_ISA=scalar: dispatch.h) it registers only the
- * ops with a plain C path; on an onnxruntime older than the ABI slots used it registers nothing, and the graphs run
- * the ops' function bodies. */
+/* The half-precision and float-cache attention ops register from the AVX2 level up: below it (a CPU without AVX2, FMA and F16C,
+ * or MLA_DEPLOY_ISA=scalar: dispatch.h) the graphs run their function bodies. On an onnxruntime older than the ABI
+ * slots used it registers nothing. */
 __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
     api = base->GetApi(ORT_ABI_VERSION);
     if (!api) return NULL;
     OrtCustomOpDomain *domain; /* lives as long as the process: sessions keep referring to it */
     OrtStatus *status = ORT_FN(api, OrtCreateCustomOpDomainFn, ORT_CreateCustomOpDomain)("mla_deploy", &domain);
-    for (size_t i = 0; !status && mla_isa() >= ISA_AVX2 && i < sizeof(ops) / sizeof(ops[0]); i++)
+    size_t half = mla_isa() >= ISA_AVX2 ? sizeof(ops) / sizeof(ops[0]) : 0;
+    for (size_t i = 0; !status && i < half; i++)
         status = ORT_FN(api, OrtCustomOpDomainAddFn, ORT_CustomOpDomain_Add)(domain, &ops[i]);
-    for (size_t i = 0; !status && i < sizeof(q8_ops) / sizeof(q8_ops[0]); i++)
-        status = ORT_FN(api, OrtCustomOpDomainAddFn, ORT_CustomOpDomain_Add)(domain, &q8_ops[i]);
+    for (size_t i = 0; !status && i < sizeof(quantized_ops) / sizeof(quantized_ops[0]); i++)
+        status = ORT_FN(api, OrtCustomOpDomainAddFn, ORT_CustomOpDomain_Add)(domain, &quantized_ops[i]);
     return status ? status : ORT_FN(api, OrtAddCustomOpDomainFn, ORT_AddCustomOpDomain)(options, domain);
 }

@@ -27,7 +27,9 @@ typedef struct OrtApi OrtApi; /* opaque here: reached through ort_fn() */
 typedef enum { ORT_OK, ORT_FAIL, ORT_INVALID_ARGUMENT } OrtErrorCode;
 typedef enum {
     ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT = 1,
+    ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 = 2,
     ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8 = 3,
+    ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 = 7,
     ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 = 10,
     ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16 = 16,
 } ONNXTensorElementDataType;
@@ -83,8 +85,10 @@ enum {
     ORT_GetDimensionsCount = 61,
     ORT_GetDimensions = 62,
     ORT_GetTensorTypeAndShape = 65,
+    ORT_KernelInfoGetAttribute_int64 = 86,
     ORT_KernelContext_GetInput = 90,
     ORT_KernelContext_GetOutput = 91,
+    ORT_ReleaseStatus = 93,
     ORT_ReleaseTensorTypeAndShapeInfo = 99,
     ORT_KernelContext_ParallelFor = 274,
 };
@@ -102,6 +106,8 @@ typedef OrtStatus *(*OrtKernelContextGetInputFn)(const OrtKernelContext *context
 typedef OrtStatus *(*OrtKernelContextGetOutputFn)(OrtKernelContext *context, size_t index, const int64_t *dims,
                                                   size_t count, OrtValue **out);
 typedef void (*OrtReleaseTensorTypeAndShapeInfoFn)(OrtTensorTypeAndShapeInfo *info);
+typedef OrtStatus *(*OrtKernelInfoGetAttributeInt64Fn)(const OrtKernelInfo *info, const char *name, int64_t *out);
+typedef void (*OrtReleaseStatusFn)(OrtStatus *status);
 typedef OrtStatus *(*OrtKernelContextParallelForFn)(const OrtKernelContext *context, void (*fn)(void *, size_t),
                                                     size_t total, size_t num_batch, void *user_data);
 
