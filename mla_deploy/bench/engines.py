@@ -209,9 +209,9 @@ class TorchEngine:
         mask = torch.ones(batch, ctx + 1)
         return _median_ms(lambda: self.model(ids, slot[:, None], caches, slot, mask, form=self.form), steps)
 
-    def cache_bytes_per_token(self) -> int:
+    def cache_bytes_per_token(self) -> int:  # the torch source keeps its caches in float32
         cfg = self.cfg
-        return self.model.cache_format.bytes_per_token(cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+        return io_spec.CacheFormat().bytes_per_token(cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
 
     def weight_bytes_per_token(self, active_experts: int):
         return None
