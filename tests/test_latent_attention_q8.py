@@ -35,21 +35,22 @@ RANGE = 256  # latent_attention_q8.h's Q8_RANGE: slots a task, and the span of o
 PMAX = 32767
 
 
-def _model(rope: str, width: int, long: bool = False) -> bytes:
-    """LatentAttentionQ8* as a one-op model, carrying its function body."""
+def _model(rope: str, width: int, long: bool = False, chunk: bool = False) -> bytes:
+    """LatentAttentionQ8* (LatentAttentionChunkQ8*: a chunk's queries) as a one-op model, carrying its function body."""
     cache = CacheFormat("int8", rope)
     types = [TensorProto.FLOAT, TensorProto.FLOAT, TensorProto.INT8, TensorProto.FLOAT, ROPE_TYPES[rope], TensorProto.FLOAT]
     graph = helper.make_graph(
-        [helper.make_node(latent_attention_op(cache, long), NAMES, ["out"], domain=kernels.DOMAIN)], "one_op",
+        [helper.make_node(latent_attention_op(cache, long, chunk), NAMES, ["out"], domain=kernels.DOMAIN)], "one_op",
         [helper.make_tensor_value_info(n, t, None) for n, t in zip(NAMES, types)],
         [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)])
     opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid(kernels.DOMAIN, 1), helper.make_opsetid("com.microsoft", 1)]
     model = helper.make_model(graph, opset_imports=opsets, ir_version=11,
-                              functions=[ir.serde.serialize_function(latent_attention_function(cache, long, width))])
+                              functions=[ir.serde.serialize_function(latent_attention_function(cache, long, width, chunk))])
     return model.SerializeToString()
 
 
-def _session(rope: str, width: int, level: str | None, threads: int = 1, long: bool = False) -> ort.InferenceSession:
+def _session(rope: str, width: int, level: str | None, threads: int = 1, long: bool = False,
+             chunk: bool = False) -> ort.InferenceSession:
     """The kernel at `level` (MLA_DEPLOY_ISA, read as onnxruntime creates the kernel), or its function body (None)."""
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
@@ -57,7 +58,7 @@ def _session(rope: str, width: int, level: str | None, threads: int = 1, long: b
         so.register_custom_ops_library(str(kernels.library()))
         os.environ["MLA_DEPLOY_ISA"] = level
     try:
-        return ort.InferenceSession(_model(rope, width, long), so, providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(_model(rope, width, long, chunk), so, providers=["CPUExecutionProvider"])
     finally:
         os.environ.pop("MLA_DEPLOY_ISA", None)
 
@@ -201,7 +202,7 @@ def test_the_int8_queries_stay_near_the_exact_attention():
     ({"rope": (2, 9, 16)}, "disagree on the rows, the heads or the widths"),
     ({"latent_scale": (2, 10, 2)}, r"latent_scale must hold one scale per row and cache slot \[b, cap, 1\]"),
     ({"latent_scale": (2, 9, 1)}, r"latent_scale must hold one scale per row and cache slot"),
-    ({"bias": (2, 1, 1, 9)}, r"bias must hold one value per row and cache slot"),
+    ({"bias": (2, 1, 1, 9)}, r"bias must hold one value per query and cache slot"),
     ({"q_latent": (2, 4, 40), "latent": (2, 10, 40)}, "d_c must be a multiple of 16 and d_r of 8"),
     ({"rope": (2, 10, 16, 1)}, r"expected q_latent \[b, h, d_c\]"),
 ])
@@ -215,6 +216,78 @@ def test_the_kernel_refuses_malformed_inputs_by_name(change, message):
     else:
         with pytest.raises(Exception, match=message):
             session.run(None, feed)
+
+
+def _chunk_case(rng, b, t, h, dc, dr, cap, starts, rope="float32"):
+    """A prefill chunk: T queries a row [b, T, h, ·] over the same caches as _case, query j of row r at slot
+    starts[r] + j seeing slots 0 .. starts[r] + j (causal); as feeds, and the same arithmetic as b·T decode rows, each
+    query a row over its own row's caches (the reference's form)."""
+    feed, (ql, qr, codes, scale, r, _) = _case(rng, b, h, dc, dr, cap, [cap] * b, rope=rope)
+    ql = rng.standard_normal((b, t, h, dc)).astype(np.float32) * 0.1
+    qr = rng.standard_normal((b, t, h, dr)).astype(np.float32) * 0.3
+    bias = np.full((b, 1, t, cap), NOT_SEEN, np.float32)
+    for row, start in enumerate(starts):
+        for j in range(t):
+            bias[row, 0, j, : start + j + 1] = 0.0
+    feed.update({"q_latent": ort.OrtValue.ortvalue_from_numpy(ql), "q_rope": ort.OrtValue.ortvalue_from_numpy(qr),
+                 "bias": ort.OrtValue.ortvalue_from_numpy(bias)})
+    rows = (ql.reshape(b * t, h, dc), qr.reshape(b * t, h, dr), np.repeat(codes, t, 0), np.repeat(scale, t, 0),
+            np.repeat(r, t, 0), bias.reshape(b * t, 1, 1, cap))
+    return feed, rows
+
+
+# (rows, T queries a row, heads, d_c, d_r, capacity, the chunk's first slot per row): a chunk whose causal spans
+# cross range boundaries at DeepSeek's widths, a row whose first query sees one slot beside one deep in its cache,
+# heads and widths off the register blocks
+CHUNKS = [(1, 5, 16, 512, 64, 600, [254]), (2, 3, 4, 64, 16, 300, [0, 290]), (2, 4, 5, 32, 8, 520, [255, 3])]
+
+
+@needs_library
+@pytest.mark.parametrize("level", levels())
+@pytest.mark.parametrize("b,t,h,dc,dr,cap,starts", CHUNKS)
+def test_the_chunk_kernel_matches_its_float64_arithmetic(b, t, h, dc, dr, cap, starts, level):
+    """LatentAttentionChunkQ8: each of a chunk's queries is one decode row over its row's caches, with its own causal
+    bias row; every level, two threads."""
+    feed, rows = _chunk_case(np.random.default_rng(cap + t), b, t, h, dc, dr, cap, starts)
+    out = _run(_session("float32", dc, level, 2, chunk=True), feed)
+    assert out.dtype == np.float32 and out.shape == (b, t, h, dc)
+    exact, bound = _reference(*rows)
+    assert np.all(np.abs(out.reshape(b * t, h, dc) - exact) <= bound)
+
+
+@needs_library
+@pytest.mark.parametrize("rope", ["float32", "bfloat16"])
+def test_the_chunk_kernel_gives_the_same_bits_at_every_level_and_as_decode_rows(rope):
+    """The chunk's queries give the bits LatentAttentionQ8 gives them as decode rows of their own (the same
+    arithmetic, the cache rows shared), at every level."""
+    b, t, h, dc, dr, cap, starts = CHUNKS[2]
+    feed, rows = _chunk_case(np.random.default_rng(11), b, t, h, dc, dr, cap, starts, rope=rope)
+    outs = [_run(_session(rope, dc, level, chunk=True), feed) for level in HERE]
+    assert all(np.array_equal(o, outs[0]) for o in outs[1:])
+    decode_feed = {"q_latent": rows[0], "q_rope": rows[1], "latent": rows[2], "latent_scale": rows[3][..., None],
+                   "bias": rows[5]}
+    decode_feed = {k: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v)) for k, v in decode_feed.items()}
+    stored = feed["rope"].numpy() if rope == "float32" else None
+    if stored is None:  # the bfloat16 rope as stored, repeated per query
+        bits = float32_to_bf16(rows[4])
+        decode_feed["rope"] = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(bits, TensorProto.BFLOAT16)
+    else:
+        decode_feed["rope"] = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(np.repeat(stored, t, 0)))
+    as_rows = _run(_session(rope, dc, cpu_level()), decode_feed)
+    assert np.array_equal(outs[0].reshape(b * t, h, dc), as_rows)
+
+
+@pytest.mark.parametrize("b,t,h,dc,dr,cap,starts", CHUNKS[1:])
+def test_the_chunk_function_body_is_the_exact_dequantized_attention(b, t, h, dc, dr, cap, starts):
+    """Where the library is not registered: the chunk op's body (DequantizeLinear, the T·h queries of a row as one
+    MatMul's rows) against float64 with the queries as given."""
+    feed, rows = _chunk_case(np.random.default_rng(cap), b, t, h, dc, dr, cap, starts)
+    out = _run(_session("float32", dc, None, 2, chunk=True), feed).reshape(b * t, h, dc)
+    exact, _ = _reference(*rows, quantized_queries=False)
+    latent = rows[2].astype(np.float64) * rows[3][..., None]
+    magnitude = np.abs(rows[0]) @ np.abs(latent).transpose(0, 2, 1)
+    bound = (2 * (dc + dr) * 2.0**-24 * magnitude.max(-1)[..., None] + 2e-6) * np.abs(latent).max() + cap * 2.0**-24 * 4
+    assert np.all(np.abs(out - exact) <= bound)
 
 
 @needs_library

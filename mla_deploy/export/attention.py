@@ -100,23 +100,54 @@ def probs_at_latent(op, logits, bias, latent, long_cache: bool) -> ir.Value:
     return op.MatMul(probs, latent)  # [b, h, cap] @ [b, cap, d_c] -> [b, h, d_c]
 
 
-def latent_attention_op(cache: io_spec.CacheFormat | str, long_cache: bool) -> str:
+def latent_attention_op(cache: io_spec.CacheFormat | str, long_cache: bool, chunk: bool = False) -> str:
     """The kernel op's name for these caches: LatentAttention* over float caches (by their dtype), LatentAttentionQ8*
-    over an int8 latent (by the rope's dtype); *Long* where the cache can outgrow the long-cache size a row."""
+    over an int8 latent (by the rope's dtype); *Long* where the cache can outgrow the long-cache size a row;
+    LatentAttentionChunkQ8* for a prefill chunk's queries over an int8 latent."""
     cache = io_spec.CacheFormat.of(cache)
+    if chunk:
+        return kernels.LATENT_ATTENTION_CHUNK_Q8[cache.rope]
     if cache.scaled:
         return (kernels.LATENT_ATTENTION_LONG_Q8 if long_cache else kernels.LATENT_ATTENTION_Q8)[cache.rope]
     return (kernels.LATENT_ATTENTION_LONG if long_cache else kernels.LATENT_ATTENTION)[cache.latent]
 
 
-def latent_attention_function(cache: io_spec.CacheFormat | str, long_cache: bool, width: int | None = None) -> ir.Function:
+def latent_attention_chunk_core(op, q_latent: ir.Value, q_rope: ir.Value, caches: Caches, bias: ir.Value,
+                                cache: io_spec.CacheFormat, width: int) -> ir.Value:
+    """softmax(q_latent · latent + q_rope · rope + bias) @ latent for a chunk's queries q_latent [b, T, h, d_c],
+    q_rope [b, T, h, d_r] (scaled) over the caches, with each token's bias [b, 1, T, cap] -> [b, T, h, d_c]: the T·h
+    queries of a row as the rows of one MatMul per cache row."""
+    latent = read_latent(op, caches.latent, caches.scale, DATA_TYPES[cache.latent], width)  # [b, cap, d_c]
+    rope_cache = cast(op, caches.rope, DATA_TYPES[cache.rope], FLOAT)
+    scores = op.Add(
+        op.MatMul(op.Reshape(q_latent, [0, -1, width]), op.Transpose(latent, perm=[0, 2, 1])),  # [b, T·h, d_c] @ [b, d_c, cap]
+        op.MatMul(op.Reshape(q_rope, op.Concat([0, -1], op.Shape(q_rope, start=3), axis=0)),
+                  op.Transpose(rope_cache, perm=[0, 2, 1])),  # [b, T·h, d_r] @ [b, d_r, cap]
+    )  # [b, T·h, cap]
+    heads = op.Shape(q_latent, start=0, end=3)  # [b, T, h]
+    scores = op.Reshape(scores, op.Concat(heads, [-1], axis=0))  # [b, T, h, cap]
+    probs = op.Softmax(op.Add(scores, op.Transpose(bias, perm=[0, 2, 1, 3])), axis=-1)  # + [b, T, 1, cap]
+    out = op.MatMul(op.Reshape(probs, op.Concat([0, -1], op.Shape(latent, start=1, end=2), axis=0)), latent)  # [b, T·h, d_c]
+    return op.Reshape(out, op.Shape(q_latent))
+
+
+def latent_attention_function(cache: io_spec.CacheFormat | str, long_cache: bool, width: int | None = None,
+                              chunk: bool = False) -> ir.Function:
     """The body of the kernel op over `cache` (latent_attention_op; an int8 latent's d_c = `width`, DequantizeLinear's
     block; LatentAttentionLong*: a cache that can outgrow the long-cache size a row, multiplied as MatMul's A
-    operand): what onnxruntime runs where the kernel library is not registered."""
+    operand; a `chunk`'s queries [b, T, h, ·]): what onnxruntime runs where the kernel library is not registered."""
     cache = io_spec.CacheFormat.of(cache)
     latent, rope = DATA_TYPES[cache.latent], DATA_TYPES[cache.rope]
 
-    if cache.scaled:
+    if chunk:
+        def body(op, q_latent, q_rope, codes, scale, rope_cache, bias):
+            return latent_attention_chunk_core(op, q_latent, q_rope, Caches(codes, rope_cache, scale), bias, cache, width)
+
+        inputs = {"q_latent": FLOAT, "q_rope": FLOAT, "latent": latent, "latent_scale": FLOAT, "rope": rope,
+                  "bias": FLOAT}
+        stored = (f"an int8 latent cache (DequantizeLinear: codes x their entry's scale) and a {cache.rope} rope cache, "
+                  "for a chunk's queries [b, T, h, ·] with their bias [b, 1, T, cap]")
+    elif cache.scaled:
         def body(op, q_latent, q_rope, codes, scale, rope_cache, bias):
             return latent_attention_core(op, q_latent, q_rope, Caches(codes, rope_cache, scale), bias, cache, width,
                                          long_cache)
@@ -131,12 +162,12 @@ def latent_attention_function(cache: io_spec.CacheFormat | str, long_cache: bool
 
         inputs = {"q_latent": FLOAT, "q_rope": FLOAT, "latent": latent, "rope": rope, "bias": FLOAT}
         stored = f"{cache.latent} caches"
-    return kernel_function(latent_attention_op(cache, long_cache), inputs, "out", body,
+    return kernel_function(latent_attention_op(cache, long_cache, chunk), inputs, "out", body,
                            f"out = softmax(q_latent · latent + q_rope · rope + bias) @ latent over {stored} "
                            "(the queries already scaled). mla-deploy's kernel library reads the caches as stored and "
                            "only the slots each row sees; this body, where that is not registered, reads every slot"
-                           + (", the cache as the A operand" if long_cache else ""),
-                           opsets={"com.microsoft": 1} if long_cache else None)
+                           + (", the cache as the A operand" if long_cache and not chunk else ""),
+                           opsets={"com.microsoft": 1} if long_cache and not chunk else None)
 
 
 class MLAttention:
@@ -207,46 +238,62 @@ class MLAttention:
         out = linear(g, op, g.to_compute(op, o), f"{self.name}.o", lambda: t(self.hf + "o_proj.weight").T)
         return out, present
 
-    def absorbed(self, op, x, cos, sin, bias, past: Caches, write_indices):
-        """Decode (T = 1): the query moves into latent space; attention reads ĉ directly; W^UV after. The plan picks
-        the absorbed form (fused or factored), the core (mla_deploy.LatentAttention or onnxruntime's ops) and the
-        long-cache form."""
+    def absorbed(self, op, x, cos, sin, bias, past: Caches, write_indices, chunk: bool = False):
+        """Decode (T = 1), or a prefill `chunk` of T tokens over an int8 cache: the query moves into latent space;
+        attention reads ĉ directly; W^UV after. The plan picks the absorbed form (fused or factored), the core
+        (mla_deploy.LatentAttention*, or onnxruntime's ops in decode) and the long-cache form. Queries run as b·T rows
+        of h heads: [b·T, h, ·] (in decode b·T = b)."""
         cfg, g, plan = self.cfg, self.g, self.g.plan
         h, dn, dr, dc, dv = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
                              cfg.kv_lora_rank, cfg.v_head_dim)
+        rows = -1 if chunk else 0  # Reshape's leading dim: b·T (a chunk), or b (decode: T = 1 folds into it)
+
+        def tokens(width: int) -> ir.Value | list[int]:  # the shape [b, T, width] (decode: [b, 1, width])
+            return op.Concat(op.Shape(x, start=0, end=2), [width], axis=0) if chunk else [0, 1, width]
+
         kv_b = self._hf("kv_b_proj.weight")
         q_in, q_weight = self.query_input(op, x)
         if plan.absorb == AbsorbMode.FUSED:  # the product that overflows half precision first: float32
             q_latent = linear(g, op, g.to_float(op, q_in), f"{self.name}.q_uk",
                               lambda: absorb.fused_query_absorb(cfg, q_weight(), kv_b()), island=True)
-            q_latent = op.Reshape(q_latent, [0, h, dc])  # [b, 1, h·d_c] -> [b, h, d_c]
+            q_latent = op.Reshape(q_latent, [rows, h, dc])  # [b, T, h·d_c] -> [b·T, h, d_c]
         else:
             q_nope = linear(g, op, q_in, f"{self.name}.q_nope", lambda: absorb.query_nope_weight(cfg, q_weight()))
-            q_nope = op.Transpose(op.Reshape(g.to_float(op, q_nope), [0, h, dn]), perm=[1, 0, 2])  # [b, 1, h·d_nope] -> [b, h, d_nope] -> [h, b, d_nope]
+            q_nope = op.Transpose(op.Reshape(g.to_float(op, q_nope), [rows, h, dn]), perm=[1, 0, 2])  # [b, T, h·d_nope] -> [b·T, h, d_nope] -> [h, b·T, d_nope]
             uk = g.weight(f"{self.name}.uk", lambda: absorb.factored_uk(cfg, kv_b()), island=True)
-            q_latent = op.Transpose(op.MatMul(q_nope, uk), perm=[1, 0, 2])  # [h, b, d_c] -> [b, h, d_c]
+            q_latent = op.Transpose(op.MatMul(q_nope, uk), perm=[1, 0, 2])  # [h, b·T, d_c] -> [b·T, h, d_c]
         q_pe = linear(g, op, q_in, f"{self.name}.q_rope", lambda: absorb.query_rope_weight(cfg, q_weight()))
-        q_pe = op.Reshape(g.to_float(op, q_pe), [0, h, dr])  # [b, 1, h·d_r] -> [b, h, d_r]
-        q_pe = rope(op, q_pe, cos, sin)  # cos [b, 1, d_r/2] broadcasts over heads
+        q_pe = op.Reshape(g.to_float(op, q_pe), [rows, h, dr])  # [b, T, h·d_r] -> [b·T, h, d_r]
+        if chunk:  # each token's cos / sin [b, T, d_r/2] -> [b·T, 1, d_r/2], broadcast over heads
+            q_pe = rope(op, q_pe, op.Reshape(cos, [-1, 1, dr // 2]), op.Reshape(sin, [-1, 1, dr // 2]))
+        else:
+            q_pe = rope(op, q_pe, cos, sin)  # cos [b, 1, d_r/2] broadcasts over heads
         present = self.write_cache(op, self.latent_and_rope(op, x, cos, sin), past, write_indices)
         if plan.decode_attention == "kernel":  # the softmax scale on the queries: h·(d_c + d_r) products, not h·cap
             cache = plan.cache_format
             stored = (present.latent, present.scale, present.rope) if cache.scaled else (present.latent, present.rope)
-            o_latent = g.kernel_op(op, latent_attention_op(cache, plan.long_cache),
-                                   lambda: latent_attention_function(cache, plan.long_cache, dc),
-                                   op.Mul(q_latent, self.scale), op.Mul(q_pe, self.scale), *stored, bias)  # [b, h, d_c]
+            q_latent, q_pe = op.Mul(q_latent, self.scale), op.Mul(q_pe, self.scale)
+            if chunk:  # the chunk op takes each row's tokens [b, T, h, ·], their causal bias [b, 1, T, cap]
+                head_shape = op.Concat(op.Shape(x, start=0, end=2), [h], axis=0)
+                q_latent = op.Reshape(q_latent, op.Concat(head_shape, [dc], axis=0))
+                q_pe = op.Reshape(q_pe, op.Concat(head_shape, [dr], axis=0))
+            o_latent = g.kernel_op(op, latent_attention_op(cache, plan.long_cache, chunk),
+                                   lambda: latent_attention_function(cache, plan.long_cache, dc, chunk),
+                                   q_latent, q_pe, *stored, bias)  # [b, h, d_c] or [b, T, h, d_c]
+            if chunk:
+                o_latent = op.Reshape(o_latent, [-1, h, dc])  # [b, T, h, d_c] -> [b·T, h, d_c]
         else:
             o_latent = latent_attention_core(op, q_latent, q_pe, present, bias, plan.cache_format, dc, plan.long_cache,
                                              self.scale)  # [b, h, d_c]
         o_weight = self._hf("o_proj.weight")
         if plan.absorb == AbsorbMode.FUSED:
-            o = op.Reshape(o_latent, [0, 1, h * dc])  # [b, h, d_c] -> [b, 1, h·d_c]
+            o = op.Reshape(o_latent, tokens(h * dc))  # [b·T, h, d_c] -> [b, T, h·d_c]
             out = g.to_compute(op, linear(g, op, o, f"{self.name}.uv_o",
-                                          lambda: absorb.fused_output_absorb(cfg, o_weight(), kv_b()), island=True))  # [b, 1, d]
+                                          lambda: absorb.fused_output_absorb(cfg, o_weight(), kv_b()), island=True))  # [b, T, d]
         else:
-            o_latent = op.Transpose(o_latent, perm=[1, 0, 2])  # [b, h, d_c] -> [h, b, d_c]
+            o_latent = op.Transpose(o_latent, perm=[1, 0, 2])  # [b·T, h, d_c] -> [h, b·T, d_c]
             uv = g.weight(f"{self.name}.uv", lambda: absorb.factored_uv(cfg, kv_b()), island=True)
-            o = op.MatMul(o_latent, uv)  # [h, b, d_v]
-            o = op.Reshape(op.Transpose(o, perm=[1, 0, 2]), [0, 1, h * dv])  # [h, b, d_v] -> [b, h, d_v] -> [b, 1, h·d_v]
+            o = op.MatMul(o_latent, uv)  # [h, b·T, d_v]
+            o = op.Reshape(op.Transpose(o, perm=[1, 0, 2]), tokens(h * dv))  # [h, b·T, d_v] -> [b·T, h, d_v] -> [b, T, h·d_v]
             out = linear(g, op, g.to_compute(op, o), f"{self.name}.o", lambda: o_weight().T)
         return out, present

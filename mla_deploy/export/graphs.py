@@ -32,8 +32,10 @@ def build_graph(kind: str, cfg: MLAConfig, t: Tensors, plan: ExportPlan, weights
         i = attn.layer
         past = Caches(inputs[io_spec.past_latent(i)], inputs[io_spec.past_rope(i)],
                       inputs.get(io_spec.past_latent_scale(i)))
-        form = attn.naive if kind == io_spec.PREFILL else attn.absorbed
-        out, present = form(op, h, cos, sin, bias, past, write_indices)
+        if kind == io_spec.DECODE or plan.prefill_attention == "absorbed":
+            out, present = attn.absorbed(op, h, cos, sin, bias, past, write_indices, chunk=kind == io_spec.PREFILL)
+        else:
+            out, present = attn.naive(op, h, cos, sin, bias, past, write_indices)
         caches[io_spec.present_latent(i)], caches[io_spec.present_rope(i)] = present.latent, present.rope
         if present.scale is not None:
             caches[io_spec.present_latent_scale(i)] = present.scale

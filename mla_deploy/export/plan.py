@@ -25,6 +25,10 @@ The rules (each form measured against the others: README):
   widen the whole cache to float32 in every layer of every step) and for float32 caches below KERNEL_HEADS_BELOW
   heads (at 16 heads MLAS's 16-column panels win); "ops" otherwise: onnxruntime's MatMul, Softmax, MatMul (after
   DequantizeLinear for an int8 latent), the portable form.
+- prefill attention: "absorbed" over an int8 cache where decode attention runs the kernel: a prefill chunk's
+  queries against the cache as stored in mla_deploy.LatentAttentionChunkQ8, in integers, reading nothing but the
+  cache; "naive" otherwise, decompressing the whole cache into per-head keys and values each chunk, whose score
+  tensors [h, T, cap] alone are 553 MB a layer for a 512-token chunk over a 16k cache (docs/benchmarks.md).
 - long cache: where a row's float32 latent cache at the export's maximum length can outgrow LONG_CACHE_BYTES, the
   ops multiply probs by the cache as MatMul's A operand (MLAS packs the B operand on every call, which then costs as
   much as the product), and the kernel op is LatentAttentionLong, whose function body does the same.
@@ -118,6 +122,7 @@ class ExportPlan:
     quantization: Quantization | None  # bits, block, accuracy level, head bits; None: float weights
     experts: str | None  # routed experts: "kernel", "qmoe" or "branches" (None read back for a model without any)
     decode_attention: str  # the decode attention core: "kernel" or "ops"
+    prefill_attention: str  # "naive" (decompressing the cache) or "absorbed" (the chunk kernel over an int8 cache)
     long_cache: bool  # decode attention multiplies probs by the cache as the A operand (LatentAttentionLong)
     max_seq_len: int
 
@@ -130,10 +135,11 @@ class ExportPlan:
                               f"{cfg.max_position_embeddings}")
         quantization = options.quantization()
         cache = options.cache_format()
+        decode_attention = resolve_decode_attention(cfg, options.decode_attention, cache.latent)
         return cls(absorb=resolve_absorb(cfg, options.absorb), dtype=options.dtype, compute=COMPUTE,
                    cache_dtype=cache.latent, rope_dtype=cache.rope, quantization=quantization,
-                   experts=resolve_experts(cfg, options.experts, quantization),
-                   decode_attention=resolve_decode_attention(cfg, options.decode_attention, cache.latent),
+                   experts=resolve_experts(cfg, options.experts, quantization), decode_attention=decode_attention,
+                   prefill_attention=prefill_attention(cache, decode_attention),
                    long_cache=long_cache(cfg, max_seq_len), max_seq_len=max_seq_len)
 
     @property
@@ -149,8 +155,8 @@ class ExportPlan:
         """Every field, JSON-ready (inspect --json)."""
         return {"absorb": self.absorb.value, "dtype": self.dtype, "compute": self.compute, "cache_dtype": self.cache_dtype,
                 "rope_dtype": self.rope_dtype, "quantization": None if self.quantization is None else self.quantization.to_dict(),
-                "experts": self.experts, "decode_attention": self.decode_attention, "long_cache": self.long_cache,
-                "max_seq_len": self.max_seq_len}
+                "experts": self.experts, "decode_attention": self.decode_attention,
+                "prefill_attention": self.prefill_attention, "long_cache": self.long_cache, "max_seq_len": self.max_seq_len}
 
     def describe(self) -> str:
         """One line for a reader: each choice and where it runs."""
@@ -166,6 +172,8 @@ class ExportPlan:
         return (f"absorb {self.absorb.value}; {weights} computed in {self.compute}; {caches}; "
                 f"decode attention in {core}" + (" (the cache as MatMul's A operand: long cache)" if self.long_cache
                                                  else "")
+                + ("; prefill attention absorbed in mla_deploy.LatentAttentionChunkQ8"
+                   if self.prefill_attention == "absorbed" else "")
                 + (f"; routed experts in {experts.get(self.experts, self.experts)}" if self.experts else "")
                 + f"; max_seq_len {self.max_seq_len}")
 
@@ -183,7 +191,7 @@ class ExportPlan:
         return {
             "absorb": self.absorb.value, "dtype": self.dtype, "max_seq_len": self.max_seq_len,
             "experts": self.experts if cfg.n_routed_experts else None, "decode_attention": self.decode_attention,
-            "long_cache": self.long_cache,
+            "prefill_attention": self.prefill_attention, "long_cache": self.long_cache,
             "precision": {"dtype": self.dtype, "compute": self.compute, "caches": self.cache_dtype,
                           "rope_cache": self.rope_dtype, "float32": FLOAT32_ISLANDS},
             "quantization": None if q is None else {
@@ -203,6 +211,7 @@ class ExportPlan:
                    compute=precision.get("compute", COMPUTE), cache_dtype=cache.latent, rope_dtype=cache.rope,
                    quantization=Quantization.from_dict(quantization) if quantization else None,
                    experts=manifest.get("experts"), decode_attention=manifest.get("decode_attention", "ops"),
+                   prefill_attention=manifest.get("prefill_attention", "naive"),
                    long_cache=long_cache(cfg, max_seq_len) if recorded_long is None else bool(recorded_long),
                    max_seq_len=max_seq_len)
 
@@ -243,6 +252,12 @@ def resolve_decode_attention(cfg: MLAConfig, requested: str, cache_dtype: str = 
         return requested
     few_heads = cfg.num_attention_heads < KERNEL_HEADS_BELOW
     return "kernel" if kernel_fits(cfg) and (few_heads or cache_dtype != "float32") else "ops"
+
+
+def prefill_attention(cache: io_spec.CacheFormat, decode_attention: str) -> str:
+    """The prefill graph's attention (module docstring): absorbed over an int8 cache the decode kernel reads, naive
+    otherwise."""
+    return "absorbed" if cache.scaled and decode_attention == "kernel" else "naive"
 
 
 def long_cache(cfg: MLAConfig, max_seq_len: int) -> bool:

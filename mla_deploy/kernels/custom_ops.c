@@ -10,7 +10,8 @@
  *                    LatentAttentionLong* the same kernels under other names, whose function bodies suit long caches)
  *   LatentAttentionQ8 (q_latent, q_rope, latent int8 [b, cap, d_c], latent_scale float32 [b, cap, 1],
  *                      rope float32 [b, cap, d_r], bias) -> float32 [b, h, d_c]   (latent_attention_q8.h;
- *                      Q8F16 / Q8BF16 with the rope cache in half precision; LatentAttentionLongQ8* likewise)
+ *                      Q8F16 / Q8BF16 with the rope cache in half precision; LatentAttentionLongQ8* likewise;
+ *                      LatentAttentionChunkQ8*: the queries [b, T, h, ·] of a prefill chunk, bias [b, 1, T, cap])
  *   QMatMul4, QMatMul8 (A float32 [..., K], codes uint8 [G, KB, 2·B·bits], scales float16 [G, KB, 16]; attributes
  *                       K, N, block_size, accuracy_level) -> Y float32 [..., N]   (qmatmul.h: int4 / int8 weights)
  *   QRoutedExperts4, QRoutedExperts8 (X float32 [T, d], dispatch float32 [T, E], fc1 codes and scales, fc2 codes and
@@ -238,23 +239,26 @@ static OrtStatus *compute_latent_attention_q8(void *kernel, OrtKernelContext *co
     void *data[6], *y;
     OrtStatus *status = inputs(context, op, 6, dims, rank, data);
     if (status) return status;
-    if (rank[0] != 3 || rank[1] != 3 || rank[2] != 3 || rank[3] != 3 || rank[4] != 3 || rank[5] < 1)
-        return error(op, "expected q_latent [b, h, d_c], q_rope [b, h, d_r], latent [b, cap, d_c], latent_scale "
-                         "[b, cap, 1], rope [b, cap, d_r], bias [b, 1, 1, cap]");
-    LatentAttentionQ8 job = {.isa = level_of(kernel), .rope_kind = rope_kind, .rows = dims[0][0], .heads = dims[0][1],
-                             .latent = dims[0][2], .rope = dims[1][2], .capacity = dims[2][1]};
+    size_t q = rank[0]; /* 3: one query a row [b, h, ·]; 4: a chunk's [b, T, h, ·] */
+    if ((q != 3 && q != 4) || rank[1] != q || rank[2] != 3 || rank[3] != 3 || rank[4] != 3 || rank[5] < 1)
+        return error(op, "expected q_latent [b, h, d_c] or [b, T, h, d_c], q_rope likewise, latent [b, cap, d_c], "
+                         "latent_scale [b, cap, 1], rope [b, cap, d_r], bias [b, 1, T, cap]");
+    int64_t b = dims[0][0], t = q == 4 ? dims[0][1] : 1;
+    LatentAttentionQ8 job = {.isa = level_of(kernel), .rope_kind = rope_kind, .rows = b * t, .queries = t,
+                             .heads = dims[0][q - 2], .latent = dims[0][q - 1], .rope = dims[1][q - 1],
+                             .capacity = dims[2][1]};
     int64_t bias_size = 1;
     for (size_t i = 0; i < rank[5]; i++) bias_size *= dims[5][i];
-    if (dims[1][0] != job.rows || dims[1][1] != job.heads || dims[2][0] != job.rows || dims[2][2] != job.latent ||
-        dims[4][0] != job.rows || dims[4][1] != job.capacity || dims[4][2] != job.rope)
+    if (dims[1][0] != b || (q == 4 && dims[1][1] != t) || dims[1][q - 2] != job.heads || dims[2][0] != b ||
+        dims[2][2] != job.latent || dims[4][0] != b || dims[4][1] != job.capacity || dims[4][2] != job.rope)
         return error(op, "the queries and the caches disagree on the rows, the heads or the widths");
-    if (dims[3][0] != job.rows || dims[3][1] != job.capacity || dims[3][2] != 1)
+    if (dims[3][0] != b || dims[3][1] != job.capacity || dims[3][2] != 1)
         return error(op, "latent_scale must hold one scale per row and cache slot [b, cap, 1]");
     if (dims[5][rank[5] - 1] != job.capacity || bias_size != job.rows * job.capacity)
-        return error(op, "bias must hold one value per row and cache slot [b, 1, 1, cap]");
+        return error(op, "bias must hold one value per query and cache slot [b, 1, T, cap]");
     if (job.latent % 16 || job.rope % 8) return error(op, "d_c must be a multiple of 16 and d_r of 8");
     OrtValue *y_value;
-    if (ORT_FN(api, OrtKernelContextGetOutputFn, ORT_KernelContext_GetOutput)(context, 0, dims[0], 3, &y_value) ||
+    if (ORT_FN(api, OrtKernelContextGetOutputFn, ORT_KernelContext_GetOutput)(context, 0, dims[0], q, &y_value) ||
         ORT_FN(api, OrtGetTensorMutableDataFn, ORT_GetTensorMutableData)(y_value, &y))
         return error(op, "cannot allocate the output");
     job.q_latent = data[0], job.q_rope = data[1], job.codes = data[2], job.scales = data[3], job.rope_cache = data[4];
@@ -285,6 +289,9 @@ Q8_FUNCTIONS(q8_bf16, STRIP_BF16, "LatentAttentionQ8BF16")
 Q8_FUNCTIONS(long_q8_f32, STRIP_F32, "LatentAttentionLongQ8")
 Q8_FUNCTIONS(long_q8_f16, STRIP_F16, "LatentAttentionLongQ8F16")
 Q8_FUNCTIONS(long_q8_bf16, STRIP_BF16, "LatentAttentionLongQ8BF16")
+Q8_FUNCTIONS(chunk_q8_f32, STRIP_F32, "LatentAttentionChunkQ8")
+Q8_FUNCTIONS(chunk_q8_f16, STRIP_F16, "LatentAttentionChunkQ8F16")
+Q8_FUNCTIONS(chunk_q8_bf16, STRIP_BF16, "LatentAttentionChunkQ8BF16")
 
 /* ---------- the quantized ops: QMatMul4/8, QRoutedExperts4/8, QGather4/8 (qmatmul.h's layout) ---------- */
 
@@ -680,7 +687,10 @@ static OrtCustomOp quantized_ops[] = {
     KERNEL_OP(name_q8_bf16, q8_bf16, six, create_at_level, compute_q8_bf16, destroy),
     KERNEL_OP(name_long_q8_f32, q8_f32, six, create_at_level, compute_long_q8_f32, destroy),
     KERNEL_OP(name_long_q8_f16, q8_f16, six, create_at_level, compute_long_q8_f16, destroy),
-    KERNEL_OP(name_long_q8_bf16, q8_bf16, six, create_at_level, compute_long_q8_bf16, destroy)};
+    KERNEL_OP(name_long_q8_bf16, q8_bf16, six, create_at_level, compute_long_q8_bf16, destroy),
+    KERNEL_OP(name_chunk_q8_f32, q8_f32, six, create_at_level, compute_chunk_q8_f32, destroy),
+    KERNEL_OP(name_chunk_q8_f16, q8_f16, six, create_at_level, compute_chunk_q8_f16, destroy),
+    KERNEL_OP(name_chunk_q8_bf16, q8_bf16, six, create_at_level, compute_chunk_q8_bf16, destroy)};
 
 /* The half-precision and float-cache attention ops register from the AVX2 level up: below it (a CPU without AVX2, FMA and F16C,
  * or MLA_DEPLOY_ISA=scalar: dispatch.h) the graphs run their function bodies. On an onnxruntime older than the ABI

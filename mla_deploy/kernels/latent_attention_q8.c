@@ -458,18 +458,19 @@ void latent_attention_q8_release(LatentAttentionQ8 *job) {
 }
 
 void latent_attention_q8_range(LatentAttentionQ8 *job, int64_t task) {
-    const int64_t row = task / job->splits, s0 = task % job->splits * Q8_RANGE, cap = job->capacity;
+    const int64_t row = task % job->rows, split = task / job->rows, cache_row = row / job->queries;
+    const int64_t s0 = split * Q8_RANGE, cap = job->capacity;
     const int64_t s1 = s0 + Q8_RANGE < cap ? s0 + Q8_RANGE : cap, dc = job->latent, dr = job->rope;
     const int64_t lanes = job->lanes, heads = job->heads;
     const float *bias = job->bias + row * cap;
     Task t;
     t.row = row, t.n = 0;
-    t.part = job->partial + task * heads * (dc + 2);
+    t.part = job->partial + (row * job->splits + split) * heads * (dc + 2);
     for (int64_t s = s0; s < s1; s++)
         if (job->blind[row] || bias[s] > -FLT_MAX) {
-            t.c[t.n] = job->codes + (row * cap + s) * dc;
-            t.r[t.n] = (const char *)job->rope_cache + (row * cap + s) * dr * strip_kind_bytes(job->rope_kind);
-            t.sc[t.n] = job->scales[row * cap + s];
+            t.c[t.n] = job->codes + (cache_row * cap + s) * dc;
+            t.r[t.n] = (const char *)job->rope_cache + (cache_row * cap + s) * dr * strip_kind_bytes(job->rope_kind);
+            t.sc[t.n] = job->scales[cache_row * cap + s];
             t.added[t.n++] = job->blind[row] ? 0.0f : bias[s];
         }
     t.n2 = t.n + (t.n & 1);

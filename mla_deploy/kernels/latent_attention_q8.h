@@ -1,5 +1,6 @@
-/* MLA's absorbed decode attention over an int8 latent cache (io_spec.CacheFormat: codes c[s] with one float32 scale
- * sc[s] per entry) and a float rope cache, one query token per row, the queries already scaled:
+/* MLA's absorbed attention over an int8 latent cache (io_spec.CacheFormat: codes c[s] with one float32 scale sc[s] per
+ * entry) and a float rope cache, for T query tokens per cache row (1 in decode, a prefill chunk's tokens in prefill,
+ * each with its own bias row: causality), the queries already scaled:
  *   score[h, s] = q_latent[h] . sc[s] c[s] + q_rope[h] . rope[s] + bias[s]
  *   out[h] = sum over slots s of softmax_s(score[h, s]) sc[s] c[s]
  * The products with the latent run in integers, the rest in float32, in this order (every path, plain C included,
@@ -30,21 +31,22 @@
 typedef struct {
     Isa isa;                                     /* the path */
     StripKind rope_kind;                         /* the rope cache's stored type */
-    int64_t rows, heads, latent, rope, capacity; /* b, h, d_c (a multiple of 16), d_r (a multiple of 8), cap */
-    const float *q_latent;                       /* [b, h, d_c] */
-    const float *q_rope;                         /* [b, h, d_r] */
+    int64_t rows, queries;                       /* query rows b·T, and T: query row r reads cache row r / T */
+    int64_t heads, latent, rope, capacity;       /* h, d_c (a multiple of 16), d_r (a multiple of 8), cap */
+    const float *q_latent;                       /* [b·T, h, d_c] */
+    const float *q_rope;                         /* [b·T, h, d_r] */
     const int8_t *codes;                         /* [b, cap, d_c] */
     const float *scales;                         /* [b, cap] */
     const void *rope_cache;                      /* [b, cap, d_r] */
-    const float *bias;                           /* [b, cap] */
-    float *out;                                  /* [b, h, d_c] */
+    const float *bias;                           /* [b·T, cap] */
+    float *out;                                  /* [b·T, h, d_c] */
     /* latent_attention_q8_plan's */
     int64_t lanes, splits;                       /* heads padded to Q8_LANES; slot ranges per row */
-    uint8_t *blind;                              /* [b]: the row sees no slot */
-    float *partial;                              /* [b, splits, h, d_c + 2]: o, max, sum */
-    float *q_scale;                              /* [b, lanes]: qs (0 for a padding lane) */
-    float *q_rope_packed;                        /* [b, d_r, lanes] */
-    void *q_packed;                              /* [b, q_packed_row bytes]: the query codes as the path reads them */
+    uint8_t *blind;                              /* [b·T]: the query row sees no slot */
+    float *partial;                              /* [b·T, splits, h, d_c + 2]: o, max, sum */
+    float *q_scale;                              /* [b·T, lanes]: qs (0 for a padding lane) */
+    float *q_rope_packed;                        /* [b·T, d_r, lanes] */
+    void *q_packed;                              /* [b·T, q_packed_row bytes]: the query codes as the path reads them */
     int64_t q_packed_row;
     int failed;                                  /* a task could not get its scratch memory */
 } LatentAttentionQ8;
@@ -53,7 +55,8 @@ typedef struct {
  * memory. */
 int latent_attention_q8_plan(LatentAttentionQ8 *job);
 void latent_attention_q8_release(LatentAttentionQ8 *job);
-/* One slot range of one row: task = row * splits + range. Tasks are independent. */
+/* One slot range of one query row: task = range * rows + row (the query rows of one range one after another, while
+ * its cache rows are warm). Tasks are independent. */
 void latent_attention_q8_range(LatentAttentionQ8 *job, int64_t task);
 /* One row's output from its ranges (after every range of the row). */
 void latent_attention_q8_combine(LatentAttentionQ8 *job, int64_t row);
