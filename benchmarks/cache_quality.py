@@ -10,8 +10,14 @@ with --cache-dtype int8, scored on the same held-out text two ways.
 Reported against the float-cache export on the same path: perplexity ratio exp(mean NLL difference) and top-1
 agreement (the share of positions whose most likely next token is the same). Results: a JSON file.
 
+--formats compares candidate int8 formats instead, on the torch source (naive prefill over its cache, entries
+rounded as written): the latent with one scale per token or per group of 32 or 16 channels, the roped key in float32
+or int8 (one scale per token, or per group of 8), each against the unrounded cache. These figures chose the format
+export --cache-dtype int8 writes (export.plan).
+
     .venv/bin/python benchmarks/cache_quality.py [--checkpoint DIR (default: the demo model)] [--text FILE]
         [--window 256] [--workdir benchmarks/work/cache_quality] [--out benchmarks/results/cache_quality.json]
+        [--formats]
 """
 
 from __future__ import annotations
@@ -55,8 +61,61 @@ def decode_scores(model: ExportedModel, batch: list[np.ndarray]) -> tuple[np.nda
 def compare(name: str, nll: np.ndarray, top1: np.ndarray, ref_nll: np.ndarray, ref_top1: np.ndarray) -> dict:
     ratio = math.exp(float(nll.mean() - ref_nll.mean()))
     agreement = float((top1 == ref_top1).mean())
-    print(f"  {name:<40} loss {nll.mean():.5f}  perplexity ratio {ratio:.5f}  top-1 agreement {agreement:.4%}")
+    print(f"  {name:<44} loss {nll.mean():.5f}  perplexity ratio {ratio:.5f}  top-1 agreement {agreement:.4%}")
     return {"loss": float(nll.mean()), "perplexity_ratio": ratio, "top1_agreement": agreement, "positions": len(nll)}
+
+
+def int8_rounded(x, group: int):
+    """x [..., width] as int8 codes with a scale per `group` channels (io_spec's rule per group), times the scale."""
+    import torch
+
+    from mla_deploy.modeling.cache import FLT_MIN
+
+    g = x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
+    scale = torch.clamp(g.abs().amax(-1, keepdim=True) / 127, min=FLT_MIN)
+    return (torch.clamp(torch.round(g / scale), -127, 127) * scale).reshape(x.shape)
+
+
+def formats(args, batch: list[np.ndarray]) -> dict:
+    """The torch source's prefill over caches rounded per candidate format, against unrounded caches."""
+    import torch
+
+    from mla_deploy.modeling import AttentionForm, LayerCache, load_model
+
+    class Rounded(LayerCache):
+        def __init__(self, latent, rope, latent_group, rope_group):
+            super().__init__(latent, rope)
+            self.latent_group, self.rope_group = latent_group, rope_group
+
+        def write(self, latent, rope, write_indices):
+            latent = latent if self.latent_group is None else int8_rounded(latent, self.latent_group)
+            rope = rope if self.rope_group is None else int8_rounded(rope, self.rope_group)
+            super().write(latent, rope, write_indices)
+
+    model = load_model(args.checkpoint)
+    cfg = model.cfg
+
+    def scores(latent_group, rope_group):
+        nll, top1 = [], []
+        for w in batch:
+            t = len(w) - 1
+            caches = [Rounded(torch.zeros(1, t, cfg.kv_lora_rank), torch.zeros(1, t, cfg.qk_rope_head_dim), latent_group,
+                              rope_group) for _ in range(cfg.num_hidden_layers)]
+            logits = model(torch.from_numpy(w[None, :-1]), torch.arange(t)[None], caches, torch.zeros(1, dtype=torch.long),
+                           torch.ones(1, t), form=AttentionForm.NAIVE).numpy()[0]
+            nll.append(log_softmax_nll(logits, w[1:]))
+            top1.append(logits.argmax(-1))
+        return np.concatenate(nll), np.concatenate(top1)
+
+    dc, dr = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    ref = scores(None, None)
+    print(f"torch source, naive prefill, {len(batch)} windows of {args.window}, against unrounded caches:")
+    out = {}
+    for latent_group, rope_group in ((dc, None), (32, None), (16, None), (dc, dr), (dc, 8), (16, 8)):
+        name = (f"latent: a scale per {'token' if latent_group == dc else f'{latent_group} channels'}; rope: "
+                + ("float32" if rope_group is None else f"int8, a scale per {'token' if rope_group == dr else f'{rope_group} channels'}"))
+        out[name] = compare(name, *scores(latent_group, rope_group), *ref)
+    return out
 
 
 def main() -> int:
@@ -66,7 +125,18 @@ def main() -> int:
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--workdir", type=Path, default=ROOT / "benchmarks" / "work" / "cache_quality")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cache_quality.json")
+    ap.add_argument("--formats", action="store_true", help="compare candidate int8 formats on the torch source")
     args = ap.parse_args()
+    if args.formats:
+        tokenizer = Tokenizer(args.checkpoint / "tokenizer.json")
+        batch = windows(tokenizer.encode(args.text.read_text()), args.window)
+        results = {"date": time.strftime("%Y-%m-%d"), "checkpoint": str(args.checkpoint), "text": str(args.text),
+                   "window": args.window, "formats": formats(args, batch)}
+        path = args.out.with_name(args.out.stem + "_formats.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=1) + "\n")
+        print(f"wrote {path}")
+        return 0
     exports = {}
     for cache in ("auto", "int8"):
         exports[cache] = args.workdir / f"export-{cache}"
