@@ -108,6 +108,29 @@ class OnnxEngine:
         tokens = rng.integers(0, self.cfg.vocab_size, batch)
         return _median_ms(lambda: self.gen.decode_step(state, tokens), steps)
 
+    def prefill_at_context_s(self, n: int, ctx: int) -> float:
+        """Seconds to prefill `n` tokens of one row on top of `ctx` already in its cache (random data, every slot
+        written), in the Generator's chunks: positions ctx .. ctx + n - 1, each chunk over the whole cache before it,
+        the last token's logits out; the same cache each call (the chunks overwrite the same slots)."""
+        rng = np.random.default_rng(ctx + n)
+        state = random_decode_state(self.gen, 1, ctx, n, rng)
+        ids = rng.integers(0, self.cfg.vocab_size, (1, n))
+        session, chunk = self.model.sessions[io_spec.PREFILL], self.gen.chunk_size
+        mask = np.ones((1, state.caches.capacity), np.int64)
+        t0 = time.perf_counter()
+        for start in range(0, n, chunk):
+            t = min(chunk, n - start)
+            binding = session.io_binding()
+            binding.bind_cpu_input(io_spec.INPUT_IDS, np.ascontiguousarray(ids[:, start:start + t]))
+            binding.bind_cpu_input(io_spec.POSITION_IDS, np.arange(ctx + start, ctx + start + t)[None])
+            binding.bind_cpu_input(io_spec.ATTENTION_MASK, mask)
+            binding.bind_cpu_input(io_spec.WRITE_INDICES, np.array([ctx + start], np.int64))
+            binding.bind_cpu_input(io_spec.LOGITS_POSITIONS, np.array([[t - 1]], np.int64))
+            binding.bind_output(io_spec.LOGITS, "cpu")
+            state.caches.bind(binding)
+            session.run_with_iobinding(binding)
+        return time.perf_counter() - t0
+
     def cache_bytes_per_token(self) -> int:
         cfg = self.cfg
         return self.model.cache_format.bytes_per_token(cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
