@@ -113,7 +113,9 @@ def converter_python(work: Path) -> Path:
     return python
 
 
-def gguf_files(work: Path, tree: Path, bins: Path, checkpoint: Path) -> dict[str, Path]:
+def gguf_files(work: Path, tree: Path, bins: Path, checkpoint: Path,
+               kinds: tuple[str, ...] = ("q8_0", "q4_0", "f16")) -> dict[str, Path]:
+    """The f32 GGUF of `checkpoint` and its quantized `kinds`, each made once in `work`."""
     files = {kind: work / f"model-{kind}.gguf" for kind, _ in PAIRS}
     if not files["f32"].exists():
         source = work / "checkpoint"
@@ -136,7 +138,7 @@ def gguf_files(work: Path, tree: Path, bins: Path, checkpoint: Path) -> dict[str
         script.write_text(CONVERT.format(tree=str(tree), gguf=str(tree / "gguf-py")))
         run([converter_python(work), script, "convert_hf_to_gguf.py", source, "--outtype", "f32", "--outfile",
              files["f32"]])
-    for kind in ("q8_0", "q4_0", "f16"):
+    for kind in kinds:
         if not files[kind].exists():
             run([bins / "llama-quantize", files["f32"], files[kind], kind.upper(), "2"], capture_output=True)
     return files

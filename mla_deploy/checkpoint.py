@@ -28,37 +28,57 @@ _PACKED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_p
 
 
 def expected_tensors(cfg: MLAConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor name a checkpoint for `cfg` holds, with its shape (HF naming, per-expert experts)."""
-    d, h, v = cfg.hidden_size, cfg.num_attention_heads, cfg.vocab_size
+    """Every tensor a checkpoint for `cfg` holds for generation, with its shape (HF naming, per-expert experts); the
+    MTP layer's apart (mtp_tensors)."""
+    d, v = cfg.hidden_size, cfg.vocab_size
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = (v, d)
     for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        out[p + "input_layernorm.weight"] = (d,)
-        out[p + "post_attention_layernorm.weight"] = (d,)
-        a = p + "self_attn."
-        if cfg.q_lora_rank is None:
-            out[a + "q_proj.weight"] = (h * cfg.qk_head_dim, d)
-        else:
-            out[a + "q_a_proj.weight"] = (cfg.q_lora_rank, d)
-            out[a + "q_a_layernorm.weight"] = (cfg.q_lora_rank,)
-            out[a + "q_b_proj.weight"] = (h * cfg.qk_head_dim, cfg.q_lora_rank)
-        out[a + "kv_a_proj_with_mqa.weight"] = (cfg.kv_lora_rank + cfg.qk_rope_head_dim, d)
-        out[a + "kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
-        out[a + "kv_b_proj.weight"] = (h * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
-        out[a + "o_proj.weight"] = (d, h * cfg.v_head_dim)
-        m = p + "mlp."
-        if not cfg.is_moe_layer(i):
-            out.update(_swiglu(m, d, cfg.intermediate_size))
-            continue
-        out[m + "gate.weight"] = (cfg.n_routed_experts, d)
-        if cfg.topk_method == "noaux_tc":
-            out[m + "gate.e_score_correction_bias"] = (cfg.n_routed_experts,)
-        for e in range(cfg.n_routed_experts):
-            out.update(_swiglu(f"{m}experts.{e}.", d, cfg.moe_intermediate_size))
-        if cfg.n_shared_experts:
-            out.update(_swiglu(m + "shared_experts.", d, cfg.moe_intermediate_size * cfg.n_shared_experts))
+        out.update(layer_tensors(cfg, i))
+    return out
+
+
+def mtp_tensors(cfg: MLAConfig) -> dict[str, tuple[int, ...]]:
+    """The multi-token-prediction layer's tensors (DeepSeek-V3's layout, layer index num_hidden_layers): a decoder
+    layer plus enorm, hnorm, eh_proj [d, 2d] and shared_head.norm. Its embed_tokens and shared_head.head, which
+    DeepSeek-V3 stores as copies of the main model's, are optional (MTP_SHARED): the main model's are used."""
+    d, layer = cfg.hidden_size, cfg.num_hidden_layers
+    p = f"model.layers.{layer}."
+    return {**layer_tensors(cfg, layer), p + "enorm.weight": (d,), p + "hnorm.weight": (d,),
+            p + "eh_proj.weight": (d, 2 * d), p + "shared_head.norm.weight": (d,)}
+
+
+MTP_SHARED = ("embed_tokens.weight", "shared_head.head.weight")
+
+
+def layer_tensors(cfg: MLAConfig, i: int) -> dict[str, tuple[int, ...]]:
+    """Decoder layer i's tensors: norms, attention, dense MLP or MoE."""
+    d, h = cfg.hidden_size, cfg.num_attention_heads
+    p = f"model.layers.{i}."
+    out = {p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,)}
+    a = p + "self_attn."
+    if cfg.q_lora_rank is None:
+        out[a + "q_proj.weight"] = (h * cfg.qk_head_dim, d)
+    else:
+        out[a + "q_a_proj.weight"] = (cfg.q_lora_rank, d)
+        out[a + "q_a_layernorm.weight"] = (cfg.q_lora_rank,)
+        out[a + "q_b_proj.weight"] = (h * cfg.qk_head_dim, cfg.q_lora_rank)
+    out[a + "kv_a_proj_with_mqa.weight"] = (cfg.kv_lora_rank + cfg.qk_rope_head_dim, d)
+    out[a + "kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
+    out[a + "kv_b_proj.weight"] = (h * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+    out[a + "o_proj.weight"] = (d, h * cfg.v_head_dim)
+    m = p + "mlp."
+    if not cfg.is_moe_layer(i):
+        out.update(_swiglu(m, d, cfg.intermediate_size))
+        return out
+    out[m + "gate.weight"] = (cfg.n_routed_experts, d)
+    if cfg.topk_method == "noaux_tc":
+        out[m + "gate.e_score_correction_bias"] = (cfg.n_routed_experts,)
+    for e in range(cfg.n_routed_experts):
+        out.update(_swiglu(f"{m}experts.{e}.", d, cfg.moe_intermediate_size))
+    if cfg.n_shared_experts:
+        out.update(_swiglu(m + "shared_experts.", d, cfg.moe_intermediate_size * cfg.n_shared_experts))
     return out
 
 
@@ -84,6 +104,7 @@ class Checkpoint:
         self.files = _safetensors_files(self.directory)
         self.notes: list[str] = []
         self._where: dict[str, tuple[SafetensorsFile, str, slice | None]] = {}
+        self._mtp_prefix = f"model.layers.{self.config.num_hidden_layers}."
         self._scales: dict[str, tuple[SafetensorsFile, str]] = {}  # FP8 weight name -> its weight_scale_inv
         self._index_tensors()
         self._check_against_config()
@@ -91,7 +112,16 @@ class Checkpoint:
 
     # ---- reading ----
     def names(self) -> list[str]:
-        return list(self._where)
+        """The main model's tensors (expected_tensors); the MTP layer's: mtp_names()."""
+        return [n for n in self._where if not n.startswith(self._mtp_prefix)]
+
+    def mtp_names(self) -> list[str]:
+        """The MTP layer's tensors (mtp_tensors), where the checkpoint has them; empty otherwise."""
+        return [n for n in self._where if n.startswith(self._mtp_prefix)]
+
+    @property
+    def has_mtp(self) -> bool:
+        return bool(self.mtp_names())
 
     def tensor(self, name: str) -> np.ndarray:
         """One tensor as float32, in the HF per-expert naming (an FP8 weight dequantized with its block scales)."""
@@ -114,7 +144,7 @@ class Checkpoint:
         return out
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        return {name: self.tensor(name) for name in self._where}
+        return {name: self.tensor(name) for name in self.names()}
 
     def content_hash(self) -> str:
         """sha256 over config.json and every weight file, in name order: identifies the source of an export."""
@@ -128,12 +158,15 @@ class Checkpoint:
 
     # ---- checking ----
     def _index_tensors(self) -> None:
-        skipped = set()
+        skipped, shared = set(), []
         for file in self.files:
             for stored, (_, shape, _, _) in file.entries.items():
                 layer = _LAYER.match(stored)
-                if layer and int(layer.group(1)) >= self.config.num_hidden_layers:
-                    skipped.add(int(layer.group(1)))  # multi-token-prediction layers of V3/R1
+                if layer and int(layer.group(1)) > self.config.num_hidden_layers:
+                    skipped.add(int(layer.group(1)))  # a second or later MTP layer: the draft chains the first
+                    continue
+                if stored.startswith(self._mtp_prefix) and stored.removeprefix(self._mtp_prefix).startswith(MTP_SHARED):
+                    shared.append(stored)  # DeepSeek-V3's copies of the embedding and the head: the main model's serve
                     continue
                 if stored.endswith(".weight_scale_inv"):
                     self._scales[stored[: -len("_scale_inv")]] = (file, stored)
@@ -144,10 +177,12 @@ class Checkpoint:
                 else:
                     self._where[stored] = (file, stored, None)
         if skipped:
-            self.notes.append(
-                f"skipped layer(s) {sorted(skipped)}: multi-token-prediction weights "
-                f"(num_nextn_predict_layers={self.config.num_nextn_predict_layers}) are not used for generation"
-            )
+            self.notes.append(f"skipped layer(s) {sorted(skipped)}: multi-token-prediction layers after the first "
+                              f"(num_nextn_predict_layers={self.config.num_nextn_predict_layers}); the MTP draft "
+                              f"chains layer {self.config.num_hidden_layers}")
+        if shared:
+            self.notes.append(f"{', '.join(shared)}: the MTP layer's copies of the embedding and output layer, not "
+                              "read (the main model's, which they share)")
 
     def _index_packed(self, file: SafetensorsFile, stored: str, prefix: str, kind: str, shape: tuple) -> None:
         n_experts = shape[0] if shape else 0
@@ -169,11 +204,21 @@ class Checkpoint:
         return (shape[1] // 2, *shape[2:])
 
     def _check_against_config(self) -> None:
-        expected = expected_tensors(self.config)
         if self.config.tie_word_embeddings:
             self._where.pop("lm_head.weight", None)  # a tied checkpoint may still carry a copy
+        self._check_tensors(expected_tensors(self.config), self.names(), "checkpoint does not match config.json")
+        layer = self.config.num_hidden_layers
+        if self.has_mtp:
+            self._check_tensors(mtp_tensors(self.config), self.mtp_names(),
+                                f"the multi-token-prediction layer {layer} is incomplete")
+            self.notes.append(f"layer {layer}: the multi-token-prediction (MTP) module, exported as the draft graph")
+        elif self.config.num_nextn_predict_layers:
+            self.notes.append(f"config.json has num_nextn_predict_layers={self.config.num_nextn_predict_layers} but "
+                              f"the checkpoint holds no layer-{layer} weights: no MTP draft graph")
+
+    def _check_tensors(self, expected: dict[str, tuple[int, ...]], names: list[str], what: str) -> None:
         missing = [n for n in expected if n not in self._where]
-        unexpected = [n for n in self._where if n not in expected]
+        unexpected = [n for n in names if n not in expected]
         wrong = [f"{n}: {list(self._shape(n))} (expected {list(s)})"
                  for n, s in expected.items() if n in self._where and self._shape(n) != s]
         if missing or unexpected or wrong:
@@ -182,8 +227,7 @@ class Checkpoint:
                 if items:
                     shown = items[:20] + ([f"... and {len(items) - 20} more"] if len(items) > 20 else [])
                     parts.append(f"{title} ({len(items)}): " + "; ".join(shown))
-            raise CheckpointError(f"{self.directory}: checkpoint does not match config.json: " + " | ".join(parts))
-
+            raise CheckpointError(f"{self.directory}: {what}: " + " | ".join(parts))
 
     def _check_fp8(self) -> None:
         """Every float8 weight has its block scales of the right grid, and every scale belongs to a float8 weight."""

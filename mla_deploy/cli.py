@@ -61,6 +61,25 @@ def _session_entries(ctx, param, values: tuple[str, ...]) -> tuple[tuple[str, st
     return tuple(entries)
 
 
+def _speculation_options(f):  # run and serve
+    f = click.option("--draft-tokens", type=int, default=4, show_default=True,
+                     help="Most tokens proposed per step with --speculative (fewer where the measured step costs and "
+                          "the drafts' acceptance in the generation say fewer pay).")(f)
+    return click.option("--speculative", type=click.Choice(["auto", "off", "lookup", "mtp"]), default="auto",
+                        show_default=True,
+                        help="Speculative decoding: propose tokens and verify them in one pass over the latent cache. "
+                             "lookup: from earlier occurrences in the prompt and output (any export); mtp: by the "
+                             "export's draft graph (a checkpoint with an MTP layer); auto: mtp where the export has "
+                             "it, else lookup. Greedy output is the same as off; sampled output keeps its "
+                             "distribution.")(f)
+
+
+def _speculation(mode: str, draft_tokens: int):
+    from .runtime.speculative import Speculation
+
+    return Speculation(mode, draft_tokens).validate()  # bad values fail before loading
+
+
 _session_config_option = click.option(  # run and serve
     "--session-config", "session_config", multiple=True, metavar="KEY=VALUE", callback=_session_entries,
     help="A further onnxruntime session config entry, e.g. session.set_denormal_as_zero=1 (repeatable).")
@@ -86,10 +105,10 @@ def main(ctx, debug):
               help="The decode graph's absorbed attention: fused W^Q·W^UK and W^UV·W^O matrices, or factored "
                    "per-head W^UK / W^UV; auto picks the one with fewer weight bytes per token (computed from the config).")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True,
-              help="Weights and caches (bfloat16 computes in float32 on the CPU: README, Precision).")
+              help="Weights and caches (bfloat16 computes in float32 on the CPU: docs/precision.md).")
 @click.option("--cache-dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16", "int8"]), default="auto",
               show_default=True, help="The latent cache: auto stores it in --dtype; int8 stores codes with a float32 "
-                                      "scale per token and layer, the roped key staying in --dtype (README, Precision).")
+                                      "scale per token and layer, the roped key staying in --dtype (docs/precision.md).")
 @click.option("--max-seq-len", type=click.IntRange(min=1), default=None, help="Longest sequence (default: the config's).")
 @click.option("--no-verify", is_flag=True, help="Skip checking the export against the torch source.")
 @click.option("--steps", type=click.IntRange(min=1), default=8, show_default=True,
@@ -102,19 +121,22 @@ def main(ctx, debug):
               help="MatMulNBits compute: 4 quantizes activations to int8 inside the kernel (fast), 0 multiplies in float.")
 @click.option("--head-bits", type=click.Choice(["4", "8"]), default="8", show_default=True,
               help="A quantized export's embedding and output layer: 8 loses less quality, 4 makes the smallest file "
-                   "and the fastest decode (README, Quantized exports).")
+                   "and the fastest decode (docs/precision.md).")
 @click.option("--experts", type=click.Choice(["auto", "kernel", "qmoe", "branches"]), default="auto", show_default=True,
               help="How MoE layers run their routed experts: auto picks mla-deploy's RoutedExperts kernel (float "
                    "exports of few-expert layers) or QMoE (quantized); branches (one If per expert) is stock ONNX that "
-                   "runs anywhere, CUDA included (README, Quantized exports).")
+                   "runs anywhere, CUDA included (docs/precision.md).")
 @click.option("--decode-attention", type=click.Choice(["auto", "kernel", "ops"]), default="auto", show_default=True,
               help="The decode attention core: mla-deploy's LatentAttention kernel, or onnxruntime's ops (stock ONNX "
-                   "that runs anywhere, CUDA included; README, Serving).")
+                   "that runs anywhere, CUDA included; docs/design.md).")
+@click.option("--no-draft", is_flag=True,
+              help="Leave out the MTP draft graph of a checkpoint with a multi-token-prediction layer.")
 @click.option("--force", is_flag=True, help="Replace an earlier export at the output path (nothing else is ever "
               "replaced).")
-def export(checkpoint, out, absorb, dtype, cache_dtype, max_seq_len, no_verify, steps, quantize, block_size, accuracy_level,
-           head_bits, experts, decode_attention, force):
-    """Export CHECKPOINT (default: the bundled demo model) to prefill.onnx + decode.onnx."""
+def export(checkpoint, out, absorb, dtype, cache_dtype, max_seq_len, no_verify, steps, quantize, block_size,
+           accuracy_level, head_bits, experts, decode_attention, no_draft, force):
+    """Export CHECKPOINT (default: the bundled demo model) to prefill.onnx, decode.onnx and verify.onnx (and
+    draft.onnx from a checkpoint with an MTP layer)."""
     from .export import ExportOptions
     from .export import export as run_export
     from .verify import verify_export
@@ -131,7 +153,8 @@ def export(checkpoint, out, absorb, dtype, cache_dtype, max_seq_len, no_verify, 
 
     options = ExportOptions(absorb=absorb, dtype=dtype, max_seq_len=max_seq_len, force=force, quantize=quantize,
                             block_size=int(block_size), accuracy_level=int(accuracy_level), head_bits=int(head_bits),
-                            experts=experts, decode_attention=decode_attention, cache_dtype=cache_dtype)
+                            experts=experts, decode_attention=decode_attention, cache_dtype=cache_dtype,
+                            draft=not no_draft)
     run_export(checkpoint, out, options, progress=progress, verify=None if no_verify else verify)
 
 
@@ -159,9 +182,11 @@ def export(checkpoint, out, absorb, dtype, cache_dtype, max_seq_len, no_verify, 
               help="Load only the decode graph and feed the prompt through it a token at a time: one prepacked copy of "
                    "a quantized export's weights instead of two (a model near the machine's memory).")
 @_session_config_option
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
+@_speculation_options
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text (with the "
+              "draft tokens proposed and accepted).")
 def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, provider,
-        threads, check_weights, prepack, decode_only, session_config, as_json):
+        threads, check_weights, prepack, decode_only, session_config, speculative, draft_tokens, as_json):
     """Generate from EXPORT_DIR, streaming the text as it is produced."""
     from .runtime import ExportedModel, RuntimeOptions, SamplingParams
     from .runtime.complete import complete
@@ -169,13 +194,16 @@ def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_
     ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
     given = dict(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty, seed=seed)
     SamplingParams(**{k: v for k, v in given.items() if v is not None}).validate()  # bad flags fail before loading
+    speculation = _speculation(speculative, draft_tokens)
+    if decode_only and speculative == "auto":
+        speculation = _speculation("off", draft_tokens)  # a decode-only model holds no verify graph
     options = RuntimeOptions(provider=provider, threads=threads, check_weights="full" if check_weights else "sampled",
                              prepack=prepack, session_config=session_config)
     model = ExportedModel(export_dir, options, graphs=("decode",) if decode_only else ("prefill", "decode"))
     sampling = model.generation.override(**given)
     memory = model.load_memory
     on_text = None if as_json else (lambda s: click.echo(s, nl=False))
-    result = complete(model, prompt, ids, max_new_tokens, sampling, on_text)
+    result = complete(model, prompt, ids, max_new_tokens, sampling, on_text, speculation)
     if as_json:
         result["load"] = {"seconds": round(model.load_seconds, 3), "memory": memory.to_dict() if memory else None}
         click.echo(json.dumps(result))
@@ -184,8 +212,10 @@ def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_
         click.echo()  # the text streamed already; end its line
     else:
         click.echo(" ".join(map(str, result["token_ids"])))
+    spec = result["speculation"]
+    drafts = (f", {spec['mode']}: {spec['accepted']}/{spec['proposed']} draft tokens accepted" if spec else "")
     click.echo(f"[{len(result['token_ids'])} tokens, prefill {result['prefill_ms']:.1f} ms, decode "
-               f"{result['decode_tokens_per_s']:.1f} tok/s; loaded in {model.load_seconds:.1f} s"
+               f"{result['decode_tokens_per_s']:.1f} tok/s{drafts}; loaded in {model.load_seconds:.1f} s"
                + (f", {memory.describe()}" if memory else "") + "]", err=True)
 
 
@@ -258,7 +288,13 @@ def eval_command(export_dir, text_file, window, checkpoint):
 @click.option("--workdir", type=click.Path(path_type=Path), default=Path("benchmarks/work"), show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), default=Path("benchmarks/work/results"), show_default=True,
               help="Where results.json and results.png go (benchmarks/results holds the README's figures).")
-def bench(quick, preset, checkpoint, contexts, batches, engines, steps, threads, workdir, out):
+@click.option("--speculative", "speculative_modes", default=None, metavar="MODES",
+              help="Also compare speculative decoding's modes, e.g. off,lookup,mtp: greedy generations per mode over "
+                   "the same prompts, decode tokens/s and draft acceptance (README, Speculative decoding).")
+@click.option("--draft-tokens", type=click.IntRange(1, 16), default=4, show_default=True,
+              help="Most tokens proposed per step in the --speculative comparison.")
+def bench(quick, preset, checkpoint, contexts, batches, engines, steps, threads, workdir, out, speculative_modes,
+          draft_tokens):
     """Benchmark engines side by side: decode speed vs context, prefill, memory, bandwidth limit."""
     from .bench import BenchConfig, run_bench
     from .bench.report import save, table
@@ -266,7 +302,8 @@ def bench(quick, preset, checkpoint, contexts, batches, engines, steps, threads,
     overrides = {k: v for k, v in dict(
         preset=preset, checkpoint=checkpoint, threads=threads, workdir=workdir, steps=steps,
         contexts=_parse_ints(contexts, "--contexts"), batches=_parse_ints(batches, "--batches"),
-        engines=tuple(engines.split(",")) if engines else None).items() if v is not None}
+        engines=tuple(engines.split(",")) if engines else None,
+        speculative=_parse_modes(speculative_modes), draft_tokens=draft_tokens).items() if v is not None}
     cfg = BenchConfig.quick(**overrides) if quick else BenchConfig(**overrides)
     result = run_bench(cfg, progress=_progress())
     click.echo(table(result))
@@ -296,8 +333,9 @@ def bench(quick, preset, checkpoint, contexts, batches, engines, steps, threads,
 @click.option("--ray-replicas", type=click.IntRange(min=1), default=None,
               help="Serve N replicas on Ray Serve (the 'ray' extra) instead of one process.")
 @_session_config_option
+@_speculation_options
 def serve(export_dir, host, port, max_batch, max_queue, prefill_chunk, api_key, model_name, threads, prepack, spin,
-          ray_replicas, session_config):
+          ray_replicas, session_config, speculative, draft_tokens):
     """Serve EXPORT_DIR over HTTP with OpenAI's completions and chat routes, batching requests continuously."""
     from .runtime import RuntimeOptions
 
@@ -305,12 +343,14 @@ def serve(export_dir, host, port, max_batch, max_queue, prefill_chunk, api_key, 
     if ray_replicas is not None:
         from .serve.ray import serve_on_ray
 
-        serve_on_ray(export_dir, ray_replicas, host, port, max_batch, max_queue, api_key, model_name, options)
+        serve_on_ray(export_dir, ray_replicas, host, port, max_batch, max_queue, api_key, model_name, options,
+                     _speculation(speculative, draft_tokens))
         return
     from .serve.server import build_service
     from .serve.server import serve as run_server
 
-    service = build_service(export_dir, max_batch, max_queue, api_key, model_name, options, prefill_chunk)
+    service = build_service(export_dir, max_batch, max_queue, api_key, model_name, options, prefill_chunk,
+                            _speculation(speculative, draft_tokens))
     click.echo(f"serving {service.model_name!r} on http://{host}:{port}/v1 (max batch {max_batch}, "
                f"max queue {max_queue}{', API key required' if api_key else ''})", err=True)
     run_server(service, host, port)
@@ -326,6 +366,18 @@ def preset(name, out, seed, layers):
     from .presets import build_preset
 
     click.echo(build_preset(name, out, seed, layers))
+
+
+def _parse_modes(text):
+    if text is None:
+        return None
+    from .runtime.speculative import MODES
+
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    bad = [m for m in modes if m not in MODES or m == "auto"]
+    if bad or not modes:
+        raise MLADeployError(f"--speculative {text!r}: expected comma-separated modes among off, lookup, mtp")
+    return modes
 
 
 def _parse_ints(text, flag):

@@ -1,11 +1,11 @@
 """Integrity of an export's weights file: one digest per 1 MiB block, recorded by the exporter in the manifest.
 
-Hashing a multi-GB weights file at every load would cost seconds (sha256 runs at ~1.9 GB/s here), so a load
+Hashing a multi-GB weights file at every load would cost seconds (docs/design.md), so a load
 checks what is cheap and `check` (or `RuntimeOptions(check_weights="full")`) checks everything:
 
   full     every block: any changed byte is found, and named by its block and byte range.
   sampled  the whole file when it is at most FULL_AT_LOAD_BYTES, else the first and last block and
-           SAMPLED_BLOCKS others drawn at random on each load (about 35 ms): a damaged file is caught
+           SAMPLED_BLOCKS others drawn at random on each load: a damaged file is caught
            by a given load with probability (damaged blocks x SAMPLED_BLOCKS / blocks) or better.
 
 The size of the file is always checked. Torch-free (the runtime uses it).

@@ -1,31 +1,42 @@
 """The one place graph inputs and outputs are named, with their axes. Exporter, runtime and verifier import it.
 
-Both graphs share one contract over caches that the runtime preallocates:
+Every graph shares one contract over caches that the runtime preallocates:
 
   input_ids        int64 [batch, seq]           new tokens (decode: seq = 1)
   position_ids     int64 [batch, seq]           RoPE position of each new token
   attention_mask   int64 [batch, capacity]      1 where a cache slot holds a real token
   write_indices    int64 [batch]                cache slot of each row's first new token
-  logits_positions int64 [batch, n]             (prefill only) chunk positions whose logits to compute
+  logits_positions int64 [batch, n]             (prefill and draft) chunk positions whose logits to compute
   past_latent.{i}  float [batch, capacity, kv_lora_rank]       ĉ after kv_a_layernorm
   past_latent_scale.{i} float32 [batch, capacity, 1]           (int8 latent caches only) each entry's scale
   past_rope.{i}    float [batch, capacity, qk_rope_head_dim]   k_pe after RoPE (rotate-half layout)
 
-  logits           float32 [batch, n or 1, vocab]
+  logits           float32 [batch, n (prefill, draft) or seq, vocab]
+  hidden           float32 [batch, seq (draft: n), hidden_size]   the final hidden state, after the final norm:
+                   what the vocabulary projection reads (the MTP draft's input, and the draft's own for chaining);
+                   from the main graphs of an export with a draft graph only
   present_latent.{i}, present_latent_scale.{i}, present_rope.{i}: the caches with the new entries written
       (TensorScatter). Bound to the same buffers as past_* through IO binding, the update happens in place.
 
 The caches' element types are a CacheFormat: the latent in float32, float16, bfloat16 or int8, the rope in a float
 type. An int8 latent entry is ĉ quantized symmetrically with one float32 scale per token and layer:
 scale = max(max |ĉ| / 127, FLT_MIN), code = clip(round_half_even(ĉ / scale), -127, 127), ĉ' = code · scale.
+The draft graph's caches (its MTP layer's) are in the same format.
 
 Query t of row b sits at slot write_indices[b] + t and attends to slots j <= that slot where
 attention_mask[b, j] = 1. No decompressed K or V appears in any input or output.
+
+The graphs: prefill (naive attention, any seq; absorbed over an int8 latent cache), decode (absorbed, seq = 1), verify (absorbed, any seq: speculative
+decoding's verification pass), and draft, the MTP module (layer index num_hidden_layers of a V3 checkpoint), whose
+input_ids are the tokens i + 1 and previous_hidden [batch, seq, hidden_size] the main model's hidden at i, over its
+own one-layer cache past_latent.{L} / past_rope.{L}, L = num_hidden_layers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from .config import MLAConfig
 
 INPUT_IDS = "input_ids"
 POSITION_IDS = "position_ids"
@@ -33,10 +44,14 @@ ATTENTION_MASK = "attention_mask"
 WRITE_INDICES = "write_indices"
 LOGITS_POSITIONS = "logits_positions"
 LOGITS = "logits"
+HIDDEN = "hidden"
+PREVIOUS_HIDDEN = "previous_hidden"
 
 PREFILL = "prefill"
 DECODE = "decode"
-GRAPH_FILES = {PREFILL: "prefill.onnx", DECODE: "decode.onnx"}
+VERIFY = "verify"
+DRAFT = "draft"
+GRAPH_FILES = {PREFILL: "prefill.onnx", DECODE: "decode.onnx", VERIFY: "verify.onnx", DRAFT: "draft.onnx"}
 
 
 def past_latent(layer: int) -> str:
@@ -93,10 +108,11 @@ class CacheFormat:
         """The latent is stored as codes with a scale per entry."""
         return self.latent in QUANTIZED_CACHES
 
-    def tensors(self, num_layers: int, kv_lora_rank: int, rope_dim: int) -> list["CacheTensor"]:
-        """Every cache tensor, layer by layer: the latent, its scales where it has them, the roped key."""
+    def tensors(self, num_layers: int | range, kv_lora_rank: int, rope_dim: int) -> list["CacheTensor"]:
+        """Every cache tensor, layer by layer: the latent, its scales where it has them, the roped key (layers
+        0 .. num_layers - 1, or the given range of layers: the draft graph's)."""
         out = []
-        for i in range(num_layers):
+        for i in (range(num_layers) if isinstance(num_layers, int) else num_layers):
             out.append(CacheTensor(past_latent(i), present_latent(i), self.latent, kv_lora_rank, "latent"))
             if self.scaled:
                 out.append(CacheTensor(past_latent_scale(i), present_latent_scale(i), "float32", 1, "scale"))
@@ -122,6 +138,11 @@ class CacheTensor:
     role: str  # "latent", "scale" (an int8 latent's, one per entry) or "rope"
 
 
+def past_of(present: str) -> str:
+    """The past_* input whose buffer a present_* output updates."""
+    return "past_" + present.removeprefix("present_")
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
@@ -132,21 +153,33 @@ class TensorSpec:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
 
 
-def graph_io(graph: str, num_layers: int, kv_lora_rank: int, rope_dim: int, vocab: int,
-             cache_dtype: CacheFormat | str = "float32") -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """(inputs, outputs) of the prefill or decode graph over caches in `cache_dtype` (a CacheFormat, or one float
-    dtype for both caches)."""
-    seq = "seq" if graph == PREFILL else 1
+def graph_io(graph: str, cfg: MLAConfig, cache_dtype: CacheFormat | str = "float32",
+             hidden: bool = False) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """(inputs, outputs) of the prefill, decode, verify or draft graph for the config `cfg` over caches in
+    `cache_dtype` (a CacheFormat, or one float dtype for both caches); `hidden`: the main graphs of an export with a
+    draft graph also output the final hidden state (the draft graph always does)."""
+    seq = 1 if graph == DECODE else "seq"
     inputs = [
         TensorSpec(INPUT_IDS, "int64", ("batch", seq)),
         TensorSpec(POSITION_IDS, "int64", ("batch", seq)),
         TensorSpec(ATTENTION_MASK, "int64", ("batch", "capacity")),
         TensorSpec(WRITE_INDICES, "int64", ("batch",)),
     ]
-    if graph == PREFILL:
+    gathered = graph in (PREFILL, DRAFT)  # logits at the asked-for positions only
+    if gathered:
         inputs.append(TensorSpec(LOGITS_POSITIONS, "int64", ("batch", "n_logits")))
-    outputs = [TensorSpec(LOGITS, "float32", ("batch", "n_logits" if graph == PREFILL else 1, vocab))]
-    for cache in CacheFormat.of(cache_dtype).tensors(num_layers, kv_lora_rank, rope_dim):
+    if graph == DRAFT:
+        inputs.append(TensorSpec(PREVIOUS_HIDDEN, "float32", ("batch", seq, cfg.hidden_size)))
+    outputs = [TensorSpec(LOGITS, "float32", ("batch", "n_logits" if gathered else seq, cfg.vocab_size))]
+    if hidden or graph == DRAFT:
+        outputs.append(TensorSpec(HIDDEN, "float32", ("batch", "n_logits" if graph == DRAFT else seq, cfg.hidden_size)))
+    layers = draft_layers(cfg) if graph == DRAFT else range(cfg.num_hidden_layers)
+    for cache in CacheFormat.of(cache_dtype).tensors(layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim):
         inputs.append(TensorSpec(cache.past, cache.dtype, ("batch", "capacity", cache.width)))
         outputs.append(TensorSpec(cache.present, cache.dtype, ("batch", "capacity", cache.width)))
     return inputs, outputs
+
+
+def draft_layers(cfg: MLAConfig) -> range:
+    """The checkpoint layer index of the MTP module the draft graph runs: the first after the main layers."""
+    return range(cfg.num_hidden_layers, cfg.num_hidden_layers + 1)

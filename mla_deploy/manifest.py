@@ -90,8 +90,7 @@ def cache_format(manifest: dict) -> io_spec.CacheFormat:
 def check_files(directory: Path, manifest: dict, check_weights: str = "sampled") -> None:
     """Every file the manifest names exists; graph hashes match; the weights file's size and blocks match
     (all blocks, or a sample of a large file: mla_deploy.integrity)."""
-    for kind in (io_spec.PREFILL, io_spec.DECODE):
-        entry = manifest["graphs"][kind]
+    for kind, entry in manifest["graphs"].items():
         path = directory / entry["file"]
         if not path.is_file():
             raise ExportLoadError(f"{path}: missing {kind} graph")

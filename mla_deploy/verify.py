@@ -11,7 +11,7 @@ max(1, max |logit|), rtol by the export's dtypes (the weights' and the caches'):
 bfloat16 exports are compared with the source on their rounded weights and caches (export.precision.RoundedCheckpoint),
 computing in float32 like it, and an int8-cache export with the source whose cache entries are quantized by the same
 rule as they are written (modeling.cache.stored_values), each at the rtol measured over every test configuration
-with a margin (RTOL; README, Precision). An int8 entry whose value sits on a rounding boundary may round the other
+with a margin (RTOL; docs/precision.md). An int8 entry whose value sits on a rounding boundary may round the other
 way in the export than in the source (their float32 sums differ in order): one code step of one entry, which the
 int8 rtol covers.
 
@@ -42,10 +42,11 @@ from .manifest import cache_format, read_manifest
 from .modeling.attention import AttentionForm
 from .modeling.layerwise import layerwise_logits
 from .runtime import ExportedModel, Generator, RuntimeOptions, SamplingParams
-from .runtime.feeds import prefill_feed
+from .runtime.feeds import empty_caches, prefill_feed
 
 DEFAULT_RTOL = 1e-4
-# measured worst: 9.5e-5, 9.1e-5 (README); int8 caches 3.9e-4 over 120 verifications (docs/precision.md)
+# the worst measured sits 10x below in float (docs/development.md); int8 caches 3.9e-4 over 120 verifications
+# (docs/precision.md)
 RTOL = {"float32": DEFAULT_RTOL, "float16": 1e-3, "bfloat16": 1e-3, "int8": 1e-3}
 
 
@@ -63,6 +64,11 @@ class VerifyReport:
     # a quantized export, prefill: the deployed session (prepacked, accuracy_level as exported) against the exact one;
     # an int8-cache export, decode: the steps with the kernel library against the exact ones
     deployed_drift: float | None = None
+    checks: list[float] = field(default_factory=list)  # the verify graph's, the hidden state's and the draft's, in logits
+
+    @property
+    def worst(self) -> float:
+        return max([self.prefill_max_abs, *self.decode_max_abs, *self.checks])
 
     @property
     def tolerance(self) -> float:
@@ -70,8 +76,7 @@ class VerifyReport:
 
     @property
     def passed(self) -> bool:
-        worst = max([self.prefill_max_abs, *self.decode_max_abs])
-        return worst <= self.tolerance and self.token_agreement == 1.0
+        return self.worst <= self.tolerance and self.token_agreement == 1.0
 
 
 def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = None, steps: int = 8,
@@ -115,14 +120,25 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
     # the graphs: prefill scores every position; decode steps are fed the generated tokens
     prefill = prefill_feed(cfg, ids, capacity, cache)
     mask = prefill[io_spec.ATTENTION_MASK]
-    prefilled = model.run(io_spec.PREFILL, prefill)
-    prefill_logits, step_logits = prefilled[io_spec.LOGITS], decode_steps(model, prefilled, tokens, lens, mask)
+    out = model.run(io_spec.PREFILL, prefill)
+    prefill_logits, prefill_hidden = out[io_spec.LOGITS], out.get(io_spec.HIDDEN)
+    prefilled = {io_spec.past_of(k): v for k, v in out.items() if k.startswith("present_")}  # the caches after it
+    step_logits = decode_steps(model, prefilled, tokens, lens, mask)
+
+    # the verify graph: the generated tokens in one pass over the prefill's caches, as speculative decoding feeds it
+    verify_logits = None
+    if model.has_graph(io_spec.VERIFY):
+        model.load(io_spec.VERIFY)
+        feed = {io_spec.INPUT_IDS: tokens, io_spec.POSITION_IDS: lens[:, None] + np.arange(steps),
+                io_spec.ATTENTION_MASK: mask, io_spec.WRITE_INDICES: lens}
+        feed.update(prefilled)
+        verify_logits = model.run(io_spec.VERIFY, feed)[io_spec.LOGITS]  # [b, steps, vocab]
 
     # the torch source on the same inputs, one layer at a time
-    ref_prefill, ref_steps = (t.numpy() for t in layerwise_logits(
+    ref_prefill, ref_steps, ref_hidden, _ = (t.numpy() for t in layerwise_logits(
         reference, torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(lens), torch.from_numpy(tokens),
         stored=None if cache == CacheFormat() else cache,
-        prefill_form=AttentionForm(manifest.get("prefill_attention", "naive"))))
+        prefill_form=AttentionForm(manifest.get("prefill_attention", "naive")), hidden=True))
     valid = np.arange(longest)[None, :] < lens[:, None]
     prefill_diff = float(np.abs(prefill_logits - ref_prefill)[valid].max())
     report = VerifyReport(prefill_diff, [], 0.0, float(np.abs(ref_prefill[valid]).max()), rtol)
@@ -132,6 +148,17 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
         report.decode_max_abs.append(diff)
         report.logit_scale = max(report.logit_scale, float(np.abs(ref_steps[:, step]).max()))
         report.lines.append(f"decode   step {step + 1:>3}: max |Δlogit| {diff:.3e}")
+    if io_spec.HIDDEN in out:  # the main graphs' final hidden state, which the MTP draft reads
+        diff = float(np.abs(prefill_hidden - ref_hidden)[valid].max())
+        report.checks.append(diff / max(1.0, float(np.abs(ref_hidden[valid]).max())) * max(1.0, report.logit_scale))
+        report.lines.append(f"hidden   prefill: max |Δ| {diff:.3e} (final hidden state, scale "
+                            f"{float(np.abs(ref_hidden[valid]).max()):.2f})")
+    if verify_logits is not None:
+        diff = float(np.abs(verify_logits - ref_steps).max())
+        report.checks.append(diff)
+        report.lines.append(f"verify   {steps} tokens in one pass: max |Δlogit| {diff:.3e}")
+    if model.has_draft:
+        report.lines += check_draft(model, reference, ids, lens, tokens, prefill_hidden, report)
 
     # the source's greedy choice before each generated token: after the prompt, then after each decode step
     last = ref_prefill[np.arange(b), lens - 1]  # [b, vocab]
@@ -169,16 +196,60 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
 def decode_steps(model: ExportedModel, prefilled: dict, tokens: np.ndarray, lens: np.ndarray,
                  mask: np.ndarray) -> list[np.ndarray]:
     """Logits [b, vocab] of feeding `tokens` [b, steps] through the decode graph one step at a time, row b's token s
-    at slot lens[b] + s, over the caches of the prefill graph's outputs `prefilled`."""
-    out, logits = prefilled, []
+    at slot lens[b] + s, over the caches `prefilled` (past_* names) the prefill graph wrote."""
+    caches, logits = prefilled, []
     for step in range(tokens.shape[1]):
         slot = lens + step
         feed = {io_spec.INPUT_IDS: tokens[:, step : step + 1], io_spec.POSITION_IDS: slot[:, None],
                 io_spec.ATTENTION_MASK: mask, io_spec.WRITE_INDICES: slot}
-        feed.update({k.replace("present", "past"): v for k, v in out.items() if k != io_spec.LOGITS})
+        feed.update(caches)
         out = model.run(io_spec.DECODE, feed)
+        caches = {io_spec.past_of(k): v for k, v in out.items() if k.startswith("present_")}
         logits.append(out[io_spec.LOGITS][:, 0])
     return logits
+
+
+def check_draft(model: ExportedModel, reference, ids: np.ndarray, lens: np.ndarray, tokens: np.ndarray,
+                hidden: np.ndarray, report: VerifyReport) -> list[str]:
+    """The draft graph against the torch MTP module (modeling.mtp) on the same inputs: each prompt's pairs (the
+    export's own prefill hidden state at i, token i + 1, the first generated token after the last) in one chunk, then
+    one chained step on the draft's own hidden state and the second generated token."""
+    from .modeling import load_mtp
+    from .modeling.cache import LayerCache
+
+    draft = load_mtp(reference)
+    cfg = model.config
+    b, longest = ids.shape
+    capacity = longest + 2
+    pairs = np.zeros_like(ids)
+    for r, n in enumerate(lens):
+        pairs[r, : n - 1], pairs[r, n - 1] = ids[r, 1:n], tokens[r, 0]
+    positions = np.broadcast_to(np.arange(longest), (b, longest)).copy()
+    mask = np.ones((b, capacity), np.int64)
+    feed = {io_spec.INPUT_IDS: pairs, io_spec.POSITION_IDS: positions, io_spec.ATTENTION_MASK: mask,
+            io_spec.WRITE_INDICES: np.zeros(b, np.int64), io_spec.LOGITS_POSITIONS: positions,
+            io_spec.PREVIOUS_HIDDEN: hidden, **empty_caches(cfg, b, capacity, model.cache_format, io_spec.draft_layers(cfg))}
+    model.load(io_spec.DRAFT)
+    out = model.run(io_spec.DRAFT, feed)
+    stored = None if model.cache_format == CacheFormat() else model.cache_format
+    cache = LayerCache(torch.zeros(b, capacity, cfg.kv_lora_rank), torch.zeros(b, capacity, cfg.qk_rope_head_dim), stored)
+    t = torch.from_numpy
+    ref, ref_hidden = draft(t(pairs), t(hidden), t(positions), cache, torch.zeros(b, dtype=torch.long), t(mask))
+    valid = np.arange(longest)[None, :] < lens[:, None]
+    first = float(np.abs(out[io_spec.LOGITS] - ref.numpy())[valid].max())
+    # chained: the draft's own state at each row's last position, the second generated token, one position on
+    last = lens - 1
+    chained = {**feed, io_spec.INPUT_IDS: tokens[:, 1:2], io_spec.POSITION_IDS: lens[:, None],
+               io_spec.WRITE_INDICES: lens, io_spec.LOGITS_POSITIONS: np.zeros((b, 1), np.int64),
+               io_spec.PREVIOUS_HIDDEN: out[io_spec.HIDDEN][np.arange(b), last][:, None]}
+    chained.update({io_spec.past_of(k): v for k, v in out.items() if k.startswith("present_")})
+    out2 = model.run(io_spec.DRAFT, chained)
+    ref2, _ = draft(t(tokens[:, 1:2]), ref_hidden[torch.arange(b), t(last)][:, None], t(lens[:, None]), cache, t(lens),
+                    t(mask))
+    second = float(np.abs(out2[io_spec.LOGITS] - ref2.numpy()).max())
+    report.checks += [first, second]
+    return [f"draft    MTP layer {io_spec.draft_layers(cfg)[0]}, {int(lens.sum())} pairs in one chunk: max |Δlogit| "
+            f"{first:.3e}; chained one more token: {second:.3e}"]
 
 
 def greedy_agreement(before: np.ndarray, tokens: np.ndarray, tolerance: float) -> tuple[int, int]:

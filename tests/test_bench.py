@@ -19,7 +19,7 @@ from mla_deploy.presets import preset_config
 def result(tmp_path_factory):
     work = tmp_path_factory.mktemp("bench")
     cfg = BenchConfig(preset="tiny-v3", workdir=work, contexts=(8, 40), batches=(1, 3), steps=1, prefill_tokens=16,
-                      bandwidth_mb=64)
+                      bandwidth_mb=64, speculative=("lookup",), draft_tokens=3)
     return run_bench(cfg)
 
 
@@ -34,6 +34,18 @@ def test_every_engine_reports_every_point(result):
     assert set(result.bandwidth_gbs) == {"matmul_start", "numpy_threads", "matmul_end"}
     assert all(v > 0 for v in result.bandwidth_gbs.values())
     assert result.runtime_start["torch_imported"] is False and result.runtime_start["load_s"] > 0
+
+
+def test_speculative_modes_report_speed_and_acceptance_against_off(result):
+    """bench --speculative: off and lookup over the same prompts (a random model: the repeating prompt only, no
+    tokenizer), each with its tokens/s, the ratio to off in the same run, and the drafts proposed and accepted."""
+    rows = {(r["prompt"], r["mode"]): r for r in result.speculative}
+    assert set(rows) == {("repeating", "off"), ("repeating", "lookup")}
+    off, lookup = rows["repeating", "off"], rows["repeating", "lookup"]
+    assert off["tokens_per_s"] > 0 and off["vs_off"] == 1.0 and "proposed" not in off
+    assert lookup["draft_tokens"] == 3 and 0 <= lookup["accepted"] <= lookup["proposed"]
+    assert lookup["vs_off"] == pytest.approx(lookup["tokens_per_s"] / off["tokens_per_s"])
+    assert "speculative decoding" in table(result) and "lookup" in table(result)
 
 
 def test_cache_bytes_ratio_is_the_formula(result):

@@ -151,13 +151,22 @@ def test_missing_shard_named(checkpoint_dir, tmp_path):
         Checkpoint(tmp_path)
 
 
-def test_mtp_layer_skipped_with_note(checkpoint_dir, tmp_path):
+def test_incomplete_mtp_layer_is_refused_by_name(checkpoint_dir, tmp_path):
     d = copy_checkpoint(checkpoint_dir, tmp_path)
     n = json.loads((d / "config.json").read_text())["num_hidden_layers"]
     rewrite_weights(d, lambda s: s.update({f"model.layers.{n}.eh_proj.weight": np.ones((4, 4), np.float32)}))
+    with pytest.raises(CheckpointError, match=rf"multi-token-prediction layer {n} is incomplete: missing \(41\): "
+                                              rf"model.layers.{n}.input_layernorm.weight.* wrong shape .*eh_proj"):
+        Checkpoint(d)
+
+
+def test_layers_after_the_mtp_layer_are_skipped_with_a_note(checkpoint_dir, tmp_path):
+    d = copy_checkpoint(checkpoint_dir, tmp_path)
+    n = json.loads((d / "config.json").read_text())["num_hidden_layers"]
+    rewrite_weights(d, lambda s: s.update({f"model.layers.{n + 1}.eh_proj.weight": np.ones((4, 4), np.float32)}))
     ckpt = Checkpoint(d)
-    assert any(f"skipped layer(s) [{n}]" in note for note in ckpt.notes)
-    assert not any(name.startswith(f"model.layers.{n}.") for name in ckpt.names())
+    assert any(f"skipped layer(s) [{n + 1}]" in note for note in ckpt.notes)
+    assert not ckpt.has_mtp and not any(name.startswith(f"model.layers.{n + 1}.") for name in ckpt.names())
 
 
 def test_packed_experts_read_as_per_expert(checkpoint_dir, tmp_path):

@@ -94,7 +94,7 @@ def test_masked_slots_in_the_graphs_match_the_torch_source(checkpoint_dir, expor
                                torch.from_numpy(mask), form=AttentionForm.ABSORBED).numpy()[:, 0]
         feed = {io_spec.INPUT_IDS: token, io_spec.POSITION_IDS: position, io_spec.ATTENTION_MASK: mask,
                 io_spec.WRITE_INDICES: slot,
-                **{k.replace("present", "past"): v for k, v in out.items() if k != io_spec.LOGITS}}
+                **{io_spec.past_of(k): v for k, v in out.items() if k.startswith("present_")}}
         out = model.run(io_spec.DECODE, feed)
         assert np.abs(out[io_spec.LOGITS][:, 0] - ref_step).max() < 1e-4, f"decode step {step}"
         logits = ref_step
@@ -197,10 +197,13 @@ def test_run_json_is_one_object_on_stdout_and_nothing_on_stderr(exported):
     lines = result.stdout.splitlines()
     assert len(lines) == 1
     out = json.loads(lines[0])
-    assert set(out) == {"prompt_ids", "token_ids", "finish_reason", "prefill_ms", "decode_tokens_per_s", "total_ms", "load"}
+    assert set(out) == {"prompt_ids", "token_ids", "finish_reason", "prefill_ms", "decode_tokens_per_s", "total_ms", "load",
+                        "speculation"}
     assert out["load"]["seconds"] > 0 and set(out["load"]["memory"]) == {"rss", "pss", "anonymous", "file"}
     assert 0 < out["load"]["memory"]["pss"] <= out["load"]["memory"]["rss"]
     assert out["prompt_ids"] == [5, 6, 7] and len(out["token_ids"]) <= 5
+    spec = out["speculation"]  # auto: prompt lookup, as the export has a verify graph and no draft graph
+    assert spec["mode"] == "lookup" and spec["draft_tokens"] == 4 and 0 <= spec["accepted"] <= spec["proposed"]
     assert all(isinstance(t, int) for t in out["token_ids"]) and out["finish_reason"] in ("stop", "length")
     assert all(isinstance(out[k], float) and out[k] >= 0 for k in ("prefill_ms", "decode_tokens_per_s", "total_ms"))
 
@@ -239,10 +242,12 @@ def test_verify_reports_every_step_of_a_right_export_and_passes(exported):
     assert report.passed and len(report.decode_max_abs) == 8 and report.token_agreement == 1.0
     assert report.lines[0].startswith("prefill  batch 3, lengths [13, 7, 3]") and report.rtol == 1e-4
     assert [line.split(":")[0] for line in report.lines[1:9]] == [f"decode   step {s:>3}" for s in range(1, 9)]
-    assert report.lines[9] == ("tokens   runtime greedy vs torch greedy: 24/24 agree, 0 more within the tolerance "
-                               "of the source's own choice (near ties)")
-    assert report.lines[10] == f"PASS: tolerance {report.tolerance:.3e} (rtol 0.0001 x logit scale {report.logit_scale:.2f})"
+    assert report.lines[9].startswith("verify   8 tokens in one pass: max |Δlogit|")  # speculative decoding's pass
+    assert report.lines[10] == ("tokens   runtime greedy vs torch greedy: 24/24 agree, 0 more within the tolerance "
+                                "of the source's own choice (near ties)")
+    assert report.lines[11] == f"PASS: tolerance {report.tolerance:.3e} (rtol 0.0001 x logit scale {report.logit_scale:.2f})"
     assert 0 < max(report.decode_max_abs) <= report.tolerance == 1e-4 * max(1.0, report.logit_scale)
+    assert len(report.checks) == 1 and max(report.checks) <= report.tolerance
 
 
 def test_an_explicit_rtol_replaces_the_dtype_default(exported):

@@ -290,7 +290,8 @@ def test_manifest_describes_the_export(checkpoint_dir, exported):
     assert meta["producer"] == "mla-deploy" and meta["export_id"] == manifest["export_id"]
     assert manifest["tokenizer"] == ["generation_config.json"]  # save_pretrained wrote no tokenizer
     assert sorted(p.name for p in out.iterdir()) == ["decode.onnx", "generation_config.json", "manifest.json",
-                                                     "prefill.onnx", "weights.bin"]
+                                                     "prefill.onnx", "verify.onnx", "weights.bin"]
+    assert manifest["draft"] is False and "draft" not in manifest["graphs"]  # no MTP layer in this checkpoint
 
 
 def test_weights_shared_between_graphs_stored_once(exported):

@@ -22,6 +22,8 @@ from mla_deploy.runtime import ExportedModel, Generator, RuntimeOptions, Samplin
 from mla_deploy.runtime.feeds import prefill_feed
 from mla_deploy.safetensors_io import bf16_to_float32, float32_to_bf16
 
+import kernel_levels
+
 BUILT = kernels.library() is not None
 needs_library = pytest.mark.skipif(not BUILT, reason="the kernel library did not build on this machine (no compiler)")
 
@@ -83,17 +85,14 @@ def _session(model: bytes, library: bool, threads: int = 2) -> ort.InferenceSess
     return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
 
 
-# (rows, K, N): one row (decode), a few (batched decode: 2-12, groups balanced), many (prefill: more than 12, groups of
-# up to 6 with a ragged last one); K below and across the kernel's 256-deep blocks; 1-4 strips
-SHAPES = [(1, 40, 64), (1, 300, 192), (2, 17, 128), (7, 256, 64), (8, 513, 128), (12, 64, 256), (13, 300, 128),
-          (40, 520, 256), (64, 33, 64)]
+# (rows, K, N): one row (decode), a few (batched decode: 2-12 rows, groups balanced), many (prefill: groups of up to 6
+# with a ragged last one, several blocks of groups per strip where strips are few); K below, at and across the kernel's
+# 256-row passes (a short last pass); 1-4 strips
+SHAPES = [(1, 40, 64), (1, 300, 192), (2, 17, 128), (3, 513, 64), (7, 256, 64), (8, 513, 128), (12, 64, 256),
+          (13, 300, 128), (40, 520, 256), (64, 33, 64), (64, 700, 192), (512, 300, 128), (512, 1000, 64)]
 
 
-@pytest.mark.parametrize("library", [pytest.param(True, marks=needs_library, id="kernel"),
-                                     pytest.param(False, id="function-body")])
-@pytest.mark.parametrize("dtype", sorted(HALF))
-@pytest.mark.parametrize("rows,k,n", SHAPES)
-def test_half_matmul_matches_numpy(rows, k, n, dtype, library):
+def _check_half_matmul(rows, k, n, dtype, library):
     """Each output within float32 accumulation error of the exact product (K x 2^-24 x sum |a||w|, the textbook bound
     for a K-term float32 dot product): the half weight is widened exactly, as the function body's Cast does."""
     rng = np.random.default_rng(rows * 1000 + k + n)
@@ -104,6 +103,38 @@ def test_half_matmul_matches_numpy(rows, k, n, dtype, library):
     exact = a.astype(np.float64) @ _as_float64(w, dtype)
     bound = k * 2.0**-24 * (np.abs(a.astype(np.float64)) @ np.abs(_as_float64(w, dtype)))
     assert np.all(np.abs(y.astype(np.float64) - exact) <= bound)
+
+
+@needs_library
+@pytest.mark.parametrize("isa", kernel_levels.params())
+@pytest.mark.parametrize("dtype", sorted(HALF))
+@pytest.mark.parametrize("rows,k,n", SHAPES)
+def test_half_matmul_matches_numpy_on_every_path(rows, k, n, dtype, isa, monkeypatch):
+    monkeypatch.setenv("MLA_DEPLOY_ISA", isa)  # read as onnxruntime creates the kernel
+    _check_half_matmul(rows, k, n, dtype, library=True)
+
+
+@pytest.mark.parametrize("dtype", sorted(HALF))
+@pytest.mark.parametrize("rows,k,n", SHAPES[::3])
+def test_the_function_body_matches_numpy(rows, k, n, dtype):
+    _check_half_matmul(rows, k, n, dtype, library=False)
+
+
+@needs_library
+@pytest.mark.parametrize("dtype", sorted(HALF))
+@pytest.mark.parametrize("rows,k,n", [(1, 300, 128), (5, 300, 128), (64, 600, 64)])
+def test_the_scalar_path_is_the_float32_sum_in_order(rows, k, n, dtype, monkeypatch):
+    """MLA_DEPLOY_ISA=scalar runs the plain C path: each output the float32 sum over k, in order, of float32 products
+    (no fused multiply-add), bit for bit; so the level a session is created at is the one that runs."""
+    monkeypatch.setenv("MLA_DEPLOY_ISA", "scalar")
+    rng = np.random.default_rng(k + rows)
+    a = rng.standard_normal((rows, k)).astype(np.float32)
+    w = _half_bits((rng.standard_normal((k, n)) * 0.1).astype(np.float32), dtype)
+    y = _session(_one_op_model(k, n, dtype, w), True).run(None, {"a": a})[0]
+    w32, in_order = _as_float64(w, dtype).astype(np.float32), np.zeros((rows, n), np.float32)
+    for i in range(k):
+        in_order = in_order + a[:, i : i + 1] * w32[i]  # float32 product, then float32 sum
+    assert np.array_equal(y, in_order)
 
 
 @needs_library
@@ -151,12 +182,14 @@ def _optimized_op_types(model: ExportedModel, kind: str, tmp_path) -> set[str]:
 
 
 @needs_library
+@pytest.mark.parametrize("isa", kernel_levels.params())
 @pytest.mark.parametrize("dtype", sorted(HALF))
-def test_a_half_export_runs_the_kernel_and_its_function_body_alike(half_demo, dtype, tmp_path):
+def test_a_half_export_runs_the_kernel_and_its_function_body_alike(half_demo, dtype, isa, tmp_path, monkeypatch):
     """The demo's half export: its weights with whole 64-column strips go through the dtype's MatMul op (stored as
-    strips), its routed experts through the dtype's RoutedExperts; with the library registered onnxruntime keeps
-    those nodes, without it inlines their bodies; both give the same logits to float32 summation order and the same
-    greedy tokens."""
+    strips), its routed experts through the dtype's RoutedExperts; with the library registered (on every path, the
+    plain C one included) onnxruntime keeps those nodes, without it inlines their bodies; both give the same logits to
+    float32 summation order and the same greedy tokens."""
+    monkeypatch.setenv("MLA_DEPLOY_ISA", isa)
     out, op_type = half_demo(dtype), kernels.HALF_MATMUL[dtype]
     experts, attention = kernels.ROUTED_EXPERTS[dtype], kernels.LATENT_ATTENTION[dtype]
     saved = onnx.load(out / "decode.onnx", load_external_data=False)

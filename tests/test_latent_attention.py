@@ -24,6 +24,8 @@ from mla_deploy.runtime import ExportedModel, Generator, SamplingParams
 from mla_deploy.runtime.feeds import prefill_feed
 from mla_deploy.safetensors_io import bf16_to_float32, float32_to_bf16
 
+import kernel_levels
+
 needs_library = pytest.mark.skipif(kernels.library() is None,
                                    reason="the kernel library did not build on this machine (no compiler)")
 NAMES = ["q_latent", "q_rope", "latent", "rope", "bias"]
@@ -108,30 +110,44 @@ SHAPES = [(1, 4, 64, 16, 256, [100]), (5, 4, 64, 16, 256, [1, 7, 256, 0, 130]), 
           (2, 3, 48, 8, 700, [700, 301]), (2, 16, 512, 64, 600, [600, 257]), (2, 8, 128, 32, 300, [300, 77])]
 
 
-@pytest.mark.parametrize("library", [pytest.param(True, marks=needs_library, id="kernel"),
-                                     pytest.param(False, id="function-body")])
+# the op's function body, then the kernel on each instruction-set path this CPU has (MLA_DEPLOY_ISA, read as
+# onnxruntime creates the kernel; the AVX-512 level runs the AVX2 code: a decode step reads the cache at memory speed)
+PATHS = [pytest.param("function-body", id="function-body")] + [
+    pytest.param(*level.values, id=level.id, marks=[needs_library, *level.marks]) for level in kernel_levels.params()]
+
+
+def _forced(isa: str, monkeypatch) -> bool:
+    """Whether the session registers the library; the path its kernels take."""
+    if isa == "function-body":
+        return False
+    monkeypatch.setenv("MLA_DEPLOY_ISA", isa)
+    return True
+
+
+@pytest.mark.parametrize("isa", PATHS)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("b,h,dc,dr,cap,lengths", SHAPES)
 @pytest.mark.parametrize("holes", [False, True])
-def test_latent_attention_matches_numpy(b, h, dc, dr, cap, lengths, holes, threads, library):
+def test_latent_attention_matches_numpy(b, h, dc, dr, cap, lengths, holes, threads, isa, monkeypatch):
+    library = _forced(isa, monkeypatch)
     _check(np.random.default_rng(b * 1000 + h * 100 + cap), b, h, dc, dr, cap, lengths, holes, threads, library, "float32")
 
 
-@pytest.mark.parametrize("library", [pytest.param(True, marks=needs_library, id="kernel"),
-                                     pytest.param(False, id="function-body")])
+@pytest.mark.parametrize("isa", PATHS)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("b,h,dc,dr,cap,lengths", [SHAPES[1], SHAPES[3], SHAPES[4]])
-def test_half_caches_are_read_as_stored(b, h, dc, dr, cap, lengths, dtype, library):
+def test_half_caches_are_read_as_stored(b, h, dc, dr, cap, lengths, dtype, isa, monkeypatch):
     """LatentAttentionF16 / BF16 widen the stored caches exactly: the same bound against the rounded caches."""
+    library = _forced(isa, monkeypatch)
     _check(np.random.default_rng(cap), b, h, dc, dr, cap, lengths, True, 2, library, dtype)
 
 
-@pytest.mark.parametrize("library", [pytest.param(True, marks=needs_library, id="kernel"),
-                                     pytest.param(False, id="function-body")])
+@pytest.mark.parametrize("isa", PATHS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("b,h,dc,dr,cap,lengths", SHAPES)
-def test_the_long_cache_form_matches_numpy(b, h, dc, dr, cap, lengths, dtype, library):
+def test_the_long_cache_form_matches_numpy(b, h, dc, dr, cap, lengths, dtype, isa, monkeypatch):
     """LatentAttentionLong: the kernel under another name, and its body with the cache as MatMul's A operand."""
+    library = _forced(isa, monkeypatch)
     _check(np.random.default_rng(cap + h), b, h, dc, dr, cap, lengths, True, 2, library, dtype, long=True)
 
 

@@ -65,3 +65,49 @@ def build_hf_model(variant: str, seed: int = 0, **extra):
 
 def save_hf_model(model, directory, **kwargs) -> None:
     model.save_pretrained(directory, **kwargs)
+
+
+class HFMTP(torch.nn.Module):
+    """DeepSeek-V3's MTP module from transformers' own DeepseekV3 pieces (as vLLM and SGLang build it): the reference
+    the source model's modeling.mtp is checked against. forward: embeddings of tokens i + 1 and the main model's
+    hidden states at i (after its final norm) -> the state the shared head reads."""
+
+    def __init__(self, config):
+        super().__init__()
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
+
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.enorm, self.hnorm = DeepseekV3RMSNorm(d, eps), DeepseekV3RMSNorm(d, eps)
+        self.eh_proj = torch.nn.Linear(2 * d, d, bias=False)
+        self.block = DeepseekV3DecoderLayer(config, config.num_hidden_layers)
+        self.shared_head = torch.nn.Module()
+        self.shared_head.norm = DeepseekV3RMSNorm(d, eps)
+
+    def forward(self, embeds, hidden, position_embeddings):
+        t = embeds.shape[1]
+        causal = torch.full((t, t), torch.finfo(torch.float32).min).triu(1)[None, None]  # eager attention adds it
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+        return self.shared_head.norm(self.block(x, attention_mask=causal, position_embeddings=position_embeddings))
+
+
+def add_mtp_layer(model, directory, seed: int = 1) -> HFMTP:
+    """Random MTP weights (layer num_hidden_layers, DeepSeek-V3's layout) for a tiny V3 `model` saved in `directory`,
+    appended to its model.safetensors; returns the reference module holding them."""
+    from mla_deploy.safetensors_io import SafetensorsFile, write_safetensors
+
+    torch.manual_seed(seed)
+    mtp = HFMTP(model.config).eval()
+    with torch.no_grad():
+        for name, p in mtp.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if p.ndim == 1 else 0.08 * torch.randn_like(p))
+        gate = mtp.block.mlp.gate
+        gate.e_score_correction_bias.normal_(0, 0.3)
+    layer = model.config.num_hidden_layers
+    added = {f"model.layers.{layer}.{n.removeprefix('block.')}": v.detach().numpy().copy()
+             for n, v in mtp.state_dict().items()}
+    path = directory / "model.safetensors"
+    f = SafetensorsFile(path)
+    state = {n: f.float32(n) for n in f.entries}
+    del f
+    write_safetensors(path, {**state, **added})
+    return mtp

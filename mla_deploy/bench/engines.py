@@ -82,7 +82,7 @@ class OnnxEngine:
         from ..runtime import ExportedModel, Generator, RuntimeOptions, SamplingParams
 
         # prepacked weights, as the decompressed-cache baseline's sessions have them: the fastest steps onnxruntime
-        # gives, the same for every ONNX engine (`run` defaults to one mapped copy instead: README, "One copy")
+        # gives, the same for every ONNX engine (`run` defaults to one mapped copy instead: docs/benchmarks.md, "One copy of the weights")
         self.model = ExportedModel(self.directory, RuntimeOptions(threads=self.threads, prepack=True), graphs=graphs)
         self.cfg: MLAConfig = self.model.config
         self.gen = Generator(self.model, SamplingParams(), stop_token_ids=())

@@ -90,7 +90,7 @@ def build_mha_decode(cfg, t, max_seq_len: int, weights: WeightsFile) -> ir.Model
         o = op.Reshape(op.Transpose(o, perm=[0, 2, 1, 3]), [0, 0, h * dv])  # -> [b, 1, h, d_v] -> [b, 1, h·d_v]
         return linear(g, op, o, f"layers.{i}.attn.o", lambda: t(attn.hf + "o_proj.weight").T)
 
-    logits = decoder(g, cfg, t, inputs, attention)
+    logits, _ = decoder(g, cfg, t, inputs, attention)  # the baseline has no hidden-state output
     for spec in specs_out:
         g.output(logits if spec.name == io_spec.LOGITS else presents[spec.name], spec)
     return g.model({"producer": "mla-deploy", "mla_deploy_version": __version__, "graph": DECODE_MHA})

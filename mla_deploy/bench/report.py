@@ -26,6 +26,10 @@ def table(result: BenchResult) -> str:
     if result.prefill:
         lines += ["", f"{'engine':<20}{'prefill tokens':>15}{'tok/s':>9}"]
         lines += [f"{p['engine']:<20}{p['tokens']:>15}{p['tokens_per_s']:>9.1f}" for p in result.prefill]
+    if result.speculative:
+        from .speculative import table as speculative_table
+
+        lines += ["", "speculative decoding (greedy, the same tokens in every mode):", *speculative_table(result.speculative)]
     lines += ["", *targets(result), "", f"run time {result.seconds:.0f} s"]
     return "\n".join(lines)
 

@@ -36,6 +36,8 @@ class BenchConfig:
     prefill_tokens: int = 512
     threads: int = 2
     bandwidth_mb: int = 512  # size of the bandwidth probes (well beyond any cache)
+    speculative: tuple[str, ...] = ()  # speculative decoding's modes to compare (bench.speculative): off, lookup, mtp
+    draft_tokens: int = 4
 
     @classmethod
     def quick(cls, **kw) -> "BenchConfig":
@@ -50,6 +52,7 @@ class BenchResult:
     rows: list[dict] = field(default_factory=list)
     prefill: list[dict] = field(default_factory=list)
     runtime_start: dict = field(default_factory=dict)
+    speculative: list[dict] = field(default_factory=list)
     seconds: float = 0.0
 
     def to_json(self) -> str:
@@ -240,6 +243,12 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda m: None
         engine.load()
         _decode_points(cfg, [engine], result, progress)
         engine.close()
+    if cfg.speculative:  # greedy generations per mode over the factored export, interleaved (bench.speculative)
+        from .speculative import speculative_rows
+
+        modes = ("off",) + tuple(m for m in cfg.speculative if m != "off")
+        result.speculative = speculative_rows(exports["factored"], modes, cfg.threads, draft_tokens=cfg.draft_tokens,
+                                              progress=progress)
     small = cfg.workdir / "demo-export"
     if not (small / "manifest.json").exists():
         from ..export import ExportOptions, export

@@ -2,11 +2,11 @@
 over the latent and rope caches written in place; and the decode attention core, which the graph runs in
 onnxruntime's ops or in mla_deploy.LatentAttention, whose ONNX body is the same core (`latent_attention_function`).
 
-Attention is plain MatMul-Softmax-MatMul: measured 4-8x faster on CPU than the fused Attention /
-GroupQueryAttention ops for 576-wide absorbed heads. Caches are written with TensorScatter straight into the graph
+Attention is plain MatMul-Softmax-MatMul, faster on CPU than the fused Attention / GroupQueryAttention ops for
+576-wide absorbed heads (docs/benchmarks.md). Caches are written with TensorScatter straight into the graph
 outputs, so with IO binding the runtime's buffers are updated in place. An int8 latent cache (io_spec.CacheFormat) is
 written as codes and a scale per entry (`quantize_latent`) and read through DequantizeLinear (`read_latent`), or as
-stored by mla_deploy.LatentAttentionQ8.
+stored by mla_deploy.LatentAttentionQ8 and LatentAttentionChunkQ8.
 """
 
 from __future__ import annotations
@@ -67,29 +67,49 @@ def attention_bias(op, input_ids: ir.Value, attention_mask: ir.Value, write_indi
 
 
 def latent_attention_core(op, q_latent: ir.Value, q_rope: ir.Value, caches: Caches, bias: ir.Value,
-                          cache: io_spec.CacheFormat, width: int, long_cache: bool, scale: float | None = None):
-    """softmax(scale · (q_latent · latent + q_rope · rope) + bias) @ latent -> [b, h, d_c] float32: the absorbed
-    decode attention's core, over q_latent [b, h, d_c], q_rope [b, h, d_r] (float32), the caches [b, cap, d_c] and
-    [b, cap, d_r] as stored (`cache`; an int8 latent with its scales, d_c = `width`) and bias [b, 1, 1, cap].
-    `scale` None: the queries come scaled."""
+                          cache: io_spec.CacheFormat, width: int, long_cache: bool, scale: float | None = None,
+                          heads: int | None = None):
+    """softmax(scale · (q_latent · latent + q_rope · rope) + bias) @ latent -> [b, T·h, d_c] float32: the absorbed
+    attention's core, over q_latent [b, T·h, d_c], q_rope [b, T·h, d_r] (float32; token-major), the caches
+    [b, cap, d_c] and [b, cap, d_r] as stored (`cache`; an int8 latent with its scales, d_c = `width`) and bias
+    [b, 1, T, cap]. `heads` None: one query token per row (the decode graph, and the kernel ops' bodies); else T
+    tokens of `heads` heads, token t masked by bias[:, 0, t] (the verify and draft graphs). `scale` None: the queries
+    come scaled."""
     latent = read_latent(op, caches.latent, caches.scale, DATA_TYPES[cache.latent], width)
     scores = op.Add(
-        op.MatMul(latent, op.Transpose(q_latent, perm=[0, 2, 1])),  # [b, cap, d_c] @ [b, d_c, h] -> [b, cap, h]
-        op.MatMul(cast(op, caches.rope, DATA_TYPES[cache.rope], FLOAT), op.Transpose(q_rope, perm=[0, 2, 1])),  # [b, cap, d_r] @ [b, d_r, h] -> [b, cap, h]
+        op.MatMul(latent, op.Transpose(q_latent, perm=[0, 2, 1])),  # [b, cap, d_c] @ [b, d_c, T·h] -> [b, cap, T·h]
+        op.MatMul(cast(op, caches.rope, DATA_TYPES[cache.rope], FLOAT), op.Transpose(q_rope, perm=[0, 2, 1])),  # [b, cap, d_r] @ [b, d_r, T·h] -> [b, cap, T·h]
     )
     if scale is not None:
         scores = op.Mul(scores, scale)
-    return probs_at_latent(op, scores, bias, latent, long_cache)
+    if heads is None:
+        return probs_at_latent(op, scores, bias, latent, long_cache)
+    return probs_at_latent_tokens(op, scores, bias, latent, long_cache, heads, width)
+
+
+def probs_at_latent_tokens(op, logits, bias, latent, long_cache: bool, heads: int, width: int) -> ir.Value:
+    """probs_at_latent for T query tokens of `heads` heads each: logits [b, cap, T·h], bias [b, 1, T, cap] (token t's
+    own causal mask), latent [b, cap, d_c = width] -> [b, T·h, d_c]; the cache as MatMul's A operand where it is
+    long, else B, broadcast over the tokens."""
+    by_token = op.Reshape(logits, [0, 0, -1, heads])  # [b, cap, T·h] -> [b, cap, T, h]
+    if long_cache:
+        probs = op.Softmax(op.Add(by_token, op.Transpose(bias, perm=[0, 3, 2, 1])), axis=1)  # + [b, cap, T, 1]
+        o = op.FusedMatMul(latent, op.Reshape(probs, [0, 0, -1]), transA=1, _domain="com.microsoft")  # [b, d_c, T·h]
+        return op.Transpose(o, perm=[0, 2, 1])  # [b, d_c, T·h] -> [b, T·h, d_c]
+    by_token = op.Transpose(by_token, perm=[0, 2, 3, 1])  # [b, T, h, cap]
+    probs = op.Softmax(op.Add(by_token, op.Transpose(bias, perm=[0, 2, 1, 3])), axis=-1)  # + [b, T, 1, cap]
+    o = op.MatMul(probs, op.Unsqueeze(latent, [1]))  # [b, T, h, cap] @ [b, 1, cap, d_c] -> [b, T, h, d_c]
+    return op.Reshape(o, [0, -1, width])  # [b, T, h, d_c] -> [b, T·h, d_c]
 
 
 def probs_at_latent(op, logits, bias, latent, long_cache: bool) -> ir.Value:
     """softmax(logits [b, cap, h] + bias [b, 1, 1, cap]) over the cache, times latent [b, cap, d_c] -> [b, h, d_c].
     MLAS packs a MatMul's B operand on every call; for a cache that can outgrow the plan's long-cache size per row,
     packing it costs as much as the product, so such a cache is the A operand (FusedMatMul transA); a short one stays
-    B, where the plain MatMul is faster (README, Versus llama.cpp). Chosen at export from the maximum length: an If on
+    B, where the plain MatMul is faster (docs/benchmarks.md). Chosen at export from the maximum length: an If on
     the capacity measured no better on the demo, within this machine's noise. The short path adds the bias after the
     transpose: broadcast over heads it is one row of cap floats per head, where in [b, cap, h] it is one float per
-    h-wide row (onnxruntime's Add: 120 vs ~15 us per layer at batch 16 on the demo)."""
+    h-wide row, several times cheaper for onnxruntime's Add."""
     if long_cache:
         logits = op.Add(logits, op.Reshape(bias, [0, -1, 1]))  # [b, 1, 1, cap] -> [b, cap, 1]
         probs = op.Softmax(logits, axis=1)  # [b, cap, h]
@@ -238,18 +258,19 @@ class MLAttention:
         out = linear(g, op, g.to_compute(op, o), f"{self.name}.o", lambda: t(self.hf + "o_proj.weight").T)
         return out, present
 
-    def absorbed(self, op, x, cos, sin, bias, past: Caches, write_indices, chunk: bool = False):
-        """Decode (T = 1), or a prefill `chunk` of T tokens over an int8 cache: the query moves into latent space;
-        attention reads ĉ directly; W^UV after. The plan picks the absorbed form (fused or factored), the core
-        (mla_deploy.LatentAttention*, or onnxruntime's ops in decode) and the long-cache form. Queries run as b·T rows
-        of h heads: [b·T, h, ·] (in decode b·T = b)."""
+    def absorbed(self, op, x, cos, sin, bias, past: Caches, write_indices, tokens: bool = False):
+        """The query moves into latent space; attention reads ĉ directly; W^UV after. The decode graph: one token per
+        row (T = 1); `tokens`: any number T per row (a prefill chunk over an int8 cache, the verify and draft graphs),
+        each seeing the cache up to its own slot. The plan picks the absorbed form (fused or factored), the core
+        (mla_deploy.LatentAttention* for one token, LatentAttentionChunkQ8* for T over an int8 cache, or onnxruntime's
+        ops) and the long-cache form. Queries run as b·T rows of h heads: [b·T, h, ·] (in decode b·T = b)."""
         cfg, g, plan = self.cfg, self.g, self.g.plan
         h, dn, dr, dc, dv = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
                              cfg.kv_lora_rank, cfg.v_head_dim)
-        rows = -1 if chunk else 0  # Reshape's leading dim: b·T (a chunk), or b (decode: T = 1 folds into it)
+        rows = -1 if tokens else 0  # Reshape's leading dim: b·T, or b (decode: T = 1 folds into it)
 
-        def tokens(width: int) -> ir.Value | list[int]:  # the shape [b, T, width] (decode: [b, 1, width])
-            return op.Concat(op.Shape(x, start=0, end=2), [width], axis=0) if chunk else [0, 1, width]
+        def by_token(width: int) -> ir.Value | list[int]:  # the shape [b, T, width] (decode: [b, 1, width])
+            return op.Concat(op.Shape(x, start=0, end=2), [width], axis=0) if tokens else [0, 1, width]
 
         kv_b = self._hf("kv_b_proj.weight")
         q_in, q_weight = self.query_input(op, x)
@@ -264,36 +285,42 @@ class MLAttention:
             q_latent = op.Transpose(op.MatMul(q_nope, uk), perm=[1, 0, 2])  # [h, b·T, d_c] -> [b·T, h, d_c]
         q_pe = linear(g, op, q_in, f"{self.name}.q_rope", lambda: absorb.query_rope_weight(cfg, q_weight()))
         q_pe = op.Reshape(g.to_float(op, q_pe), [rows, h, dr])  # [b, T, h·d_r] -> [b·T, h, d_r]
-        if chunk:  # each token's cos / sin [b, T, d_r/2] -> [b·T, 1, d_r/2], broadcast over heads
+        if tokens:  # each token's cos / sin [b, T, d_r/2] -> [b·T, 1, d_r/2], broadcast over heads
             q_pe = rope(op, q_pe, op.Reshape(cos, [-1, 1, dr // 2]), op.Reshape(sin, [-1, 1, dr // 2]))
         else:
             q_pe = rope(op, q_pe, cos, sin)  # cos [b, 1, d_r/2] broadcasts over heads
         present = self.write_cache(op, self.latent_and_rope(op, x, cos, sin), past, write_indices)
-        if plan.decode_attention == "kernel":  # the softmax scale on the queries: h·(d_c + d_r) products, not h·cap
-            cache = plan.cache_format
+        cache = plan.cache_format
+        kernel = plan.decode_attention == "kernel" and (cache.scaled or not tokens)
+        if kernel:  # the softmax scale on the queries: h·(d_c + d_r) products, not h·cap
             stored = (present.latent, present.scale, present.rope) if cache.scaled else (present.latent, present.rope)
             q_latent, q_pe = op.Mul(q_latent, self.scale), op.Mul(q_pe, self.scale)
-            if chunk:  # the chunk op takes each row's tokens [b, T, h, ·], their causal bias [b, 1, T, cap]
+            if tokens:  # the chunk op takes each row's tokens [b, T, h, ·], their causal bias [b, 1, T, cap]
                 head_shape = op.Concat(op.Shape(x, start=0, end=2), [h], axis=0)
                 q_latent = op.Reshape(q_latent, op.Concat(head_shape, [dc], axis=0))
                 q_pe = op.Reshape(q_pe, op.Concat(head_shape, [dr], axis=0))
-            o_latent = g.kernel_op(op, latent_attention_op(cache, plan.long_cache, chunk),
-                                   lambda: latent_attention_function(cache, plan.long_cache, dc, chunk),
+            o_latent = g.kernel_op(op, latent_attention_op(cache, plan.long_cache, tokens),
+                                   lambda: latent_attention_function(cache, plan.long_cache, dc, tokens),
                                    q_latent, q_pe, *stored, bias)  # [b, h, d_c] or [b, T, h, d_c]
-            if chunk:
-                o_latent = op.Reshape(o_latent, [-1, h, dc])  # [b, T, h, d_c] -> [b·T, h, d_c]
+        elif tokens:  # the ops over T tokens a row: [b·T, h, ·] -> [b, T·h, ·] (token-major)
+            batch = op.Shape(x, start=0, end=1)
+            o_latent = latent_attention_core(op, op.Reshape(q_latent, op.Concat(batch, [-1, dc], axis=0)),
+                                             op.Reshape(q_pe, op.Concat(batch, [-1, dr], axis=0)), present, bias,
+                                             cache, dc, plan.long_cache, self.scale, h)  # [b, T·h, d_c]
         else:
-            o_latent = latent_attention_core(op, q_latent, q_pe, present, bias, plan.cache_format, dc, plan.long_cache,
+            o_latent = latent_attention_core(op, q_latent, q_pe, present, bias, cache, dc, plan.long_cache,
                                              self.scale)  # [b, h, d_c]
+        if tokens:
+            o_latent = op.Reshape(o_latent, [-1, h, dc])  # [b, T, h, d_c] or [b, T·h, d_c] -> [b·T, h, d_c]
         o_weight = self._hf("o_proj.weight")
         if plan.absorb == AbsorbMode.FUSED:
-            o = op.Reshape(o_latent, tokens(h * dc))  # [b·T, h, d_c] -> [b, T, h·d_c]
+            o = op.Reshape(o_latent, by_token(h * dc))  # [b·T, h, d_c] -> [b, T, h·d_c]
             out = g.to_compute(op, linear(g, op, o, f"{self.name}.uv_o",
                                           lambda: absorb.fused_output_absorb(cfg, o_weight(), kv_b()), island=True))  # [b, T, d]
         else:
             o_latent = op.Transpose(o_latent, perm=[1, 0, 2])  # [b·T, h, d_c] -> [h, b·T, d_c]
             uv = g.weight(f"{self.name}.uv", lambda: absorb.factored_uv(cfg, kv_b()), island=True)
             o = op.MatMul(o_latent, uv)  # [h, b·T, d_v]
-            o = op.Reshape(op.Transpose(o, perm=[1, 0, 2]), tokens(h * dv))  # [h, b·T, d_v] -> [b·T, h, d_v] -> [b, T, h·d_v]
+            o = op.Reshape(op.Transpose(o, perm=[1, 0, 2]), by_token(h * dv))  # [h, b·T, d_v] -> [b·T, h, d_v] -> [b, T, h·d_v]
             out = linear(g, op, g.to_compute(op, o), f"{self.name}.o", lambda: o_weight().T)
         return out, present

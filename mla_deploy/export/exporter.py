@@ -1,10 +1,11 @@
-"""Checkpoint -> export directory: prefill.onnx, decode.onnx, one shared weights file, manifest, tokenizer.
+"""Checkpoint -> export directory: prefill.onnx, decode.onnx, verify.onnx (and draft.onnx from a checkpoint with an
+MTP layer), one shared weights file, manifest, tokenizer.
 
 Everything is written to a temporary sibling directory, checked (onnx.checker full check, and the
 verifier unless skipped), fsynced, then renamed into place: a failed export leaves nothing behind.
 Weights stream: each is read from the checkpoint, transformed, appended to `weights.bin` and dropped
 while the graphs are built (export.weights), so memory follows the largest tensor, not the model.
-Both graphs refer to that one file as external data: the tensors they share are stored once.
+Every graph refers to that one file as external data: the tensors they share are stored once.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
     cfg = ckpt.config
     for note in ckpt.notes:
         progress(f"note: {note}")
-    plan = ExportPlan.resolve(cfg, options)
+    plan = ExportPlan.resolve(cfg, options, ckpt.has_mtp)
     _report_choices(cfg, options, plan, progress)
     source = RoundedCheckpoint(ckpt, plan.dtype)  # the weights as the export's dtype holds them
     progress("hashing source weights")
@@ -68,10 +69,10 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
     try:
         graphs = {}
         with WeightsFile(tmp / WEIGHTS_FILE) as weights:
-            for kind in (io_spec.PREFILL, io_spec.DECODE):
-                progress(f"building {kind} graph" + (f" (absorbed, {plan.absorb.value})" if kind == io_spec.DECODE
-                                                     else " (naive attention)") + ", writing its weights")
-                with progress_bar(cfg.num_hidden_layers, f"{kind} layers", "layer") as advance:
+            for kind in graph_kinds(plan):
+                progress(f"building {kind} graph ({FORMS[kind].format(absorb=plan.absorb.value)}), writing its weights")
+                with progress_bar(1 if kind == io_spec.DRAFT else cfg.num_hidden_layers, f"{kind} layers",
+                                  "layer") as advance:
                     graphs[kind] = build_graph(kind, cfg, source.tensor, plan, weights, metadata,
                                                on_layer=lambda i: advance(1))
         progress(f"wrote weights ({weights.nbytes / 1e9:.2f} GB)")
@@ -101,6 +102,15 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
     return ExportResult(out, plan, manifest, list(ckpt.notes))
 
 
+FORMS = {io_spec.PREFILL: "naive attention", io_spec.DECODE: "absorbed, {absorb}",
+         io_spec.VERIFY: "absorbed, {absorb}, any number of tokens", io_spec.DRAFT: "the MTP layer, absorbed, {absorb}"}
+
+
+def graph_kinds(plan: ExportPlan) -> tuple[str, ...]:
+    """The graphs an export holds: prefill, decode and verify; the MTP draft where the plan has it."""
+    return (io_spec.PREFILL, io_spec.DECODE, io_spec.VERIFY) + ((io_spec.DRAFT,) if plan.draft else ())
+
+
 def _report_choices(cfg, options: ExportOptions, plan: ExportPlan, progress: Progress) -> None:
     """What each asked-for choice resolved to, and why where auto decided."""
     if AbsorbMode(options.absorb) == AbsorbMode.AUTO:
@@ -116,9 +126,8 @@ def _report_choices(cfg, options: ExportOptions, plan: ExportPlan, progress: Pro
 
 def _manifest(cfg, plan: ExportPlan, source_hash: str, export_id: str, ckpt: Checkpoint) -> dict:
     graphs = {}
-    for kind in (io_spec.PREFILL, io_spec.DECODE):
-        inputs, outputs = io_spec.graph_io(kind, cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
-                                           cfg.vocab_size, cache_dtype=plan.cache_format)
+    for kind in graph_kinds(plan):
+        inputs, outputs = io_spec.graph_io(kind, cfg, plan.cache_format, hidden=plan.draft)
         graphs[kind] = {"file": io_spec.GRAPH_FILES[kind], "inputs": [s.to_dict() for s in inputs],
                         "outputs": [s.to_dict() for s in outputs]}
     return {

@@ -3,7 +3,7 @@ below -> a frozen `ExportPlan`. The graph builders read the plan and nothing els
 it (`manifest_fields`) and `inspect` reads it back (`from_manifest`). The rules depend on the config and the options
 alone, never on the machine that exports, so one checkpoint and one set of options give the same export anywhere.
 
-The rules (each form measured against the others: README):
+The rules (each form measured against the others: docs/benchmarks.md):
 - absorb: auto picks the absorbed form that reads fewer weight bytes per decode token (export.absorb).
 - precision: weights are stored in --dtype; the layers compute in float32 for every dtype, as
   onnxruntime's CPU provider has no bfloat16 arithmetic and widens float16 MatMuls itself (export.precision).
@@ -29,6 +29,10 @@ The rules (each form measured against the others: README):
   queries against the cache as stored in mla_deploy.LatentAttentionChunkQ8, in integers, reading nothing but the
   cache; "naive" otherwise, decompressing the whole cache into per-head keys and values each chunk, whose score
   tensors [h, T, cap] alone are 553 MB a layer for a 512-token chunk over a 16k cache (docs/benchmarks.md).
+- draft: a checkpoint with a multi-token-prediction layer (DeepSeek-V3's layer num_hidden_layers) gets the draft
+  graph (draft.onnx: the MTP module, speculative decoding's proposer), unless --no-draft; every export gets the
+  verify graph (verify.onnx: the decode graph's absorbed attention over any number of tokens, the verification pass;
+  measured against the prefill graph's chunked form: docs/design.md).
 - long cache: where a row's float32 latent cache at the export's maximum length can outgrow LONG_CACHE_BYTES, the
   ops multiply probs by the cache as MatMul's A operand (MLAS packs the B operand on every call, which then costs as
   much as the product), and the kernel op is LatentAttentionLong, whose function body does the same.
@@ -75,6 +79,7 @@ class ExportOptions:
     experts: str = "auto"  # routed experts: auto, qmoe (quantized), kernel (float), branches (portable)
     decode_attention: str = "auto"  # the decode graph's attention core: auto, kernel, ops (portable)
     cache_dtype: str = "auto"  # the latent cache: auto (--dtype), float32, float16, bfloat16, int8 (io_spec.CacheFormat)
+    draft: bool = True  # the MTP draft graph, where the checkpoint has an MTP layer
 
     def check(self) -> None:
         """The checks that need no config, so that a bad option fails before the checkpoint is read."""
@@ -125,9 +130,11 @@ class ExportPlan:
     prefill_attention: str  # "naive" (decompressing the cache) or "absorbed" (the chunk kernel over an int8 cache)
     long_cache: bool  # decode attention multiplies probs by the cache as the A operand (LatentAttentionLong)
     max_seq_len: int
+    draft: bool = False  # the MTP draft graph is written (the checkpoint has an MTP layer, and it was not refused)
 
     @classmethod
-    def resolve(cls, cfg: MLAConfig, options: ExportOptions) -> "ExportPlan":
+    def resolve(cls, cfg: MLAConfig, options: ExportOptions, has_mtp: bool = False) -> "ExportPlan":
+        """`has_mtp`: the checkpoint holds an MTP layer (Checkpoint.has_mtp)."""
         options.check()
         max_seq_len = options.max_seq_len or cfg.max_position_embeddings
         if not 1 <= max_seq_len <= cfg.max_position_embeddings:
@@ -140,7 +147,7 @@ class ExportPlan:
                    cache_dtype=cache.latent, rope_dtype=cache.rope, quantization=quantization,
                    experts=resolve_experts(cfg, options.experts, quantization), decode_attention=decode_attention,
                    prefill_attention=prefill_attention(cache, decode_attention),
-                   long_cache=long_cache(cfg, max_seq_len), max_seq_len=max_seq_len)
+                   long_cache=long_cache(cfg, max_seq_len), max_seq_len=max_seq_len, draft=has_mtp and options.draft)
 
     @property
     def cache_format(self) -> io_spec.CacheFormat:
@@ -156,7 +163,8 @@ class ExportPlan:
         return {"absorb": self.absorb.value, "dtype": self.dtype, "compute": self.compute, "cache_dtype": self.cache_dtype,
                 "rope_dtype": self.rope_dtype, "quantization": None if self.quantization is None else self.quantization.to_dict(),
                 "experts": self.experts, "decode_attention": self.decode_attention,
-                "prefill_attention": self.prefill_attention, "long_cache": self.long_cache, "max_seq_len": self.max_seq_len}
+                "prefill_attention": self.prefill_attention, "long_cache": self.long_cache, "max_seq_len": self.max_seq_len,
+                "draft": self.draft}
 
     def describe(self) -> str:
         """One line for a reader: each choice and where it runs."""
@@ -175,14 +183,14 @@ class ExportPlan:
                 + ("; prefill attention absorbed in mla_deploy.LatentAttentionChunkQ8"
                    if self.prefill_attention == "absorbed" else "")
                 + (f"; routed experts in {experts.get(self.experts, self.experts)}" if self.experts else "")
-                + f"; max_seq_len {self.max_seq_len}")
+                + f"; max_seq_len {self.max_seq_len}" + ("; the MTP draft graph" if self.draft else ""))
 
     def recipe(self, source_hash: str, version: str) -> str:
         """What the export id hashes: the source and every choice that is not a function of the others (the rope
         cache's dtype follows from the dtype and the cache dtype, the long-cache form from the config and the
         length)."""
         return (f"{source_hash}|{self.absorb.value}|{self.dtype}|{self.max_seq_len}|{self.quantization}|{self.experts}|"
-                f"{self.decode_attention}|{self.cache_dtype}|{version}")
+                f"{self.decode_attention}|{self.cache_dtype}|{self.draft}|{version}")
 
     def manifest_fields(self, cfg: MLAConfig) -> dict:
         """The manifest's record of the plan (read back by from_manifest)."""
@@ -191,7 +199,7 @@ class ExportPlan:
         return {
             "absorb": self.absorb.value, "dtype": self.dtype, "max_seq_len": self.max_seq_len,
             "experts": self.experts if cfg.n_routed_experts else None, "decode_attention": self.decode_attention,
-            "prefill_attention": self.prefill_attention, "long_cache": self.long_cache,
+            "prefill_attention": self.prefill_attention, "long_cache": self.long_cache, "draft": self.draft,
             "precision": {"dtype": self.dtype, "compute": self.compute, "caches": self.cache_dtype,
                           "rope_cache": self.rope_dtype, "float32": FLOAT32_ISLANDS},
             "quantization": None if q is None else {
@@ -213,7 +221,7 @@ class ExportPlan:
                    experts=manifest.get("experts"), decode_attention=manifest.get("decode_attention", "ops"),
                    prefill_attention=manifest.get("prefill_attention", "naive"),
                    long_cache=long_cache(cfg, max_seq_len) if recorded_long is None else bool(recorded_long),
-                   max_seq_len=max_seq_len)
+                   max_seq_len=max_seq_len, draft=bool(manifest.get("draft", False)))
 
 
 def resolve_experts(cfg: MLAConfig, requested: str, quantization: Quantization | None) -> str:

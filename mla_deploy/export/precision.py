@@ -55,5 +55,12 @@ class RoundedCheckpoint:
     def names(self) -> list[str]:
         return self.ckpt.names()
 
+    def mtp_names(self) -> list[str]:
+        return self.ckpt.mtp_names()
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.ckpt.has_mtp
+
     def tensor(self, name: str) -> np.ndarray:
         return round_weight(self.ckpt.tensor(name), self.dtype, name)

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ..checkpoint import Checkpoint, expected_tensors
+from ..checkpoint import Checkpoint, expected_tensors, mtp_tensors
 from ..config import MLAConfig
 from . import absorb
 
@@ -74,10 +74,12 @@ class Quantization:
         return self.head_bits if hf_name in HEAD_WEIGHTS else self.bits
 
 
-def quantized_hf_names(cfg: MLAConfig) -> list[str]:
-    """The HF weights a quantized export stores as codes: every matrix but FLOAT_LINEARS. The embedding is read by
-    GatherBlockQuantized (and, tied, by the head's MatMulNBits: the same codes, stored once)."""
-    return [name for name, shape in expected_tensors(cfg).items() if len(shape) == 2 and not name.endswith(FLOAT_LINEARS)]
+def quantized_hf_names(cfg: MLAConfig, mtp: bool = False) -> list[str]:
+    """The HF weights a quantized export stores as codes: every matrix but FLOAT_LINEARS (with `mtp`, the MTP layer's
+    too, eh_proj included). The embedding is read by GatherBlockQuantized (and, tied, by the head's MatMulNBits: the
+    same codes, stored once)."""
+    tensors = {**expected_tensors(cfg), **(mtp_tensors(cfg) if mtp else {})}
+    return [name for name, shape in tensors.items() if len(shape) == 2 and not name.endswith(FLOAT_LINEARS)]
 
 
 class DequantizedCheckpoint:
@@ -89,10 +91,17 @@ class DequantizedCheckpoint:
 
     def __init__(self, ckpt: Checkpoint, quantization: Quantization, fused: bool = False):
         self.ckpt, self.quantization, self.config, self.fused = ckpt, quantization, ckpt.config, fused
-        self._quantized = set(quantized_hf_names(ckpt.config))
+        self._quantized = set(quantized_hf_names(ckpt.config, mtp=True))
 
     def names(self) -> list[str]:
         return self.ckpt.names()
+
+    def mtp_names(self) -> list[str]:
+        return self.ckpt.mtp_names()
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.ckpt.has_mtp
 
     def tensor(self, name: str) -> np.ndarray:
         w = self.ckpt.tensor(name)

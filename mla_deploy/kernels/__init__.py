@@ -25,8 +25,7 @@ MatMulNBits' meaning). onnxruntime's MatMulNBits prepacks a private copy of its 
 read the file's one copy from every session that maps it. `QRoutedExperts4` / `QRoutedExperts8` (qexperts.c): a MoE
 layer's routed experts over such weights (export.layouts.routed_experts_layout), each expert reading only its own
 tokens' rows; `QGather4` / `QGather8` (qgather.c): columns of such a W dequantized, so that a tied embedding is read
-from its head's codes, and a separate table stored as Eᵀ costs no second layout. The quantized ops have a plain C path
-and register on any x86-64 CPU; MLA_DEPLOY_ISA=scalar|avx2|avx512 (dispatch.h) caps the path a session's kernels take.
+from its head's codes, and a separate table stored as Eᵀ costs no second layout.
 Their function bodies (export.quantized_functions) are stock ONNX over the same initializers: Cast the codes, split
 int4 nibbles as floor(x / 16) and x - 16 floor(x / 16), Reshape to [G, KB, B/4, 16, 4], subtract the zero point
 2^(bits-1), multiply by the scales reshaped [G, KB, 1, 16, 1], Transpose to [KB, B/4, 4, G, 16] and Reshape to
@@ -36,7 +35,11 @@ dequantized per block first, as the kernels quantize it), so they run on plain o
 Every graph that uses the ops also carries them as ONNX functions, built from the graph code that computes the same
 math (export.linear, export.moe, export.attention: the same product through Cast and MatMul; every expert on every
 token, weighted by dispatch; MatMul, Softmax, MatMul), which onnxruntime runs wherever the library is not
-registered: not built (no C compiler), a CPU without AVX2/FMA/F16C, or turned off.
+registered: not built (no C compiler), or turned off.
+
+Each op has a plain C path beside its AVX2 and AVX-512 ones, so the library registers on any x86-64 CPU;
+MLA_DEPLOY_ISA=scalar|avx2|avx512 (dispatch.h) caps the path a session's kernels take, read as onnxruntime creates
+them.
 """
 
 from __future__ import annotations

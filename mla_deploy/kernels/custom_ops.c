@@ -22,7 +22,7 @@
  * registered by RegisterCustomOps, which onnxruntime calls on SessionOptions.register_custom_ops_library. The
  * arithmetic is strip_matmul.c's, routed_experts.c's, latent_attention.c's, qmatmul.c's, qexperts.c's and qgather.c's;
  * this file reads shapes, allocates the outputs and splits the work over the session's intra-op threads. Every graph
- * using these ops also carries them as ONNX functions (export/kernel_functions.py, export/quantized_functions.py),
+ * using these ops also carries them as ONNX functions (built by export/builder.py from the graph code; export/quantized_functions.py),
  * which onnxruntime runs where this library is not registered.
  */
 #include <stdio.h>
@@ -72,7 +72,7 @@ static void run_pack(void *data, size_t g) {
     strip_matmul_pack(p->job, p->a, p->packed, (int64_t)g);
 }
 
-static void run_strip(void *data, size_t s) { strip_matmul_strip(data, (int64_t)s); }
+static void run_task(void *data, size_t task) { strip_matmul_task(data, (int64_t)task); }
 
 /* fn(data, 0 .. total - 1) on the session's intra-op threads; on this thread alone without a context */
 static OrtStatus *parallel_for(OrtKernelContext *context, void (*fn)(void *, size_t), size_t total, void *data) {
@@ -83,7 +83,7 @@ static OrtStatus *parallel_for(OrtKernelContext *context, void (*fn)(void *, siz
     return ORT_FN(api, OrtKernelContextParallelForFn, ORT_KernelContext_ParallelFor)(context, fn, total, 0, data);
 }
 
-static OrtStatus *compute(OrtKernelContext *context, StripKind kind, const char *op) {
+static OrtStatus *compute(OrtKernelContext *context, StripKind kind, const char *op, Isa isa) {
     const OrtValue *a_value, *b_value;
     ORT_FN(api, OrtKernelContextGetInputFn, ORT_KernelContext_GetInput)(context, 0, &a_value);
     ORT_FN(api, OrtKernelContextGetInputFn, ORT_KernelContext_GetInput)(context, 1, &b_value);
@@ -93,7 +93,7 @@ static OrtStatus *compute(OrtKernelContext *context, StripKind kind, const char 
     if (shape(b_value, b_dims, &b_rank) || b_rank != 3 || b_dims[2] != STRIP)
         return error(op, "B must be strips [N / 64, K, 64]");
     if (a_dims[a_rank - 1] != b_dims[1]) return error(op, "A's last dimension must equal B's K");
-    StripMatMul job = {.kind = kind, .k = b_dims[1], .n = b_dims[0] * STRIP, .m = 1};
+    StripMatMul job = {.kind = kind, .isa = isa, .k = b_dims[1], .n = b_dims[0] * STRIP, .m = 1};
     for (size_t i = 0; i + 1 < a_rank; i++) job.m *= a_dims[i];
     memcpy(y_dims, a_dims, sizeof(int64_t) * a_rank);
     y_dims[a_rank - 1] = job.n;
@@ -119,8 +119,7 @@ static OrtStatus *compute(OrtKernelContext *context, StripKind kind, const char 
         status = parallel_for(context, run_pack, (size_t)strip_matmul_groups(job.m), &packing);
         job.a = packed;
     }
-    if (!status) status = parallel_for(context, run_strip, (size_t)b_dims[0], &job);
-    if (!status && __atomic_load_n(&job.failed, __ATOMIC_RELAXED)) status = error(op, "out of memory for a strip's partial sums");
+    if (!status) status = parallel_for(context, run_task, (size_t)strip_matmul_tasks(&job), &job);
     free(packed);
     return status;
 }
@@ -154,7 +153,7 @@ static void run_expert_step(void *data, size_t task) {
     s->step(s->job, (int64_t)task);
 }
 
-static OrtStatus *compute_routed_experts(OrtKernelContext *context, StripKind kind, const char *op) {
+static OrtStatus *compute_routed_experts(OrtKernelContext *context, StripKind kind, const char *op, Isa isa) {
     int64_t dims[4][MAX_RANK];
     size_t rank[4];
     void *data[4], *y;
@@ -162,7 +161,7 @@ static OrtStatus *compute_routed_experts(OrtKernelContext *context, StripKind ki
     if (status) return status;
     if (rank[0] != 2 || rank[1] != 2 || rank[2] != 4 || rank[3] != 4)
         return error(op, "expected X [T, d], dispatch [T, E], fc1 [E, I'/32, d, 64], fc2 [E, d'/64, I', 64]");
-    RoutedExperts job = {.kind = kind, .tokens = dims[0][0], .d = dims[0][1], .experts = dims[1][1],
+    RoutedExperts job = {.kind = kind, .isa = isa, .tokens = dims[0][0], .d = dims[0][1], .experts = dims[1][1],
                          .inter = dims[2][1] * GATE_UP, .out_strips = dims[3][1]};
     if (dims[1][0] != job.tokens || dims[2][0] != job.experts || dims[3][0] != job.experts)
         return error(op, "X, dispatch, fc1 and fc2 disagree on the tokens or the experts");
@@ -176,14 +175,13 @@ static OrtStatus *compute_routed_experts(OrtKernelContext *context, StripKind ki
     job.x = data[0], job.dispatch = data[1], job.fc1 = data[2], job.fc2 = data[3], job.y = y;
     if (job.tokens == 0 || job.d == 0) return NULL;
     if (routed_experts_plan(&job)) return error(op, "out of memory planning the experts' rows");
-    if (job.active) { /* gathering and packing copy a few rows: on this thread, between the two products */
-        ExpertStep fc1 = {&job, routed_experts_fc1}, fc2 = {&job, routed_experts_fc2};
+    if (job.active) { /* per active expert: gather (its rows packed), fc1 by strips, pack (its activations), fc2 */
+        ExpertStep steps[] = {{&job, routed_experts_gather}, {&job, routed_experts_fc1}, {&job, routed_experts_pack},
+                              {&job, routed_experts_fc2}};
+        size_t tasks[] = {(size_t)job.active, (size_t)(job.active * job.inter / GATE_UP), (size_t)job.active,
+                          (size_t)job.out_strips};
         OrtKernelContext *pool = pool_for(context, job.first[job.active] * 3 * job.inter * job.d);
-        for (int64_t i = 0; i < job.active; i++) routed_experts_gather(&job, i);
-        status = parallel_for(pool, run_expert_step, (size_t)(job.active * job.inter / GATE_UP), &fc1);
-        for (int64_t i = 0; !status && i < job.active; i++) routed_experts_pack(&job, i);
-        if (!status) status = parallel_for(pool, run_expert_step, (size_t)job.out_strips, &fc2);
-        if (!status && __atomic_load_n(&job.failed, __ATOMIC_RELAXED)) status = error(op, "out of memory for a strip's partial sums");
+        for (int i = 0; !status && i < 4; i++) status = parallel_for(pool, run_expert_step, tasks[i], &steps[i]);
     }
     routed_experts_release(&job);
     return status;
@@ -191,7 +189,7 @@ static OrtStatus *compute_routed_experts(OrtKernelContext *context, StripKind ki
 
 static void run_latent_range(void *data, size_t task) { latent_attention_range(data, (int64_t)task); }
 
-static OrtStatus *compute_latent_attention(OrtKernelContext *context, StripKind kind, const char *op) {
+static OrtStatus *compute_latent_attention(OrtKernelContext *context, StripKind kind, const char *op, Isa isa) {
     int64_t dims[5][MAX_RANK];
     size_t rank[5];
     void *data[5], *y;
@@ -200,7 +198,7 @@ static OrtStatus *compute_latent_attention(OrtKernelContext *context, StripKind 
     if (rank[0] != 3 || rank[1] != 3 || rank[2] != 3 || rank[3] != 3 || rank[4] < 1)
         return error(op, "expected q_latent [b, h, d_c], q_rope [b, h, d_r], latent [b, cap, d_c], rope [b, cap, d_r], "
                          "bias [b, 1, 1, cap]");
-    LatentAttention job = {.kind = kind, .rows = dims[0][0], .heads = dims[0][1], .latent = dims[0][2],
+    LatentAttention job = {.kind = kind, .isa = isa, .rows = dims[0][0], .heads = dims[0][1], .latent = dims[0][2],
                            .rope = dims[1][2], .capacity = dims[2][1]};
     int64_t bias_size = 1;
     for (size_t i = 0; i < rank[4]; i++) bias_size *= dims[4][i];
@@ -229,8 +227,9 @@ static OrtStatus *compute_latent_attention(OrtKernelContext *context, StripKind 
 
 static void run_latent_range_q8(void *data, size_t task) { latent_attention_q8_range(data, (int64_t)task); }
 
-/* the kernel's instruction-set level, read when onnxruntime created it (create_at_level): dispatch.h */
-static Isa level_of(void *kernel) { return (Isa)((intptr_t)kernel - 1); }
+/* A kernel holds nothing but the instruction-set level read when onnxruntime created it (create; dispatch.h), as its
+ * pointer's value: level + 1, so that it is never NULL. */
+static Isa isa_of(void *kernel) { return (Isa)((intptr_t)kernel - 1); }
 
 static OrtStatus *compute_latent_attention_q8(void *kernel, OrtKernelContext *context, StripKind rope_kind,
                                               const char *op) {
@@ -244,7 +243,7 @@ static OrtStatus *compute_latent_attention_q8(void *kernel, OrtKernelContext *co
         return error(op, "expected q_latent [b, h, d_c] or [b, T, h, d_c], q_rope likewise, latent [b, cap, d_c], "
                          "latent_scale [b, cap, 1], rope [b, cap, d_r], bias [b, 1, T, cap]");
     int64_t b = dims[0][0], t = q == 4 ? dims[0][1] : 1;
-    LatentAttentionQ8 job = {.isa = level_of(kernel), .rope_kind = rope_kind, .rows = b * t, .queries = t,
+    LatentAttentionQ8 job = {.isa = isa_of(kernel), .rope_kind = rope_kind, .rows = b * t, .queries = t,
                              .heads = dims[0][q - 2], .latent = dims[0][q - 1], .rope = dims[1][q - 1],
                              .capacity = dims[2][1]};
     int64_t bias_size = 1;
@@ -546,8 +545,7 @@ static OrtStatus *compute_qgather(void *kernel, OrtKernelContext *context) {
 /* each registered op: its name, and its compute as one of the three above with the weights' (caches') type */
 #define OP_FUNCTIONS(ID, COMPUTE, KIND, NAME)                                                                         \
     static OrtStatus *compute_##ID(void *kernel, OrtKernelContext *context) {                                        \
-        (void)kernel;                                                                                                 \
-        return COMPUTE(context, KIND, NAME);                                                                          \
+        return COMPUTE(context, KIND, NAME, isa_of(kernel));                                                          \
     }                                                                                                                 \
     static const char *name_##ID(const OrtCustomOp *op) {                                                            \
         (void)op;                                                                                                     \
@@ -636,13 +634,7 @@ static int min_arity(const OrtCustomOp *op) { (void)op; return 1; }
 static int homogeneous(const OrtCustomOp *op) { (void)op; return 1; }
 static OrtStatus *create(const OrtCustomOp *op, const OrtApi *a, const OrtKernelInfo *info, void **kernel) {
     (void)op, (void)a, (void)info;
-    *kernel = (void *)1; /* stateless */
-    return NULL;
-}
-/* a kernel that holds its level (level_of's encoding: level + 1, never NULL) */
-static OrtStatus *create_at_level(const OrtCustomOp *op, const OrtApi *a, const OrtKernelInfo *info, void **kernel) {
-    (void)op, (void)a, (void)info;
-    *kernel = (void *)(intptr_t)(mla_isa() + 1);
+    *kernel = (void *)(intptr_t)(mla_isa() + 1); /* isa_of's encoding */
     return NULL;
 }
 static void destroy(void *kernel) { (void)kernel; }
@@ -673,8 +665,6 @@ static OrtCustomOp ops[] = {CPU_OP(name_f16, input_f16, two, compute_f16), CPU_O
                             CPU_OP(name_long_f32, input_float, five, compute_long_f32),
                             CPU_OP(name_long_f16, attention_f16, five, compute_long_f16),
                             CPU_OP(name_long_bf16, attention_bf16, five, compute_long_bf16)};
-/* the quantized ops and LatentAttentionQ8* have a plain C path (dispatch.h's scalar level): they register on any
- * x86-64 CPU */
 static OrtCustomOp quantized_ops[] = {
     KERNEL_OP(name_qmatmul4, qmatmul_input, three, create_quantized, compute_qmatmul, destroy_quantized),
     KERNEL_OP(name_qmatmul8, qmatmul_input, three, create_quantized, compute_qmatmul, destroy_quantized),
@@ -682,26 +672,25 @@ static OrtCustomOp quantized_ops[] = {
     KERNEL_OP(name_qexperts8, qexperts_input, six, create_quantized, compute_qexperts, destroy_quantized),
     KERNEL_OP(name_qgather4, qgather_input, three, create_quantized, compute_qgather, destroy_quantized),
     KERNEL_OP(name_qgather8, qgather_input, three, create_quantized, compute_qgather, destroy_quantized),
-    KERNEL_OP(name_q8_f32, q8_f32, six, create_at_level, compute_q8_f32, destroy),
-    KERNEL_OP(name_q8_f16, q8_f16, six, create_at_level, compute_q8_f16, destroy),
-    KERNEL_OP(name_q8_bf16, q8_bf16, six, create_at_level, compute_q8_bf16, destroy),
-    KERNEL_OP(name_long_q8_f32, q8_f32, six, create_at_level, compute_long_q8_f32, destroy),
-    KERNEL_OP(name_long_q8_f16, q8_f16, six, create_at_level, compute_long_q8_f16, destroy),
-    KERNEL_OP(name_long_q8_bf16, q8_bf16, six, create_at_level, compute_long_q8_bf16, destroy),
-    KERNEL_OP(name_chunk_q8_f32, q8_f32, six, create_at_level, compute_chunk_q8_f32, destroy),
-    KERNEL_OP(name_chunk_q8_f16, q8_f16, six, create_at_level, compute_chunk_q8_f16, destroy),
-    KERNEL_OP(name_chunk_q8_bf16, q8_bf16, six, create_at_level, compute_chunk_q8_bf16, destroy)};
+    KERNEL_OP(name_q8_f32, q8_f32, six, create, compute_q8_f32, destroy),
+    KERNEL_OP(name_q8_f16, q8_f16, six, create, compute_q8_f16, destroy),
+    KERNEL_OP(name_q8_bf16, q8_bf16, six, create, compute_q8_bf16, destroy),
+    KERNEL_OP(name_long_q8_f32, q8_f32, six, create, compute_long_q8_f32, destroy),
+    KERNEL_OP(name_long_q8_f16, q8_f16, six, create, compute_long_q8_f16, destroy),
+    KERNEL_OP(name_long_q8_bf16, q8_bf16, six, create, compute_long_q8_bf16, destroy),
+    KERNEL_OP(name_chunk_q8_f32, q8_f32, six, create, compute_chunk_q8_f32, destroy),
+    KERNEL_OP(name_chunk_q8_f16, q8_f16, six, create, compute_chunk_q8_f16, destroy),
+    KERNEL_OP(name_chunk_q8_bf16, q8_bf16, six, create, compute_chunk_q8_bf16, destroy)};
 
-/* The half-precision and float-cache attention ops register from the AVX2 level up: below it (a CPU without AVX2, FMA and F16C,
- * or MLA_DEPLOY_ISA=scalar: dispatch.h) the graphs run their function bodies. On an onnxruntime older than the ABI
- * slots used it registers nothing. */
+/* Every op has a plain C path, so the library registers on any x86-64 CPU; each kernel runs the path of the level
+ * read as onnxruntime creates it (MLA_DEPLOY_ISA caps it: dispatch.h). On an onnxruntime older than the ABI slots
+ * used it registers nothing and the graphs run the ops' function bodies. */
 __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
     api = base->GetApi(ORT_ABI_VERSION);
     if (!api) return NULL;
     OrtCustomOpDomain *domain; /* lives as long as the process: sessions keep referring to it */
     OrtStatus *status = ORT_FN(api, OrtCreateCustomOpDomainFn, ORT_CreateCustomOpDomain)("mla_deploy", &domain);
-    size_t half = mla_isa() >= ISA_AVX2 ? sizeof(ops) / sizeof(ops[0]) : 0;
-    for (size_t i = 0; !status && i < half; i++)
+    for (size_t i = 0; !status && i < sizeof(ops) / sizeof(ops[0]); i++)
         status = ORT_FN(api, OrtCustomOpDomainAddFn, ORT_CustomOpDomain_Add)(domain, &ops[i]);
     for (size_t i = 0; !status && i < sizeof(quantized_ops) / sizeof(quantized_ops[0]); i++)
         status = ORT_FN(api, OrtCustomOpDomainAddFn, ORT_CustomOpDomain_Add)(domain, &quantized_ops[i]);

@@ -1,8 +1,9 @@
-/* MLA's absorbed decode attention over the latent cache (latent_attention.h). Per range of slots: the scores of 4
- * heads x 3 slots at a time in registers (each cache row read once per 4 heads, widened from its stored type), the
- * softmax's exponentials 8 at a time, then p @ latent for 4 heads x 16 columns at a time. onnxruntime's MatMuls
- * multiply the same shapes as batched GEMMs with 4-column panels (the demo's 4 heads) and read every slot of the
- * capacity. */
+/* MLA's absorbed decode attention over the latent cache (latent_attention.h). Per range of slots (AVX2, also at the
+ * AVX-512 level: a decode step reads the cache once, at the memory's rate): the scores of 4 heads x 3 slots at a time
+ * in registers (each cache row read once per 4 heads, widened from its stored type), the softmax's exponentials 8 at
+ * a time, then p @ latent for 4 heads x 16 columns at a time. onnxruntime's MatMuls multiply the same shapes as
+ * batched GEMMs with 4-column panels (the demo's 4 heads) and read every slot of the capacity. The plain C path
+ * computes the same range one product at a time. */
 #include "latent_attention.h"
 
 #include <float.h>
@@ -16,25 +17,6 @@
 #define SB 3 /* slots per register block of the scores (dot products) */
 #define OS 6 /* slots per register block of the scores (outer products: float32 caches, heads a multiple of 8) */
 #define OHB 6 /* heads per register block of p @ latent */
-
-/* e^x, 8 at a time: x = n ln 2 + r, a degree-6 polynomial for e^r on |r| <= ln 2 / 2 (Cephes' expf; relative error
- * ~2e-7), x clamped to [-87.3, 88.3] (e^-87.3 ~ 1e-38: the softmax's far tail) */
-INLINE __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x); /* ln 2 in two parts: r exact to float32 */
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(two_n));
-}
 
 INLINE float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -139,7 +121,7 @@ INLINE void weighted_rows(const int nh, const float *p, int64_t n, const void *c
 int latent_attention_plan(LatentAttention *job) {
     job->splits = (job->capacity + LATENT_SPLIT - 1) / LATENT_SPLIT;
     size_t partial = (size_t)(job->rows * job->splits * job->heads * (job->latent + 2));
-    int outer = job->kind == STRIP_F32 && job->heads % 8 == 0;
+    int outer = job->kind == STRIP_F32 && job->heads % 8 == 0 && job->isa != ISA_SCALAR;
     size_t packed = outer ? (size_t)(job->rows * (job->latent + job->rope) * job->heads) : 0;
     if (!(job->partial = malloc((partial + packed) * sizeof(float) + (size_t)job->rows))) return -1;
     job->q_packed = outer ? job->partial + partial : NULL;
@@ -167,13 +149,15 @@ void latent_attention_release(LatentAttention *job) {
     job->partial = NULL;
 }
 
-KERNEL static void range_of(LatentAttention *job, int64_t task, int kind) {
+/* The slots of range `task` its row sees: their cache rows and bias (0 for a blind row), n of them; and the scores'
+ * memory [heads, n]. NULL where there is none (no slot seen, or out of memory): the range's partial then says so,
+ * and the combine skips it. */
+static float *seen_slots(LatentAttention *job, int64_t task, int kind, const void **latent, const void **rope,
+                         float *added, int64_t *count) {
     int64_t row = task / job->splits, s0 = task % job->splits * LATENT_SPLIT, cap = job->capacity;
     int64_t s1 = s0 + LATENT_SPLIT < cap ? s0 + LATENT_SPLIT : cap, heads = job->heads, dc = job->latent;
     const float *bias = job->bias + row * cap;
     float *part = job->partial + task * heads * (dc + 2); /* per head: o [d_c], max, sum */
-    const void *latent[LATENT_SPLIT], *rope[LATENT_SPLIT];
-    float added[LATENT_SPLIT];
     int64_t n = 0;
     for (int64_t s = s0; s < s1; s++)
         if (job->blind[row] || bias[s] > -FLT_MAX) {
@@ -185,8 +169,48 @@ KERNEL static void range_of(LatentAttention *job, int64_t task, int kind) {
     if (!score) {
         if (n) __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);
         for (int64_t h = 0; h < heads; h++) part[h * (dc + 2) + dc] = -INFINITY, part[h * (dc + 2) + dc + 1] = 0.0f;
-        return; /* no slot seen in this range: the combine skips it */
     }
+    *count = n;
+    return score;
+}
+
+/* plain C: scores, softmax and p @ latent one product at a time */
+static void range_scalar(LatentAttention *job, int64_t task) {
+    const void *latent[LATENT_SPLIT], *rope[LATENT_SPLIT];
+    float added[LATENT_SPLIT];
+    int64_t n, row = task / job->splits, heads = job->heads, dc = job->latent, dr = job->rope;
+    int kind = job->kind;
+    float *score = seen_slots(job, task, kind, latent, rope, added, &n), *part = job->partial + task * heads * (dc + 2);
+    if (!score) return;
+    const float *ql = job->q_latent + row * heads * dc, *qr = job->q_rope + row * heads * dr;
+    for (int64_t h = 0; h < heads; h++) {
+        float *p = score + h * n, top = -INFINITY, sum = 0.0f;
+        for (int64_t i = 0; i < n; i++) {
+            float s = 0.0f;
+            if (!job->blind[row]) { /* a blind row: equal scores, the plain mean */
+                for (int64_t d = 0; d < dc; d++) s += ql[h * dc + d] * stored_value(latent[i], d, kind);
+                for (int64_t d = 0; d < dr; d++) s += qr[h * dr + d] * stored_value(rope[i], d, kind);
+            }
+            top = fmaxf(top, p[i] = s + added[i]);
+        }
+        for (int64_t i = 0; i < n; i++) sum += p[i] = expf(p[i] - top);
+        float *o = part + h * (dc + 2);
+        for (int64_t d = 0; d < dc; d++) {
+            float acc = 0.0f;
+            for (int64_t i = 0; i < n; i++) acc += p[i] * stored_value(latent[i], d, kind);
+            o[d] = acc;
+        }
+        o[dc] = top, o[dc + 1] = sum;
+    }
+    free(score);
+}
+
+KERNEL static void range_of(LatentAttention *job, int64_t task, int kind) {
+    const void *latent[LATENT_SPLIT], *rope[LATENT_SPLIT];
+    float added[LATENT_SPLIT];
+    int64_t n, row = task / job->splits, heads = job->heads, dc = job->latent;
+    float *score = seen_slots(job, task, kind, latent, rope, added, &n), *part = job->partial + task * heads * (dc + 2);
+    if (!score) return;
     const float *ql = job->q_latent + row * heads * dc, *qr = job->q_rope + row * heads * job->rope;
     if (job->blind[row]) memset(score, 0, sizeof(float) * (size_t)(heads * n)); /* equal scores: the plain mean */
     else if (job->q_packed) { /* float32 caches, heads a multiple of 8: outer products, 16 (or 8) heads a panel */
@@ -249,6 +273,10 @@ KERNEL static void range_f16(LatentAttention *job, int64_t task) { range_of(job,
 KERNEL static void range_bf16(LatentAttention *job, int64_t task) { range_of(job, task, STRIP_BF16); }
 
 void latent_attention_range(LatentAttention *job, int64_t task) {
+    if (job->isa == ISA_SCALAR) {
+        range_scalar(job, task);
+        return;
+    }
     switch (job->kind) { /* one instantiation per kind */
         case STRIP_F16: range_f16(job, task); break;
         case STRIP_BF16: range_bf16(job, task); break;

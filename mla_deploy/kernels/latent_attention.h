@@ -17,6 +17,7 @@
 
 typedef struct {
     StripKind kind;                              /* the caches' stored type */
+    Isa isa;                                     /* the path that runs (dispatch.h) */
     int64_t rows, heads, latent, rope, capacity; /* b, h, d_c (a multiple of 16), d_r (a multiple of 8), cap */
     const float *q_latent;                       /* [b, h, d_c] */
     const float *q_rope;                         /* [b, h, d_r] */

@@ -17,6 +17,7 @@
 
 typedef struct {
     StripKind kind;
+    Isa isa;               /* the path that runs (dispatch.h) */
     int64_t tokens, d, experts, inter, out_strips; /* inter: I' (a multiple of 32); out_strips: d' / 64 */
     const float *x;        /* [tokens, d] */
     const float *dispatch; /* [tokens, experts] */
@@ -35,7 +36,6 @@ typedef struct {
     float *acts;      /* act's rows, packed per expert */
     float *out;       /* [routed, d']: fc2's products */
     void *memory;     /* everything above, one allocation */
-    int failed;       /* a strip could not get its scratch memory */
 } RoutedExperts;
 
 /* Group the tokens by expert and allocate the scratch; zeroes Y. 0 on success, -1 out of memory. */

@@ -40,14 +40,15 @@ def _layer(ckpt: Checkpoint, i: int) -> DecoderLayer:
 @torch.no_grad()
 def layerwise_logits(ckpt: Checkpoint, ids: torch.Tensor, kv_mask: torch.Tensor, lengths: torch.Tensor,
                      decode_tokens: torch.Tensor, stored: CacheFormat | None = None,
-                     prefill_form: AttentionForm = AttentionForm.NAIVE) -> tuple[torch.Tensor, torch.Tensor]:
+                     prefill_form: AttentionForm = AttentionForm.NAIVE, hidden: bool = False) -> tuple[torch.Tensor, ...]:
     """Prefill logits [b, T, vocab] of right-padded prompts `ids` [b, T] (`lengths` [b] real tokens each), then the
     logits [b, steps, vocab] of decoding `decode_tokens` [b, steps] one at a time at slots lengths + step.
     `kv_mask` [b, capacity >= T + steps] as the graphs take it. `ckpt` may be any reader with `config`, `names()`
     and `tensor(name)`: verification of a quantized export passes export.quantize.DequantizedCheckpoint. `stored`:
     cache entries rounded to that format as written, as a half-precision or int8-cache export's caches hold them.
     `prefill_form`: the prompts' attention form, as the export's prefill graph runs it (export.plan's prefill
-    attention: absorbed over an int8 cache, whose quantized fused matrices differ from the naive form's factors)."""
+    attention: absorbed over an int8 cache, whose quantized fused matrices differ from the naive form's factors).
+    `hidden`: the final hidden states (after the final norm) [b, T, d] and [b, steps, d] follow the logits."""
     cfg = ckpt.config
     b, t = ids.shape
     steps = decode_tokens.shape[1]
@@ -72,4 +73,6 @@ def layerwise_logits(ckpt: Checkpoint, ids: torch.Tensor, kv_mask: torch.Tensor,
     norm.load_state_dict(_weights(ckpt, "model.norm."))
     head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     head = torch.from_numpy(ckpt.tensor(head_name))  # [vocab, d]
-    return F.linear(norm(prompt), head).float(), F.linear(norm(decoded), head).float()
+    prompt, decoded = norm(prompt), norm(decoded)
+    logits = F.linear(prompt, head).float(), F.linear(decoded, head).float()
+    return (*logits, prompt.float(), decoded.float()) if hidden else logits

@@ -56,12 +56,21 @@ class MLAForCausalLM(nn.Module):
         logits_positions: torch.Tensor | None = None,  # [b, n] chunk positions to score; all when None
     ) -> torch.Tensor:
         """Logits [b, T or n, vocab]; the caches are updated in place."""
+        return self.logits_and_hidden(input_ids, position_ids, caches, write_indices, kv_mask, form, logits_positions)[0]
+
+    @torch.no_grad()
+    def logits_and_hidden(self, input_ids, position_ids, caches, write_indices, kv_mask,
+                          form: AttentionForm = AttentionForm.ABSORBED,
+                          logits_positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward's logits, and the final hidden state [b, T, d] at every position (after the final norm: what the
+        head reads, and what the MTP draft reads)."""
         form = AttentionForm(form)
         cos, sin = self.rope.lookup(position_ids)
         x = self.model.embed_tokens(input_ids)
         for layer, cache in zip(self.model.layers, caches):
             x = layer(x, cos, sin, self.rope.perm, cache, write_indices, kv_mask, form)
-        x = self.model.norm(x)
+        hidden = self.model.norm(x)
+        x = hidden
         if logits_positions is not None:
             x = torch.gather(x, 1, logits_positions[..., None].expand(-1, -1, x.shape[-1]))  # [b, n, d]
-        return self.lm_head(x).float()
+        return self.lm_head(x).float(), hidden

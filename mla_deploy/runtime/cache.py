@@ -25,11 +25,13 @@ class CacheBuffers:
     """The per-layer caches of one generation (one batch of rows), owned by the caller's thread."""
 
     def __init__(self, cfg: MLAConfig, batch: int, capacity: int, max_capacity: int, device: str,
-                 dtype: io_spec.CacheFormat | str = "float32"):
-        """`dtype`: the export's cache format (or one float dtype for both caches; runtime.dtypes)."""
+                 dtype: io_spec.CacheFormat | str = "float32", layers: range | None = None):
+        """`dtype`: the export's cache format (or one float dtype for both caches; runtime.dtypes); `layers`: the main
+        model's (default), or the MTP draft's (io_spec.draft_layers)."""
         self.cfg, self.batch, self.device, self.max_capacity = cfg, batch, device, max_capacity
         self.format = io_spec.CacheFormat.of(dtype)
-        self.tensors = self.format.tensors(cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+        self.layers = range(cfg.num_hidden_layers) if layers is None else layers
+        self.tensors = self.format.tensors(self.layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
         self.capacity = 0
         self.arrays: dict[str, np.ndarray] = {}
         self.values: dict[str, ort.OrtValue] = {}
@@ -67,7 +69,8 @@ class CacheBuffers:
 
 class DecodeBinding:
     """The decode graph bound once per cache shape over rows [0, rows): input buffers written in place each step,
-    logits read from `logits` [rows, 1, vocab] after the run."""
+    logits read from `logits` [rows, 1, vocab] after the run, and the final hidden state from `hidden` [rows, 1, d]
+    (None from an export without that output)."""
 
     def __init__(self, session: ort.InferenceSession, caches: CacheBuffers, rows: int, vocab: int):
         self.rows = rows
@@ -82,3 +85,8 @@ class DecodeBinding:
         self._values += caches.bind(self.binding, None if rows == caches.batch else slice(0, rows))
         self._values.append(ort.OrtValue.ortvalue_from_numpy(self.logits))
         self.binding.bind_ortvalue_output(io_spec.LOGITS, self._values[-1])
+        self.hidden = None
+        if io_spec.HIDDEN in {o.name for o in session.get_outputs()}:
+            self.hidden = np.zeros((rows, 1, caches.cfg.hidden_size), np.float32)
+            self._values.append(ort.OrtValue.ortvalue_from_numpy(self.hidden))
+            self.binding.bind_ortvalue_output(io_spec.HIDDEN, self._values[-1])

@@ -20,6 +20,7 @@ from typing import AsyncIterator, Sequence
 from .scheduler import Finished, PromptLogprobs, QueueFull, Request, Scheduler, TokenEvent
 from .sampling import SamplingParams
 from .session import ExportedModel
+from .speculative import Speculation
 
 __all__ = ["Engine", "EngineStats", "Finished", "Histogram", "PromptLogprobs", "QueueFull", "TokenEvent"]
 
@@ -52,9 +53,11 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, model: ExportedModel, max_batch: int = 16, max_queue: int = 256, prefill_chunk: int = 256):
+    def __init__(self, model: ExportedModel, max_batch: int = 16, max_queue: int = 256, prefill_chunk: int = 256,
+                 speculation: Speculation | None = None):
+        """`speculation`: the scheduler's (runtime.speculative); a request opts out with speculate=False."""
         self.model = model
-        self.scheduler = Scheduler(model, max_batch, max_queue, prefill_chunk)
+        self.scheduler = Scheduler(model, max_batch, max_queue, prefill_chunk, speculation)
         self.stats = EngineStats()
         self._lock = threading.Condition()
         self._inbox: list[Request] = []
@@ -69,7 +72,7 @@ class Engine:
                stop_token_ids: Sequence[int] | None = None, **options) -> AsyncIterator[TokenEvent | Finished]:
         """Queue a request; raises InputError (bad prompt or parameters) or QueueFull before anything runs.
         sampling and stop_token_ids default to the export's generation_config.json (model.generation); `options`
-        are Request's (logprobs, prompt_logprobs, constraint, choice). Must be called from the event loop that
+        are Request's (logprobs, prompt_logprobs, constraint, choice, speculate). Must be called from the event loop that
         consumes the returned iterator."""
         return _flatten(self.submit_batches(prompt_ids, max_new_tokens, sampling, stop_token_ids, **options))
 

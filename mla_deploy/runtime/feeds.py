@@ -14,11 +14,13 @@ from ..errors import InputError
 from .dtypes import numpy_dtype
 
 
-def empty_caches(cfg: MLAConfig, batch: int, capacity: int,
-                 dtype: io_spec.CacheFormat | str = "float32") -> dict[str, np.ndarray]:
-    """Zero-filled cache inputs (past_latent, its scales where int8, past_rope) for every layer, in the export's cache
-    format `dtype` (runtime.dtypes; for one-off graph calls: the Generator keeps its own in-place buffers)."""
-    tensors = io_spec.CacheFormat.of(dtype).tensors(cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+def empty_caches(cfg: MLAConfig, batch: int, capacity: int, dtype: io_spec.CacheFormat | str = "float32",
+                 layers: range | None = None) -> dict[str, np.ndarray]:
+    """Zero-filled cache inputs (past_latent, its scales where int8, past_rope) for every layer (or `layers`: the
+    draft's), in the export's cache format `dtype` (runtime.dtypes; for one-off graph calls: the Generator keeps its
+    own in-place buffers)."""
+    tensors = io_spec.CacheFormat.of(dtype).tensors(cfg.num_hidden_layers if layers is None else layers,
+                                                    cfg.kv_lora_rank, cfg.qk_rope_head_dim)
     return {t.past: np.zeros((batch, capacity, t.width), numpy_dtype(t.dtype)) for t in tensors}
 
 
@@ -36,8 +38,7 @@ def prefill_feed(cfg: MLAConfig, ids: np.ndarray, capacity: int | None = None,
 
 def check_feed(kind: str, feed: dict, cfg: MLAConfig, max_seq_len: int,
                cache_dtype: io_spec.CacheFormat | str = "float32") -> None:
-    inputs, _ = io_spec.graph_io(kind, cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.vocab_size,
-                                 cache_dtype=cache_dtype)
+    inputs, _ = io_spec.graph_io(kind, cfg, cache_dtype)
     expected = {s.name: s for s in inputs}
     missing = sorted(expected.keys() - feed.keys())
     unknown = sorted(feed.keys() - expected.keys())

@@ -20,6 +20,9 @@ from ..errors import InputError
 from .cache import CacheBuffers, DecodeBinding
 from .sampling import SamplingParams, sample
 from .session import ExportedModel
+from .draft import MTPDrafter
+from .speculative import (PRIOR_ACCEPTANCE, DraftPolicy, Speculation, SpeculationStats, accept_row, lookup,
+                          measure_costs, updated_acceptance, verification_pass)
 
 
 @dataclass
@@ -33,8 +36,9 @@ class GenerationResult:
     token_ids: list[list[int]]  # the generated ids only, per row (a stop token included when it ended the row)
     finish_reasons: list[str]  # "stop" or "length"
     prefill_ms: float
-    decode_ms: float
-    decode_tokens: int
+    decode_ms: float  # the decode steps' wall time: graphs, sampling, proposals and acceptance
+    decode_tokens: int  # tokens generated after each row's first (that one comes from the prefill)
+    speculation: SpeculationStats | None = None  # draft tokens proposed and accepted, with speculation on
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -48,20 +52,24 @@ class _State:
     history: list[np.ndarray]  # per row: prompt + generated ids (for the repetition penalty)
     rng: np.random.Generator
     decode_binding: DecodeBinding | None = None
+    drafter: MTPDrafter | None = None  # speculation by the MTP draft graph
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
-    decode_steps: int = 0
 
 
 class Generator:
     """Generates from an ExportedModel. Holds no per-generation state: one Generator serves many threads."""
 
     def __init__(self, model: ExportedModel, sampling: SamplingParams | None = None, chunk_size: int = 512,
-                 stop_token_ids: Sequence[int] | None = None):
+                 stop_token_ids: Sequence[int] | None = None, speculation: Speculation | None = None):
         """sampling and stop_token_ids default to the export's generation_config.json (model.generation), whose
-        eos ids default to the model config's."""
+        eos ids default to the model config's; speculation to off."""
         self.model = model
         self.sampling = (model.generation.sampling if sampling is None else sampling).validate()
+        self.speculation = (speculation or Speculation()).resolve(model)
+        if self.speculation.mode == "mtp" and io_spec.PREFILL not in model.sessions:
+            raise InputError("speculative='mtp' reads the prompt's hidden states from the prefill graph: load the model "
+                             "with it (not decode only)")
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise InputError(f"chunk_size={chunk_size!r}: must be a positive integer")
         self.chunk_size = chunk_size
@@ -78,40 +86,104 @@ class Generator:
 
     def stream(self, prompts, max_new_tokens: int) -> Generator_[StepOutput, None, GenerationResult]:
         """Yield each step's new tokens; the iterator's return value is the GenerationResult.
-        Closing the iterator early frees the generation's caches."""
+        Closing the iterator early frees the generation's caches. With speculation a verification pass may give a row
+        several tokens: they are yielded one StepOutput each, in step with the other rows (a row ahead of the others
+        holds its tokens until they catch up), so the stream reads as without speculation."""
         rows = self.check_prompts(prompts, max_new_tokens)
         b = len(rows)
         state = self.new_state([np.asarray(r, np.int64) for r in rows])
-        generated: list[list[int]] = [[] for _ in range(b)]
-        finished = np.zeros(b, bool)
-        reasons = ["length"] * b
-        vocab = self.model.config.vocab_size
-        counts = [np.zeros(vocab, np.int32) for _ in range(b)] if self.sampling.counts_tokens else None
+        if self.speculation.mode == "mtp":
+            state.drafter = MTPDrafter(self.model, b)
+        out = _Output(b, self.model.config.vocab_size if self.sampling.counts_tokens else None, self.stop_token_ids,
+                      max_new_tokens)
         try:
             logits = self.prefill(state, rows)
-            for step in range(max_new_tokens):
-                tokens = sample(logits, self.sampling, state.rng, state.history, counts)
-                out: list[int | None] = []
-                for r in range(b):
-                    if finished[r]:
-                        out.append(None)
-                        continue
-                    token = int(tokens[r])
-                    generated[r].append(token)
-                    state.history[r] = np.append(state.history[r], token)
-                    if counts is not None:
-                        counts[r][token] += 1
-                    out.append(token)
-                    if token in self.stop_token_ids:
-                        finished[r], reasons[r] = True, "stop"
-                yield StepOutput(step, out)
-                if finished.all() or step == max_new_tokens - 1:
-                    break
-                logits = self.decode_step(state, tokens)
+            tokens = sample(logits, self.sampling, state.rng, state.history, out.counts)
+            out.take(state, [[int(t)] for t in tokens])
+            loop = self._speculative if self.speculation.on else self._plain
+            yield from loop(state, out, tokens)
         finally:
             state.caches = None  # release the buffers even when the consumer stops early
             state.decode_binding = None
-        return GenerationResult(generated, reasons, state.prefill_ms, state.decode_ms, state.decode_steps * b)
+        return GenerationResult(out.generated, out.reasons, state.prefill_ms, state.decode_ms, out.decode_tokens,
+                                out.stats if self.speculation.on else None)
+
+    def _plain(self, state: _State, out: "_Output", tokens: np.ndarray):
+        """One decode step per token, every row in each."""
+        while True:
+            yield from out.ready()
+            if out.done:
+                return
+            t0 = time.perf_counter()
+            logits = self.decode_step(state, tokens)
+            tokens = sample(logits, self.sampling, state.rng, state.history, out.counts)
+            out.take(state, [[int(t)] for t in tokens], decoded=True)
+            state.decode_ms += (time.perf_counter() - t0) * 1e3  # the step, sampling and bookkeeping: the wall time
+
+    def _speculative(self, state: _State, out: "_Output", tokens: np.ndarray):
+        """Propose, verify, accept (runtime.speculative); a step where no row proposes is a plain decode step."""
+        spec, limit, drafter = self.speculation, self.model.max_seq_len, state.drafter
+        pending = tokens.copy()  # each row's last token, not yet in its cache
+        b = len(pending)
+        policy = DraftPolicy(measure_costs(self.model, b, spec.draft_tokens, drafter is not None), drafter is not None)
+        acceptance = np.full(b, PRIOR_ACCEPTANCE)
+        for r in range(b if drafter is not None else 0):  # the first token completes the last prompt position's pair
+            drafter.first_token(r, int(pending[r]))
+        while True:
+            yield from out.ready()
+            if out.done:
+                return
+            t0 = time.perf_counter()  # proposing, verifying, accepting: a step's wall time
+            state.lengths[out.finished] = 0  # a finished row's cache is read no more: it rides along at slot 0
+            # every row writes the pass's width from its length: no draft may take another running row past the end
+            end = min(limit - 1 - int(state.lengths[r]) for r in np.flatnonzero(~out.finished))
+            # nor past its own token budget (the token drawn after the accepted drafts comes on top)
+            rooms = [0 if out.finished[r] else max(0, min(spec.draft_tokens, out.remaining(r) - 1, end))
+                     for r in range(b)]
+            if drafter is not None:
+                drafts = drafter.propose(range(b), [policy.length(acceptance[r], room) for r, room in enumerate(rooms)])
+            else:
+                drafts = [lookup(state.history[r], rooms[r], spec.ngram, spec.min_ngram) for r in range(b)]
+                drafts = [d[: policy.length(acceptance[r], len(d))] for r, d in enumerate(drafts)]
+            width = max(len(d) for d in drafts)
+            starts = state.lengths.copy()
+            if width == 0:
+                logits = self.decode_step(state, pending)
+                emitted = [[int(t)] for t in sample(logits, self.sampling, state.rng, state.history, out.counts)]
+                hidden = state.decode_binding.hidden
+            else:
+                emitted, hidden = self._verify(state, out, pending, drafts, width)
+            for r, tokens_r in enumerate(emitted):
+                acceptance[r] = updated_acceptance(acceptance[r], len(drafts[r]), len(tokens_r) - 1)
+                pending[r] = tokens_r[-1]
+                if drafter is not None:  # the pairs just committed: (h at the pending token and each accepted draft, next)
+                    drafter.commit(r, np.array(tokens_r), hidden[r, : len(tokens_r)].copy(), int(starts[r]))
+            out.take(state, emitted, decoded=True)
+            state.decode_ms += (time.perf_counter() - t0) * 1e3
+
+    def _verify(self, state: _State, out: "_Output", pending: np.ndarray, drafts: list[np.ndarray],
+                width: int) -> tuple[list[list[int]], np.ndarray | None]:
+        """One verification pass over every row: its pending token and drafts (padded to width + 1) at its length.
+        Returns each row's emitted tokens and the pass's hidden states [b, width + 1, d]; each row's length advances
+        past its pending token and accepted drafts."""
+        b = len(pending)
+        ids = np.zeros((b, width + 1), np.int64)
+        ids[:, 0] = pending
+        for r, d in enumerate(drafts):
+            ids[r, 1 : 1 + len(d)] = d
+        if state.caches.ensure(int(state.lengths.max()) + width + 1):
+            state.decode_binding = None
+        logits, hidden = verification_pass(self.model, state.caches, ids, state.lengths)
+        emitted = []
+        for r, d in enumerate(drafts):
+            counts = None if out.counts is None else out.counts[r]
+            tokens = accept_row(logits[r, : len(d) + 1], d, self.sampling, state.history[r], counts, state.rng)
+            if not out.finished[r]:
+                out.stats.add(len(d), len(tokens) - 1)
+            emitted.append(tokens)
+        state.lengths += np.array([len(t) for t in emitted], np.int64)  # the pending token and the accepted drafts
+        out.stats.verify_steps += 1
+        return emitted, hidden
 
     def new_state(self, history: list[np.ndarray], context: int | None = None) -> _State:
         """Generation state for these rows; caches sized for the longest row (or `context` slots already held)."""
@@ -150,11 +222,22 @@ class Generator:
             binding.bind_cpu_input(io_spec.WRITE_INDICES, np.full(b, start, np.int64))
             binding.bind_cpu_input(io_spec.LOGITS_POSITIONS, np.clip(lengths - 1 - start, 0, t - 1)[:, None])
             binding.bind_output(io_spec.LOGITS, "cpu")  # first output bound: get_outputs()[0]
+            if state.drafter is not None:
+                binding.bind_output(io_spec.HIDDEN, "cpu")
             state.caches.bind(binding)
             session.run_with_iobinding(binding)
             logits = binding.get_outputs()[0].numpy()[:, 0]  # [b, 1, vocab] -> [b, vocab]
             here = (lengths - 1 >= start) & (lengths - 1 < start + t)
             last[here] = logits[here]
+            if state.drafter is not None:  # the MTP draft's pairs (h_i, t_{i+1}) that the prompt holds
+                hidden = binding.get_outputs()[1].numpy()  # [b, t, d]
+                following = np.full((b, t), -1, np.int64)
+                for r, row in enumerate(rows):
+                    piece = row[start + 1 : start + t + 1]
+                    following[r, : len(piece)] = piece
+                state.drafter.prefill(hidden, start, following)
+                for r in np.flatnonzero(here):  # the last prompt position: its pair waits for the first token
+                    state.drafter.prompt_done(r, hidden[r, lengths[r] - 1 - start][None].copy(), int(lengths[r] - 1))
         state.prefill_ms += (time.perf_counter() - t0) * 1e3
         return last
 
@@ -181,7 +264,6 @@ class Generator:
 
     def decode_step(self, state: _State, tokens: np.ndarray) -> np.ndarray:
         """One token per row at slot lengths[b]; caches updated in place. Returns logits [b, vocab]."""
-        t0 = time.perf_counter()
         grew = state.caches.ensure(int(state.lengths.max()) + 1)
         if state.decode_binding is None or grew:  # bound once per cache capacity; a step only writes the buffers
             state.decode_binding = DecodeBinding(self.model.sessions[io_spec.DECODE], state.caches,
@@ -192,9 +274,52 @@ class Generator:
         d.write[:] = state.lengths
         self.model.sessions[io_spec.DECODE].run_with_iobinding(d.binding)
         state.lengths += 1
-        state.decode_ms += (time.perf_counter() - t0) * 1e3
-        state.decode_steps += 1
         return d.logits[:, 0]
+
+
+class _Output:
+    """What a generation has emitted per row, and the rows' stops; StepOutputs are yielded from it in step."""
+
+    def __init__(self, b: int, vocab: int | None, stop_ids: set[int], max_new_tokens: int):
+        self.generated: list[list[int]] = [[] for _ in range(b)]
+        self.finished = np.zeros(b, bool)
+        self.reasons = ["length"] * b
+        self.counts = None if vocab is None else [np.zeros(vocab, np.int32) for _ in range(b)]
+        self.stop_ids, self.max_new_tokens = stop_ids, max_new_tokens
+        self.decode_tokens = 0
+        self.yielded = 0  # StepOutputs yielded so far
+        self.stats = SpeculationStats()
+
+    def remaining(self, r: int) -> int:
+        return self.max_new_tokens - len(self.generated[r])
+
+    def take(self, state: _State, emitted: list[list[int]], decoded: bool = False) -> None:
+        """Each row's new tokens, up to its stop token or its budget (a finished row's are ignored)."""
+        for r, tokens in enumerate(emitted):
+            for token in tokens:
+                if self.finished[r]:
+                    break
+                self.generated[r].append(token)
+                self.decode_tokens += decoded
+                state.history[r] = np.append(state.history[r], token)
+                if self.counts is not None:
+                    self.counts[r][token] += 1
+                if token in self.stop_ids:
+                    self.finished[r], self.reasons[r] = True, "stop"
+                elif len(self.generated[r]) >= self.max_new_tokens:
+                    self.finished[r] = True
+
+    @property
+    def done(self) -> bool:
+        return bool(self.finished.all())
+
+    def ready(self):
+        """StepOutputs for every step each row has a token for (a finished row: None past its end)."""
+        running = [len(g) for g, f in zip(self.generated, self.finished) if not f]
+        upto = min(running) if running else max(len(g) for g in self.generated)
+        for step in range(self.yielded, upto):
+            yield StepOutput(step, [g[step] if step < len(g) else None for g in self.generated])
+        self.yielded = max(self.yielded, upto)
 
 
 def check_prompts(prompts, max_new_tokens: int, vocab: int, limit: int, least: int = 1) -> list[list[int]]:

@@ -112,29 +112,11 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator 
     (`history`: each row's prompt and generated ids), presence and frequency penalties (`counts`: each row's
     generated-token counts [vocab]), logit_bias, the `allowed` mask [b, vocab] (a grammar's: the others get
     probability 0), then temperature, top-k and top-p."""
-    logits = apply_repetition_penalty(logits.astype(np.float64), history, params.repetition_penalty)
-    if params.counts_tokens:
-        logits = apply_presence_frequency(logits, counts, params.presence_penalty, params.frequency_penalty)
-    logits = apply_logit_bias(logits, params.logit_bias)
-    if allowed is not None:
-        logits = np.where(allowed, logits, -np.inf)
+    logits = adjusted_logits(logits, params, history, counts, allowed)
     if params.greedy:
         return logits.argmax(-1).astype(np.int64)
-    # subtract the max first: every scaled logit is <= 0; one far below the max may scale to -inf,
-    # which is exactly its probability (0), so that overflow is expected
-    with np.errstate(over="ignore"):
-        logits = (logits - logits.max(-1, keepdims=True)) / params.temperature
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = np.partition(logits, -params.top_k, axis=-1)[:, -params.top_k, None]  # [b, 1]
-        logits = np.where(logits < kth, -np.inf, logits)
-    probs = np.exp(logits)  # the max is exp(0) = 1: the sum is >= 1
-    probs /= probs.sum(-1, keepdims=True)
-    # a draw of exactly 0.0 counts the leading zero-probability tokens, so it too lands on a token that can be drawn
-    if isinstance(rng, Sequence):
-        u = np.concatenate([g.random((1, 1)) for g in rng])  # [b, 1]: one draw from each row's generator
-    else:
-        u = rng.random((probs.shape[0], 1))
-    u = np.maximum(u, np.finfo(np.float64).smallest_subnormal)
+    probs = _tempered(logits, params)
+    u = uniform(rng, probs.shape[0])
     if params.top_p < 1.0:  # draw among the nucleus's ids only (ascending: the same cumulative order as below)
         tokens = []
         for row, draw in zip(probs, u[:, 0]):
@@ -146,12 +128,79 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator 
     return np.minimum((np.cumsum(probs, -1) < u).sum(-1), probs.shape[-1] - 1).astype(np.int64)
 
 
+def distribution(logits: np.ndarray, params: SamplingParams, history: list[np.ndarray],
+                 counts: Sequence[np.ndarray] | None = None, allowed: np.ndarray | None = None) -> np.ndarray:
+    """The probabilities [b, vocab] float64 that sample() draws from, whole: after the same penalties, bias, mask,
+    temperature, top-k and top-p (0 outside the nucleus, the nucleus renormalized as sample() renormalizes it);
+    greedy: 1 on the argmax. Speculative decoding's acceptance reads it (runtime.speculative)."""
+    logits = adjusted_logits(logits, params, history, counts, allowed)
+    if params.greedy:
+        probs = np.zeros_like(logits)
+        probs[np.arange(len(logits)), logits.argmax(-1)] = 1.0
+        return probs
+    probs = _tempered(logits, params)
+    if params.top_p < 1.0:
+        for row in probs:
+            ids = nucleus_ids(row, params.top_p)
+            kept = row[ids]
+            kept /= kept.sum()
+            row[:] = 0.0
+            row[ids] = kept
+    return probs
+
+
+def draw(probs: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Inverse-CDF draws: probs [b, vocab] (rows summing to 1, up to rounding) and uniforms u [b, 1] -> ids [b]. The
+    first token whose cumulative mass reaches u; a u above a row's rounded total lands on its last token of nonzero
+    probability."""
+    last = probs.shape[-1] - 1 - np.argmax(probs[:, ::-1] > 0, axis=-1)  # [b]
+    return np.minimum((np.cumsum(probs, -1) < u).sum(-1), last).astype(np.int64)
+
+
+def uniform(rng: np.random.Generator | Sequence[np.random.Generator], rows: int) -> np.ndarray:
+    """[rows, 1] uniforms in (0, 1): one from each row's generator, or `rows` from one. A draw of exactly 0.0 is
+    raised to the smallest float, so it counts the leading zero-probability tokens and lands on a token that can be
+    drawn."""
+    if isinstance(rng, Sequence):
+        u = np.concatenate([g.random((1, 1)) for g in rng])  # one draw from each row's generator
+    else:
+        u = rng.random((rows, 1))
+    return np.maximum(u, np.finfo(np.float64).smallest_subnormal)
+
+
+def adjusted_logits(logits: np.ndarray, params: SamplingParams, history: list[np.ndarray],
+                    counts: Sequence[np.ndarray] | None = None, allowed: np.ndarray | None = None) -> np.ndarray:
+    """float64 logits after the repetition penalty, presence and frequency penalties, logit_bias and the mask, in
+    that order: what greedy takes the argmax of."""
+    logits = apply_repetition_penalty(logits.astype(np.float64), history, params.repetition_penalty)
+    if params.counts_tokens:
+        logits = apply_presence_frequency(logits, counts, params.presence_penalty, params.frequency_penalty)
+    logits = apply_logit_bias(logits, params.logit_bias)
+    if allowed is not None:
+        logits = np.where(allowed, logits, -np.inf)
+    return logits
+
+
+def _tempered(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Adjusted logits -> probabilities after temperature and top-k (before top-p)."""
+    # subtract the max first: every scaled logit is <= 0; one far below the max may scale to -inf,
+    # which is exactly its probability (0), so that overflow is expected
+    with np.errstate(over="ignore"):
+        logits = (logits - logits.max(-1, keepdims=True)) / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = np.partition(logits, -params.top_k, axis=-1)[:, -params.top_k, None]  # [b, 1]
+        logits = np.where(logits < kth, -np.inf, logits)
+    probs = np.exp(logits)  # the max is exp(0) = 1: the sum is >= 1
+    probs /= probs.sum(-1, keepdims=True)
+    return probs
+
+
 def nucleus_ids(p: np.ndarray, top_p: float) -> np.ndarray:
     """p [vocab] -> the kept token ids, ascending: in order of decreasing probability, ties by lower token id, every
     token with less than top_p of mass before it (the first always kept), as transformers' TopPLogitsWarper.
 
-    A stable sort of the whole vocabulary costs ~0.2 ms a row at 4096 tokens and ~8 ms at DeepSeek's 102400, more
-    than a small model's decode step. The nucleus is mostly among the likeliest few (the demo model at temperature
+    A stable sort of the whole vocabulary at DeepSeek's 102400 tokens can cost more than a small model's decode
+    step. The nucleus is mostly among the likeliest few (the demo model at temperature
     0.7, top_p 0.9: median 8 tokens), so the tokens likelier than a threshold t = max(p) x ratio are tried first, for
     each ratio of NUCLEUS_RATIOS: they precede every other token in the order, so their stable sort is the whole
     sort's first part and their cumulative sums are its first sums, bit for bit. Where those reach top_p, every other

@@ -16,6 +16,11 @@ and the two sessions. Each `step()`:
 Rows share the cache capacity, which grows by CacheBuffers.BLOCK slots to the longest row's need and
 never past the export's maximum length; a request that could not fit is refused when submitted.
 
+With speculation (runtime.speculative: prompt lookup or the MTP draft), step 4 is a verification pass where any
+decoding row proposes tokens: every row's pending token and drafts over rows [0, hi), each row accepting its own
+count and advancing its own length; a request may opt out (`speculate`), and one under a grammar does not
+speculate. A step where no row proposes is the plain decode step.
+
 Each request carries its own SamplingParams and random generator (its seed), stop ids, token budget and
 optionally a grammar constraint (runtime.grammar), which masks its row's logits before sampling. Events go to
 the request's `emit` callback from inside `step()`: PromptLogprobs once its prompt is prefilled (when asked
@@ -38,8 +43,11 @@ from ..errors import InputError, MLADeployError
 from .cache import CacheBuffers, DecodeBinding
 from .generator import check_prompts
 from .grammar import Constraint, allowed_tokens
+from .draft import MTPDrafter
 from .sampling import SamplingParams, sample
 from .session import ExportedModel
+from .speculative import (PRIOR_ACCEPTANCE, DraftPolicy, Speculation, SpeculationStats, accept_row, lookup,
+                          measure_costs, updated_acceptance, verification_pass)
 
 
 class QueueFull(MLADeployError):
@@ -78,6 +86,8 @@ class Request:
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (PromptLogprobs); None: none
     constraint: Constraint | None = None  # a grammar the output must follow (response_format)
     choice: int = 0  # the i-th choice of one prompt: a seed draws its own stream for each (seed, choice)
+    speculate: bool = True  # with the scheduler's speculation on: False opts this request out
+    acceptance: float = PRIOR_ACCEPTANCE  # its draft tokens' acceptance, estimated (speculative.DraftPolicy)
     id: int = field(default_factory=itertools.count().__next__)
     # scheduler state
     row: int | None = None
@@ -99,11 +109,13 @@ class SchedulerStats:
     decoded_rows: int = 0  # sum over decode steps of the rows that produced a token (batch occupancy)
     prefill_tokens: int = 0
     generated_tokens: int = 0
+    speculation: SpeculationStats = field(default_factory=SpeculationStats)
     finished: dict = field(default_factory=lambda: {"stop": 0, "length": 0, "cancelled": 0})
 
 
 class Scheduler:
-    def __init__(self, model: ExportedModel, max_batch: int = 16, max_queue: int = 256, prefill_chunk: int = 256):
+    def __init__(self, model: ExportedModel, max_batch: int = 16, max_queue: int = 256, prefill_chunk: int = 256,
+                 speculation: Speculation | None = None):
         if model.device != "cpu":
             raise InputError("the scheduler runs on the CPU provider only (its cache rows are numpy views)")
         if io_spec.PREFILL not in model.sessions:
@@ -118,6 +130,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.stats = SchedulerStats()
         self._decode: DecodeBinding | None = None
+        self.speculation = (speculation or Speculation()).resolve(model)
+        self.drafter = MTPDrafter(model, max_batch) if self.speculation.mode == "mtp" else None
 
     # ---- requests ----
     def check(self, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
@@ -192,6 +206,8 @@ class Scheduler:
             row = self.rows.index(None)
             self.rows[row], request.row = request, row
             self.lengths[row] = 0
+            if self.drafter is not None:
+                self.drafter.reset(row)
 
     def _prefill(self) -> None:
         budget = self.prefill_chunk
@@ -219,9 +235,20 @@ class Scheduler:
         positions = np.arange(t, dtype=np.int64)[None] if every else np.array([[t - 1]], np.int64)
         binding.bind_cpu_input(io_spec.LOGITS_POSITIONS, positions)
         binding.bind_output(io_spec.LOGITS, "cpu")
+        drafts = self.drafter is not None and self._speculates(request)
+        if drafts:
+            binding.bind_output(io_spec.HIDDEN, "cpu")
         views = self.caches.bind(binding, slice(row, row + 1))  # in place, this row's slice only
         session.run_with_iobinding(binding)
         del views
+        if drafts:  # the MTP draft's pairs (h_i, t_{i+1}) this chunk's prompt holds (runtime.draft)
+            hidden = binding.get_outputs()[1].numpy()  # [1, t, d]
+            following = np.full((1, t), -1, np.int64)
+            nxt = request.prompt_ids[start + 1 : start + t + 1]
+            following[0, : len(nxt)] = nxt
+            self.drafter.prefill(hidden, start, following, row)
+            if start + t == len(request.prompt_ids):  # the last position's pair waits for the first token
+                self.drafter.prompt_done(row, hidden[0, t - 1 : t].copy(), start + t - 1)
         request.prefilled += t
         self.lengths[row] = request.prefilled
         self.stats.prefill_tokens += t
@@ -239,9 +266,16 @@ class Scheduler:
                 self._finish(request, "length")
                 return
             self._sample_and_emit(request, logits[:, -1])  # [1, vocab]
+            if drafts and request.pending is not None:
+                self.drafter.first_token(row, request.pending)
 
     def _decode_step(self, decoding: list[Request]) -> None:
         hi = max(r.row for r in decoding) + 1
+        if self.speculation.on and any(self._speculates(r) for r in decoding):
+            drafts = self._propose(decoding, hi)
+            if any(len(d) for d in drafts):
+                self._verify_step(decoding, hi, drafts)
+                return
         if self.caches.ensure(int(self.lengths[:hi].max()) + 1) or self._decode is None or self._decode.rows != hi:
             self._decode = DecodeBinding(self.model.sessions[io_spec.DECODE], self.caches, hi,
                                          self.model.config.vocab_size)
@@ -267,7 +301,67 @@ class Scheduler:
                             [r.counts for r in rows], self._allowed(rows))
             chosen.update(zip((r.id for r in rows), tokens.tolist()))
         for r in decoding:
-            self._sample_and_emit(r, d.logits[r.row : r.row + 1, 0], chosen[r.id])
+            row, start = r.row, int(self.lengths[r.row]) - 1
+            self._sample_and_emit(r, d.logits[row : row + 1, 0], chosen[r.id])
+            if self.drafter is not None and r.pending is not None and self._speculates(r):
+                self.drafter.commit(row, np.array([r.pending]), d.hidden[row, :1].copy(), start)
+            if r.pending is not None and self._speculates(r):
+                r.acceptance = updated_acceptance(r.acceptance, 0, 0)  # a step without drafts
+
+    # ---- speculation (runtime.speculative) ----
+    def _speculates(self, request: Request) -> bool:
+        return self.speculation.on and request.speculate and request.constraint is None
+
+    def _propose(self, decoding: list[Request], hi: int) -> list[np.ndarray]:
+        """Drafts for rows [0, hi): the speculating rows' proposals (the MTP draft catches every such row up first),
+        none for the others. Every row writes the pass's width from its length, so no draft may take a row past the
+        export's length; nor past its own token budget (the token drawn after the accepted drafts comes on top)."""
+        end = min(self.model.max_seq_len - 1 - int(self.lengths[r]) for r in range(hi))
+        by_row: list[Request | None] = [None] * hi
+        for r in decoding:
+            if self._speculates(r):
+                by_row[r.row] = r
+        rooms = [0 if r is None else max(0, min(self.speculation.draft_tokens, r.max_new_tokens - len(r.generated) - 1,
+                                                end)) for r in by_row]
+        spec = self.speculation
+        policy = DraftPolicy(measure_costs(self.model, hi, spec.draft_tokens, self.drafter is not None),
+                             self.drafter is not None)
+        if self.drafter is None:
+            drafts = [np.zeros(0, np.int64) if r is None else lookup(r.history, room, spec.ngram, spec.min_ngram)
+                      for r, room in zip(by_row, rooms)]
+            return [d if r is None else d[: policy.length(r.acceptance, len(d))] for r, d in zip(by_row, drafts)]
+        return self.drafter.propose(range(hi), [room if r is None else policy.length(r.acceptance, room)
+                                                for r, room in zip(by_row, rooms)])
+
+    def _verify_step(self, decoding: list[Request], hi: int, drafts: list[np.ndarray]) -> None:
+        """One verification pass over rows [0, hi): each decoding row's pending token and drafts at its length."""
+        width = 1 + max(len(d) for d in drafts)
+        if self.caches.ensure(int(self.lengths[:hi].max()) + width):
+            self._decode = None
+        ids = np.zeros((hi, width), np.int64)  # rows not decoding ride along with padding at their own length
+        for r in decoding:
+            ids[r.row, 0] = r.pending
+            ids[r.row, 1 : 1 + len(drafts[r.row])] = drafts[r.row]
+        starts = self.lengths[:hi].copy()
+        logits, hidden = verification_pass(self.model, self.caches, ids, starts)
+        self.stats.decode_steps += 1
+        self.stats.decoded_rows += len(decoding)
+        self.stats.speculation.verify_steps += 1
+        for r in decoding:
+            row, d = r.row, drafts[r.row]
+            if r.constraint is None:
+                tokens = accept_row(logits[row, : len(d) + 1], d, r.sampling, r.history, r.counts, r.rng)
+            else:  # a grammar row does not speculate: its one token sampled under its mask
+                tokens = [int(sample(logits[row, :1], r.sampling, r.rng, [r.history], [r.counts], self._allowed([r]))[0])]
+            self.stats.speculation.add(len(d), len(tokens) - 1)
+            r.acceptance = updated_acceptance(r.acceptance, len(d), len(tokens) - 1)
+            self.lengths[row] += len(tokens)  # its pending token and the accepted drafts are in its cache now
+            for j, token in enumerate(tokens):
+                self._sample_and_emit(r, logits[row, j : j + 1], token)
+                if r.row is None:  # finished (a stop token, its budget): the rest is dropped
+                    break
+            if self.drafter is not None and r.row is not None and self._speculates(r):
+                self.drafter.commit(row, np.array(tokens), hidden[row, : len(tokens)].copy(), int(starts[row]))
 
     def _sample_and_emit(self, request: Request, logits: np.ndarray, token: int | None = None) -> None:
         """logits [1, vocab]: sample this request's next token (unless already chosen), emit it, and finish the
@@ -276,7 +370,7 @@ class Scheduler:
             token = int(sample(logits, request.sampling, request.rng, [request.history], [request.counts],
                                self._allowed([request]))[0])
         request.generated.append(token)
-        if request.sampling.repetition_penalty != 1.0:  # the only reader of the history
+        if request.sampling.repetition_penalty != 1.0 or self._speculates(request):  # the readers of the history
             request.history = np.append(request.history, token)
         if request.counts is not None:
             request.counts[token] += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -44,13 +45,13 @@ class RuntimeOptions:
     log_severity: int = 3  # onnxruntime's own log: 0 verbose .. 3 errors only
     check_weights: str = "sampled"  # "full": hash every block of weights.bin at load (mla_deploy.integrity)
     # onnxruntime's prepacking copies every MatMul weight into a per-session packed buffer. None (auto): off for a
-    # float export, so both sessions read the one memory-mapped weights.bin (README, "One copy of the weights");
+    # float export, so both sessions read the one memory-mapped weights.bin (docs/benchmarks.md, "One copy of the weights");
     # on for a quantized one, whose MatMulNBits runs ~60x slower unpacked (it dequantizes on every call).
     prepack: bool | None = None
     # onnxruntime's intra-op threads spin between ops waiting for work: fastest for one caller, but in a server they
-    # take the cores the HTTP event loop needs (README, "Serving"). serve turns it off. Spinning stops at the end of
+    # take the cores the HTTP event loop needs (docs/serving.md). serve turns it off. Spinning stops at the end of
     # each run either way (session.force_spinning_stop): an idle prefill session's workers spinning on took a core
-    # from the next decode steps (README, "Versus llama.cpp").
+    # from the next decode steps (docs/benchmarks.md).
     spin: bool = True
     # further onnxruntime session config entries as (key, value) pairs, applied after the ones above (so they win),
     # e.g. ("session.set_denormal_as_zero", "1"); onnxruntime ignores keys it does not know
@@ -61,11 +62,13 @@ class RuntimeOptions:
 
 
 class ExportedModel:
-    """An export directory, checked, with one prefill and one decode session. Safe to share across threads."""
+    """An export directory, checked, with a prefill and a decode session; speculative decoding loads the verify and
+    draft sessions when it is first asked for (`load`). Safe to share across threads."""
 
     def __init__(self, directory: str | Path, options: RuntimeOptions | None = None,
                  graphs: tuple[str, ...] = (io_spec.PREFILL, io_spec.DECODE)):
         """`graphs` limits the sessions created (a decode-only model for benchmarks holds half the memory)."""
+        self._loading = threading.Lock()
         self.directory = Path(directory)
         self.options = options or RuntimeOptions()
         if self.options.check_weights not in integrity.CHECKS:
@@ -91,38 +94,71 @@ class ExportedModel:
         self.load_seconds = time.perf_counter() - started
         self.load_memory: ResidentMemory | None = resident_memory()  # this process, just after the sessions loaded
 
+    @property
+    def has_draft(self) -> bool:
+        """Whether the export has the MTP draft graph (speculative decoding's 'mtp' mode)."""
+        return io_spec.DRAFT in self.manifest["graphs"]
+
+    def has_graph(self, kind: str) -> bool:
+        return kind in self.manifest["graphs"]
+
+    def load(self, *kinds: str) -> None:
+        """Create the sessions of these graphs where not loaded yet (a quantized export's prepacked weights cost memory
+        per session, so the verify and draft graphs load only for speculative decoding)."""
+        with self._loading:
+            for kind in kinds:
+                if kind not in self.sessions:
+                    if not self.has_graph(kind):
+                        raise ExportLoadError(f"{self.directory}: this export has no {kind} graph; re-export the "
+                                              "checkpoint with this mla-deploy")
+                    self.sessions = {**self.sessions, kind: self._session(kind)}  # readers see the old or the new dict
+
     def run(self, kind: str, feed: dict) -> dict:
-        """One checked call of the prefill or decode graph; outputs by name (new arrays, the feed left unchanged).
-        Bound through IO binding, so bfloat16 caches (uint16 bit patterns here: runtime.dtypes) pass both ways."""
+        """One checked call of a graph (prefill, decode, verify, draft); outputs by name (new arrays, the feed left
+        unchanged). Bound through IO binding, so bfloat16 caches (uint16 bit patterns here: runtime.dtypes) pass both
+        ways."""
         if kind not in self.sessions:
-            raise ValueError(f"graph {kind!r}: expected {io_spec.PREFILL!r} or {io_spec.DECODE!r}")
+            raise ValueError(f"graph {kind!r}: this model has loaded {', '.join(map(repr, self.sessions))}")
         check_feed(kind, feed, self.config, self.max_seq_len, self.cache_format)
         session = self.sessions[kind]
-        inputs, outputs = io_spec.graph_io(kind, self.config.num_hidden_layers, self.config.kv_lora_rank,
-                                           self.config.qk_rope_head_dim, self.config.vocab_size, self.cache_format)
+        inputs, outputs = io_spec.graph_io(kind, self.config, self.cache_format, hidden=self.has_draft)
         ids = feed[io_spec.INPUT_IDS]
-        n_logits = feed[io_spec.LOGITS_POSITIONS].shape[1] if kind == io_spec.PREFILL else 1
-        results = {io_spec.LOGITS: np.empty((ids.shape[0], n_logits, self.config.vocab_size), np.float32)}
-        for t in self.cache_format.tensors(self.config.num_hidden_layers, self.config.kv_lora_rank,
-                                           self.config.qk_rope_head_dim):
-            results[t.present] = np.empty_like(feed[t.past])
+        n = feed[io_spec.LOGITS_POSITIONS].shape[1] if io_spec.LOGITS_POSITIONS in feed else ids.shape[1]
+        results = {io_spec.LOGITS: np.empty((ids.shape[0], n, self.config.vocab_size), np.float32),
+                   io_spec.HIDDEN: np.empty((ids.shape[0], ids.shape[1] if kind != io_spec.DRAFT else n,
+                                             self.config.hidden_size), np.float32)}
+        for spec in outputs:
+            if spec.name not in results:
+                results[spec.name] = np.empty_like(feed[io_spec.past_of(spec.name)])
         binding, held = session.io_binding(), []
         for spec in inputs:
             held.append(ort_value(np.ascontiguousarray(feed[spec.name]), spec.dtype))
             binding.bind_ortvalue_input(spec.name, held[-1])
+        given = {o.name for o in session.get_outputs()}
         for spec in outputs:
-            held.append(ort_value(results[spec.name], spec.dtype))
-            binding.bind_ortvalue_output(spec.name, held[-1])
+            if spec.name in given:
+                held.append(ort_value(results[spec.name], spec.dtype))
+                binding.bind_ortvalue_output(spec.name, held[-1])
         session.run_with_iobinding(binding)
-        return results
+        return {name: value for name, value in results.items() if name in given}
 
-    def session_options(self) -> ort.SessionOptions:
-        """onnxruntime's options for this model's sessions, from RuntimeOptions (a profiler sets its own on top)."""
+    def prepacks(self, kind: str) -> bool:
+        """Whether `kind`'s session prepacks its MatMul weights: RuntimeOptions.prepack where set. Auto: as `prepack`
+        for prefill and decode; always for verify and draft, whose MatMuls multiply a few rows at a time, where MLAS
+        packs an unpacked weight on every call (the demo's verification of 2 tokens took 4x one token's time
+        unpacked, the vocabulary projection most of it), for one packed copy of the weights in that session."""
+        if self.options.prepack is None and kind in (io_spec.VERIFY, io_spec.DRAFT):
+            return True
+        return self.prepack
+
+    def session_options(self, kind: str = io_spec.DECODE) -> ort.SessionOptions:
+        """onnxruntime's options for this model's `kind` session, from RuntimeOptions (a profiler sets its own on
+        top)."""
         so = ort.SessionOptions()
         so.log_severity_level = self.options.log_severity
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         so.intra_op_num_threads = self.options.threads
-        if not self.prepack:
+        if not self.prepacks(kind):
             so.add_session_config_entry("session.disable_prepacking", "1")
         if not self.options.spin:
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
@@ -138,7 +174,7 @@ class ExportedModel:
     def _session(self, kind: str) -> ort.InferenceSession:
         path = self.directory / self.manifest["graphs"][kind]["file"]
         try:
-            session = ort.InferenceSession(str(path), self.session_options(), providers=self.providers)
+            session = ort.InferenceSession(str(path), self.session_options(kind), providers=self.providers)
         except Exception as e:  # onnxruntime raises its own exception types for corrupt models and data
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ExportLoadError(f"{path}: onnxruntime cannot load this graph ({first})") from None

@@ -116,6 +116,9 @@ class Service:
                 logit_bias=req.logit_bias)
         except InputError as e:
             raise bad(str(e)) from None
+        if req.speculative and not self.engine.scheduler.speculation.on:
+            raise bad("speculative: true, but this server decodes without speculation (start it with serve "
+                      "--speculative lookup or mtp); leave the field out, or false", "speculative")
         ranked = req.best_of is not None and req.best_of > req.n  # best_of ranks by the cumulative logprob
         logprobs = req.logprobs if req.logprobs is not None else (0 if ranked else None)
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
@@ -128,7 +131,7 @@ class Service:
                     requests.append(self.engine.request(
                         ids, max_tokens, sampling, stops, logprobs=logprobs,
                         prompt_logprobs=0 if max_tokens == 0 and prompt_logprobs is None else prompt_logprobs,
-                        constraint=self._constraint(req), choice=j))
+                        constraint=self._constraint(req), choice=j, speculate=req.speculative is not False))
                     runs.append(Run(i, j, ids, None))
         except InputError as e:  # the length was checked above: what is left is the prompt's ids or logit_bias
             message = str(e)

@@ -66,6 +66,7 @@ class GenerationRequest:
     response_format: tuple[str, dict | None] | None = None  # ("json_object", None) or ("json_schema", schema)
     stream: bool = False
     include_usage: bool = False
+    speculative: bool | None = None  # False: this request opts out of the server's speculative decoding
 
     @property
     def candidates(self) -> int:
@@ -160,6 +161,8 @@ def parse_request(body: dict, kind: str) -> GenerationRequest:
             raise bad("top_logprobs: needs logprobs: true", "top_logprobs")
         req.logprobs = (top or 0) if wanted else None
     req.response_format = _response_format(body.get("response_format"))
+    if body.get("speculative") is not None:
+        req.speculative = _bool(body.get("speculative"), "speculative")
     options = body.get("stream_options")
     if options is not None:
         if not isinstance(options, dict):

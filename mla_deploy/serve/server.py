@@ -8,14 +8,17 @@ import uvicorn
 
 from ..runtime import ExportedModel, RuntimeOptions
 from ..runtime.engine import Engine
+from ..runtime.speculative import Speculation
 from .app import Service, create_app
 
 
 def build_service(export_dir: str | Path, max_batch: int = 16, max_queue: int = 256, api_key: str | None = None,
                   model_name: str | None = None, options: RuntimeOptions | None = None,
-                  prefill_chunk: int = 256) -> Service:
+                  prefill_chunk: int = 256, speculation: Speculation | None = None) -> Service:
+    """`speculation`: the engine's (runtime.speculative), which a request may opt out of."""
     model = ExportedModel(export_dir, options)
-    engine = Engine(model, max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk)
+    engine = Engine(model, max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk,
+                    speculation=speculation)
     return Service(engine, model_name or Path(export_dir).resolve().name, api_key)
 
 

@@ -1,0 +1,108 @@
+"""Speculative decoding against llama.cpp's plain decode: v2lite-2L (DeepSeek-V2-Lite's shapes, 2 layers, random
+weights) as our int4 export with prompt lookup, beside llama.cpp's q4_0 at batch 1, interleaved in one run.
+
+A random-weight model's continuation means nothing, so acceptance comes from prompt lookup on a repeating prompt: 32
+random tokens four times over, then greedy decoding, whose output the lookup proposes from the earlier occurrences
+(a random model's greedy output falls into repeats of its own, which lookup also proposes). The figures: our decode
+tokens/s with speculation off and with lookup, the drafts' acceptance, and llama-bench's decode tokens/s (-n 32 at
+depth CTX, flash attention on); the same threads for both.
+
+    .venv/bin/python benchmarks/speculative_llamacpp.py --prepare-only     # the builds, outside the timing lock
+    flock /tmp/mla-cpu.lock .venv/bin/python benchmarks/speculative_llamacpp.py [--threads 2] [--new-tokens 128]
+        [--draft-tokens 8] [--repeats 3] [--workdir benchmarks/work/llamacpp]
+        [--json benchmarks/results/speculative_llamacpp.json]
+
+Steps reuse benchmarks/compare_llamacpp.py: its llama.cpp build, its f32 GGUF (converted once) and llama-quantize
+for q4_0 only; the checkpoint is `mla-deploy preset v2lite -o WORK/v2lite-2L --layers 2`, our export
+--quantize int4 (block 32, embedding and head at 8 bits), as compare_llamacpp's int4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from compare_llamacpp import build, cpu_model, gguf_files, llama_bench, llama_tree, log  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--draft-tokens", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--workdir", type=Path, default=ROOT / "benchmarks" / "work" / "llamacpp")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--prepare-only", action="store_true",
+                    help="build llama.cpp, the checkpoint, the GGUF and the export, measure nothing (outside the lock)")
+    args = ap.parse_args()
+    work = args.workdir.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+
+    from mla_deploy.export import ExportOptions, export
+    from mla_deploy.presets import build_preset
+    from mla_deploy.runtime import ExportedModel, Generator, RuntimeOptions, SamplingParams
+    from mla_deploy.runtime.speculative import Speculation
+
+    checkpoint = work / "v2lite-2L"
+    if not (checkpoint / "config.json").exists():
+        log("mla-deploy preset v2lite --layers 2")
+        build_preset("v2lite", checkpoint, 0, 2)
+    tree = llama_tree(work)
+    bins = build(work, tree)
+    gguf = gguf_files(work, tree, bins, checkpoint, kinds=("q4_0",))["q4_0"]
+    ours = work / "export-int4"
+    if not (ours / "manifest.json").exists():
+        log("exporting int4")
+        export(checkpoint, ours, ExportOptions(quantize="int4", block_size=32, force=True))
+    if args.prepare_only:
+        return 0
+    model = ExportedModel(ours, RuntimeOptions(threads=args.threads, prepack=True))
+    prompt = np.tile(np.random.default_rng(0).integers(3, model.config.vocab_size, 32), 4).tolist()
+    context = len(prompt)
+    generators = {mode: Generator(model, SamplingParams(), stop_token_ids=(),
+                                  speculation=Speculation(mode, args.draft_tokens, min_ngram=1))
+                  for mode in ("off", "lookup")}
+    results = {"date": date.today().isoformat(), "cpu": cpu_model(), "threads": args.threads,
+               "command": " ".join(sys.argv), "context": context, "new_tokens": args.new_tokens,
+               "draft_tokens": args.draft_tokens, "llama.cpp": [], "off": [], "lookup": []}
+    runs = {}
+    for _ in range(args.repeats + 1):  # the first round warms up
+        results["llama.cpp"].append(llama_bench(bins, gguf, args.threads, [context])[f"decode_{context}"])
+        for mode, gen in generators.items():
+            runs[mode] = gen.generate([prompt], args.new_tokens)
+            results[mode].append(runs[mode].decode_tokens_per_s)
+        log(f"llama.cpp q4_0 {results['llama.cpp'][-1]:.1f}, off {results['off'][-1]:.1f}, "
+            f"lookup {results['lookup'][-1]:.1f} tok/s")
+    if runs["lookup"].token_ids != runs["off"].token_ids:
+        raise SystemExit("greedy tokens with lookup differ from off's")
+    for key in ("llama.cpp", "off", "lookup"):
+        results[key] = results[key][1:]
+    medians = {k: statistics.median(results[k]) for k in ("llama.cpp", "off", "lookup")}
+    results["median"] = medians
+    results["speculation"] = runs["lookup"].speculation.to_dict()
+    results["lookup_vs_llama.cpp"] = medians["lookup"] / medians["llama.cpp"]
+    results["off_vs_llama.cpp"] = medians["off"] / medians["llama.cpp"]
+    print(f"{results['cpu']}, {args.threads} threads; v2lite-2L, context {context}, {args.new_tokens} new tokens")
+    print(f"| engine | decode tok/s | vs llama.cpp q4_0 |\n|---|---|---|")
+    for key, label in (("llama.cpp", "llama.cpp q4_0"), ("off", "mla-deploy int4"),
+                       ("lookup", f"mla-deploy int4, lookup (k {args.draft_tokens})")):
+        print(f"| {label} | {medians[key]:.1f} | {medians[key] / medians['llama.cpp']:.2f}x |")
+    print(f"lookup: {results['speculation']}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

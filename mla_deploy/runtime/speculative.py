@@ -1,0 +1,260 @@
+"""Speculative decoding: proposals (prompt lookup, the MTP draft graph) and their acceptance. numpy only.
+
+A step proposes up to k tokens per row cheaply, the full model checks them in one verification pass over the
+existing latent cache (logits at the row's pending token and at each proposed one), and the row keeps the longest
+prefix the target accepts plus one token of its own; rollback is the row's length alone (the rejected rows of the
+cache are overwritten by the next step).
+
+Acceptance keeps the sampler's distribution exactly (speculative sampling: Leviathan et al. 2023, Chen et al. 2023).
+At position j, p is the distribution sample() draws from there (runtime.sampling.distribution: the penalties see the
+drafts accepted before j) and d the draft. Both proposers here are deterministic (prompt lookup; the MTP draft's
+argmax), so the proposal q is one-hot at d and the rule "accept d with probability min(1, p(d) / q(d)), else draw from
+max(0, p - q) normalized" becomes: accept d with probability p(d), else draw from p with d removed. That is exactly
+one draw x from p, accepting d when x = d and emitting x otherwise: P(d) = p(d), and for x != d,
+(1 - p(d)) p(x) / (1 - p(d)) = p(x). The draw is the sampler's own (one uniform from the row's generator, the same
+inverse CDF), one per emitted token as without speculation: a seeded request emits the tokens it emits without
+speculation, however many drafts a step takes (up to float rounding between the graphs' logits). Greedy (p one-hot
+at the argmax) is the same rule: accept while d is the argmax, then emit the argmax.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+import numpy as np
+
+from .. import io_spec
+from ..errors import InputError
+from .sampling import SamplingParams, adjusted_logits, distribution, draw, uniform
+
+MODES = ("auto", "off", "lookup", "mtp")
+MAX_DRAFT_TOKENS = 16
+PRIOR_ACCEPTANCE = 0.6  # a row's acceptance estimate before its first verification
+ACCEPTANCE_MEMORY = 0.7  # each verification moves the estimate 30 % of the way to what it saw
+REVISIT = 0.05  # each step a row drafts nothing moves its estimate 5 % of the way back to the prior
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """How a generation speculates: `mode` off, lookup (prompt lookup: any export with a verify graph), mtp (the
+    export's draft graph) or auto (mtp where the export has a draft graph, else lookup; off for an export without a
+    verify graph); at most `draft_tokens` proposed per step, fewer where the measured costs and the row's acceptance
+    say fewer pay (DraftPolicy); lookup matches the last `ngram` tokens down to `min_ngram`."""
+    mode: str = "off"
+    draft_tokens: int = 4
+    ngram: int = 3
+    min_ngram: int = 2
+
+    def resolve(self, model) -> "Speculation":
+        """auto made concrete for `model` (an ExportedModel), validated."""
+        mode = self.mode
+        if mode == "auto":
+            mode = "mtp" if model.has_draft else "lookup" if model.has_graph(io_spec.VERIFY) else "off"
+        return replace(self, mode=mode).validate(model.max_seq_len, model.has_draft)
+
+    def validate(self, max_seq_len: int | None = None, has_draft: bool | None = None) -> "Speculation":
+        """InputError naming the problem; `max_seq_len` and `has_draft`: the export's, where known."""
+        if self.mode not in MODES:
+            raise InputError(f"speculative={self.mode!r}: expected one of {', '.join(MODES)}")
+        k = self.draft_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_DRAFT_TOKENS:
+            raise InputError(f"draft_tokens={k!r}: must be an integer in [1, {MAX_DRAFT_TOKENS}]")
+        if max_seq_len is not None and self.mode != "off" and k >= max_seq_len:
+            raise InputError(f"draft_tokens={k}: a verification pass of {k + 1} tokens does not fit the export's "
+                             f"maximum length {max_seq_len}")
+        if not (isinstance(self.ngram, int) and isinstance(self.min_ngram, int) and 1 <= self.min_ngram <= self.ngram):
+            raise InputError(f"ngram={self.ngram!r}, min_ngram={self.min_ngram!r}: need 1 <= min_ngram <= ngram")
+        if self.mode == "mtp" and has_draft is False:
+            raise InputError("speculative='mtp' needs the export's draft graph (draft.onnx), written from a checkpoint "
+                             "with an MTP layer (num_nextn_predict_layers >= 1); this export has none: use 'lookup'")
+        return self
+
+    @property
+    def on(self) -> bool:
+        return self.mode != "off"
+
+
+@dataclass
+class SpeculationStats:
+    """Draft tokens proposed and accepted, and how often a step's first draft token was accepted."""
+    verify_steps: int = 0  # verification passes (steps with at least one row proposing)
+    proposed: int = 0
+    accepted: int = 0
+    first_proposed: int = 0  # rows of verification passes that proposed at least one token
+    first_accepted: int = 0  # ... whose first proposed token was accepted
+
+    def add(self, proposed: int, accepted: int) -> None:
+        self.proposed += proposed
+        self.accepted += accepted
+        if proposed:
+            self.first_proposed += 1
+            self.first_accepted += accepted > 0
+
+    def to_dict(self) -> dict:
+        return {"verify_steps": self.verify_steps, "proposed": self.proposed, "accepted": self.accepted,
+                "acceptance": round(self.accepted / self.proposed, 4) if self.proposed else None,
+                "first_token_acceptance": round(self.first_accepted / self.first_proposed, 4)
+                if self.first_proposed else None}
+
+
+# ---- how many to draft ----
+@dataclass
+class Costs:
+    """Measured seconds of one step for a batch of rows: a plain decode step, a verification pass of T tokens per
+    row, and one call of the draft graph (0 without one)."""
+    decode: float
+    verify: dict[int, float]
+    draft: float = 0.0
+
+
+@dataclass
+class DraftPolicy:
+    """The draft length that maximizes expected tokens per second. With acceptance estimate a (each draft token
+    accepted with probability a once the ones before it were), m drafts give 1 + a + ... + a^m tokens per step, at
+    the cost of a verification pass of m + 1 tokens and m draft calls (the MTP draft's first call also catches it up
+    on the tokens committed since); no drafts: a decode step. Costs are measured (measure_costs)."""
+    costs: Costs
+    mtp: bool
+
+    def length(self, acceptance: float, available: int) -> int:
+        a = min(max(acceptance, 0.0), 0.999)
+        draft = self.costs.draft if self.mtp else 0.0
+        best, rate = 0, 1.0 / self.costs.decode
+        for m in range(1, available + 1):
+            tokens = (1 - a ** (m + 1)) / (1 - a)
+            r = tokens / (self.costs.verify[m + 1] + m * draft)
+            if r > rate:
+                best, rate = m, r
+        return best
+
+
+def updated_acceptance(estimate: float, proposed: int, accepted: int) -> float:
+    """A row's acceptance estimate after a step: accepted successes of accepted + (1 if one was rejected) trials,
+    folded in with ACCEPTANCE_MEMORY; after a step it proposed nothing in, REVISIT of the way back to the prior, so
+    that a row whose drafts stopped paying tries again after a while (text changes: a restated passage begins)."""
+    if not proposed:
+        return estimate + REVISIT * (PRIOR_ACCEPTANCE - estimate)
+    trials = accepted + (accepted < proposed)
+    return ACCEPTANCE_MEMORY * estimate + (1 - ACCEPTANCE_MEMORY) * accepted / trials
+
+
+def measure_costs(model, rows: int, k: int, mtp: bool, context: int = 64, repeats: int = 3) -> Costs:
+    """Time each step form for `rows` rows at `context` tokens, the fastest of `repeats` runs each; cached on the
+    model per (rows, k, mtp)."""
+    from .cache import CacheBuffers, DecodeBinding
+    from .draft import MTPDrafter
+
+    key = (rows, k, mtp)
+    cache = model.__dict__.setdefault("_speculation_costs", {})
+    if key in cache:
+        return cache[key]
+    cfg = model.config
+    context = max(1, min(context, model.max_seq_len - k - 2))
+    caches = CacheBuffers(cfg, rows, context + k + 1, model.max_seq_len, model.device, model.cache_format)
+    lengths = np.full(rows, context, np.int64)
+    decode = DecodeBinding(model.sessions[io_spec.DECODE], caches, rows, cfg.vocab_size)
+    decode.pos[:], decode.write[:] = context, context
+
+    def fastest(run) -> float:
+        run()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    verify, slowest = {}, 0.0
+    for t in range(2, k + 2):  # a pass of more tokens never costs less than one of fewer: the noise is smoothed so
+        slowest = max(slowest, fastest(lambda t=t: verification_pass(model, caches, np.zeros((rows, t), np.int64),
+                                                                    lengths)))
+        verify[t] = slowest
+    costs = Costs(fastest(lambda: model.sessions[io_spec.DECODE].run_with_iobinding(decode.binding)), verify)
+    if mtp:
+        drafter = MTPDrafter(model, rows)
+        hidden = np.zeros((rows, 1, cfg.hidden_size), np.float32)
+        costs.draft = fastest(lambda: drafter.run(np.zeros((rows, 1), np.int64), hidden, lengths, np.zeros(rows)))
+    cache[key] = costs
+    return costs
+
+
+# ---- proposals ----
+def lookup(history: np.ndarray, k: int, ngram: int, min_ngram: int = 1) -> np.ndarray:
+    """Prompt lookup: the up to k tokens that followed the latest earlier occurrence of the last n tokens of
+    `history` (prompt and output), for the longest n in [min_ngram, ngram] that occurs; empty where none does."""
+    size = len(history)
+    if k < 1 or size < min_ngram + 1:
+        return history[:0]
+    # candidate ends: earlier positions holding the last token (the suffix itself, ending at size - 1, excluded)
+    ends = np.flatnonzero(history[: size - 1] == history[size - 1])
+    for n in range(min(ngram, size - 1), min_ngram - 1, -1):
+        matched = ends[ends >= n - 1]
+        for back in range(1, n):
+            matched = matched[history[matched - back] == history[size - 1 - back]]
+        if len(matched):
+            start = matched[-1] + 1  # the latest occurrence; what followed it (it may run into the suffix)
+            return history[start : start + k]
+    return history[:0]
+
+
+# ---- acceptance ----
+def accept_row(logits: np.ndarray, drafts: Sequence[int], params: SamplingParams, history: np.ndarray,
+               counts: np.ndarray | None, rng: np.random.Generator) -> list[int]:
+    """One row's verification: logits [m + 1, vocab] at its pending token and its m drafts. Returns the tokens it
+    emits: the accepted drafts, then one drawn from the target (at most m + 1), each from one draw of the sampler
+    (module docstring). `history` and `counts` are the row's before this step (not changed here)."""
+    m = len(drafts)
+    if params.greedy and params.plain:  # the model's own argmax: one pass over every position
+        best = logits.argmax(-1)
+        a = 0
+        while a < m and drafts[a] == best[a]:
+            a += 1
+        return [int(t) for t in drafts[:a]] + [int(best[a])]
+    out: list[int] = []
+    seen, counted = history, None if counts is None else counts.copy()
+    for j in range(m + 1):
+        row, hist, cnt = logits[j : j + 1], [seen], None if counted is None else [counted]
+        if params.greedy:  # penalties or bias: the argmax of the adjusted logits, as sample() takes it
+            token = int(adjusted_logits(row, params, hist, cnt).argmax())
+        else:
+            token = int(draw(distribution(row, params, hist, cnt), uniform(rng, 1))[0])
+        out.append(token)
+        if j == m or token != drafts[j]:
+            return out
+        if params.repetition_penalty != 1.0:
+            seen = np.append(seen, token)
+        if counted is not None:
+            counted[token] += 1
+    return out
+
+
+# ---- the verification pass ----
+def verification_pass(model, caches, ids: np.ndarray, lengths: np.ndarray,
+                      form: str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    """ids [rows, T] (each row's pending token, then its drafts, then padding) at slots lengths[r] ..; the caches'
+    first `rows` rows written in place. Returns logits [rows, T, vocab] and the final hidden states [rows, T, d] (None
+    from an export without them). `form`: the verify graph (the absorbed attention over T tokens) where the export
+    has it, else the prefill graph's chunked form; both: query t of row r sits at slot lengths[r] + t and sees every
+    slot up to it."""
+    rows, t = ids.shape
+    form = form or (io_spec.VERIFY if model.has_graph(io_spec.VERIFY) else io_spec.PREFILL)
+    model.load(form)
+    session = model.sessions[form]
+    binding = session.io_binding()
+    binding.bind_cpu_input(io_spec.INPUT_IDS, ids)
+    binding.bind_cpu_input(io_spec.POSITION_IDS, lengths[:, None] + np.arange(t, dtype=np.int64))
+    binding.bind_cpu_input(io_spec.ATTENTION_MASK, np.ones((rows, caches.capacity), np.int64))
+    binding.bind_cpu_input(io_spec.WRITE_INDICES, np.ascontiguousarray(lengths, np.int64))
+    if form == io_spec.PREFILL:
+        binding.bind_cpu_input(io_spec.LOGITS_POSITIONS, np.broadcast_to(np.arange(t, dtype=np.int64), (rows, t)).copy())
+    outputs = [o.name for o in session.get_outputs() if o.name in (io_spec.LOGITS, io_spec.HIDDEN)]
+    for name in outputs:
+        binding.bind_output(name, "cpu")
+    views = caches.bind(binding, None if rows == caches.batch else slice(0, rows))
+    session.run_with_iobinding(binding)
+    del views
+    values = dict(zip(outputs, binding.get_outputs()))
+    hidden = values.get(io_spec.HIDDEN)
+    return values[io_spec.LOGITS].numpy(), None if hidden is None else hidden.numpy()
