@@ -1,8 +1,8 @@
 """What an int8 latent cache costs in quality, measured on text: the same checkpoint exported with its float cache and
 with --cache-dtype int8, scored on the same held-out text two ways.
 
-  prefill: every window through the prefill graph (runtime.scoring, what `mla-deploy eval` does), where attention
-           reads the cache just written: the cost of the cache's rounding alone;
+  prefill: every window through the prefill graph (runtime.scoring, what `mla-deploy eval` does), whose attention
+           over the int8 cache runs in mla_deploy.LatentAttentionChunkQ8 (int8 queries, the cache just written);
   decode:  every window teacher-forced through the decode graph one token at a time (windows as the rows of one
            batch), where the int8 export's attention runs in mla_deploy.LatentAttentionQ8 (int8 queries) or, with the
            kernel library off, in its function body (the exact dequantized form).
