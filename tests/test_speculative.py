@@ -189,7 +189,7 @@ def prefilled(model: ExportedModel, prompt: list[int], capacity: int) -> CacheBu
 
 
 def cache_copy(caches: CacheBuffers) -> CacheBuffers:
-    twin = CacheBuffers(caches.cfg, caches.batch, caches.capacity, caches.max_capacity, "cpu", caches.dtype)
+    twin = CacheBuffers(caches.cfg, caches.batch, caches.capacity, caches.max_capacity, "cpu", caches.format)
     for name, array in caches.arrays.items():
         twin.arrays[name][:] = array
     return twin
