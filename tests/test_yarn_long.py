@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from mla_deploy import io_spec
 from mla_deploy.checkpoint import Checkpoint
 from mla_deploy.export import ExportOptions, export
 from mla_deploy.io_spec import CacheFormat
@@ -41,7 +42,8 @@ def _run_export(model, ids):
     position [PROMPT + STEPS, vocab]."""
     feed = prefill_feed(model.config, ids[:, :PROMPT], PROMPT + STEPS, model.cache_format)
     prefilled = model.run("prefill", feed)
-    steps = decode_steps(model, prefilled, ids[:, PROMPT:], np.array([PROMPT]), np.ones((1, PROMPT + STEPS), np.int64))
+    caches = {io_spec.past_of(k): v for k, v in prefilled.items() if k.startswith("present_")}
+    steps = decode_steps(model, caches, ids[:, PROMPT:], np.array([PROMPT]), np.ones((1, PROMPT + STEPS), np.int64))
     return np.concatenate([prefilled["logits"][0], np.stack(steps)[:, 0]])
 
 
