@@ -8,10 +8,10 @@ from setuptools import Extension, setup
 setup(ext_modules=[Extension(
     "mla_deploy.kernels._kernels",
     sources=[f"mla_deploy/kernels/{name}.c"
-             for name in ("dispatch", "strip_matmul", "routed_experts", "latent_attention", "qmatmul", "qexperts",
-                          "qgather", "custom_ops")],
+             for name in ("dispatch", "strip_matmul", "routed_experts", "latent_attention", "latent_attention_q8",
+                          "qmatmul", "qexperts", "qgather", "custom_ops")],
     depends=[f"mla_deploy/kernels/{name}.h"
-             for name in ("dispatch", "strip_matmul", "routed_experts", "latent_attention", "widen", "ort_abi",
-                          "qmatmul", "qexperts", "qgather", "quant_simd")],
+             for name in ("dispatch", "strip_matmul", "routed_experts", "latent_attention", "latent_attention_q8",
+                          "widen", "ort_abi", "qmatmul", "qexperts", "qgather", "quant_simd")],
     extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-fvisibility=hidden"], optional=True,
 )])

@@ -203,7 +203,7 @@ def read_bytes_per_token(export_dir: Path, ctx: int) -> int:
     from mla_deploy.inspection import inspect_path
 
     report = inspect_path(export_dir)
-    return sum(report["decode_read_bytes"].values()) + ctx * next(iter(report["cache_bytes_per_token"].values()))
+    return sum(report["decode_read_bytes"].values()) + ctx * report["cache_bytes_per_token"][report["cache"]]
 
 
 def cpu_model() -> str:

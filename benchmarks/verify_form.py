@@ -47,7 +47,7 @@ def main() -> int:
     results = {"date": date.today().isoformat(), "cpu": cpu_model(), "threads": args.threads,
                "export": args.export.name, "command": " ".join(sys.argv), "points": []}
     for ctx in (int(c) for c in args.contexts.split(",")):
-        caches = CacheBuffers(cfg, 1, ctx + 16, model.max_seq_len, "cpu", model.cache_dtype)
+        caches = CacheBuffers(cfg, 1, ctx + 16, model.max_seq_len, "cpu", model.cache_format)
         for array in caches.arrays.values():  # real values: never-written zero pages read faster than memory
             array[:] = rng.standard_normal(array.shape).astype(array.dtype)
         d = DecodeBinding(model.sessions["decode"], caches, 1, cfg.vocab_size)

@@ -106,6 +106,9 @@ def main(ctx, debug):
                    "per-head W^UK / W^UV; auto picks the one with fewer weight bytes per token (computed from the config).")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True,
               help="Weights and caches (bfloat16 computes in float32 on the CPU: docs/precision.md).")
+@click.option("--cache-dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16", "int8"]), default="auto",
+              show_default=True, help="The latent cache: auto stores it in --dtype; int8 stores codes with a float32 "
+                                      "scale per token and layer, the roped key staying in --dtype (docs/precision.md).")
 @click.option("--max-seq-len", type=click.IntRange(min=1), default=None, help="Longest sequence (default: the config's).")
 @click.option("--no-verify", is_flag=True, help="Skip checking the export against the torch source.")
 @click.option("--steps", type=click.IntRange(min=1), default=8, show_default=True,
@@ -140,8 +143,8 @@ def main(ctx, debug):
                    "directory each under the output, for hosts that cannot hold the whole model (run, Ray).")
 @click.option("--force", is_flag=True, help="Replace an earlier export at the output path (nothing else is ever "
               "replaced).")
-def export(checkpoint, out, absorb, dtype, max_seq_len, no_verify, steps, quantize, block_size, accuracy_level,
-           quantized_ops, head_bits, experts, decode_attention, no_draft, stages, force):
+def export(checkpoint, out, absorb, dtype, cache_dtype, max_seq_len, no_verify, steps, quantize, block_size,
+           accuracy_level, quantized_ops, head_bits, experts, decode_attention, no_draft, stages, force):
     """Export CHECKPOINT (default: the bundled demo model) to prefill.onnx, decode.onnx and verify.onnx (and
     draft.onnx from a checkpoint with an MTP layer); with --stages N, N stage directories."""
     from .export import ExportOptions
@@ -161,7 +164,7 @@ def export(checkpoint, out, absorb, dtype, max_seq_len, no_verify, steps, quanti
     options = ExportOptions(absorb=absorb, dtype=dtype, max_seq_len=max_seq_len, force=force, quantize=quantize,
                             block_size=int(block_size), accuracy_level=int(accuracy_level), head_bits=int(head_bits),
                             quantized_ops=quantized_ops, experts=experts, decode_attention=decode_attention,
-                            draft=not no_draft, stages=stages)
+                            cache_dtype=cache_dtype, draft=not no_draft, stages=stages)
     run_export(checkpoint, out, options, progress=progress, verify=None if no_verify else verify)
 
 

@@ -1,6 +1,6 @@
 """What a model costs, from its config alone: parameters (total and active per token), the weight bytes one
-decode step reads by group, and cache bytes per token for MLA beside the caches of the same heads as
-MHA, GQA and MQA. Torch-free; `inspect` prints it and the benchmarks use it for bytes per token.
+decode step reads by group, and cache bytes per token for MLA in every cache format beside the caches of the same
+heads as MHA, GQA and MQA. Torch-free; `inspect` prints it and the benchmarks use it for bytes per token.
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 from .checkpoint import parameter_count
 from .config import MLAConfig
 from .export.absorb import AbsorbMode, absorbed_weight_bytes
+from .io_spec import ITEMSIZE, CacheFormat
 
 F32 = 4
 CONTEXTS = (4096, 32768, 131072)
@@ -62,16 +63,32 @@ def decode_read_bytes(cfg: MLAConfig, absorb: AbsorbMode | None, itemsize: float
     return {name: round(n) for name, n in groups.items()}
 
 
-def cache_bytes_per_token(cfg: MLAConfig, itemsize: int = F32) -> dict[str, int]:
-    """Bytes cached per token over all layers: MLA's latent + roped key, and K/V caches of the same head dims
-    (K: d_nope + d_r, V: d_v) with every head (MHA), 8 or 4 KV heads (GQA) or one (MQA)."""
-    per_head = cfg.qk_head_dim + cfg.v_head_dim
-    kinds = {"MLA (latent + rope)": cfg.latent_cache_width, f"MHA ({cfg.num_attention_heads} KV heads)": cfg.num_attention_heads * per_head}
+# MLA's cache formats (export --cache-dtype), by the name inspect gives them; half types take the same bytes
+MLA_CACHES = {"MLA float32": CacheFormat("float32", "float32"), "MLA float16 / bfloat16": CacheFormat("float16", "float16"),
+              "MLA int8 + float32 rope": CacheFormat("int8", "float32"), "MLA int8 + 16-bit rope": CacheFormat("int8", "float16")}
+
+
+def cache_name(cache: CacheFormat | str) -> str:
+    """The MLA_CACHES name of a cache format: the row of an export's own caches."""
+    cache = CacheFormat.of(cache)
+    if cache.scaled:
+        return f"MLA int8 + {'float32' if cache.rope == 'float32' else '16-bit'} rope"
+    return "MLA float32" if cache.latent == "float32" else "MLA float16 / bfloat16"
+
+
+def cache_bytes_per_token(cfg: MLAConfig, float_type: str = "float32") -> dict[str, int]:
+    """Bytes cached per token over all layers: MLA's latent + roped key in every cache format (MLA_CACHES: an int8
+    latent's scale included), and K/V caches of the same head dims (K: d_nope + d_r, V: d_v) in `float_type` with
+    every head (MHA), 8 or 4 KV heads (GQA) or one (MQA)."""
+    layers, per_head = cfg.num_hidden_layers, cfg.qk_head_dim + cfg.v_head_dim
+    out = {name: f.bytes_per_token(layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim) for name, f in MLA_CACHES.items()}
+    label = "float32" if ITEMSIZE[float_type] == F32 else "16-bit"
+    kinds = {f"MHA ({cfg.num_attention_heads} KV heads), {label}": cfg.num_attention_heads * per_head}
     for groups in (8, 4):
         if groups < cfg.num_attention_heads:
-            kinds[f"GQA ({groups} KV heads)"] = groups * per_head
-    kinds["MQA (1 KV head)"] = per_head
-    return {name: cfg.num_hidden_layers * width * itemsize for name, width in kinds.items()}
+            kinds[f"GQA ({groups} KV heads), {label}"] = groups * per_head
+    kinds[f"MQA (1 KV head), {label}"] = per_head
+    return {**out, **{name: layers * width * ITEMSIZE[float_type] for name, width in kinds.items()}}
 
 
 def latent_cache_bytes_per_token(cfg: MLAConfig, itemsize: int = F32) -> int:

@@ -1,7 +1,8 @@
 """`mla-deploy inspect`: what a deployer asks first about an export or a checkpoint, from its files alone
 (no onnxruntime session, no torch): the export's plan (every choice it was built with, read back from its manifest;
 for a checkpoint, what `export` picks by default), parameters, weight bytes read per decode token, the graphs'
-inputs, outputs and operators, and the cache MLA keeps per token beside MHA, GQA and MQA caches of the same heads.
+inputs, outputs and operators, and the cache MLA keeps per token in every cache format (the export's own marked)
+beside MHA, GQA and MQA caches of the same heads.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def inspect_path(path: str | Path) -> dict:
         # a staged export: every stage's graphs, named by stage, and their weights files together
         parts = ([read_stage(path, manifest, i)[1] for i in range(len(manifest["stages"]))] if is_staged(manifest)
                  else [manifest])
-        report = {"kind": "export", "path": str(path), "plan": ExportPlan.from_manifest(manifest).to_dict(),
+        plan = ExportPlan.from_manifest(manifest)
+        report = {"kind": "export", "path": str(path), "plan": plan.to_dict(),
                   "absorb": absorb.value, "dtype": dtype,
                   "decode_attention": manifest.get("decode_attention"), "experts": manifest.get("experts"),
                   "precision": manifest.get("precision"), "quantization": quantization,
@@ -45,13 +47,14 @@ def inspect_path(path: str | Path) -> dict:
         ckpt = Checkpoint(path)
         cfg, dtype, quantization = ckpt.config, "float32", None
         absorb = resolve_absorb(cfg, "auto")
-        report = {"kind": "checkpoint", "path": str(path), "plan": ExportPlan.resolve(cfg, ExportOptions()).to_dict(),
+        plan = ExportPlan.resolve(cfg, ExportOptions())
+        report = {"kind": "checkpoint", "path": str(path), "plan": plan.to_dict(),
                   "absorb": f"{absorb.value} (what export --absorb auto picks)",
                   "dtype": "float32 (an export's)", "files_bytes": sum(f.path.stat().st_size for f in ckpt.files)}
     else:
         raise InputError(f"{path}: neither an export (no {MANIFEST_FILE}) nor a checkpoint (no config.json)")
     itemsize = ITEMSIZE[dtype]
-    cache = footprint.cache_bytes_per_token(cfg, itemsize)
+    cache = footprint.cache_bytes_per_token(cfg, plan.rope_dtype)
     report.update(
         model={"model_type": cfg.model_type, "layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
                "heads": cfg.num_attention_heads, "kv_lora_rank": cfg.kv_lora_rank, "qk_rope_head_dim": cfg.qk_rope_head_dim,
@@ -59,7 +62,7 @@ def inspect_path(path: str | Path) -> dict:
                "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_position_embeddings},
         parameters=footprint.parameter_counts(cfg),
         decode_read_bytes=footprint.decode_read_bytes(cfg, absorb, itemsize, **_quantized_sizes(quantization)),
-        cache_bytes_per_token=cache,
+        cache=footprint.cache_name(plan.cache_format), cache_bytes_per_token=cache,
         cache_bytes={kind: {str(ctx): {str(b): per_token * ctx * b for b in footprint.BATCHES} for ctx in footprint.CONTEXTS}
                      for kind, per_token in cache.items()},
     )
@@ -148,14 +151,16 @@ def format_report(r: dict) -> list[str]:
     read = r["decode_read_bytes"]
     lines.append(f"weights read per decode token: {_size(sum(read.values()))}")
     lines += [f"  {group.replace('_', ' '):<18} {_size(n):>10}" for group, n in read.items() if n]
-    lines.append("cache per token (all layers), and for a whole context at batch 1 / 8:")
-    head = "  " + f"{'attention':<22} {'per token':>10} {'vs MLA':>7}" + "".join(f" {f'{c // 1024}k':>21}" for c in footprint.CONTEXTS)
+    lines.append(f"cache per token (all layers), and for a whole context at batch 1 / 8 (* this "
+                 f"{'export' if r['kind'] == 'export' else 'checkpoint exported by default'}):")
+    head = "  " + f"{'attention':<28} {'per token':>10} {'vs *':>7}" + "".join(f" {f'{c // 1024}k':>21}" for c in footprint.CONTEXTS)
     lines.append(head)
-    mla = next(iter(r["cache_bytes_per_token"].values()))
+    own = r["cache_bytes_per_token"][r["cache"]]
     for kind, per_token in r["cache_bytes_per_token"].items():
         cells = "".join(f" {_size(r['cache_bytes'][kind][str(c)]['1']):>10}/{_size(r['cache_bytes'][kind][str(c)]['8']):>10}"
                         for c in footprint.CONTEXTS)
-        lines.append(f"  {kind:<22} {_size(per_token):>10} {per_token / mla:>6.2f}x{cells}")
+        mark = "*" if kind == r["cache"] else " "
+        lines.append(f" {mark}{kind:<28} {_size(per_token):>10} {per_token / own:>6.2f}x{cells}")
     for kind, g in r.get("graphs", {}).items():
         lines.append(f"{kind} graph:")
         for direction in ("inputs", "outputs"):

@@ -114,6 +114,14 @@ def read_stage(directory: str | Path, manifest: dict, index: int) -> tuple[Path,
     return stage_dir, stage_manifest
 
 
+def cache_format(manifest: dict) -> io_spec.CacheFormat:
+    """The caches' element types as the manifest's precision records them (`caches`: the latent's, `rope_cache`: the
+    roped key's, the latent's where not recorded)."""
+    precision = manifest.get("precision") or {}
+    latent = precision.get("caches", manifest["dtype"])
+    return io_spec.CacheFormat(latent, precision.get("rope_cache", latent))
+
+
 def check_files(directory: Path, manifest: dict, check_weights: str = "sampled") -> None:
     """Every file the manifest names exists; graph hashes match; the weights file's size and blocks match
     (all blocks, or a sample of a large file: mla_deploy.integrity); of every stage, for a staged export."""

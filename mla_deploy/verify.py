@@ -8,15 +8,22 @@ decoder layer at a time (modeling.layerwise: one layer's weights in memory, so a
 fits on disk verifies). Every step's logits are compared, and the source's greedy choice at each
 step must be the token the runtime generated, unless the source itself scores the runtime's token within the
 tolerance of its own choice (a near tie the export's error may flip). Tolerance: max |Δlogit| <= rtol ·
-max(1, max |logit|), rtol by the export's dtype: 1e-4 in float32; float16 and bfloat16 exports are compared
-with the source on their rounded weights and caches (export.precision.RoundedCheckpoint), computing in float32
-like it, at the rtol measured over every test configuration with a margin (RTOL; docs/precision.md).
+max(1, max |logit|), rtol by the export's dtypes (the weights' and the caches'): 1e-4 in float32; float16 and
+bfloat16 exports are compared with the source on their rounded weights and caches (export.precision.RoundedCheckpoint),
+computing in float32 like it, and an int8-cache export with the source whose cache entries are quantized by the same
+rule as they are written (modeling.cache.stored_values), each at the rtol measured over every test configuration
+with a margin (RTOL; docs/precision.md). An int8 entry whose value sits on a rounding boundary may round the other
+way in the export than in the source (their float32 sums differ in order): one code step of one entry, which the
+int8 rtol covers.
 
 A quantized export is compared with the checkpoint's weights dequantized (export.quantize), exactly: its graphs
 run with float activations (mla_deploy's quantized ops at accuracy_level 0, in sessions made from the graphs with
 that attribute changed; MatMulNBits unpacked, where it dequantizes and multiplies in float). How far the deployed
 kernels (int8 activations at accuracy_level 4) move the logits is reported beside it; whether that costs quality is
 measured against the float model by `mla-deploy eval`.
+Likewise an int8-cache export is compared through the exact form of its decode attention, the kernel op's function
+body (DequantizeLinear, then float32), with mla-deploy's kernel library off; mla_deploy.LatentAttentionQ8, which
+also quantizes the queries to int8, is run on the same steps and its distance from the exact run reported beside it.
 """
 
 from __future__ import annotations
@@ -34,8 +41,10 @@ from .checkpoint import Checkpoint
 from .errors import ExportError
 from .export.precision import RoundedCheckpoint
 from .export.quantize import DequantizedCheckpoint, Quantization
+from .io_spec import CacheFormat
+from .manifest import cache_format, is_staged, read_manifest
+from .modeling.attention import AttentionForm
 from .modeling.layerwise import layerwise_logits
-from .manifest import is_staged, read_manifest
 from .runtime import ExportedModel, Generator, RuntimeOptions, SamplingParams
 from .runtime.chain import StageChain
 from .runtime.feeds import empty_caches, prefill_feed
@@ -43,7 +52,9 @@ from .runtime.session import provider_options
 from .runtime.pipeline import PipelineGenerator
 
 DEFAULT_RTOL = 1e-4
-RTOL = {"float32": DEFAULT_RTOL, "float16": 1e-3, "bfloat16": 1e-3}  # the worst measured sits 10x below (docs/development.md)
+# the worst measured sits 10x below in float (docs/development.md); int8 caches 3.9e-4 over 120 verifications
+# (docs/precision.md)
+RTOL = {"float32": DEFAULT_RTOL, "float16": 1e-3, "bfloat16": 1e-3, "int8": 1e-3}
 
 
 @dataclass
@@ -58,7 +69,7 @@ class VerifyReport:
     # agreement over the teacher-forced positions, max and mean |Δlogit|
     quality: dict | None = None
     # a quantized export, prefill: the deployed session (default options, accuracy_level as exported) against the
-    # exact one
+    # exact one; an int8-cache export, decode: the steps with the kernel library against the exact ones
     deployed_drift: float | None = None
     checks: list[float] = field(default_factory=list)  # the verify graph's, the hidden state's and the draft's, in logits
     device: str = "cpu"  # where the export ran: a CUDA request without the CUDA provider falls back to the CPU
@@ -83,9 +94,11 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
     'cuda': the runtime's generation over device-resident caches; the torch source runs on the CPU). A staged export
     (export --stages N) runs its stages chained."""
     # Unpacked, MatMulNBits dequantizes and multiplies in float whatever its accuracy_level; mla_deploy's quantized
-    # ops are given accuracy_level 0: the check is exact.
-    staged = is_staged(read_manifest(export_dir))
-    exact = RuntimeOptions(provider=provider, prepack=False)
+    # ops are given accuracy_level 0: the check is exact; so is an int8 cache's attention through its function body
+    manifest = read_manifest(export_dir)
+    staged = is_staged(manifest)
+    exact_attention = not cache_format(manifest).scaled
+    exact = RuntimeOptions(provider=provider, prepack=False, kernels=exact_attention)
     model = (StageChain(export_dir, exact, model_class=FloatActivations) if staged
              else FloatActivations(export_dir, exact))
     manifest = model.manifest
@@ -94,7 +107,8 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
     if ckpt.content_hash() != manifest["source"]["sha256"]:
         raise ExportError(f"{source}: checkpoint differs from the one {export_dir} was exported from (sha256 mismatch)")
     cfg = ckpt.config
-    rtol = RTOL[model.cache_dtype] if rtol is None else rtol
+    cache = model.cache_format
+    rtol = max(RTOL[d] for d in (manifest["dtype"], cache.latent, cache.rope)) if rtol is None else rtol
     quantization = manifest.get("quantization")
     # an export is compared with the weights it stands for: rounded to its dtype, then dequantized if quantized
     reference = RoundedCheckpoint(ckpt, manifest["dtype"])
@@ -121,18 +135,12 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
     tokens = np.array(generated, np.int64)  # [b, steps]
 
     # the graphs: prefill scores every position; decode steps are fed the generated tokens
-    prefill = prefill_feed(cfg, ids, capacity, model.cache_dtype)
+    prefill = prefill_feed(cfg, ids, capacity, cache)
     mask = prefill[io_spec.ATTENTION_MASK]
     out = model.run(io_spec.PREFILL, prefill)
-    prefill_logits, prefill_hidden, step_logits = out[io_spec.LOGITS], out.get(io_spec.HIDDEN), []
+    prefill_logits, prefill_hidden = out[io_spec.LOGITS], out.get(io_spec.HIDDEN)
     prefilled = {io_spec.past_of(k): v for k, v in out.items() if k.startswith("present_")}  # the caches after it
-    for step in range(steps):
-        slot = lens + step
-        feed = {io_spec.INPUT_IDS: tokens[:, step : step + 1], io_spec.POSITION_IDS: slot[:, None],
-                io_spec.ATTENTION_MASK: mask, io_spec.WRITE_INDICES: slot}
-        feed.update({io_spec.past_of(k): v for k, v in out.items() if k.startswith("present_")})
-        out = model.run(io_spec.DECODE, feed)
-        step_logits.append(out[io_spec.LOGITS][:, 0])
+    step_logits = decode_steps(model, prefilled, tokens, lens, mask)
 
     # the verify graph: the generated tokens in one pass over the prefill's caches, as speculative decoding feeds it
     verify_logits = None
@@ -146,7 +154,8 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
     # the torch source on the same inputs, one layer at a time
     ref_prefill, ref_steps, ref_hidden, _ = (t.numpy() for t in layerwise_logits(
         reference, torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(lens), torch.from_numpy(tokens),
-        cache_dtype=None if model.cache_dtype == "float32" else getattr(torch, model.cache_dtype), hidden=True))
+        stored=None if cache == CacheFormat() else cache,
+        prefill_form=AttentionForm(manifest.get("prefill_attention", "naive")), hidden=True))
     valid = np.arange(longest)[None, :] < lens[:, None]
     prefill_diff = float(np.abs(prefill_logits - ref_prefill)[valid].max())
     report = VerifyReport(prefill_diff, [], 0.0, float(np.abs(ref_prefill[valid]).max()), rtol)
@@ -175,7 +184,7 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
     report.token_agreement = (exact + ties) / (b * steps)
     report.lines.append(f"tokens   runtime greedy vs torch greedy: {exact}/{b * steps} agree, "
                         f"{ties} more within the tolerance of the source's own choice (near ties)")
-    if quantization or model.cache_dtype != "float32":  # the cost of the rounding, against the unrounded source
+    if quantization or cache != CacheFormat():  # the cost of the rounding, against the unrounded source
         report.quality = _quality(ckpt, ids, mask, lens, tokens, prefill_logits[valid], np.stack(step_logits, 1))
         q = report.quality
         report.lines.append(f"quality  against the float32 source, {q['positions']} teacher-forced positions: top-1 "
@@ -189,6 +198,16 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
         ops = "prepacked MatMulNBits" if prepacked else "mla-deploy's quantized kernels"
         report.lines.append(f"deployed prefill with {ops} (accuracy_level {quantization['accuracy_level']}): "
                             f"max |Δlogit| {drift:.3e} from the exact run (quality against the float model: mla-deploy eval)")
+    if not exact_attention:  # as deployed: mla_deploy.LatentAttention(Chunk)Q8, their queries in int8
+        deployed = (StageChain if staged else ExportedModel)(export_dir, RuntimeOptions(provider=provider, prepack=False))
+        prefill_drift = float(np.abs(deployed.run(io_spec.PREFILL, prefill)[io_spec.LOGITS] - prefill_logits)[valid].max())
+        kernel = decode_steps(deployed, prefilled, tokens, lens, mask)
+        drift = float(max(np.abs(k - e).max() for k, e in zip(kernel, step_logits)))
+        report.deployed_drift = max(report.deployed_drift or 0.0, prefill_drift, drift)
+        same = int(sum((k.argmax(-1) == e.argmax(-1)).sum() for k, e in zip(kernel, step_logits)))
+        report.lines.append(f"deployed attention in mla-deploy's int8 kernels (int8 queries): max |Δlogit| from the exact "
+                            f"run {prefill_drift:.3e} in prefill, {drift:.3e} in decode (top-1 the same at "
+                            f"{same}/{b * steps} steps)")
     ran = model.workers[0].model if staged else model
     report.device = ran.device
     if ran.device != "cpu":
@@ -227,6 +246,22 @@ def _nodes(graph: onnx.GraphProto):
                 yield from _nodes(a.g)
 
 
+def decode_steps(model: ExportedModel, prefilled: dict, tokens: np.ndarray, lens: np.ndarray,
+                 mask: np.ndarray) -> list[np.ndarray]:
+    """Logits [b, vocab] of feeding `tokens` [b, steps] through the decode graph one step at a time, row b's token s
+    at slot lens[b] + s, over the caches `prefilled` (past_* names) the prefill graph wrote."""
+    caches, logits = prefilled, []
+    for step in range(tokens.shape[1]):
+        slot = lens + step
+        feed = {io_spec.INPUT_IDS: tokens[:, step : step + 1], io_spec.POSITION_IDS: slot[:, None],
+                io_spec.ATTENTION_MASK: mask, io_spec.WRITE_INDICES: slot}
+        feed.update(caches)
+        out = model.run(io_spec.DECODE, feed)
+        caches = {io_spec.past_of(k): v for k, v in out.items() if k.startswith("present_")}
+        logits.append(out[io_spec.LOGITS][:, 0])
+    return logits
+
+
 def check_draft(model: ExportedModel, reference, ids: np.ndarray, lens: np.ndarray, tokens: np.ndarray,
                 hidden: np.ndarray, report: VerifyReport) -> list[str]:
     """The draft graph against the torch MTP module (modeling.mtp) on the same inputs: each prompt's pairs (the
@@ -246,10 +281,10 @@ def check_draft(model: ExportedModel, reference, ids: np.ndarray, lens: np.ndarr
     mask = np.ones((b, capacity), np.int64)
     feed = {io_spec.INPUT_IDS: pairs, io_spec.POSITION_IDS: positions, io_spec.ATTENTION_MASK: mask,
             io_spec.WRITE_INDICES: np.zeros(b, np.int64), io_spec.LOGITS_POSITIONS: positions,
-            io_spec.PREVIOUS_HIDDEN: hidden, **empty_caches(cfg, b, capacity, model.cache_dtype, io_spec.draft_layers(cfg))}
+            io_spec.PREVIOUS_HIDDEN: hidden, **empty_caches(cfg, b, capacity, model.cache_format, io_spec.draft_layers(cfg))}
     model.load(io_spec.DRAFT)
     out = model.run(io_spec.DRAFT, feed)
-    stored = None if model.cache_dtype == "float32" else getattr(torch, model.cache_dtype)
+    stored = None if model.cache_format == CacheFormat() else model.cache_format
     cache = LayerCache(torch.zeros(b, capacity, cfg.kv_lora_rank), torch.zeros(b, capacity, cfg.qk_rope_head_dim), stored)
     t = torch.from_numpy
     ref, ref_hidden = draft(t(pairs), t(hidden), t(positions), cache, torch.zeros(b, dtype=torch.long), t(mask))

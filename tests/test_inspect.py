@@ -23,8 +23,9 @@ def test_export_report_matches_its_graphs_and_weights(exported, checkpoint_dir):
     ckpt = Checkpoint(checkpoint_dir(VARIANT)[0])
     cfg = ckpt.config
     assert r["parameters"]["total"] == sum(ckpt.tensor(n).size for n in ckpt.names())
-    assert r["cache_bytes_per_token"]["MLA (latent + rope)"] == cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
-    assert r["cache_bytes"]["MLA (latent + rope)"]["4096"]["8"] == r["cache_bytes_per_token"]["MLA (latent + rope)"] * 4096 * 8
+    assert r["cache"] == "MLA float32"
+    assert r["cache_bytes_per_token"]["MLA float32"] == cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
+    assert r["cache_bytes"]["MLA float32"]["4096"]["8"] == r["cache_bytes_per_token"]["MLA float32"] * 4096 * 8
     for kind in ("prefill", "decode"):
         graph = onnx.load(str(out / f"{kind}.onnx"), load_external_data=False).graph
         nodes = []
@@ -67,8 +68,12 @@ def test_deepseek_v2_lite_counts_are_its_published_ones():
     from mla_deploy.footprint import cache_bytes_per_token
 
     cache = cache_bytes_per_token(cfg)
-    assert cache["MHA (16 KV heads)"] / cache["MLA (latent + rope)"] == pytest.approx(16 * 320 / 576)
-    assert cache["MQA (1 KV head)"] == 27 * 320 * 4
+    assert cache["MHA (16 KV heads), float32"] / cache["MLA float32"] == pytest.approx(16 * 320 / 576)
+    assert cache["MQA (1 KV head), float32"] == 27 * 320 * 4
+    # an int8 latent: 512 codes and a float32 scale a layer, the rope's 64 values in its float type
+    assert cache["MLA int8 + float32 rope"] == 27 * (512 + 4 + 64 * 4)
+    assert cache["MLA int8 + 16-bit rope"] == 27 * (512 + 4 + 64 * 2) == cache["MLA float16 / bfloat16"] * 644 // 1152
+    assert cache_bytes_per_token(cfg, "bfloat16")["MHA (16 KV heads), 16-bit"] == 27 * 16 * 320 * 2
 
 
 def test_checkpoint_report_in_text(tmp_path):
@@ -77,7 +82,7 @@ def test_checkpoint_report_in_text(tmp_path):
     assert "checkpoint" in result.stdout and "weights read per decode token" in result.stdout
     cfg = Checkpoint(DEMO_CHECKPOINT).config
     total = sum(decode_read_bytes(cfg, None).values())
-    assert total > 0 and "MLA (latent + rope)" in result.stdout
+    assert total > 0 and "*MLA float32" in result.stdout
 
 
 def test_neither_export_nor_checkpoint_is_named(tmp_path):

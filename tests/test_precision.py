@@ -84,7 +84,7 @@ def test_bfloat16_is_exact_only_against_rounded_weights_and_rounded_caches(check
     out, src = half(variant, "bfloat16"), checkpoint_dir(variant)[0]
     assert verify_export(out, src, steps=4).passed
     real = verify_module.layerwise_logits
-    monkeypatch.setattr("mla_deploy.verify.layerwise_logits", lambda *a, cache_dtype=None, **kw: real(*a, **kw))
+    monkeypatch.setattr("mla_deploy.verify.layerwise_logits", lambda *a, stored=None, **kw: real(*a, **kw))
     assert not verify_export(out, src, steps=4).passed
     monkeypatch.undo()
     monkeypatch.setattr("mla_deploy.verify.RoundedCheckpoint", lambda ckpt, dtype: ckpt)

@@ -193,13 +193,13 @@ def test_policy_drafts_only_what_pays_for_its_measured_costs():
 def prefilled(model: ExportedModel, prompt: list[int], capacity: int) -> CacheBuffers:
     gen = Generator(model, SamplingParams())
     state = gen.new_state([np.array(prompt)])
-    state.caches = CacheBuffers(model.config, 1, capacity, model.max_seq_len, "cpu", model.cache_dtype)
+    state.caches = CacheBuffers(model.config, 1, capacity, model.max_seq_len, "cpu", model.cache_format)
     gen.prefill(state, [prompt])
     return state.caches
 
 
 def cache_copy(caches: CacheBuffers) -> CacheBuffers:
-    twin = CacheBuffers(caches.cfg, caches.batch, caches.capacity, caches.max_capacity, "cpu", caches.dtype)
+    twin = CacheBuffers(caches.cfg, caches.batch, caches.capacity, caches.max_capacity, "cpu", caches.format)
     for name, array in caches.arrays.items():
         twin.arrays[name][:] = array
     return twin

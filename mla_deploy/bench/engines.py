@@ -54,12 +54,19 @@ def _median_ms(fn, steps: int) -> float:
 
 def random_decode_state(gen, batch: int, context: int, room: int, rng: np.random.Generator):
     """A Generator's state of `batch` rows at `context` slots, caches grown by `room` more and holding standard normal
-    values in every slot, in the caches' dtype (bfloat16: its bit patterns, runtime.dtypes): never the zero page."""
+    values in every slot, as the caches store them (bfloat16: its bit patterns, runtime.dtypes; an int8 latent: codes
+    of standard normal entries and their scales): never the zero page."""
     state = gen.new_state([np.zeros(1, np.int64)] * batch, context=context)
     state.caches.ensure(context + room)
-    for arr in state.caches.arrays.values():
+    for t in state.caches.tensors:
+        arr = state.caches.arrays[t.past]
         values = rng.standard_normal(arr.shape, dtype=np.float32)
-        arr[:] = float32_to_bf16(values) if state.caches.dtype == "bfloat16" else values
+        if t.dtype == "int8":
+            arr[:] = np.clip(np.round(values / (np.abs(values).max(-1, keepdims=True) / 127)), -127, 127)
+        elif t.role == "scale":  # an int8 latent's: its standard normal entries' peaks / 127
+            arr[:] = 3.5 / 127
+        else:
+            arr[:] = float32_to_bf16(values) if t.dtype == "bfloat16" else values
     return state
 
 
@@ -101,8 +108,32 @@ class OnnxEngine:
         tokens = rng.integers(0, self.cfg.vocab_size, batch)
         return _median_ms(lambda: self.gen.decode_step(state, tokens), steps)
 
+    def prefill_at_context_s(self, n: int, ctx: int) -> float:
+        """Seconds to prefill `n` tokens of one row on top of `ctx` already in its cache (random data, every slot
+        written), in the Generator's chunks: positions ctx .. ctx + n - 1, each chunk over the whole cache before it,
+        the last token's logits out; the same cache each call (the chunks overwrite the same slots)."""
+        rng = np.random.default_rng(ctx + n)
+        state = random_decode_state(self.gen, 1, ctx, n, rng)
+        ids = rng.integers(0, self.cfg.vocab_size, (1, n))
+        session, chunk = self.model.sessions[io_spec.PREFILL], self.gen.chunk_size
+        mask = np.ones((1, state.caches.capacity), np.int64)
+        t0 = time.perf_counter()
+        for start in range(0, n, chunk):
+            t = min(chunk, n - start)
+            binding = session.io_binding()
+            binding.bind_cpu_input(io_spec.INPUT_IDS, np.ascontiguousarray(ids[:, start:start + t]))
+            binding.bind_cpu_input(io_spec.POSITION_IDS, np.arange(ctx + start, ctx + start + t)[None])
+            binding.bind_cpu_input(io_spec.ATTENTION_MASK, mask)
+            binding.bind_cpu_input(io_spec.WRITE_INDICES, np.array([ctx + start], np.int64))
+            binding.bind_cpu_input(io_spec.LOGITS_POSITIONS, np.array([[t - 1]], np.int64))
+            binding.bind_output(io_spec.LOGITS, "cpu")
+            state.caches.bind(binding)
+            session.run_with_iobinding(binding)
+        return time.perf_counter() - t0
+
     def cache_bytes_per_token(self) -> int:
-        return footprint.latent_cache_bytes_per_token(self.cfg)
+        cfg = self.cfg
+        return self.model.cache_format.bytes_per_token(cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
 
     def weight_bytes_per_token(self, active_experts: int) -> int:
         return sum(footprint.decode_read_bytes(self.cfg, self.absorb, active_experts=active_experts).values())
@@ -201,8 +232,9 @@ class TorchEngine:
         mask = torch.ones(batch, ctx + 1)
         return _median_ms(lambda: self.model(ids, slot[:, None], caches, slot, mask, form=self.form), steps)
 
-    def cache_bytes_per_token(self) -> int:
-        return footprint.latent_cache_bytes_per_token(self.cfg)
+    def cache_bytes_per_token(self) -> int:  # the torch source keeps its caches in float32
+        cfg = self.cfg
+        return io_spec.CacheFormat().bytes_per_token(cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
 
     def weight_bytes_per_token(self, active_experts: int):
         return None

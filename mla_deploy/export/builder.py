@@ -7,7 +7,7 @@ the pure transforms of `export.absorb`, written once to the shared weights file 
 (`module(op, x)`) emits its nodes with `op`, so the same module code serves the main graph, the `If` branches of the
 experts and the kernel ops' function bodies (`kernel_function`).
 
-Precision (export.plan): weights are stored in the plan's dtype, caches in its cache dtype, and the layers compute
+Precision (export.plan): weights are stored in the plan's dtype, caches in its cache format, and the layers compute
 in its compute dtype (float32 for every dtype on the CPU; a half weight goes through mla_deploy's MatMulF16 /
 MatMulBF16, which multiply by it as stored: export.linear). RMSNorm statistics, rope, the attention core
 (absorbed query, scores, softmax, probs @ latent, the per-head and fused absorbed matrices) and the router run in
@@ -33,8 +33,9 @@ from .quantize import QuantizedWeight, quantize
 from .weights import WeightsFile
 
 Tensors = Callable[[str], np.ndarray]  # HF tensor name -> float32 array
-FLOAT, BOOL = ir.DataType.FLOAT, ir.DataType.BOOL
-DATA_TYPES = {"int64": ir.DataType.INT64, "float32": FLOAT, "float16": ir.DataType.FLOAT16, "bfloat16": ir.DataType.BFLOAT16}
+FLOAT, BOOL, INT8 = ir.DataType.FLOAT, ir.DataType.BOOL, ir.DataType.INT8
+DATA_TYPES = {"int64": ir.DataType.INT64, "int8": INT8, "float32": FLOAT, "float16": ir.DataType.FLOAT16,
+              "bfloat16": ir.DataType.BFLOAT16}
 
 
 def cast(op, x: ir.Value, source: ir.DataType, to: ir.DataType) -> ir.Value:
@@ -78,7 +79,7 @@ class Graph:
         self.weights = weights
         self.plan = plan
         self.compute_type, self.stored_type = DATA_TYPES[plan.compute], DATA_TYPES[plan.dtype]
-        self.cache_type = DATA_TYPES[plan.cache_dtype]
+        self.cache_type, self.rope_type = DATA_TYPES[plan.cache_dtype], DATA_TYPES[plan.rope_dtype]
         self._values: dict[str, ir.Value] = {}
         self.functions: dict[ir.OperatorIdentifier, ir.Function] = {}  # kernel ops' ONNX bodies (mla_deploy.kernels)
 

@@ -148,6 +148,7 @@ def _report_choices(cfg, options: ExportOptions, plan: ExportPlan, progress: Pro
         progress(f"quantized ops: {plan.quantized_ops} ({options.quantized_ops}), {plan.quantization.scale_dtype} scales")
     if cfg.n_routed_experts:
         progress(f"routed experts: {plan.experts} ({options.experts})")
+    progress(f"caches: {plan.cache_format.latent} latent, {plan.cache_format.rope} rope ({options.cache_dtype})")
     progress(f"decode attention: {plan.decode_attention} ({options.decode_attention})"
              + (", the cache as MatMul's A operand (long cache)" if plan.long_cache else ""))
 
@@ -158,7 +159,7 @@ def _manifest(cfg, plan: ExportPlan, source_hash: str, export_id: str, ckpt: Che
     belongs to)."""
     graphs = {}
     for kind in graph_kinds(plan):
-        inputs, outputs = io_spec.graph_io(kind, cfg, plan.cache_dtype, hidden=plan.draft, stage=stage)
+        inputs, outputs = io_spec.graph_io(kind, cfg, plan.cache_format, hidden=plan.draft, stage=stage)
         graphs[kind] = {"file": io_spec.GRAPH_FILES[kind], "inputs": [s.to_dict() for s in inputs],
                         "outputs": [s.to_dict() for s in outputs]}
     return {

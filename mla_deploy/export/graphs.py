@@ -11,7 +11,7 @@ import onnx_ir as ir
 
 from .. import io_spec
 from ..config import MLAConfig
-from .attention import MLAttention, attention_bias
+from .attention import Caches, MLAttention, attention_bias
 from .builder import Graph, Tensors
 from .linear import embedding, linear
 from .model import decoder, decoder_layer, vocabulary
@@ -27,7 +27,7 @@ def build_graph(kind: str, cfg: MLAConfig, t: Tensors, plan: ExportPlan, weights
     every graph's initializers live in."""
     g = Graph(kind, weights, plan)
     op = g.op
-    specs_in, specs_out = io_spec.graph_io(kind, cfg, plan.cache_dtype, hidden=plan.draft, stage=stage)
+    specs_in, specs_out = io_spec.graph_io(kind, cfg, plan.cache_format, hidden=plan.draft, stage=stage)
     inputs = {spec.name: g.input(spec) for spec in specs_in}
     write_indices = inputs[io_spec.WRITE_INDICES]
     new = inputs.get(io_spec.INPUT_IDS, inputs.get(io_spec.HIDDEN_STATES))  # [b, T] or [b, T, d]: T new tokens
@@ -36,12 +36,15 @@ def build_graph(kind: str, cfg: MLAConfig, t: Tensors, plan: ExportPlan, weights
 
     def attention(op, attn: MLAttention, h, cos, sin):
         i = attn.layer
-        cache = (inputs[io_spec.past_latent(i)], inputs[io_spec.past_rope(i)], write_indices)
-        if kind == io_spec.PREFILL:
-            out, latent, rope = attn.naive(op, h, cos, sin, bias, *cache)
+        past = Caches(inputs[io_spec.past_latent(i)], inputs[io_spec.past_rope(i)],
+                      inputs.get(io_spec.past_latent_scale(i)))
+        if kind == io_spec.PREFILL and plan.prefill_attention == "naive":
+            out, present = attn.naive(op, h, cos, sin, bias, past, write_indices)
         else:
-            out, latent, rope = attn.absorbed(op, h, cos, sin, bias, *cache, tokens=kind != io_spec.DECODE)
-        outputs[io_spec.present_latent(i)], outputs[io_spec.present_rope(i)] = latent, rope
+            out, present = attn.absorbed(op, h, cos, sin, bias, past, write_indices, tokens=kind != io_spec.DECODE)
+        outputs[io_spec.present_latent(i)], outputs[io_spec.present_rope(i)] = present.latent, present.rope
+        if present.scale is not None:
+            outputs[io_spec.present_latent_scale(i)] = present.scale
         return out
 
     positions = inputs.get(io_spec.LOGITS_POSITIONS)

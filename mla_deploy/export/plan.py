@@ -5,8 +5,12 @@ alone, never on the machine that exports, so one checkpoint and one set of optio
 
 The rules (each form measured against the others: docs/benchmarks.md):
 - absorb: auto picks the absorbed form that reads fewer weight bytes per decode token (export.absorb).
-- precision: weights and caches are stored in --dtype; the layers compute in float32 for every dtype, as
+- precision: weights are stored in --dtype; the layers compute in float32 for every dtype, as
   onnxruntime's CPU provider has no bfloat16 arithmetic and widens float16 MatMuls itself (export.precision).
+- caches: --cache-dtype auto stores both caches in --dtype. A float --cache-dtype stores both in it; int8 stores the
+  latent as codes with one float32 scale per token and layer (io_spec.CacheFormat), and the roped key in --dtype:
+  on the demo's held-out text an int8 k_pe cost 4x the latent's top-1 agreement with the float cache (99.41 % against
+  99.72 %) for 64 of the 576 values a token caches (docs/precision.md).
 - quantized ops (a quantized export): "kernel", mla_deploy's QMatMul / QGather / QRoutedExperts over codes and
   float16 scales laid out once at export (export.layouts), read where they lie in the mapped weights.bin by both
   graphs' sessions; their function bodies are stock ONNX, run where the kernel library is not registered (CUDA
@@ -24,10 +28,15 @@ The rules (each form measured against the others: docs/benchmarks.md):
   expert, so an expert no token chose reads none of its weights. "branches" is also the portable form: stock ONNX
   that runs anywhere, CUDA included.
 - decode attention: "kernel" (mla_deploy.LatentAttention: scores, softmax and probs @ latent in one op that reads
-  the caches as stored and only the slots each row sees) where its widths fit the kernel's blocks (d_c a multiple of
-  16, d_r of 8), for half caches always (onnxruntime's ops would cast the whole cache to float32 in every layer of
-  every step) and for float32 caches below KERNEL_HEADS_BELOW heads (at 16 heads MLAS's 16-column panels win);
-  "ops" otherwise: onnxruntime's MatMul, Softmax, MatMul, the portable form.
+  the caches as stored and only the slots each row sees; LatentAttentionQ8 over an int8 latent) where its widths fit
+  the kernel's blocks (d_c a multiple of 16, d_r of 8), for half and int8 caches always (onnxruntime's ops would
+  widen the whole cache to float32 in every layer of every step) and for float32 caches below KERNEL_HEADS_BELOW
+  heads (at 16 heads MLAS's 16-column panels win); "ops" otherwise: onnxruntime's MatMul, Softmax, MatMul (after
+  DequantizeLinear for an int8 latent), the portable form.
+- prefill attention: "absorbed" over an int8 cache where decode attention runs the kernel: a prefill chunk's
+  queries against the cache as stored in mla_deploy.LatentAttentionChunkQ8, in integers, reading nothing but the
+  cache; "naive" otherwise, decompressing the whole cache into per-head keys and values each chunk, whose score
+  tensors [h, T, cap] alone are 553 MB a layer for a 512-token chunk over a 16k cache (docs/benchmarks.md).
 - draft: a checkpoint with a multi-token-prediction layer (DeepSeek-V3's layer num_hidden_layers) gets the draft
   graph (draft.onnx: the MTP module, speculative decoding's proposer), unless --no-draft; every export gets the
   verify graph (verify.onnx: the decode graph's absorbed attention over any number of tokens, the verification pass;
@@ -50,6 +59,7 @@ from .. import io_spec, kernels
 from ..checkpoint import expected_tensors
 from ..config import MLAConfig
 from ..errors import ExportError
+from ..manifest import cache_format as manifest_cache_format
 from .absorb import AbsorbMode, absorbed_weight_bytes, resolve_absorb
 from .precision import DTYPES
 from . import layouts
@@ -62,6 +72,7 @@ QUANTIZED_OPS = ("auto", "kernel", "onnxruntime")
 # activations' type (float32)
 SCALE_DTYPE = {"kernel": "float16", "onnxruntime": "float32"}
 DECODE_ATTENTION = ("auto", "kernel", "ops")
+CACHE_DTYPES = ("auto", *io_spec.FLOAT_CACHES, *io_spec.QUANTIZED_CACHES)
 DENSE_RATIO = 4
 KERNEL_HEADS_BELOW = 16  # auto picks the kernel over float32 caches for fewer heads than this
 # a row's latent cache (float32) at the export's maximum length beyond which decode attention takes the cache as the
@@ -87,6 +98,7 @@ class ExportOptions:
     quantized_ops: str = "auto"  # a quantized export's ops: auto (= kernel), kernel, onnxruntime
     experts: str = "auto"  # routed experts: auto, kernel, qmoe (quantized), branches (portable)
     decode_attention: str = "auto"  # the decode graph's attention core: auto, kernel, ops (portable)
+    cache_dtype: str = "auto"  # the latent cache: auto (--dtype), float32, float16, bfloat16, int8 (io_spec.CacheFormat)
     draft: bool = True  # the MTP draft graph, where the checkpoint has an MTP layer
     stages: int = 1  # pipeline stages: N stage exports of contiguous layers, joined by their hidden states
 
@@ -106,6 +118,14 @@ class ExportOptions:
             raise ExportError(f"decode_attention={self.decode_attention!r}: expected one of {', '.join(DECODE_ATTENTION)}")
         if not isinstance(self.stages, int) or isinstance(self.stages, bool) or self.stages < 1:
             raise ExportError(f"--stages {self.stages!r}: expected a positive integer")
+        if self.cache_dtype not in CACHE_DTYPES:
+            raise ExportError(f"--cache-dtype {self.cache_dtype}: expected one of {', '.join(CACHE_DTYPES)}")
+
+    def cache_format(self) -> io_spec.CacheFormat:
+        """The caches' element types (module docstring, caches)."""
+        if self.cache_dtype == "auto":
+            return io_spec.CacheFormat(self.dtype, self.dtype)
+        return io_spec.CacheFormat(self.cache_dtype, self.dtype if self.cache_dtype == "int8" else self.cache_dtype)
 
     def quantization(self) -> Quantization | None:
         if self.quantize is None:
@@ -130,11 +150,13 @@ class ExportPlan:
     absorb: AbsorbMode  # the decode graph's absorbed attention: FUSED or FACTORED
     dtype: str  # the weights as stored: float32, float16, bfloat16 (quantized weights: their scales' compute dtype)
     compute: str  # what the layers compute in outside the float32 islands
-    cache_dtype: str  # the latent and rope caches as stored (graph I/O)
+    cache_dtype: str  # the latent cache as stored (graph I/O): a float type, or int8 codes with a scale per entry
+    rope_dtype: str  # the roped-key cache as stored: a float type
     quantization: Quantization | None  # bits, block, accuracy level, head bits, scale dtype; None: float weights
     quantized_ops: str | None  # quantized weights' ops: "kernel" or "onnxruntime"; None: float weights
     experts: str | None  # routed experts: "kernel", "qmoe" or "branches" (None read back for a model without any)
     decode_attention: str  # the decode attention core: "kernel" or "ops"
+    prefill_attention: str  # "naive" (decompressing the cache) or "absorbed" (the chunk kernel over an int8 cache)
     long_cache: bool  # decode attention multiplies probs by the cache as the A operand (LatentAttentionLong)
     max_seq_len: int
     draft: bool = False  # the MTP draft graph is written (the checkpoint has an MTP layer, and it was not refused)
@@ -153,11 +175,12 @@ class ExportPlan:
         if quantization is not None:
             quantized_ops = "kernel" if options.quantized_ops == "auto" else options.quantized_ops
             quantization = replace(quantization, scale_dtype=SCALE_DTYPE[quantized_ops])
-        cache_dtype = options.dtype
+        cache = options.cache_format()
+        decode_attention = resolve_decode_attention(cfg, options.decode_attention, cache.latent)
         plan = cls(absorb=resolve_absorb(cfg, options.absorb), dtype=options.dtype, compute=COMPUTE,
-                   cache_dtype=cache_dtype, quantization=quantization, quantized_ops=quantized_ops,
-                   experts=resolve_experts(cfg, options.experts, quantization, quantized_ops),
-                   decode_attention=resolve_decode_attention(cfg, options.decode_attention, cache_dtype),
+                   cache_dtype=cache.latent, rope_dtype=cache.rope, quantization=quantization,
+                   quantized_ops=quantized_ops, experts=resolve_experts(cfg, options.experts, quantization, quantized_ops),
+                   decode_attention=decode_attention, prefill_attention=prefill_attention(cache, decode_attention),
                    long_cache=long_cache(cfg, max_seq_len), max_seq_len=max_seq_len, draft=has_mtp and options.draft)
         if options.stages == 1:
             return plan
@@ -168,6 +191,10 @@ class ExportPlan:
         return replace(plan, draft=False, stages=balanced_stages(*stored_bytes(cfg, plan), options.stages))
 
     @property
+    def cache_format(self) -> io_spec.CacheFormat:
+        return io_spec.CacheFormat(self.cache_dtype, self.rope_dtype)
+
+    @property
     def half_weights(self) -> bool:
         """Float weights in half precision, multiplied as stored by mla_deploy's MatMulF16 / MatMulBF16."""
         return self.dtype in kernels.HALF_MATMUL
@@ -175,9 +202,11 @@ class ExportPlan:
     def to_dict(self) -> dict:
         """Every field, JSON-ready (inspect --json)."""
         return {"absorb": self.absorb.value, "dtype": self.dtype, "compute": self.compute, "cache_dtype": self.cache_dtype,
+                "rope_dtype": self.rope_dtype,
                 "quantization": None if self.quantization is None else self.quantization.to_dict(),
                 "quantized_ops": self.quantized_ops, "experts": self.experts, "decode_attention": self.decode_attention,
-                "long_cache": self.long_cache, "max_seq_len": self.max_seq_len, "draft": self.draft,
+                "prefill_attention": self.prefill_attention, "long_cache": self.long_cache,
+                "max_seq_len": self.max_seq_len, "draft": self.draft,
                 "stages": [[s.first_layer, s.end_layer] for s in self.stages] or None}
 
     def describe(self) -> str:
@@ -187,22 +216,29 @@ class ExportPlan:
         weights = (f"int{q.bits} weights (embedding and head int{q.head_bits}, blocks of {q.block}, {q.scale_dtype} "
                    f"scales, accuracy_level {q.accuracy_level}) in {ops[self.quantized_ops]}" if q
                    else f"{self.dtype} weights")
-        core = {"kernel": "mla_deploy.LatentAttention", "ops": "onnxruntime's MatMul-Softmax-MatMul"}[self.decode_attention]
+        kernel = "mla_deploy.LatentAttentionQ8" if self.cache_format.scaled else "mla_deploy.LatentAttention"
+        core = {"kernel": kernel, "ops": "onnxruntime's MatMul-Softmax-MatMul"}[self.decode_attention]
+        caches = (f"int8 latent cache (a float32 scale per token and layer), {self.rope_dtype} rope cache"
+                  if self.cache_format.scaled else f"{self.cache_dtype} caches" if self.cache_dtype == self.rope_dtype
+                  else f"{self.cache_dtype} latent cache, {self.rope_dtype} rope cache")
         experts = {"kernel": "mla_deploy.QRoutedExperts" if q else "mla_deploy.RoutedExperts",
                    "qmoe": "com.microsoft QMoE", "branches": "one If per expert"}
-        return (f"absorb {self.absorb.value}; {weights} computed in {self.compute}; {self.cache_dtype} caches; "
+        return (f"absorb {self.absorb.value}; {weights} computed in {self.compute}; {caches}; "
                 f"decode attention in {core}" + (" (the cache as MatMul's A operand: long cache)" if self.long_cache
                                                  else "")
+                + ("; prefill attention absorbed in mla_deploy.LatentAttentionChunkQ8"
+                   if self.prefill_attention == "absorbed" else "")
                 + (f"; routed experts in {experts.get(self.experts, self.experts)}" if self.experts else "")
                 + f"; max_seq_len {self.max_seq_len}" + ("; the MTP draft graph" if self.draft else "")
                 + (f"; {len(self.stages)} stages, layers " + ", ".join(f"{s.first_layer}-{s.end_layer - 1}"
                                                                       for s in self.stages) if self.stages else ""))
 
     def recipe(self, source_hash: str, version: str) -> str:
-        """What the export id hashes: the source and every choice that is not a function of the others (the cache
-        dtype is the dtype, the long-cache form follows from the config and the length)."""
+        """What the export id hashes: the source and every choice that is not a function of the others (the rope
+        cache's dtype follows from the dtype and the cache dtype, the long-cache form from the config and the
+        length)."""
         return (f"{source_hash}|{self.absorb.value}|{self.dtype}|{self.max_seq_len}|{self.quantization}|"
-                f"{self.quantized_ops}|{self.experts}|{self.decode_attention}|{self.draft}|{version}"
+                f"{self.quantized_ops}|{self.experts}|{self.decode_attention}|{self.cache_dtype}|{self.draft}|{version}"
                 + "".join(f"|{s.first_layer}-{s.end_layer}" for s in self.stages))
 
     def manifest_fields(self, cfg: MLAConfig) -> dict:
@@ -212,10 +248,11 @@ class ExportPlan:
         return {
             "absorb": self.absorb.value, "dtype": self.dtype, "max_seq_len": self.max_seq_len,
             "experts": self.experts if cfg.n_routed_experts else None, "decode_attention": self.decode_attention,
-            "long_cache": self.long_cache, "quantized_ops": self.quantized_ops, "draft": self.draft,
+            "prefill_attention": self.prefill_attention, "long_cache": self.long_cache,
+            "quantized_ops": self.quantized_ops, "draft": self.draft,
             **({"stages": [{"layers": [s.first_layer, s.end_layer]} for s in self.stages]} if self.stages else {}),
             "precision": {"dtype": self.dtype, "compute": self.compute, "caches": self.cache_dtype,
-                          "float32": FLOAT32_ISLANDS},
+                          "rope_cache": self.rope_dtype, "float32": FLOAT32_ISLANDS},
             "quantization": None if q is None else {
                 **q.to_dict(), "quantized_weights": len(quantized_hf_names(cfg)),
                 "float": "kv_b_proj, routers, norms, rope tables" + ("" if fused else ", per-head W^UK / W^UV"),
@@ -227,17 +264,18 @@ class ExportPlan:
     def from_manifest(cls, manifest: dict) -> "ExportPlan":
         """The plan an export was built from, as its manifest (read_manifest's, with config_obj) records it."""
         cfg, precision = manifest["config_obj"], manifest.get("precision") or {}
-        quantization = manifest.get("quantization")
+        quantization, cache = manifest.get("quantization"), manifest_cache_format(manifest)
         max_seq_len = int(manifest["max_seq_len"])
         recorded_long = manifest.get("long_cache")
         quantized_ops = manifest.get("quantized_ops") or ("onnxruntime" if quantization else None)
         recorded = manifest.get("stages") or []
         stages = tuple(io_spec.Stage(i, len(recorded), *_layer_range(r["layers"])) for i, r in enumerate(recorded))
         return cls(absorb=AbsorbMode(manifest["absorb"]), dtype=manifest["dtype"],
-                   compute=precision.get("compute", COMPUTE), cache_dtype=precision.get("caches", manifest["dtype"]),
+                   compute=precision.get("compute", COMPUTE), cache_dtype=cache.latent, rope_dtype=cache.rope,
                    quantization=Quantization.from_dict(quantization) if quantization else None,
                    quantized_ops=quantized_ops, experts=manifest.get("experts"),
                    decode_attention=manifest.get("decode_attention", "ops"),
+                   prefill_attention=manifest.get("prefill_attention", "naive"),
                    long_cache=long_cache(cfg, max_seq_len) if recorded_long is None else bool(recorded_long),
                    max_seq_len=max_seq_len, draft=bool(manifest.get("draft", False)), stages=stages)
 
@@ -280,7 +318,7 @@ def kernel_fits(cfg: MLAConfig) -> bool:
 
 
 def resolve_decode_attention(cfg: MLAConfig, requested: str, cache_dtype: str = "float32") -> str:
-    """The decode attention core (module docstring), for caches stored in `cache_dtype`."""
+    """The decode attention core (module docstring), for a latent cache stored in `cache_dtype`."""
     if requested not in DECODE_ATTENTION:
         raise ExportError(f"decode_attention={requested!r}: expected one of {', '.join(DECODE_ATTENTION)}")
     if requested == "kernel" and not kernel_fits(cfg):
@@ -290,6 +328,12 @@ def resolve_decode_attention(cfg: MLAConfig, requested: str, cache_dtype: str = 
         return requested
     few_heads = cfg.num_attention_heads < KERNEL_HEADS_BELOW
     return "kernel" if kernel_fits(cfg) and (few_heads or cache_dtype != "float32") else "ops"
+
+
+def prefill_attention(cache: io_spec.CacheFormat, decode_attention: str) -> str:
+    """The prefill graph's attention (module docstring): absorbed over an int8 cache the decode kernel reads, naive
+    otherwise."""
+    return "absorbed" if cache.scaled and decode_attention == "kernel" else "naive"
 
 
 def long_cache(cfg: MLAConfig, max_seq_len: int) -> bool:

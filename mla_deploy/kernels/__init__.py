@@ -56,6 +56,11 @@ STRIP = 64  # their weight layout: strips of 64 output columns, [N / 64, K, 64]
 LATENT_ATTENTION = {"float32": "LatentAttention", "float16": "LatentAttentionF16", "bfloat16": "LatentAttentionBF16"}  # by cache dtype
 # the same kernel, for caches that can outgrow export.plan.LONG_CACHE_BYTES a row: only their function bodies differ
 LATENT_ATTENTION_LONG = {dtype: name.replace("Attention", "AttentionLong") for dtype, name in LATENT_ATTENTION.items()}
+# over an int8 latent cache with a scale per entry, by the rope cache's dtype (latent_attention_q8.c)
+LATENT_ATTENTION_Q8 = {"float32": "LatentAttentionQ8", "float16": "LatentAttentionQ8F16", "bfloat16": "LatentAttentionQ8BF16"}
+LATENT_ATTENTION_LONG_Q8 = {dtype: name.replace("Attention", "AttentionLong") for dtype, name in LATENT_ATTENTION_Q8.items()}
+# the same kernel for a prefill chunk's queries [b, T, h, ·] over an int8 latent cache
+LATENT_ATTENTION_CHUNK_Q8 = {dtype: name.replace("Attention", "AttentionChunk") for dtype, name in LATENT_ATTENTION_Q8.items()}
 GATE_UP = 32  # RoutedExperts' fc1 strip: 32 gate columns, then the same 32 columns of up
 # the quantized ops, by their weights' bits (their layout: export.layouts)
 QMATMUL = {4: "QMatMul4", 8: "QMatMul8"}

@@ -8,6 +8,10 @@
  *                    rope cache [b, cap, d_r], bias float32 [b, 1, 1, cap]) -> float32 [b, h, d_c]
  *                    (latent_attention.h; LatentAttentionF16 / BF16 with the caches in half precision;
  *                    LatentAttentionLong* the same kernels under other names, whose function bodies suit long caches)
+ *   LatentAttentionQ8 (q_latent, q_rope, latent int8 [b, cap, d_c], latent_scale float32 [b, cap, 1],
+ *                      rope float32 [b, cap, d_r], bias) -> float32 [b, h, d_c]   (latent_attention_q8.h;
+ *                      Q8F16 / Q8BF16 with the rope cache in half precision; LatentAttentionLongQ8* likewise;
+ *                      LatentAttentionChunkQ8*: the queries [b, T, h, ·] of a prefill chunk, bias [b, 1, T, cap])
  *   QMatMul4, QMatMul8 (A float32 [..., K], codes uint8 [G, KB, 2·B·bits], scales float16 [G, KB, 16]; attributes
  *                       K, N, block_size, accuracy_level) -> Y float32 [..., N]   (qmatmul.h: int4 / int8 weights)
  *   QRoutedExperts4, QRoutedExperts8 (X float32 [T, d], dispatch float32 [T, E], fc1 codes and scales, fc2 codes and
@@ -28,6 +32,7 @@
 
 #include "dispatch.h"
 #include "latent_attention.h"
+#include "latent_attention_q8.h"
 #include "qexperts.h"
 #include "qgather.h"
 #include "qmatmul.h"
@@ -220,6 +225,73 @@ static OrtStatus *compute_latent_attention(OrtKernelContext *context, StripKind 
     latent_attention_release(&job);
     return status;
 }
+
+static void run_latent_range_q8(void *data, size_t task) { latent_attention_q8_range(data, (int64_t)task); }
+
+/* A kernel holds nothing but the instruction-set level read when onnxruntime created it (create; dispatch.h), as its
+ * pointer's value: level + 1, so that it is never NULL. */
+static Isa isa_of(void *kernel) { return (Isa)((intptr_t)kernel - 1); }
+
+static OrtStatus *compute_latent_attention_q8(void *kernel, OrtKernelContext *context, StripKind rope_kind,
+                                              const char *op) {
+    int64_t dims[6][MAX_RANK];
+    size_t rank[6];
+    void *data[6], *y;
+    OrtStatus *status = inputs(context, op, 6, dims, rank, data);
+    if (status) return status;
+    size_t q = rank[0]; /* 3: one query a row [b, h, ·]; 4: a chunk's [b, T, h, ·] */
+    if ((q != 3 && q != 4) || rank[1] != q || rank[2] != 3 || rank[3] != 3 || rank[4] != 3 || rank[5] < 1)
+        return error(op, "expected q_latent [b, h, d_c] or [b, T, h, d_c], q_rope likewise, latent [b, cap, d_c], "
+                         "latent_scale [b, cap, 1], rope [b, cap, d_r], bias [b, 1, T, cap]");
+    int64_t b = dims[0][0], t = q == 4 ? dims[0][1] : 1;
+    LatentAttentionQ8 job = {.isa = isa_of(kernel), .rope_kind = rope_kind, .rows = b * t, .queries = t,
+                             .heads = dims[0][q - 2], .latent = dims[0][q - 1], .rope = dims[1][q - 1],
+                             .capacity = dims[2][1]};
+    int64_t bias_size = 1;
+    for (size_t i = 0; i < rank[5]; i++) bias_size *= dims[5][i];
+    if (dims[1][0] != b || (q == 4 && dims[1][1] != t) || dims[1][q - 2] != job.heads || dims[2][0] != b ||
+        dims[2][2] != job.latent || dims[4][0] != b || dims[4][1] != job.capacity || dims[4][2] != job.rope)
+        return error(op, "the queries and the caches disagree on the rows, the heads or the widths");
+    if (dims[3][0] != b || dims[3][1] != job.capacity || dims[3][2] != 1)
+        return error(op, "latent_scale must hold one scale per row and cache slot [b, cap, 1]");
+    if (dims[5][rank[5] - 1] != job.capacity || bias_size != job.rows * job.capacity)
+        return error(op, "bias must hold one value per query and cache slot [b, 1, T, cap]");
+    if (job.latent % 16 || job.rope % 8) return error(op, "d_c must be a multiple of 16 and d_r of 8");
+    OrtValue *y_value;
+    if (ORT_FN(api, OrtKernelContextGetOutputFn, ORT_KernelContext_GetOutput)(context, 0, dims[0], q, &y_value) ||
+        ORT_FN(api, OrtGetTensorMutableDataFn, ORT_GetTensorMutableData)(y_value, &y))
+        return error(op, "cannot allocate the output");
+    job.q_latent = data[0], job.q_rope = data[1], job.codes = data[2], job.scales = data[3], job.rope_cache = data[4];
+    job.bias = data[5], job.out = y;
+    if (job.rows == 0 || job.heads == 0 || job.latent == 0) return NULL;
+    if (job.capacity == 0) return error(op, "the cache has no slots");
+    if (latent_attention_q8_plan(&job)) return error(op, "out of memory for the packed queries and partial results");
+    /* about a quarter of the float kernel's instructions a slot (int8 products): the same threshold in slots */
+    status = parallel_for(pool_for(context, job.rows * job.capacity * job.heads * (job.latent + job.rope) / 4),
+                          run_latent_range_q8, (size_t)(job.rows * job.splits), &job);
+    for (int64_t r = 0; !status && r < job.rows; r++) latent_attention_q8_combine(&job, r);
+    if (!status && __atomic_load_n(&job.failed, __ATOMIC_RELAXED)) status = error(op, "out of memory for a range's scores");
+    latent_attention_q8_release(&job);
+    return status;
+}
+
+#define Q8_FUNCTIONS(ID, KIND, NAME)                                                                                   \
+    static OrtStatus *compute_##ID(void *kernel, OrtKernelContext *context) {                                        \
+        return compute_latent_attention_q8(kernel, context, KIND, NAME);                                              \
+    }                                                                                                                 \
+    static const char *name_##ID(const OrtCustomOp *op) {                                                            \
+        (void)op;                                                                                                     \
+        return NAME;                                                                                                  \
+    }
+Q8_FUNCTIONS(q8_f32, STRIP_F32, "LatentAttentionQ8")
+Q8_FUNCTIONS(q8_f16, STRIP_F16, "LatentAttentionQ8F16")
+Q8_FUNCTIONS(q8_bf16, STRIP_BF16, "LatentAttentionQ8BF16")
+Q8_FUNCTIONS(long_q8_f32, STRIP_F32, "LatentAttentionLongQ8")
+Q8_FUNCTIONS(long_q8_f16, STRIP_F16, "LatentAttentionLongQ8F16")
+Q8_FUNCTIONS(long_q8_bf16, STRIP_BF16, "LatentAttentionLongQ8BF16")
+Q8_FUNCTIONS(chunk_q8_f32, STRIP_F32, "LatentAttentionChunkQ8")
+Q8_FUNCTIONS(chunk_q8_f16, STRIP_F16, "LatentAttentionChunkQ8F16")
+Q8_FUNCTIONS(chunk_q8_bf16, STRIP_BF16, "LatentAttentionChunkQ8BF16")
 
 /* ---------- the quantized ops: QMatMul4/8, QRoutedExperts4/8, QGather4/8 (qmatmul.h's layout) ---------- */
 
@@ -471,10 +543,6 @@ static OrtStatus *compute_qgather(void *kernel, OrtKernelContext *context) {
     return count ? parallel_for(pool_for(context, count * node->k * 16), run_gather, (size_t)count, &job) : NULL;
 }
 
-/* A kernel holds nothing but the instruction-set level read when onnxruntime created it (dispatch.h), as its
- * pointer's value: level + 1, so that it is never NULL. */
-static Isa isa_of(void *kernel) { return (Isa)((intptr_t)kernel - 1); }
-
 /* each registered op: its name, and its compute as one of the three above with the weights' (caches') type */
 #define OP_FUNCTIONS(ID, COMPUTE, KIND, NAME)                                                                         \
     static OrtStatus *compute_##ID(void *kernel, OrtKernelContext *context) {                                        \
@@ -523,6 +591,13 @@ static ONNXTensorElementDataType experts_bf16(const OrtCustomOp *op, size_t i) {
     (void)op;
     return i >= 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 }
+/* LatentAttentionQ8's latent (input 2) is int8, its rope cache (input 4) in the rope's type, the rest float32 */
+static ONNXTensorElementDataType q8_input(size_t i, ONNXTensorElementDataType rope) {
+    return i == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8 : i == 4 ? rope : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+static ONNXTensorElementDataType q8_f32(const OrtCustomOp *op, size_t i) { (void)op; return q8_input(i, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT); }
+static ONNXTensorElementDataType q8_f16(const OrtCustomOp *op, size_t i) { (void)op; return q8_input(i, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16); }
+static ONNXTensorElementDataType q8_bf16(const OrtCustomOp *op, size_t i) { (void)op; return q8_input(i, ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16); }
 /* QMatMul* (A, codes, scales), QGather* (ids, codes, scales), QRoutedExperts* (X, dispatch, fc1 codes, fc1 scales, fc2
  * codes, fc2 scales) */
 static ONNXTensorElementDataType quantized_type(int i) {
@@ -597,7 +672,16 @@ static OrtCustomOp quantized_ops[] = {
     KERNEL_OP(name_qexperts4, qexperts_input, six, create_quantized, compute_qexperts, destroy_quantized),
     KERNEL_OP(name_qexperts8, qexperts_input, six, create_quantized, compute_qexperts, destroy_quantized),
     KERNEL_OP(name_qgather4, qgather_input, three, create_quantized, compute_qgather, destroy_quantized),
-    KERNEL_OP(name_qgather8, qgather_input, three, create_quantized, compute_qgather, destroy_quantized)};
+    KERNEL_OP(name_qgather8, qgather_input, three, create_quantized, compute_qgather, destroy_quantized),
+    KERNEL_OP(name_q8_f32, q8_f32, six, create, compute_q8_f32, destroy),
+    KERNEL_OP(name_q8_f16, q8_f16, six, create, compute_q8_f16, destroy),
+    KERNEL_OP(name_q8_bf16, q8_bf16, six, create, compute_q8_bf16, destroy),
+    KERNEL_OP(name_long_q8_f32, q8_f32, six, create, compute_long_q8_f32, destroy),
+    KERNEL_OP(name_long_q8_f16, q8_f16, six, create, compute_long_q8_f16, destroy),
+    KERNEL_OP(name_long_q8_bf16, q8_bf16, six, create, compute_long_q8_bf16, destroy),
+    KERNEL_OP(name_chunk_q8_f32, q8_f32, six, create, compute_chunk_q8_f32, destroy),
+    KERNEL_OP(name_chunk_q8_f16, q8_f16, six, create, compute_chunk_q8_f16, destroy),
+    KERNEL_OP(name_chunk_q8_bf16, q8_bf16, six, create, compute_chunk_q8_bf16, destroy)};
 
 /* Every op has a plain C path, so the library registers on any x86-64 CPU; each kernel runs the path of the level
  * read as onnxruntime creates it (MLA_DEPLOY_ISA caps it: dispatch.h). On an onnxruntime older than the ABI slots

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..checkpoint import Checkpoint
+from ..io_spec import CacheFormat
 from .attention import AttentionForm
 from .cache import LayerCache
 from .model import DecoderLayer
@@ -38,14 +39,16 @@ def _layer(ckpt: Checkpoint, i: int) -> DecoderLayer:
 
 @torch.no_grad()
 def layerwise_logits(ckpt: Checkpoint, ids: torch.Tensor, kv_mask: torch.Tensor, lengths: torch.Tensor,
-                     decode_tokens: torch.Tensor, cache_dtype: torch.dtype | None = None,
-                     hidden: bool = False) -> tuple[torch.Tensor, ...]:
+                     decode_tokens: torch.Tensor, stored: CacheFormat | None = None,
+                     prefill_form: AttentionForm = AttentionForm.NAIVE, hidden: bool = False) -> tuple[torch.Tensor, ...]:
     """Prefill logits [b, T, vocab] of right-padded prompts `ids` [b, T] (`lengths` [b] real tokens each), then the
     logits [b, steps, vocab] of decoding `decode_tokens` [b, steps] one at a time at slots lengths + step.
     `kv_mask` [b, capacity >= T + steps] as the graphs take it. `ckpt` may be any reader with `config`, `names()`
-    and `tensor(name)`: verification of a quantized export passes export.quantize.DequantizedCheckpoint. `cache_dtype`:
-    cache entries rounded to it as written, as a half-precision export's caches hold them. `hidden`: the final hidden
-    states (after the final norm) [b, T, d] and [b, steps, d] follow the logits."""
+    and `tensor(name)`: verification of a quantized export passes export.quantize.DequantizedCheckpoint. `stored`:
+    cache entries rounded to that format as written, as a half-precision or int8-cache export's caches hold them.
+    `prefill_form`: the prompts' attention form, as the export's prefill graph runs it (export.plan's prefill
+    attention: absorbed over an int8 cache, whose quantized fused matrices differ from the naive form's factors).
+    `hidden`: the final hidden states (after the final norm) [b, T, d] and [b, steps, d] follow the logits."""
     cfg = ckpt.config
     b, t = ids.shape
     steps = decode_tokens.shape[1]
@@ -60,8 +63,8 @@ def layerwise_logits(ckpt: Checkpoint, ids: torch.Tensor, kv_mask: torch.Tensor,
     for i in range(cfg.num_hidden_layers):
         layer = _layer(ckpt, i)
         cache = LayerCache(torch.zeros(b, kv_mask.shape[1], cfg.kv_lora_rank),
-                           torch.zeros(b, kv_mask.shape[1], cfg.qk_rope_head_dim), cache_dtype)
-        prompt = layer(prompt, cos_p, sin_p, rope.perm, cache, torch.zeros(b, dtype=torch.long), kv_mask, AttentionForm.NAIVE)
+                           torch.zeros(b, kv_mask.shape[1], cfg.qk_rope_head_dim), stored)
+        prompt = layer(prompt, cos_p, sin_p, rope.perm, cache, torch.zeros(b, dtype=torch.long), kv_mask, prefill_form)
         for s in range(steps):
             decoded[:, s : s + 1] = layer(decoded[:, s : s + 1], cos_s[:, s : s + 1], sin_s[:, s : s + 1], rope.perm,
                                           cache, step_pos[:, s], kv_mask, AttentionForm.ABSORBED)

@@ -1,9 +1,9 @@
 """Preallocated latent/rope cache buffers, written in place by the graphs through IO binding.
 
-Design (measured in benchmarks/): each layer owns two buffers [batch, capacity, width] that are
-bound both as `past_*` input and `present_*` output. The graph's TensorScatter writes the new
-entries into them, so a decode step moves only the new token's 576 values per layer, never the
-whole cache. Attention reads all `capacity` slots (later ones masked), so capacity grows in
+Design (measured in benchmarks/): each layer owns two buffers [batch, capacity, width] (three for an int8 latent:
+its scales too; io_spec.CacheFormat) that are bound both as `past_*` input and `present_*` output. The graph's
+TensorScatter writes the new entries into them, so a decode step moves only the new token's 576 values per layer
+(and its scale), never the whole cache. Attention reads all `capacity` slots (later ones masked), so capacity grows in
 blocks as the sequence grows instead of being fixed at the maximum length: a step costs the
 context rounded up to a block, and a grow copies the cache once per block.
 """
@@ -30,12 +30,16 @@ class CacheBuffers:
     grow (once per BLOCK slots)."""
 
     def __init__(self, cfg: MLAConfig, batch: int, capacity: int, max_capacity: int, device: str,
-                 dtype: str = "float32", layers: range | None = None, resident: bool | None = None):
-        """`dtype`: the export's cache dtype (runtime.dtypes); `layers`: the main model's (default), or the MTP
-        draft's (io_spec.draft_layers), or a stage's of a staged export."""
-        self.cfg, self.batch, self.device, self.max_capacity, self.dtype = cfg, batch, device, max_capacity, dtype
+                 dtype: io_spec.CacheFormat | str = "float32", layers: range | None = None,
+                 resident: bool | None = None):
+        """`dtype`: the export's cache format (or one float dtype for both caches; runtime.dtypes); `layers`: the main
+        model's (default), the MTP draft's (io_spec.draft_layers), or a stage's of a staged export."""
+        self.cfg, self.batch, self.device, self.max_capacity = cfg, batch, device, max_capacity
+        self.format = io_spec.CacheFormat.of(dtype)
         self.resident = device != "cpu" if resident is None else resident
         self.layers = range(cfg.num_hidden_layers) if layers is None else layers
+        self.tensors = self.format.tensors(self.layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+        self.dtypes = {t.past: t.dtype for t in self.tensors}
         self.capacity = 0
         self.arrays: dict[str, np.ndarray] = {}  # host caches only
         self.values: dict[str, ort.OrtValue] = {}
@@ -48,24 +52,23 @@ class CacheBuffers:
         if needed > self.max_capacity:
             raise InputError(f"sequence needs {needed} cache slots, the export's maximum length is {self.max_capacity}")
         capacity = min(self.max_capacity, -(-needed // BLOCK) * BLOCK)
-        cfg = self.cfg
-        for name, width in io_spec.cache_widths(self.layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim).items():
+        for t in self.tensors:
             # zeros, never uninitialised memory: attention reads every slot, and a masked NaN still poisons its sum
-            new = np.zeros((self.batch, capacity, width), numpy_dtype(self.dtype))
+            new = np.zeros((self.batch, capacity, t.width), numpy_dtype(t.dtype))
             if self.capacity:
-                new[:, : self.capacity] = self.host(name)
+                new[:, : self.capacity] = self.host(t.past)
             if self.resident:
-                self.values[name] = to_device(new, self.dtype, self.device)
+                self.values[t.past] = to_device(new, t.dtype, self.device)
             else:
-                self.arrays[name] = new
-                self.values[name] = ort_value(new, self.dtype)
+                self.arrays[t.past] = new
+                self.values[t.past] = ort_value(new, t.dtype)
         self.capacity = capacity
         return True
 
     def host(self, name: str) -> np.ndarray:
         """Cache `name` [batch, capacity, width] in host memory: the buffer itself for a host cache, a copy of a
         resident one."""
-        return self.arrays[name] if not self.resident else to_host(self.values[name], self.dtype)
+        return self.arrays[name] if not self.resident else to_host(self.values[name], self.dtypes[name])
 
     def bind(self, binding: ort.IOBinding, rows: slice | None = None) -> list[ort.OrtValue]:
         """Bind every cache as both the past input and the present output: in-place update. `rows` binds only those
@@ -73,26 +76,26 @@ class CacheBuffers:
         resident ones (rows are the outer axis, so any run of them is contiguous). Returns the bound OrtValues: a
         view must outlive the run."""
         values = []
-        for past, present in io_spec.cache_pairs(self.layers):
+        for t in self.tensors:
             if self.resident and rows is not None:
-                self._bind_rows(binding, past, present, rows)
+                self._bind_rows(binding, t, rows)
                 continue
-            value = self.values[past] if rows is None else ort_value(self.arrays[past][rows], self.dtype)
-            binding.bind_ortvalue_input(past, value)
-            binding.bind_ortvalue_output(present, value)
+            value = self.values[t.past] if rows is None else ort_value(self.arrays[t.past][rows], t.dtype)
+            binding.bind_ortvalue_input(t.past, value)
+            binding.bind_ortvalue_output(t.present, value)
             values.append(value)
         return values
 
-    def _bind_rows(self, binding: ort.IOBinding, past: str, present: str, rows: slice) -> None:
+    def _bind_rows(self, binding: ort.IOBinding, t: io_spec.CacheTensor, rows: slice) -> None:
         start, stop, step = rows.indices(self.batch)
         if step != 1 or stop <= start:
             raise ValueError(f"rows {rows}: a resident cache binds a non-empty run of consecutive rows")
-        value = self.values[past]
+        value = self.values[t.past]
         _, capacity, width = value.shape()
         shape = [stop - start, capacity, width]
-        address = value.data_ptr() + start * capacity * width * numpy_dtype(self.dtype).itemsize
-        binding.bind_input(past, self.device, 0, ONNX[self.dtype], shape, address)
-        binding.bind_output(present, self.device, 0, ONNX[self.dtype], shape, address)
+        address = value.data_ptr() + start * capacity * width * numpy_dtype(t.dtype).itemsize
+        binding.bind_input(t.past, self.device, 0, ONNX[t.dtype], shape, address)
+        binding.bind_output(t.present, self.device, 0, ONNX[t.dtype], shape, address)
 
 
 class DecodeBinding:

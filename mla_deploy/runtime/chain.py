@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import io_spec
 from ..errors import ExportLoadError, InputError
-from ..manifest import is_staged, read_manifest, read_stage
+from ..manifest import cache_format, is_staged, read_manifest, read_stage
 from .cache import CacheBuffers
 from .chat import GenerationDefaults
 from .memory import resident_memory
@@ -43,7 +43,8 @@ class StageWorker:
         if caches is None:
             model = self.model
             caches = self.groups[key] = CacheBuffers(model.config, b, 1, model.max_seq_len, model.device,
-                                                     model.cache_dtype, self.stage.layers)
+                                                     model.cache_format, self.stage.layers,
+                                                     resident=model.resident_caches)
         if caches.batch != b:
             raise InputError(f"stage {self.stage.index}: group {key!r} holds {caches.batch} rows, the step has {b}")
         caches.ensure(int((write + t).max()))
@@ -86,7 +87,8 @@ class StagedExport:
                                   "ExportedModel")
         self.config = self.manifest["config_obj"]
         self.max_seq_len = int(self.manifest["max_seq_len"])
-        self.cache_dtype = (self.manifest.get("precision") or {}).get("caches", self.manifest["dtype"])
+        self.cache_format = cache_format(self.manifest)
+        self.cache_dtype = self.cache_format.latent
         self.generation = GenerationDefaults.from_export(self.directory)
         self.stop_token_ids: tuple[int, ...] = self.generation.eos_token_ids or tuple(self.config.eos_token_id)
         self.stage_dirs = [read_stage(self.directory, self.manifest, i)[0] for i in range(len(self.manifest["stages"]))]

@@ -27,7 +27,7 @@ class MTPDrafter:
         model.load(io_spec.DRAFT)
         self.model, self.session = model, model.sessions[io_spec.DRAFT]
         cfg = model.config
-        self.caches = CacheBuffers(cfg, batch, 1, model.max_seq_len, model.device, model.cache_dtype,
+        self.caches = CacheBuffers(cfg, batch, 1, model.max_seq_len, model.device, model.cache_format,
                                    layers=io_spec.draft_layers(cfg), resident=model.resident_caches)
         # per row, what the next catch-up feeds: tokens [n], the main hidden states before them [n, d], and the draft
         # position of the first

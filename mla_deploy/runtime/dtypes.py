@@ -1,4 +1,4 @@
-"""Graph I/O arrays in every export dtype (the manifest's `dtype` is the caches').
+"""Graph I/O arrays in every dtype the graphs take (the caches': io_spec.CacheFormat).
 
 numpy has no bfloat16, so a bfloat16 cache is a uint16 array of its bit patterns (bfloat16 is float32's upper
 half: `safetensors_io.bf16_to_float32` reads it), handed to onnxruntime as bfloat16. The runtime never does
@@ -12,8 +12,8 @@ import onnxruntime as ort
 
 from ..errors import ProviderError
 
-NUMPY = {"int64": np.int64, "float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
-ONNX = {"int64": 7, "float32": 1, "float16": 10, "bfloat16": 16}  # ONNX TensorProto element types
+NUMPY = {"int64": np.int64, "int8": np.int8, "float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+ONNX = {"int64": 7, "int8": 3, "float32": 1, "float16": 10, "bfloat16": 16}  # ONNX TensorProto element types
 _BFLOAT16 = ONNX["bfloat16"]
 
 

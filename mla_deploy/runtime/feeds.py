@@ -14,17 +14,18 @@ from ..errors import InputError
 from .dtypes import numpy_dtype
 
 
-def empty_caches(cfg: MLAConfig, batch: int, capacity: int, dtype: str = "float32",
+def empty_caches(cfg: MLAConfig, batch: int, capacity: int, dtype: io_spec.CacheFormat | str = "float32",
                  layers: range | None = None) -> dict[str, np.ndarray]:
-    """Zero-filled past_latent/past_rope inputs for every layer (or `layers`: the draft's, a stage's), in the export's
-    cache `dtype` (runtime.dtypes; for one-off graph calls: the Generator keeps its own in-place buffers)."""
-    widths = io_spec.cache_widths(cfg.num_hidden_layers if layers is None else layers, cfg.kv_lora_rank,
-                                  cfg.qk_rope_head_dim)
-    return {name: np.zeros((batch, capacity, width), numpy_dtype(dtype)) for name, width in widths.items()}
+    """Zero-filled cache inputs (past_latent, its scales where int8, past_rope) for every layer (or `layers`: the
+    draft's, a stage's), in the export's cache format `dtype` (runtime.dtypes; for one-off graph calls: the Generator
+    keeps its own in-place buffers)."""
+    tensors = io_spec.CacheFormat.of(dtype).tensors(cfg.num_hidden_layers if layers is None else layers,
+                                                    cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+    return {t.past: np.zeros((batch, capacity, t.width), numpy_dtype(t.dtype)) for t in tensors}
 
 
 def prefill_feed(cfg: MLAConfig, ids: np.ndarray, capacity: int | None = None,
-                 cache_dtype: str = "float32") -> dict[str, np.ndarray]:
+                 cache_dtype: io_spec.CacheFormat | str = "float32") -> dict[str, np.ndarray]:
     """Prefill rows `ids` [b, T] (right-padded) from an empty cache of `capacity` slots (default T), scoring
     every position: the feed verification and scoring use."""
     b, t = ids.shape
@@ -35,8 +36,8 @@ def prefill_feed(cfg: MLAConfig, ids: np.ndarray, capacity: int | None = None,
             **empty_caches(cfg, b, capacity, cache_dtype)}
 
 
-def check_feed(kind: str, feed: dict, cfg: MLAConfig, max_seq_len: int, cache_dtype: str = "float32",
-               stage: io_spec.Stage | None = None) -> None:
+def check_feed(kind: str, feed: dict, cfg: MLAConfig, max_seq_len: int,
+               cache_dtype: io_spec.CacheFormat | str = "float32", stage: io_spec.Stage | None = None) -> None:
     inputs, _ = io_spec.graph_io(kind, cfg, cache_dtype, stage=stage)
     expected = {s.name: s for s in inputs}
     missing = sorted(expected.keys() - feed.keys())

@@ -189,7 +189,7 @@ class Generator:
         """Generation state for these rows; caches sized for the longest row (or `context` slots already held)."""
         held = max(len(h) for h in history) if context is None else context
         caches = CacheBuffers(self.model.config, len(history), min(held + 1, self.model.max_seq_len),
-                              self.model.max_seq_len, self.model.device, self.model.cache_dtype,
+                              self.model.max_seq_len, self.model.device, self.model.cache_format,
                               resident=self.model.resident_caches)
         lengths = np.array([len(h) for h in history] if context is None else [context] * len(history), np.int64)
         return _State(caches, lengths, history, np.random.default_rng(self.sampling.seed))

@@ -122,7 +122,7 @@ class Scheduler:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InputError(f"{name}={value!r}: must be a positive integer")
         self.model, self.max_batch, self.max_queue, self.prefill_chunk = model, max_batch, max_queue, prefill_chunk
-        self.caches = CacheBuffers(model.config, max_batch, 1, model.max_seq_len, model.device, model.cache_dtype,
+        self.caches = CacheBuffers(model.config, max_batch, 1, model.max_seq_len, model.device, model.cache_format,
                                    resident=model.resident_caches)
         self.lengths = np.zeros(max_batch, np.int64)  # tokens held in each row's cache
         self.rows: list[Request | None] = [None] * max_batch

@@ -49,7 +49,7 @@ def export_scores(model: ExportedModel, batch: list[np.ndarray], rows_per_run: i
             t = length - 1
             if t > model.max_seq_len:
                 raise InputError(f"window {t} exceeds the export's maximum length {model.max_seq_len}")
-            feed = prefill_feed(cfg, w[:, :-1], cache_dtype=model.cache_dtype)
+            feed = prefill_feed(cfg, w[:, :-1], cache_dtype=model.cache_format)
             logits = model.run(io_spec.PREFILL, feed)[io_spec.LOGITS]  # [b, t, vocab]
             out.append(log_softmax_nll(logits, w[:, 1:]).reshape(-1))
             top1.append(logits.argmax(-1).reshape(-1))

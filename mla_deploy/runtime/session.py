@@ -14,7 +14,7 @@ import onnxruntime as ort
 from .. import integrity, io_spec, kernels
 from ..config import MLAConfig
 from ..errors import ExportLoadError, InputError, ProviderError
-from ..manifest import check_files, is_staged, read_manifest, stage_of
+from ..manifest import cache_format, check_files, is_staged, read_manifest, stage_of
 from .chat import GenerationDefaults
 from .dtypes import ort_value
 from .feeds import check_feed
@@ -116,8 +116,10 @@ class ExportedModel:
         self.config: MLAConfig = self.manifest["config_obj"]
         self.stage: io_spec.Stage = stage_of(self.manifest) or io_spec.Stage.whole(self.config.num_hidden_layers)
         self.max_seq_len: int = int(self.manifest["max_seq_len"])
-        # the caches' dtype (runtime.dtypes), as the manifest's precision records it; logits are always float32
-        self.cache_dtype: str = (self.manifest.get("precision") or {}).get("caches", self.manifest["dtype"])
+        # the caches' element types (io_spec.CacheFormat, runtime.dtypes), as the manifest's precision records them;
+        # cache_dtype is the latent's; logits are always float32
+        self.cache_format: io_spec.CacheFormat = cache_format(self.manifest)
+        self.cache_dtype: str = self.cache_format.latent
         self.providers = resolve_providers(self.options.provider)
         self.device = "cuda" if self.providers[0] == PROVIDERS["cuda"] else "cpu"
         resident = self.options.resident_caches
@@ -155,7 +157,7 @@ class ExportedModel:
         ways."""
         if kind not in self.sessions:
             raise ValueError(f"graph {kind!r}: this model has loaded {', '.join(map(repr, self.sessions))}")
-        check_feed(kind, feed, self.config, self.max_seq_len, self.cache_dtype, self.stage)
+        check_feed(kind, feed, self.config, self.max_seq_len, self.cache_format, self.stage)
         session = self.sessions[kind]
         inputs, outputs = self.graph_io(kind)
         new = feed[io_spec.INPUT_IDS if self.stage.first else io_spec.HIDDEN_STATES]  # [b, T] or [b, T, d]
@@ -181,7 +183,7 @@ class ExportedModel:
 
     def graph_io(self, kind: str) -> tuple[list[io_spec.TensorSpec], list[io_spec.TensorSpec]]:
         """The inputs and outputs of this export's (or this stage's) `kind` graph."""
-        return io_spec.graph_io(kind, self.config, self.cache_dtype, hidden=self.has_draft, stage=self.stage)
+        return io_spec.graph_io(kind, self.config, self.cache_format, hidden=self.has_draft, stage=self.stage)
 
     def prepacks(self, kind: str) -> bool:
         """Whether `kind`'s session prepacks its MatMul weights: RuntimeOptions.prepack where set. Auto: as `prepack`

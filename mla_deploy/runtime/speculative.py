@@ -152,7 +152,7 @@ def measure_costs(model, rows: int, k: int, mtp: bool, context: int = 64, repeat
         return cache[key]
     cfg = model.config
     context = max(1, min(context, model.max_seq_len - k - 2))
-    caches = CacheBuffers(cfg, rows, context + k + 1, model.max_seq_len, model.device, model.cache_dtype,
+    caches = CacheBuffers(cfg, rows, context + k + 1, model.max_seq_len, model.device, model.cache_format,
                           resident=model.resident_caches)
     lengths = np.full(rows, context, np.int64)
     decode = DecodeBinding(model.sessions[io_spec.DECODE], caches, rows, cfg.vocab_size)
