@@ -40,7 +40,11 @@ def one_op(cache: CacheFormat, width: int) -> bytes:
         [helper.make_node(latent_attention_op(cache, True), names, ["out"], domain=kernels.DOMAIN)], "one_op",
         [helper.make_tensor_value_info(n, types.get(n, TensorProto.FLOAT), None) for n in names],
         [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)])
-    opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid(kernels.DOMAIN, 1), helper.make_opsetid("com.microsoft", 1)]
+    opsets = [
+        helper.make_opsetid("", OPSET),
+        helper.make_opsetid(kernels.DOMAIN, 1),
+        helper.make_opsetid("com.microsoft", 1),
+    ]
     function = latent_attention_function(cache, True, width)
     return helper.make_model(graph, opset_imports=opsets, ir_version=11,
                              functions=[ir.serde.serialize_function(function)]).SerializeToString()
@@ -61,9 +65,12 @@ def session(cache: CacheFormat, width: int, threads: int, level: str | None) -> 
 def feeds(rows: int, heads: int, ctx: int, rng) -> tuple[dict, dict]:
     """The int8 op's inputs (codes of standard normal entries and their scales) and the float32 ops' (the same
     cache dequantized); queries of the scaled magnitude DeepSeek's run at."""
-    q = {"q_latent": (rng.standard_normal((rows, heads, 512)) * 0.05).astype(np.float32),
-         "q_rope": (rng.standard_normal((rows, heads, 64)) * 0.05).astype(np.float32),
-         "rope": rng.standard_normal((rows, ctx, 64), dtype=np.float32), "bias": np.zeros((rows, 1, 1, ctx), np.float32)}
+    q = {
+        "q_latent": (rng.standard_normal((rows, heads, 512)) * 0.05).astype(np.float32),
+        "q_rope": (rng.standard_normal((rows, heads, 64)) * 0.05).astype(np.float32),
+        "rope": rng.standard_normal((rows, ctx, 64), dtype=np.float32),
+        "bias": np.zeros((rows, 1, 1, ctx), np.float32),
+    }
     latent = rng.standard_normal((rows, ctx, 512), dtype=np.float32)
     scale = np.abs(latent).max(-1, keepdims=True) / np.float32(127)
     codes = np.clip(np.rint(latent / scale), -127, 127).astype(np.int8)
@@ -94,7 +101,9 @@ def main() -> int:
                 s.run(None, quantized if scaled else widened)
                 times[name].append((time.perf_counter() - t0) * 1e3)
         for name, t in times.items():
-            print(f"  ctx {ctx:>6}  {name:<34} median {statistics.median(t[1:]):8.2f} ms   fastest {min(t[1:]):8.2f} ms")
+            print(
+                f"  ctx {ctx:>6}  {name:<34} median {statistics.median(t[1:]):8.2f} ms   fastest {min(t[1:]):8.2f} ms"
+            )
     return 0
 
 

@@ -99,10 +99,23 @@ def formats(args, batch: list[np.ndarray]) -> dict:
         nll, top1 = [], []
         for w in batch:
             t = len(w) - 1
-            caches = [Rounded(torch.zeros(1, t, cfg.kv_lora_rank), torch.zeros(1, t, cfg.qk_rope_head_dim), latent_group,
-                              rope_group) for _ in range(cfg.num_hidden_layers)]
-            logits = model(torch.from_numpy(w[None, :-1]), torch.arange(t)[None], caches, torch.zeros(1, dtype=torch.long),
-                           torch.ones(1, t), form=AttentionForm.NAIVE).numpy()[0]
+            caches = [
+                Rounded(
+                    torch.zeros(1, t, cfg.kv_lora_rank),
+                    torch.zeros(1, t, cfg.qk_rope_head_dim),
+                    latent_group,
+                    rope_group,
+                )
+                for _ in range(cfg.num_hidden_layers)
+            ]
+            logits = model(
+                torch.from_numpy(w[None, :-1]),
+                torch.arange(t)[None],
+                caches,
+                torch.zeros(1, dtype=torch.long),
+                torch.ones(1, t),
+                form=AttentionForm.NAIVE,
+            ).numpy()[0]
             nll.append(log_softmax_nll(logits, w[1:]))
             top1.append(logits.argmax(-1))
         return np.concatenate(nll), np.concatenate(top1)
@@ -112,8 +125,11 @@ def formats(args, batch: list[np.ndarray]) -> dict:
     print(f"torch source, naive prefill, {len(batch)} windows of {args.window}, against unrounded caches:")
     out = {}
     for latent_group, rope_group in ((dc, None), (32, None), (16, None), (dc, dr), (dc, 8), (16, 8)):
-        name = (f"latent: a scale per {'token' if latent_group == dc else f'{latent_group} channels'}; rope: "
-                + ("float32" if rope_group is None else f"int8, a scale per {'token' if rope_group == dr else f'{rope_group} channels'}"))
+        name = f"latent: a scale per {'token' if latent_group == dc else f'{latent_group} channels'}; rope: " + (
+            "float32"
+            if rope_group is None
+            else f"int8, a scale per {'token' if rope_group == dr else f'{rope_group} channels'}"
+        )
         out[name] = compare(name, *scores(latent_group, rope_group), *ref)
     return out
 
@@ -157,9 +173,14 @@ def main() -> int:
     print(f"decode graph, teacher-forced, {len(full)} windows of {args.window} as one batch:")
     ref = decode_scores(float_model, full)
     results["decode"] = {
-        "kernel": compare("int8 cache, LatentAttentionQ8 vs float cache", *decode_scores(ExportedModel(exports["int8"]), full), *ref),
-        "function_body": compare("int8 cache, function body vs float cache",
-                                 *decode_scores(ExportedModel(exports["int8"], RuntimeOptions(kernels=False)), full), *ref),
+        "kernel": compare(
+            "int8 cache, LatentAttentionQ8 vs float cache", *decode_scores(ExportedModel(exports["int8"]), full), *ref
+        ),
+        "function_body": compare(
+            "int8 cache, function body vs float cache",
+            *decode_scores(ExportedModel(exports["int8"], RuntimeOptions(kernels=False)), full),
+            *ref,
+        ),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1) + "\n")

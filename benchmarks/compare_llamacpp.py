@@ -118,7 +118,9 @@ def gguf_files(work: Path, tree: Path, bins: Path, checkpoint: Path,
     """`kinds` of `checkpoint` (f32 and llama-quantize's kinds of it) as GGUF files, each made once in `work`; the f32
     file is converted only while a kind is missing, so it may be deleted once they are made."""
     files = {kind: work / f"model-{kind}.gguf" for kind, _ in PAIRS}
-    if not files["f32"].exists() and not all(files[kind].exists() for kind in kinds):  # the f32 GGUF only to quantize from
+    if not files["f32"].exists() and not all(
+        files[kind].exists() for kind in kinds
+    ):  # the f32 GGUF only to quantize from
         source = work / "checkpoint"
         if source.exists():
             shutil.rmtree(source)
@@ -314,7 +316,9 @@ def print_table(results: dict, contexts: list[int]) -> None:
             cells = []
             for c in contexts:
                 read = p["read_bytes"][str(c)] if str(c) in p["read_bytes"] else p["read_bytes"][c]
-                cells.append(f"{read / 1e6:.0f} MB, {p['ours'][f'decode_{c}'] * read / 1e9 / results['bandwidth_gbs']:.0%}")
+                cells.append(
+                    f"{read / 1e6:.0f} MB, {p['ours'][f'decode_{c}'] * read / 1e9 / results['bandwidth_gbs']:.0%}"
+                )
             print(f"| {p['mla_deploy']} | " + " | ".join(cells) + " |")
 
 

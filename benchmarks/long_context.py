@@ -35,7 +35,6 @@ import fcntl
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -139,8 +138,15 @@ def main() -> int:
                 steps = ours_decode(engine, [short, ctx], args.steps)
                 engine.prefill_at_context_s(PROMPT, ctx)  # warm up
                 prefill = min(engine.prefill_at_context_s(PROMPT, ctx) for _ in range(2))
-            rows.append({"engine": name, "round": round_, "load": load, "decode_ms": {str(k): v for k, v in steps.items()},
-                         "prefill_tokens_per_s": PROMPT / prefill})
+            rows.append(
+                {
+                    "engine": name,
+                    "round": round_,
+                    "load": load,
+                    "decode_ms": {str(k): v for k, v in steps.items()},
+                    "prefill_tokens_per_s": PROMPT / prefill,
+                }
+            )
         for cache in CACHES:
             for test, key in ((["-p", "0", "-n", "16"], "decode_tokens_per_s"), (["-p", str(PROMPT), "-n", "0"],
                                                                                    "prefill_tokens_per_s")):
@@ -176,7 +182,9 @@ def summary(rows: list[dict], ctx: int, short: int) -> dict:
     for name in EXPORTS:
         for cache in CACHES:
             theirs = s[f"llama.cpp q4_0 {cache} cache"]
-            s[name][f"vs {cache}"] = {k: s[name][k] / theirs[k] for k in ("decode_tokens_per_s", "prefill_tokens_per_s")}
+            s[name][f"vs {cache}"] = {
+                k: s[name][k] / theirs[k] for k in ("decode_tokens_per_s", "prefill_tokens_per_s")
+            }
     return s
 
 
@@ -192,7 +200,10 @@ def print_summary(results: dict) -> None:
               f"{r['decode_tokens_per_s']:.1f} | {r['prefill_tokens_per_s']:.1f} |")
     for cache in CACHES:
         r = s[f"llama.cpp q4_0 {cache} cache"]
-        print(f"| llama.cpp q4_0, {cache} cache | | | | {r['decode_tokens_per_s']:.1f} | {r['prefill_tokens_per_s']:.1f} |")
+        print(
+            f"| llama.cpp q4_0, {cache} cache | | | | {r['decode_tokens_per_s']:.1f} | "
+            f"{r['prefill_tokens_per_s']:.1f} |"
+        )
     for name in EXPORTS:
         for cache in CACHES:
             v = s[name][f"vs {cache}"]

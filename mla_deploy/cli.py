@@ -100,16 +100,30 @@ def main(ctx, debug):
 
 @main.command()
 @click.argument("checkpoint", required=False, type=click.Path(path_type=Path))
-@click.option("-o", "--output", "out", required=True, type=click.Path(path_type=Path), help="Export directory to create.")
-@click.option("--absorb", type=click.Choice(["fused", "factored", "auto"]), default="auto", show_default=True,
-              help="The decode graph's absorbed attention: fused W^Q·W^UK and W^UV·W^O matrices, or factored "
-                   "per-head W^UK / W^UV; auto picks the one with fewer weight bytes per token (computed from the config).")
+@click.option(
+    "-o", "--output", "out", required=True, type=click.Path(path_type=Path), help="Export directory to create."
+)
+@click.option(
+    "--absorb",
+    type=click.Choice(["fused", "factored", "auto"]),
+    default="auto",
+    show_default=True,
+    help="The decode graph's absorbed attention: fused W^Q·W^UK and W^UV·W^O matrices, or factored "
+    "per-head W^UK / W^UV; auto picks the one with fewer weight bytes per token (computed from the config).",
+)
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True,
               help="Weights and caches (bfloat16 computes in float32 on the CPU: docs/precision.md).")
-@click.option("--cache-dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16", "int8"]), default="auto",
-              show_default=True, help="The latent cache: auto stores it in --dtype; int8 stores codes with a float32 "
-                                      "scale per token and layer, the roped key staying in --dtype (docs/precision.md).")
-@click.option("--max-seq-len", type=click.IntRange(min=1), default=None, help="Longest sequence (default: the config's).")
+@click.option(
+    "--cache-dtype",
+    type=click.Choice(["auto", "float32", "float16", "bfloat16", "int8"]),
+    default="auto",
+    show_default=True,
+    help="The latent cache: auto stores it in --dtype; int8 stores codes with a float32 "
+    "scale per token and layer, the roped key staying in --dtype (docs/precision.md).",
+)
+@click.option(
+    "--max-seq-len", type=click.IntRange(min=1), default=None, help="Longest sequence (default: the config's)."
+)
 @click.option("--no-verify", is_flag=True, help="Skip checking the export against the torch source.")
 @click.option("--steps", type=click.IntRange(min=1), default=8, show_default=True,
               help="Teacher-forced decode steps the verification compares (after the prefill).")
@@ -117,8 +131,13 @@ def main(ctx, debug):
               help="Weight-only block-wise quantization of the MatMul weights, the embedding and the routed experts.")
 @click.option("--block-size", type=click.Choice(["16", "32", "64", "128"]), default="32", show_default=True,
               help="Weights per quantization block (one scale each: float16 for mla-deploy's kernels).")
-@click.option("--accuracy-level", type=click.Choice(["0", "4"]), default="4", show_default=True,
-              help="Quantized compute: 4 quantizes activations to int8 inside the kernel (fast), 0 multiplies in float.")
+@click.option(
+    "--accuracy-level",
+    type=click.Choice(["0", "4"]),
+    default="4",
+    show_default=True,
+    help="Quantized compute: 4 quantizes activations to int8 inside the kernel (fast), 0 multiplies in float.",
+)
 @click.option("--quantized-ops", type=click.Choice(["auto", "kernel", "onnxruntime"]), default="auto",
               show_default=True,
               help="The ops over quantized weights: auto (kernel) is mla-deploy's QMatMul / QGather / QRoutedExperts, "
@@ -183,7 +202,9 @@ def export(checkpoint, out, absorb, dtype, cache_dtype, max_seq_len, no_verify, 
 @click.option("--provider", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--threads", type=click.IntRange(min=0), default=0, show_default=True,
               help="onnxruntime intra-op threads; 0 is one per physical core.")
-@click.option("--check-weights", is_flag=True, help="Hash every block of weights.bin before loading (default: a sample).")
+@click.option(
+    "--check-weights", is_flag=True, help="Hash every block of weights.bin before loading (default: a sample)."
+)
 @click.option("--prepack/--no-prepack", default=None,
               help="Let onnxruntime prepack the MatMul weights: faster steps, but each graph's session holds its own "
                    "copy of the weights and loading takes longer. Default: off (both graphs read the one "
@@ -275,7 +296,9 @@ def check(export_dir):
 
 @main.command()
 @click.argument("export_dir", type=click.Path(path_type=Path))
-@click.option("--checkpoint", type=click.Path(path_type=Path), default=None, help="Source checkpoint (default: the one exported).")
+@click.option(
+    "--checkpoint", type=click.Path(path_type=Path), default=None, help="Source checkpoint (default: the one exported)."
+)
 @click.option("--steps", type=click.IntRange(min=1), default=8, show_default=True,
               help="Teacher-forced decode steps to compare (after the prefill).")
 @click.option("--provider", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
@@ -295,7 +318,9 @@ def verify(export_dir, checkpoint, steps, provider):
 @click.argument("export_dir", type=click.Path(path_type=Path))
 @click.option("--text", "text_file", required=True, type=click.Path(path_type=Path), help="Text file to score.")
 @click.option("--window", type=click.IntRange(min=1), default=256, show_default=True, help="Tokens per scored window.")
-@click.option("--checkpoint", type=click.Path(path_type=Path), default=None, help="Source checkpoint (default: the one exported).")
+@click.option(
+    "--checkpoint", type=click.Path(path_type=Path), default=None, help="Source checkpoint (default: the one exported)."
+)
 def eval_command(export_dir, text_file, window, checkpoint):
     """Loss and perplexity of a text through the export and through the torch source, side by side."""
     from .evaluate import evaluate
@@ -310,8 +335,15 @@ def eval_command(export_dir, text_file, window, checkpoint):
 
 @main.command()
 @click.option("--quick", is_flag=True, help="ctx 128 and 4k, batch 1, four engines: a few minutes.")
-@click.option("--preset", default="v2lite-2L", show_default=True, help="Preset to build and benchmark (mla_deploy/models/presets).")
-@click.option("--checkpoint", type=click.Path(path_type=Path), default=None, help="Benchmark this checkpoint instead of a preset.")
+@click.option(
+    "--preset",
+    default="v2lite-2L",
+    show_default=True,
+    help="Preset to build and benchmark (mla_deploy/models/presets).",
+)
+@click.option(
+    "--checkpoint", type=click.Path(path_type=Path), default=None, help="Benchmark this checkpoint instead of a preset."
+)
 @click.option("--contexts", default=None, help="Comma-separated context lengths (default 128,1024,4096,16384).")
 @click.option("--batches", default=None, help="Comma-separated batch sizes (default 1,8).")
 @click.option("--engines", default=None, help="Comma-separated engines (default: all).")
@@ -395,9 +427,12 @@ def serve(export_dir, host, port, max_batch, max_queue, prefill_chunk, api_key, 
 @click.argument("name")
 @click.option("-o", "--output", "out", required=True, type=click.Path(path_type=Path))
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--layers", type=int, default=None, help="Keep only the first N decoder layers (a cut of the full model).")
+@click.option(
+    "--layers", type=int, default=None, help="Keep only the first N decoder layers (a cut of the full model)."
+)
 def preset(name, out, seed, layers):
-    """Write a random-weight checkpoint for preset NAME (mla_deploy/models/presets/NAME.json), in its published dtype and shards."""
+    """Write a random-weight checkpoint for preset NAME (mla_deploy/models/presets/NAME.json), in its published dtype
+    and shards."""
     from .presets import build_preset
 
     click.echo(build_preset(name, out, seed, layers))
@@ -425,7 +460,8 @@ def _parse_ints(text, flag):
 
 
 def _utf8(text: str | None) -> str | None:
-    """A usage error for bytes that are not UTF-8 (Python hands them over as lone surrogates): no tokenizer reads them."""
+    """A usage error for bytes that are not UTF-8 (Python hands them over as lone surrogates): no tokenizer reads
+    them."""
     from .errors import InputError
     from .runtime.text import check_utf8
 

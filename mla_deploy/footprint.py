@@ -20,7 +20,9 @@ def parameter_counts(cfg: MLAConfig) -> dict[str, int]:
     only num_experts_per_tok of each MoE layer's routed experts run), as DeepSeek counts "activated" parameters."""
     total = parameter_count(cfg)
     expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
-    idle = sum(cfg.n_routed_experts - cfg.num_experts_per_tok for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
+    idle = sum(
+        cfg.n_routed_experts - cfg.num_experts_per_tok for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)
+    )
     embedding = cfg.vocab_size * cfg.hidden_size
     lookup_only = 0 if cfg.tie_word_embeddings else embedding  # a tied table is also the head's matmul
     return {"total": total, "active_per_token": total - lookup_only - idle * expert, "embedding": embedding}
@@ -38,11 +40,15 @@ def decode_read_bytes(cfg: MLAConfig, absorb: AbsorbMode | None, itemsize: float
     k = cfg.num_experts_per_tok if active_experts is None else active_experts
     q_size = itemsize if quantized_itemsize is None else quantized_itemsize
     q_in = cfg.q_lora_rank or d
-    groups = dict.fromkeys(("lm_head", "attention", "dense_mlp", "shared_experts", "routed_experts", "routers_and_norms"), 0.0)
+    groups = dict.fromkeys(
+        ("lm_head", "attention", "dense_mlp", "shared_experts", "routed_experts", "routers_and_norms"), 0.0
+    )
     groups["lm_head"] = cfg.vocab_size * d * (q_size if head_itemsize is None else head_itemsize)
     groups["routers_and_norms"] = d * itemsize  # the final norm
     for layer in range(cfg.num_hidden_layers):
-        projections = (d * q_in if cfg.q_lora_rank else 0) + d * (dc + dr) + q_in * h * (dn + dr) + h * dv * d  # q_a, kv_a, q, o
+        projections = (
+            (d * q_in if cfg.q_lora_rank else 0) + d * (dc + dr) + q_in * h * (dn + dr) + h * dv * d
+        )  # q_a, kv_a, q, o
         if absorb is None:  # naive: kv_b decompresses the cache
             from_kv_b = dc * h * (dn + dv)
         elif absorb == AbsorbMode.FACTORED:  # per-head W^UK, W^UV
@@ -64,8 +70,12 @@ def decode_read_bytes(cfg: MLAConfig, absorb: AbsorbMode | None, itemsize: float
 
 
 # MLA's cache formats (export --cache-dtype), by the name inspect gives them; half types take the same bytes
-MLA_CACHES = {"MLA float32": CacheFormat("float32", "float32"), "MLA float16 / bfloat16": CacheFormat("float16", "float16"),
-              "MLA int8 + float32 rope": CacheFormat("int8", "float32"), "MLA int8 + 16-bit rope": CacheFormat("int8", "float16")}
+MLA_CACHES = {
+    "MLA float32": CacheFormat("float32", "float32"),
+    "MLA float16 / bfloat16": CacheFormat("float16", "float16"),
+    "MLA int8 + float32 rope": CacheFormat("int8", "float32"),
+    "MLA int8 + 16-bit rope": CacheFormat("int8", "float16"),
+}
 
 
 def cache_name(cache: CacheFormat | str) -> str:

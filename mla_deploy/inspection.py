@@ -56,15 +56,26 @@ def inspect_path(path: str | Path) -> dict:
     itemsize = ITEMSIZE[dtype]
     cache = footprint.cache_bytes_per_token(cfg, plan.rope_dtype)
     report.update(
-        model={"model_type": cfg.model_type, "layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
-               "heads": cfg.num_attention_heads, "kv_lora_rank": cfg.kv_lora_rank, "qk_rope_head_dim": cfg.qk_rope_head_dim,
-               "routed_experts": cfg.n_routed_experts, "experts_per_token": cfg.num_experts_per_tok,
-               "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_position_embeddings},
+        model={
+            "model_type": cfg.model_type,
+            "layers": cfg.num_hidden_layers,
+            "hidden_size": cfg.hidden_size,
+            "heads": cfg.num_attention_heads,
+            "kv_lora_rank": cfg.kv_lora_rank,
+            "qk_rope_head_dim": cfg.qk_rope_head_dim,
+            "routed_experts": cfg.n_routed_experts,
+            "experts_per_token": cfg.num_experts_per_tok,
+            "vocab_size": cfg.vocab_size,
+            "max_position_embeddings": cfg.max_position_embeddings,
+        },
         parameters=footprint.parameter_counts(cfg),
         decode_read_bytes=footprint.decode_read_bytes(cfg, absorb, itemsize, **_quantized_sizes(quantization)),
-        cache=footprint.cache_name(plan.cache_format), cache_bytes_per_token=cache,
-        cache_bytes={kind: {str(ctx): {str(b): per_token * ctx * b for b in footprint.BATCHES} for ctx in footprint.CONTEXTS}
-                     for kind, per_token in cache.items()},
+        cache=footprint.cache_name(plan.cache_format),
+        cache_bytes_per_token=cache,
+        cache_bytes={
+            kind: {str(ctx): {str(b): per_token * ctx * b for b in footprint.BATCHES} for ctx in footprint.CONTEXTS}
+            for kind, per_token in cache.items()
+        },
     )
     return report
 
@@ -117,18 +128,21 @@ def format_report(r: dict) -> list[str]:
     if r.get("damage"):
         lines.append(f"DAMAGED    {r['damage']} (mla-deploy check names every damaged block)")
     lines += [
-             f"model      {m['model_type']}: {m['layers']} layers, hidden {m['hidden_size']}, {m['heads']} heads, latent "
-             f"{m['kv_lora_rank']} + rope {m['qk_rope_head_dim']}, {m['routed_experts']} routed experts (top "
-             f"{m['experts_per_token']}), vocab {m['vocab_size']}, context {m['max_position_embeddings']}",
-             f"parameters {p['total'] / 1e9:.3f} B total, {p['active_per_token'] / 1e9:.3f} B active per token "
-             f"(embedding {p['embedding'] / 1e9:.3f} B)",
-             f"plan       {'' if r['kind'] == 'export' else '(what export picks by default) '}{_plan(r['plan'])}"]
+        f"model      {m['model_type']}: {m['layers']} layers, hidden {m['hidden_size']}, {m['heads']} heads, latent "
+        f"{m['kv_lora_rank']} + rope {m['qk_rope_head_dim']}, {m['routed_experts']} routed experts (top "
+        f"{m['experts_per_token']}), vocab {m['vocab_size']}, context {m['max_position_embeddings']}",
+        f"parameters {p['total'] / 1e9:.3f} B total, {p['active_per_token'] / 1e9:.3f} B active per token "
+        f"(embedding {p['embedding'] / 1e9:.3f} B)",
+        f"plan       {'' if r['kind'] == 'export' else '(what export picks by default) '}{_plan(r['plan'])}",
+    ]
     precision = r.get("precision")
     if precision and precision["dtype"] != "float32":
         lines.append(f"           in float32 whatever the dtype: {precision['float32']}")
     k = r.get("kernels")
     if k:
-        counts = ", ".join(f"{kind} {' '.join(f'{op} x{n}' for op, n in ops.items())}" for kind, ops in k["ops"].items())
+        counts = ", ".join(
+            f"{kind} {' '.join(f'{op} x{n}' for op, n in ops.items())}" for kind, ops in k["ops"].items()
+        )
         how = ("run by mla-deploy's kernel library, built here: the weights are read as stored (and the caches, by "
                "LatentAttention)" if k["library"] else
                "mla-deploy's kernel library was not built here (no C compiler at install): onnxruntime runs their "
@@ -138,9 +152,11 @@ def format_report(r: dict) -> list[str]:
         lines.append(f"kernels    {counts}; {how}")
     q = r.get("quantization")
     if q:
-        lines.append(f"quantized  int{q['bits']} weights, int{q['head_bits']} embedding and head ({q['quantized_weights']} "
-                     f"tensors), blocks of {q['block']}, {q.get('scale_dtype', 'float32')} scales, accuracy_level "
-                     f"{q['accuracy_level']}; float: {q['float']}")
+        lines.append(
+            f"quantized  int{q['bits']} weights, int{q['head_bits']} embedding and head ({q['quantized_weights']} "
+            f"tensors), blocks of {q['block']}, {q.get('scale_dtype', 'float32')} scales, accuracy_level "
+            f"{q['accuracy_level']}; float: {q['float']}"
+        )
         for bits, layout in (q.get("layouts") or {}).items():
             lines.append(f"  {bits} layout {layout['layout']}: codes {layout['codes']}, scales {layout['scales']}")
     if r["kind"] == "export":
@@ -153,12 +169,18 @@ def format_report(r: dict) -> list[str]:
     lines += [f"  {group.replace('_', ' '):<18} {_size(n):>10}" for group, n in read.items() if n]
     lines.append(f"cache per token (all layers), and for a whole context at batch 1 / 8 (* this "
                  f"{'export' if r['kind'] == 'export' else 'checkpoint exported by default'}):")
-    head = "  " + f"{'attention':<28} {'per token':>10} {'vs *':>7}" + "".join(f" {f'{c // 1024}k':>21}" for c in footprint.CONTEXTS)
+    head = (
+        "  "
+        + f"{'attention':<28} {'per token':>10} {'vs *':>7}"
+        + "".join(f" {f'{c // 1024}k':>21}" for c in footprint.CONTEXTS)
+    )
     lines.append(head)
     own = r["cache_bytes_per_token"][r["cache"]]
     for kind, per_token in r["cache_bytes_per_token"].items():
-        cells = "".join(f" {_size(r['cache_bytes'][kind][str(c)]['1']):>10}/{_size(r['cache_bytes'][kind][str(c)]['8']):>10}"
-                        for c in footprint.CONTEXTS)
+        cells = "".join(
+            f" {_size(r['cache_bytes'][kind][str(c)]['1']):>10}/{_size(r['cache_bytes'][kind][str(c)]['8']):>10}"
+            for c in footprint.CONTEXTS
+        )
         mark = "*" if kind == r["cache"] else " "
         lines.append(f" {mark}{kind:<28} {_size(per_token):>10} {per_token / own:>6.2f}x{cells}")
     for kind, g in r.get("graphs", {}).items():

@@ -54,7 +54,9 @@ def read_manifest(directory: str | Path) -> dict:
     directory = Path(directory)
     path = directory / MANIFEST_FILE
     if directory.exists() and not directory.is_dir():
-        raise ExportLoadError(f"{directory}: is a file; expected an export directory (the output of `mla-deploy export`)")
+        raise ExportLoadError(
+            f"{directory}: is a file; expected an export directory (the output of `mla-deploy export`)"
+        )
     if not directory.is_dir():
         raise ExportLoadError(f"{directory}: export directory does not exist")
     manifest = read_json(path, ExportLoadError, "manifest (is this an mla-deploy export?)")
@@ -134,7 +136,9 @@ def check_files(directory: Path, manifest: dict, check_weights: str = "sampled")
         if not path.is_file():
             raise ExportLoadError(f"{path}: missing {kind} graph")
         if entry.get("sha256") != file_sha256(path):
-            raise ExportLoadError(f"{path}: does not match the manifest (sha256 differs): corrupted or from another export")
+            raise ExportLoadError(
+                f"{path}: does not match the manifest (sha256 differs): corrupted or from another export"
+            )
     weights = directory / manifest["weights"]["file"]
     if not weights.is_file():
         raise ExportLoadError(f"{weights}: missing external weight data")

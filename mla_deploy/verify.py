@@ -71,7 +71,9 @@ class VerifyReport:
     # a quantized export, prefill: the deployed session (default options, accuracy_level as exported) against the
     # exact one; an int8-cache export, decode: the steps with the kernel library against the exact ones
     deployed_drift: float | None = None
-    checks: list[float] = field(default_factory=list)  # the verify graph's, the hidden state's and the draft's, in logits
+    checks: list[float] = field(
+        default_factory=list
+    )  # the verify graph's, the hidden state's and the draft's, in logits
     device: str = "cpu"  # where the export ran: a CUDA request without the CUDA provider falls back to the CPU
 
     @property
@@ -113,7 +115,9 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
     # an export is compared with the weights it stands for: rounded to its dtype, then dequantized if quantized
     reference = RoundedCheckpoint(ckpt, manifest["dtype"])
     if quantization:
-        reference = DequantizedCheckpoint(reference, Quantization.from_dict(quantization), fused=manifest["absorb"] == "fused")
+        reference = DequantizedCheckpoint(
+            reference, Quantization.from_dict(quantization), fused=manifest["absorb"] == "fused"
+        )
     lengths = tuple(min(n, model.max_seq_len - steps - 1) for n in lengths)
     if min(lengths) < 1:
         raise ExportError(f"--steps {steps}: too many for the export's maximum length {model.max_seq_len}")
@@ -196,18 +200,26 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
         report.deployed_drift = drift = float(np.abs(deployed[io_spec.LOGITS] - prefill_logits)[valid].max())
         prepacked = (deployed_model.workers[0].model if staged else deployed_model).prepack
         ops = "prepacked MatMulNBits" if prepacked else "mla-deploy's quantized kernels"
-        report.lines.append(f"deployed prefill with {ops} (accuracy_level {quantization['accuracy_level']}): "
-                            f"max |Δlogit| {drift:.3e} from the exact run (quality against the float model: mla-deploy eval)")
+        report.lines.append(
+            f"deployed prefill with {ops} (accuracy_level {quantization['accuracy_level']}): "
+            f"max |Δlogit| {drift:.3e} from the exact run (quality against the float model: mla-deploy eval)"
+        )
     if not exact_attention:  # as deployed: mla_deploy.LatentAttention(Chunk)Q8, their queries in int8
-        deployed = (StageChain if staged else ExportedModel)(export_dir, RuntimeOptions(provider=provider, prepack=False))
-        prefill_drift = float(np.abs(deployed.run(io_spec.PREFILL, prefill)[io_spec.LOGITS] - prefill_logits)[valid].max())
+        deployed = (StageChain if staged else ExportedModel)(
+            export_dir, RuntimeOptions(provider=provider, prepack=False)
+        )
+        prefill_drift = float(
+            np.abs(deployed.run(io_spec.PREFILL, prefill)[io_spec.LOGITS] - prefill_logits)[valid].max()
+        )
         kernel = decode_steps(deployed, prefilled, tokens, lens, mask)
         drift = float(max(np.abs(k - e).max() for k, e in zip(kernel, step_logits)))
         report.deployed_drift = max(report.deployed_drift or 0.0, prefill_drift, drift)
         same = int(sum((k.argmax(-1) == e.argmax(-1)).sum() for k, e in zip(kernel, step_logits)))
-        report.lines.append(f"deployed attention in mla-deploy's int8 kernels (int8 queries): max |Δlogit| from the exact "
-                            f"run {prefill_drift:.3e} in prefill, {drift:.3e} in decode (top-1 the same at "
-                            f"{same}/{b * steps} steps)")
+        report.lines.append(
+            f"deployed attention in mla-deploy's int8 kernels (int8 queries): max |Δlogit| from the exact "
+            f"run {prefill_drift:.3e} in prefill, {drift:.3e} in decode (top-1 the same at "
+            f"{same}/{b * steps} steps)"
+        )
     ran = model.workers[0].model if staged else model
     report.device = ran.device
     if ran.device != "cpu":
@@ -279,13 +291,21 @@ def check_draft(model: ExportedModel, reference, ids: np.ndarray, lens: np.ndarr
         pairs[r, : n - 1], pairs[r, n - 1] = ids[r, 1:n], tokens[r, 0]
     positions = np.broadcast_to(np.arange(longest), (b, longest)).copy()
     mask = np.ones((b, capacity), np.int64)
-    feed = {io_spec.INPUT_IDS: pairs, io_spec.POSITION_IDS: positions, io_spec.ATTENTION_MASK: mask,
-            io_spec.WRITE_INDICES: np.zeros(b, np.int64), io_spec.LOGITS_POSITIONS: positions,
-            io_spec.PREVIOUS_HIDDEN: hidden, **empty_caches(cfg, b, capacity, model.cache_format, io_spec.draft_layers(cfg))}
+    feed = {
+        io_spec.INPUT_IDS: pairs,
+        io_spec.POSITION_IDS: positions,
+        io_spec.ATTENTION_MASK: mask,
+        io_spec.WRITE_INDICES: np.zeros(b, np.int64),
+        io_spec.LOGITS_POSITIONS: positions,
+        io_spec.PREVIOUS_HIDDEN: hidden,
+        **empty_caches(cfg, b, capacity, model.cache_format, io_spec.draft_layers(cfg)),
+    }
     model.load(io_spec.DRAFT)
     out = model.run(io_spec.DRAFT, feed)
     stored = None if model.cache_format == CacheFormat() else model.cache_format
-    cache = LayerCache(torch.zeros(b, capacity, cfg.kv_lora_rank), torch.zeros(b, capacity, cfg.qk_rope_head_dim), stored)
+    cache = LayerCache(
+        torch.zeros(b, capacity, cfg.kv_lora_rank), torch.zeros(b, capacity, cfg.qk_rope_head_dim), stored
+    )
     t = torch.from_numpy
     ref, ref_hidden = draft(t(pairs), t(hidden), t(positions), cache, torch.zeros(b, dtype=torch.long), t(mask))
     valid = np.arange(longest)[None, :] < lens[:, None]

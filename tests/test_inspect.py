@@ -24,7 +24,10 @@ def test_export_report_matches_its_graphs_and_weights(exported, checkpoint_dir):
     cfg = ckpt.config
     assert r["parameters"]["total"] == sum(ckpt.tensor(n).size for n in ckpt.names())
     assert r["cache"] == "MLA float32"
-    assert r["cache_bytes_per_token"]["MLA float32"] == cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
+    assert (
+        r["cache_bytes_per_token"]["MLA float32"]
+        == cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
+    )
     assert r["cache_bytes"]["MLA float32"]["4096"]["8"] == r["cache_bytes_per_token"]["MLA float32"] * 4096 * 8
     for kind in ("prefill", "decode"):
         graph = onnx.load(str(out / f"{kind}.onnx"), load_external_data=False).graph
@@ -63,7 +66,9 @@ def test_deepseek_v2_lite_counts_are_its_published_ones():
     """15.7 B parameters, 2.4 B activated (DeepSeek-V2-Lite's model card), from the full-size preset's config."""
     cfg = MLAConfig.from_hf_dict(preset_config("v2lite"))
     p = parameter_counts(cfg)
-    assert p["total"] / 1e9 == pytest.approx(15.7, abs=0.05) and p["active_per_token"] / 1e9 == pytest.approx(2.4, abs=0.06)
+    assert p["total"] / 1e9 == pytest.approx(15.7, abs=0.05) and p["active_per_token"] / 1e9 == pytest.approx(
+        2.4, abs=0.06
+    )
     # per token and layer: 512 latent + 64 rope floats, against 16 heads x (192 + 128) for MHA
     from mla_deploy.footprint import cache_bytes_per_token
 

@@ -36,8 +36,13 @@ def int8(checkpoint_dir, tmp_path_factory):
         key = (variant, absorb, dtype, quantize)
         if key not in built:
             out = tmp_path_factory.mktemp(f"int8-{variant}") / "out"
-            export(checkpoint_dir(variant)[0], out, ExportOptions(absorb=absorb, dtype=dtype, quantize=quantize,
-                                                                  block_size=16, experts="branches", cache_dtype="int8"))
+            export(
+                checkpoint_dir(variant)[0],
+                out,
+                ExportOptions(
+                    absorb=absorb, dtype=dtype, quantize=quantize, block_size=16, experts="branches", cache_dtype="int8"
+                ),
+            )
             built[key] = out
         return built[key]
 
@@ -153,7 +158,10 @@ def test_run_prints_the_generators_tokens(demo):
                                        "--temperature", "0", "--repetition-penalty", "1", "--json"])
     assert result.exit_code == 0, result.output
     expected = Generator(demo, SamplingParams(), stop_token_ids=()).generate([[1, 17, 300, 42]], 8).token_ids[0]
-    assert json.loads(result.stdout)["token_ids"][: len(expected)] == expected[: len(json.loads(result.stdout)["token_ids"])]
+    assert (
+        json.loads(result.stdout)["token_ids"][: len(expected)]
+        == expected[: len(json.loads(result.stdout)["token_ids"])]
+    )
 
 
 def test_the_scheduler_rows_equal_each_request_alone_across_a_cache_growth(demo):
@@ -208,7 +216,9 @@ def test_inspect_reports_the_int8_caches_bytes(demo):
     r = json.loads(result.stdout)
     cfg = demo.config
     assert r["cache"] == "MLA int8 + float32 rope"
-    assert r["cache_bytes_per_token"][r["cache"]] == cfg.num_hidden_layers * (cfg.kv_lora_rank + 4 + 4 * cfg.qk_rope_head_dim)
+    assert r["cache_bytes_per_token"][r["cache"]] == cfg.num_hidden_layers * (
+        cfg.kv_lora_rank + 4 + 4 * cfg.qk_rope_head_dim
+    )
     assert r["cache_bytes"][r["cache"]]["131072"]["1"] == r["cache_bytes_per_token"][r["cache"]] * 131072
     assert {"MLA float32", "MLA float16 / bfloat16", "MLA int8 + 16-bit rope", "MHA (4 KV heads), float32",
             "MQA (1 KV head), float32"} <= set(r["cache_bytes_per_token"])

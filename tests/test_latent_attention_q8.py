@@ -38,14 +38,29 @@ PMAX = 32767
 def _model(rope: str, width: int, long: bool = False, chunk: bool = False) -> bytes:
     """LatentAttentionQ8* (LatentAttentionChunkQ8*: a chunk's queries) as a one-op model, carrying its function body."""
     cache = CacheFormat("int8", rope)
-    types = [TensorProto.FLOAT, TensorProto.FLOAT, TensorProto.INT8, TensorProto.FLOAT, ROPE_TYPES[rope], TensorProto.FLOAT]
+    types = [
+        TensorProto.FLOAT,
+        TensorProto.FLOAT,
+        TensorProto.INT8,
+        TensorProto.FLOAT,
+        ROPE_TYPES[rope],
+        TensorProto.FLOAT,
+    ]
     graph = helper.make_graph(
         [helper.make_node(latent_attention_op(cache, long, chunk), NAMES, ["out"], domain=kernels.DOMAIN)], "one_op",
         [helper.make_tensor_value_info(n, t, None) for n, t in zip(NAMES, types)],
         [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)])
-    opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid(kernels.DOMAIN, 1), helper.make_opsetid("com.microsoft", 1)]
-    model = helper.make_model(graph, opset_imports=opsets, ir_version=11,
-                              functions=[ir.serde.serialize_function(latent_attention_function(cache, long, width, chunk))])
+    opsets = [
+        helper.make_opsetid("", OPSET),
+        helper.make_opsetid(kernels.DOMAIN, 1),
+        helper.make_opsetid("com.microsoft", 1),
+    ]
+    model = helper.make_model(
+        graph,
+        opset_imports=opsets,
+        ir_version=11,
+        functions=[ir.serde.serialize_function(latent_attention_function(cache, long, width, chunk))],
+    )
     return model.SerializeToString()
 
 
@@ -77,7 +92,10 @@ def _case(rng, b, h, dc, dr, cap, lengths, rope="float32", holes=False):
         rope_value = ort.OrtValue.ortvalue_from_numpy(stored)
     elif rope == "bfloat16":
         bits = float32_to_bf16(r)
-        rope_value, r = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(bits, TensorProto.BFLOAT16), bf16_to_float32(bits)
+        rope_value, r = (
+            ort.OrtValue.ortvalue_from_numpy_with_onnx_type(bits, TensorProto.BFLOAT16),
+            bf16_to_float32(bits),
+        )
     else:
         rope_value = ort.OrtValue.ortvalue_from_numpy(r)
     bias = np.full((b, 1, 1, cap), NOT_SEEN, np.float32)

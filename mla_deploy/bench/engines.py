@@ -82,7 +82,8 @@ class OnnxEngine:
         from ..runtime import ExportedModel, Generator, RuntimeOptions, SamplingParams
 
         # prepacked weights, as the decompressed-cache baseline's sessions have them: the fastest steps onnxruntime
-        # gives, the same for every ONNX engine (`run` defaults to one mapped copy instead: docs/benchmarks.md, "One copy of the weights")
+        # gives, the same for every ONNX engine (`run` defaults to one mapped copy instead: docs/benchmarks.md, "One
+        # copy of the weights")
         self.model = ExportedModel(self.directory, RuntimeOptions(threads=self.threads, prepack=True), graphs=graphs)
         self.cfg: MLAConfig = self.model.config
         self.gen = Generator(self.model, SamplingParams(), stop_token_ids=())
@@ -169,7 +170,10 @@ class MhaOnnxEngine(OnnxEngine):
 
         cfg, rng = self.cfg, np.random.default_rng(ctx)
         h = cfg.num_attention_heads
-        feed = {io_spec.INPUT_IDS: rng.integers(0, cfg.vocab_size, (batch, 1)), io_spec.POSITION_IDS: np.full((batch, 1), ctx)}
+        feed = {
+            io_spec.INPUT_IDS: rng.integers(0, cfg.vocab_size, (batch, 1)),
+            io_spec.POSITION_IDS: np.full((batch, 1), ctx),
+        }
         for i in range(cfg.num_hidden_layers):
             feed[past_key(i)] = rng.standard_normal((batch, h, ctx, cfg.qk_head_dim), dtype=np.float32)
             feed[past_value(i)] = rng.standard_normal((batch, h, ctx, cfg.v_head_dim), dtype=np.float32)
@@ -258,7 +262,9 @@ class TransformersEngine(TorchEngine):
 
         torch.set_num_threads(self.threads)
         self.cfg = MLAConfig.from_hf_json(Path(self.checkpoint) / "config.json")
-        self.model = AutoModelForCausalLM.from_pretrained(self.checkpoint, dtype=torch.float32, attn_implementation="sdpa").eval()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self.checkpoint, dtype=torch.float32, attn_implementation="sdpa"
+        ).eval()
 
     def prefill_tokens_per_s(self, n: int) -> float:
         import torch
@@ -276,7 +282,9 @@ class TransformersEngine(TorchEngine):
         def fresh_cache():
             cache = DynamicCache(config=self.model.config)
             g = torch.Generator().manual_seed(ctx)
-            for i in range(cfg.num_hidden_layers):  # transformers 5 caches the latent: [b, 1, ctx, d_c], [b, 1, ctx, d_r]
+            for i in range(
+                cfg.num_hidden_layers
+            ):  # transformers 5 caches the latent: [b, 1, ctx, d_c], [b, 1, ctx, d_r]
                 cache.update(torch.randn(batch, 1, ctx, cfg.kv_lora_rank, generator=g),
                              torch.randn(batch, 1, ctx, cfg.qk_rope_head_dim, generator=g), i)
             return cache

@@ -71,12 +71,16 @@ def build_mha_decode(cfg, t, max_seq_len: int, weights: WeightsFile) -> ir.Model
         i = attn.layer
         q_in, q_weight = attn.query_input(op, hn)
         q = linear(g, op, q_in, f"layers.{i}.attn.q", lambda: absorb.query_weight(cfg, q_weight()))
-        q = op.Transpose(op.Reshape(q, [0, 0, h, dn + dr]), perm=[0, 2, 1, 3])  # -> [b, 1, h, ·] -> [b, h, 1, d_nope + d_r]
+        q = op.Transpose(
+            op.Reshape(q, [0, 0, h, dn + dr]), perm=[0, 2, 1, 3]
+        )  # -> [b, 1, h, ·] -> [b, h, 1, d_nope + d_r]
         q_nope, q_pe = op.Split(q, [dn, dr], axis=-1, _outputs=2)
         q_pe = rope(op, q_pe, op.Unsqueeze(cos, [1]), op.Unsqueeze(sin, [1]))
         latent, k_pe, _ = attn.latent_and_rope(op, hn, cos, sin)  # [b, 1, d_c], [b, 1, d_r] (float32 caches: no scale)
         kv = linear(g, op, latent, f"layers.{i}.attn.kv_b", lambda: t(attn.hf + "kv_b_proj.weight").T)
-        kv = op.Transpose(op.Reshape(kv, [0, 0, h, dn + dv]), perm=[0, 2, 1, 3])  # -> [b, 1, h, ·] -> [b, h, 1, d_nope + d_v]
+        kv = op.Transpose(
+            op.Reshape(kv, [0, 0, h, dn + dv]), perm=[0, 2, 1, 3]
+        )  # -> [b, 1, h, ·] -> [b, h, 1, d_nope + d_v]
         k_nope, v = op.Split(kv, [dn, dv], axis=-1, _outputs=2)
         k_pe = op.Expand(op.Unsqueeze(k_pe, [1]), op.Concat(op.Shape(k_nope, end=3), [dr], axis=0))  # [b, h, 1, d_r]
         key = op.Concat(k_nope, k_pe, axis=-1)  # [b, h, 1, d_nope + d_r]

@@ -78,7 +78,9 @@ def latent_attention_core(op, q_latent: ir.Value, q_rope: ir.Value, caches: Cach
     latent = read_latent(op, caches.latent, caches.scale, DATA_TYPES[cache.latent], width)
     scores = op.Add(
         op.MatMul(latent, op.Transpose(q_latent, perm=[0, 2, 1])),  # [b, cap, d_c] @ [b, d_c, T·h] -> [b, cap, T·h]
-        op.MatMul(cast(op, caches.rope, DATA_TYPES[cache.rope], FLOAT), op.Transpose(q_rope, perm=[0, 2, 1])),  # [b, cap, d_r] @ [b, d_r, T·h] -> [b, cap, T·h]
+        op.MatMul(
+            cast(op, caches.rope, DATA_TYPES[cache.rope], FLOAT), op.Transpose(q_rope, perm=[0, 2, 1])
+        ),  # [b, cap, d_r] @ [b, d_r, T·h] -> [b, cap, T·h]
     )
     if scale is not None:
         scores = op.Mul(scores, scale)
@@ -113,7 +115,9 @@ def probs_at_latent(op, logits, bias, latent, long_cache: bool) -> ir.Value:
     if long_cache:
         logits = op.Add(logits, op.Reshape(bias, [0, -1, 1]))  # [b, 1, 1, cap] -> [b, cap, 1]
         probs = op.Softmax(logits, axis=1)  # [b, cap, h]
-        o = op.FusedMatMul(latent, probs, transA=1, _domain="com.microsoft")  # [b, cap, d_c]ᵀ @ [b, cap, h] -> [b, d_c, h]
+        o = op.FusedMatMul(
+            latent, probs, transA=1, _domain="com.microsoft"
+        )  # [b, cap, d_c]ᵀ @ [b, cap, h] -> [b, d_c, h]
         return op.Transpose(o, perm=[0, 2, 1])  # [b, d_c, h] -> [b, h, d_c]
     logits = op.Add(op.Transpose(logits, perm=[0, 2, 1]), op.Reshape(bias, [0, 1, -1]))  # [b, h, cap] + [b, 1, cap]
     probs = op.Softmax(logits, axis=-1)  # [b, h, cap]
@@ -140,14 +144,20 @@ def latent_attention_chunk_core(op, q_latent: ir.Value, q_rope: ir.Value, caches
     latent = read_latent(op, caches.latent, caches.scale, DATA_TYPES[cache.latent], width)  # [b, cap, d_c]
     rope_cache = cast(op, caches.rope, DATA_TYPES[cache.rope], FLOAT)
     scores = op.Add(
-        op.MatMul(op.Reshape(q_latent, [0, -1, width]), op.Transpose(latent, perm=[0, 2, 1])),  # [b, T·h, d_c] @ [b, d_c, cap]
-        op.MatMul(op.Reshape(q_rope, op.Concat([0, -1], op.Shape(q_rope, start=3), axis=0)),
-                  op.Transpose(rope_cache, perm=[0, 2, 1])),  # [b, T·h, d_r] @ [b, d_r, cap]
+        op.MatMul(
+            op.Reshape(q_latent, [0, -1, width]), op.Transpose(latent, perm=[0, 2, 1])
+        ),  # [b, T·h, d_c] @ [b, d_c, cap]
+        op.MatMul(
+            op.Reshape(q_rope, op.Concat([0, -1], op.Shape(q_rope, start=3), axis=0)),
+            op.Transpose(rope_cache, perm=[0, 2, 1]),
+        ),  # [b, T·h, d_r] @ [b, d_r, cap]
     )  # [b, T·h, cap]
     heads = op.Shape(q_latent, start=0, end=3)  # [b, T, h]
     scores = op.Reshape(scores, op.Concat(heads, [-1], axis=0))  # [b, T, h, cap]
     probs = op.Softmax(op.Add(scores, op.Transpose(bias, perm=[0, 2, 1, 3])), axis=-1)  # + [b, T, 1, cap]
-    out = op.MatMul(op.Reshape(probs, op.Concat([0, -1], op.Shape(latent, start=1, end=2), axis=0)), latent)  # [b, T·h, d_c]
+    out = op.MatMul(
+        op.Reshape(probs, op.Concat([0, -1], op.Shape(latent, start=1, end=2), axis=0)), latent
+    )  # [b, T·h, d_c]
     return op.Reshape(out, op.Shape(q_latent))
 
 
@@ -161,12 +171,16 @@ def latent_attention_function(cache: io_spec.CacheFormat | str, long_cache: bool
 
     if chunk:
         def body(op, q_latent, q_rope, codes, scale, rope_cache, bias):
-            return latent_attention_chunk_core(op, q_latent, q_rope, Caches(codes, rope_cache, scale), bias, cache, width)
+            return latent_attention_chunk_core(
+                op, q_latent, q_rope, Caches(codes, rope_cache, scale), bias, cache, width
+            )
 
         inputs = {"q_latent": FLOAT, "q_rope": FLOAT, "latent": latent, "latent_scale": FLOAT, "rope": rope,
                   "bias": FLOAT}
-        stored = (f"an int8 latent cache (DequantizeLinear: codes x their entry's scale) and a {cache.rope} rope cache, "
-                  "for a chunk's queries [b, T, h, ·] with their bias [b, 1, T, cap]")
+        stored = (
+            f"an int8 latent cache (DequantizeLinear: codes x their entry's scale) and a {cache.rope} rope cache, "
+            "for a chunk's queries [b, T, h, ·] with their bias [b, 1, T, cap]"
+        )
     elif cache.scaled:
         def body(op, q_latent, q_rope, codes, scale, rope_cache, bias):
             return latent_attention_core(op, q_latent, q_rope, Caches(codes, rope_cache, scale), bias, cache, width,
@@ -208,7 +222,9 @@ class MLAttention:
         if cfg.q_lora_rank is None:
             return x, self._hf("q_proj.weight")
         c_q = linear(self.g, op, x, f"{self.name}.q_a", lambda: self.t(self.hf + "q_a_proj.weight").T)
-        c_q = RMSNorm(self.g, f"{self.name}.q_a_norm", self.hf + "q_a_layernorm.weight", self.t, cfg.rms_norm_eps)(op, c_q)
+        c_q = RMSNorm(self.g, f"{self.name}.q_a_norm", self.hf + "q_a_layernorm.weight", self.t, cfg.rms_norm_eps)(
+            op, c_q
+        )
         return c_q, self._hf("q_b_proj.weight")
 
     def latent_and_rope(self, op, x: ir.Value, cos: ir.Value, sin: ir.Value) -> Caches:
@@ -218,7 +234,9 @@ class MLAttention:
         kv = linear(g, op, x, f"{self.name}.kv_a",
                     lambda: absorb.kv_a_weight(cfg, self.t(self.hf + "kv_a_proj_with_mqa.weight")))
         latent, k_pe = op.Split(kv, [cfg.kv_lora_rank, cfg.qk_rope_head_dim], axis=-1, _outputs=2)
-        latent = RMSNorm(g, f"{self.name}.kv_norm", self.hf + "kv_a_layernorm.weight", self.t, cfg.rms_norm_eps)(op, latent)
+        latent = RMSNorm(g, f"{self.name}.kv_norm", self.hf + "kv_a_layernorm.weight", self.t, cfg.rms_norm_eps)(
+            op, latent
+        )
         k_pe = cast(op, rope(op, g.to_float(op, k_pe), cos, sin), FLOAT, g.rope_type)
         if g.plan.cache_format.scaled:
             codes, scale = quantize_latent(op, g.to_float(op, latent))
@@ -237,8 +255,12 @@ class MLAttention:
         cfg, g, t = self.cfg, self.g, self.t
         h, dn, dr, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         q_in, q_weight = self.query_input(op, x)
-        q = linear(g, op, q_in, f"{self.name}.q", lambda: absorb.query_weight(cfg, q_weight()))  # [b, T, h·(d_nope+d_r)]
-        q = op.Transpose(op.Reshape(g.to_float(op, q), [0, 0, h, dn + dr]), perm=[0, 2, 1, 3])  # -> [b, T, h, ·] -> [b, h, T, d_nope+d_r]
+        q = linear(
+            g, op, q_in, f"{self.name}.q", lambda: absorb.query_weight(cfg, q_weight())
+        )  # [b, T, h·(d_nope+d_r)]
+        q = op.Transpose(
+            op.Reshape(g.to_float(op, q), [0, 0, h, dn + dr]), perm=[0, 2, 1, 3]
+        )  # -> [b, T, h, ·] -> [b, h, T, d_nope+d_r]
         q_nope, q_pe = op.Split(q, [dn, dr], axis=-1, _outputs=2)
         q_pe = rope(op, q_pe, op.Unsqueeze(cos, [1]), op.Unsqueeze(sin, [1]))  # cos [b, 1, T, d_r/2]
         present = self.write_cache(op, self.latent_and_rope(op, x, cos, sin), past, write_indices)
@@ -246,11 +268,15 @@ class MLAttention:
         latent = read_latent(op, present.latent, present.scale, g.cache_type, cfg.kv_lora_rank)
         kv = linear(g, op, g.to_compute(op, latent), f"{self.name}.kv_b",
                     lambda: t(self.hf + "kv_b_proj.weight").T, quantizable=False)  # [b, cap, h·(d_nope+d_v)]
-        kv = op.Transpose(op.Reshape(g.to_float(op, kv), [0, 0, h, dn + dv]), perm=[0, 2, 1, 3])  # -> [b, cap, h, ·] -> [b, h, cap, d_nope+d_v]
+        kv = op.Transpose(
+            op.Reshape(g.to_float(op, kv), [0, 0, h, dn + dv]), perm=[0, 2, 1, 3]
+        )  # -> [b, cap, h, ·] -> [b, h, cap, d_nope+d_v]
         k_nope, v = op.Split(kv, [dn, dv], axis=-1, _outputs=2)
         scores = op.Add(
             op.MatMul(q_nope, op.Transpose(k_nope, perm=[0, 1, 3, 2])),  # [b, h, T, cap]
-            op.MatMul(q_pe, op.Unsqueeze(op.Transpose(cast(op, present.rope, g.rope_type, FLOAT), perm=[0, 2, 1]), [1])),  # k_pe [b, 1, d_r, cap]
+            op.MatMul(
+                q_pe, op.Unsqueeze(op.Transpose(cast(op, present.rope, g.rope_type, FLOAT), perm=[0, 2, 1]), [1])
+            ),  # k_pe [b, 1, d_r, cap]
         )
         probs = op.Softmax(op.Add(op.Mul(scores, self.scale), bias), axis=-1)
         o = op.Transpose(op.MatMul(probs, v), perm=[0, 2, 1, 3])  # [b, T, h, d_v]
@@ -280,7 +306,9 @@ class MLAttention:
             q_latent = op.Reshape(q_latent, [rows, h, dc])  # [b, T, h·d_c] -> [b·T, h, d_c]
         else:
             q_nope = linear(g, op, q_in, f"{self.name}.q_nope", lambda: absorb.query_nope_weight(cfg, q_weight()))
-            q_nope = op.Transpose(op.Reshape(g.to_float(op, q_nope), [rows, h, dn]), perm=[1, 0, 2])  # [b, T, h·d_nope] -> [b·T, h, d_nope] -> [h, b·T, d_nope]
+            q_nope = op.Transpose(
+                op.Reshape(g.to_float(op, q_nope), [rows, h, dn]), perm=[1, 0, 2]
+            )  # [b, T, h·d_nope] -> [b·T, h, d_nope] -> [h, b·T, d_nope]
             uk = g.weight(f"{self.name}.uk", lambda: absorb.factored_uk(cfg, kv_b()), island=True)
             q_latent = op.Transpose(op.MatMul(q_nope, uk), perm=[1, 0, 2])  # [h, b·T, d_c] -> [b·T, h, d_c]
         q_pe = linear(g, op, q_in, f"{self.name}.q_rope", lambda: absorb.query_rope_weight(cfg, q_weight()))
@@ -315,12 +343,23 @@ class MLAttention:
         o_weight = self._hf("o_proj.weight")
         if plan.absorb == AbsorbMode.FUSED:
             o = op.Reshape(o_latent, by_token(h * dc))  # [b·T, h, d_c] -> [b, T, h·d_c]
-            out = g.to_compute(op, linear(g, op, o, f"{self.name}.uv_o",
-                                          lambda: absorb.fused_output_absorb(cfg, o_weight(), kv_b()), island=True))  # [b, T, d]
+            out = g.to_compute(
+                op,
+                linear(
+                    g,
+                    op,
+                    o,
+                    f"{self.name}.uv_o",
+                    lambda: absorb.fused_output_absorb(cfg, o_weight(), kv_b()),
+                    island=True,
+                ),
+            )  # [b, T, d]
         else:
             o_latent = op.Transpose(o_latent, perm=[1, 0, 2])  # [b·T, h, d_c] -> [h, b·T, d_c]
             uv = g.weight(f"{self.name}.uv", lambda: absorb.factored_uv(cfg, kv_b()), island=True)
             o = op.MatMul(o_latent, uv)  # [h, b·T, d_v]
-            o = op.Reshape(op.Transpose(o, perm=[1, 0, 2]), by_token(h * dv))  # [h, b·T, d_v] -> [b·T, h, d_v] -> [b, T, h·d_v]
+            o = op.Reshape(
+                op.Transpose(o, perm=[1, 0, 2]), by_token(h * dv)
+            )  # [h, b·T, d_v] -> [b·T, h, d_v] -> [b, T, h·d_v]
             out = linear(g, op, g.to_compute(op, o), f"{self.name}.o", lambda: o_weight().T)
         return out, present

@@ -43,8 +43,15 @@ def cast(op, x: ir.Value, source: ir.DataType, to: ir.DataType) -> ir.Value:
     return x if source == to else op.Cast(x, to=to)
 
 
-def kernel_function(name: str, inputs: dict[str, ir.DataType], output: str, body: Callable[..., ir.Value], doc: str,
-                    opsets: dict[str, int] | None = None, attributes: dict[str, int | None] | None = None) -> ir.Function:
+def kernel_function(
+    name: str,
+    inputs: dict[str, ir.DataType],
+    output: str,
+    body: Callable[..., ir.Value],
+    doc: str,
+    opsets: dict[str, int] | None = None,
+    attributes: dict[str, int | None] | None = None,
+) -> ir.Function:
     """The ONNX body of mla-deploy's kernel op `name`: `body(op, *inputs)`, graph code shared with the graphs, run
     over a builder whose inputs are the function's (name -> element type: typed, the builder infers every value's
     type, as in a graph). Every graph that uses an op carries its body, which onnxruntime
@@ -145,8 +152,11 @@ class Graph:
         try:
             return quantize(w_in_out, bits, q.block, scale_dtype=q.scale_dtype)
         except ValueError as e:
-            raise ExportError(f"{name}: {e}".replace("quantize with scale_dtype='float32'",
-                                                     "export with --quantized-ops onnxruntime (float32 scales)")) from None
+            raise ExportError(
+                f"{name}: {e}".replace(
+                    "quantize with scale_dtype='float32'", "export with --quantized-ops onnxruntime (float32 scales)"
+                )
+            ) from None
 
     def to_float(self, op, x: ir.Value) -> ir.Value:
         """Into a float32 island from the compute dtype."""

@@ -93,7 +93,9 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError):
-            raise ExportError(f"{out}: writing the export failed ({e.strerror or e}); nothing was left behind") from None
+            raise ExportError(
+                f"{out}: writing the export failed ({e.strerror or e}); nothing was left behind"
+            ) from None
         raise
     progress(f"wrote {out}")
     return ExportResult(out, plan, manifest, list(ckpt.notes))
@@ -145,7 +147,9 @@ def _report_choices(cfg, options: ExportOptions, plan: ExportPlan, progress: Pro
         progress(f"absorb auto -> {plan.absorb.value}: attention weights read per decode token and layer, computed "
                  f"from the config: factored {factored:.2f} MB, fused {fused:.2f} MB (bytes decide, not a timing)")
     if plan.quantized_ops:
-        progress(f"quantized ops: {plan.quantized_ops} ({options.quantized_ops}), {plan.quantization.scale_dtype} scales")
+        progress(
+            f"quantized ops: {plan.quantized_ops} ({options.quantized_ops}), {plan.quantization.scale_dtype} scales"
+        )
     if cfg.n_routed_experts:
         progress(f"routed experts: {plan.experts} ({options.experts})")
     progress(f"caches: {plan.cache_format.latent} latent, {plan.cache_format.rope} rope ({options.cache_dtype})")

@@ -71,9 +71,12 @@ def draft(g: Graph, cfg: MLAConfig, t: Tensors, inputs: dict[str, ir.Value], att
     hf, name = f"model.layers.{layer}.", f"layers.{layer}"
     tokens = embedding(g, inputs[io_spec.INPUT_IDS], lambda: t("model.embed_tokens.weight"))  # [b, T, d]
     tokens = RMSNorm(g, f"{name}.enorm", hf + "enorm.weight", t, eps)(op, tokens)
-    previous = RMSNorm(g, f"{name}.hnorm", hf + "hnorm.weight", t, eps)(op, g.to_compute(op, inputs[io_spec.PREVIOUS_HIDDEN]))
-    x = linear(g, op, op.Concat(tokens, previous, axis=-1), f"{name}.eh_proj",
-               lambda: t(hf + "eh_proj.weight").T)  # [b, T, 2d] -> [b, T, d]: the embedding first, as DeepSeek stores it
+    previous = RMSNorm(g, f"{name}.hnorm", hf + "hnorm.weight", t, eps)(
+        op, g.to_compute(op, inputs[io_spec.PREVIOUS_HIDDEN])
+    )
+    x = linear(
+        g, op, op.Concat(tokens, previous, axis=-1), f"{name}.eh_proj", lambda: t(hf + "eh_proj.weight").T
+    )  # [b, T, 2d] -> [b, T, d]: the embedding first, as DeepSeek stores it
     cos, sin = rope_lookup(g, cfg, inputs[io_spec.POSITION_IDS])
     x = decoder_layer(g, cfg, t, layer, x, cos, sin, attention, positions)  # after its attention: [b, n, d]
     hidden = RMSNorm(g, f"{name}.shared_head.norm", hf + "shared_head.norm.weight", t, eps)(op, x)

@@ -98,7 +98,9 @@ class ExportOptions:
     quantized_ops: str = "auto"  # a quantized export's ops: auto (= kernel), kernel, onnxruntime
     experts: str = "auto"  # routed experts: auto, kernel, qmoe (quantized), branches (portable)
     decode_attention: str = "auto"  # the decode graph's attention core: auto, kernel, ops (portable)
-    cache_dtype: str = "auto"  # the latent cache: auto (--dtype), float32, float16, bfloat16, int8 (io_spec.CacheFormat)
+    cache_dtype: str = (
+        "auto"  # the latent cache: auto (--dtype), float32, float16, bfloat16, int8 (io_spec.CacheFormat)
+    )
     draft: bool = True  # the MTP draft graph, where the checkpoint has an MTP layer
     stages: int = 1  # pipeline stages: N stage exports of contiguous layers, joined by their hidden states
 
@@ -115,7 +117,9 @@ class ExportOptions:
         if self.experts not in EXPERTS:
             raise ExportError(f"experts={self.experts!r}: expected one of {', '.join(EXPERTS)}")
         if self.decode_attention not in DECODE_ATTENTION:
-            raise ExportError(f"decode_attention={self.decode_attention!r}: expected one of {', '.join(DECODE_ATTENTION)}")
+            raise ExportError(
+                f"decode_attention={self.decode_attention!r}: expected one of {', '.join(DECODE_ATTENTION)}"
+            )
         if not isinstance(self.stages, int) or isinstance(self.stages, bool) or self.stages < 1:
             raise ExportError(f"--stages {self.stages!r}: expected a positive integer")
         if self.cache_dtype not in CACHE_DTYPES:
@@ -136,7 +140,9 @@ class ExportOptions:
         if self.quantize not in QUANTIZE_BITS:
             raise ExportError(f"--quantize {self.quantize}: expected one of {', '.join(QUANTIZE_BITS)}")
         if self.head_bits not in QUANTIZE_BITS.values():
-            raise ExportError(f"--head-bits {self.head_bits}: expected one of {', '.join(map(str, QUANTIZE_BITS.values()))}")
+            raise ExportError(
+                f"--head-bits {self.head_bits}: expected one of {', '.join(map(str, QUANTIZE_BITS.values()))}"
+            )
         try:
             return Quantization(QUANTIZE_BITS[self.quantize], self.block_size, self.accuracy_level, self.head_bits)
         except ValueError as e:
@@ -177,11 +183,21 @@ class ExportPlan:
             quantization = replace(quantization, scale_dtype=SCALE_DTYPE[quantized_ops])
         cache = options.cache_format()
         decode_attention = resolve_decode_attention(cfg, options.decode_attention, cache.latent)
-        plan = cls(absorb=resolve_absorb(cfg, options.absorb), dtype=options.dtype, compute=COMPUTE,
-                   cache_dtype=cache.latent, rope_dtype=cache.rope, quantization=quantization,
-                   quantized_ops=quantized_ops, experts=resolve_experts(cfg, options.experts, quantization, quantized_ops),
-                   decode_attention=decode_attention, prefill_attention=prefill_attention(cache, decode_attention),
-                   long_cache=long_cache(cfg, max_seq_len), max_seq_len=max_seq_len, draft=has_mtp and options.draft)
+        plan = cls(
+            absorb=resolve_absorb(cfg, options.absorb),
+            dtype=options.dtype,
+            compute=COMPUTE,
+            cache_dtype=cache.latent,
+            rope_dtype=cache.rope,
+            quantization=quantization,
+            quantized_ops=quantized_ops,
+            experts=resolve_experts(cfg, options.experts, quantization, quantized_ops),
+            decode_attention=decode_attention,
+            prefill_attention=prefill_attention(cache, decode_attention),
+            long_cache=long_cache(cfg, max_seq_len),
+            max_seq_len=max_seq_len,
+            draft=has_mtp and options.draft,
+        )
         if options.stages == 1:
             return plan
         if options.stages > cfg.num_hidden_layers:
@@ -201,18 +217,30 @@ class ExportPlan:
 
     def to_dict(self) -> dict:
         """Every field, JSON-ready (inspect --json)."""
-        return {"absorb": self.absorb.value, "dtype": self.dtype, "compute": self.compute, "cache_dtype": self.cache_dtype,
-                "rope_dtype": self.rope_dtype,
-                "quantization": None if self.quantization is None else self.quantization.to_dict(),
-                "quantized_ops": self.quantized_ops, "experts": self.experts, "decode_attention": self.decode_attention,
-                "prefill_attention": self.prefill_attention, "long_cache": self.long_cache,
-                "max_seq_len": self.max_seq_len, "draft": self.draft,
-                "stages": [[s.first_layer, s.end_layer] for s in self.stages] or None}
+        return {
+            "absorb": self.absorb.value,
+            "dtype": self.dtype,
+            "compute": self.compute,
+            "cache_dtype": self.cache_dtype,
+            "rope_dtype": self.rope_dtype,
+            "quantization": None if self.quantization is None else self.quantization.to_dict(),
+            "quantized_ops": self.quantized_ops,
+            "experts": self.experts,
+            "decode_attention": self.decode_attention,
+            "prefill_attention": self.prefill_attention,
+            "long_cache": self.long_cache,
+            "max_seq_len": self.max_seq_len,
+            "draft": self.draft,
+            "stages": [[s.first_layer, s.end_layer] for s in self.stages] or None,
+        }
 
     def describe(self) -> str:
         """One line for a reader: each choice and where it runs."""
         q = self.quantization
-        ops = {"kernel": "mla_deploy.QMatMul / QGather", "onnxruntime": "com.microsoft MatMulNBits / GatherBlockQuantized"}
+        ops = {
+            "kernel": "mla_deploy.QMatMul / QGather",
+            "onnxruntime": "com.microsoft MatMulNBits / GatherBlockQuantized",
+        }
         weights = (f"int{q.bits} weights (embedding and head int{q.head_bits}, blocks of {q.block}, {q.scale_dtype} "
                    f"scales, accuracy_level {q.accuracy_level}) in {ops[self.quantized_ops]}" if q
                    else f"{self.dtype} weights")

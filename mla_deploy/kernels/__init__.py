@@ -26,10 +26,10 @@ read the file's one copy from every session that maps it. `QRoutedExperts4` / `Q
 layer's routed experts over such weights (export.layouts.routed_experts_layout), each expert reading only its own
 tokens' rows; `QGather4` / `QGather8` (qgather.c): columns of such a W dequantized, so that a tied embedding is read
 from its head's codes, and a separate table stored as Eᵀ costs no second layout.
-Their function bodies (export.linear, export.moe over export.dequantize) are stock ONNX over the same initializers: Cast the codes, split
-int4 nibbles as floor(x / 16) and x - 16 floor(x / 16), Reshape to [G, KB, B/4, 16, 4], subtract the zero point
-2^(bits-1), multiply by the scales reshaped [G, KB, 1, 16, 1], Transpose to [KB, B/4, 4, G, 16] and Reshape to
-[KB·B, 16 G] (W zero-padded), Slice N columns and MatMul by A zero-padded to KB·B (at accuracy_level 4 quantized and
+Their function bodies (export.linear, export.moe over export.dequantize) are stock ONNX over the same initializers: Cast
+the codes, split int4 nibbles as floor(x / 16) and x - 16 floor(x / 16), Reshape to [G, KB, B/4, 16, 4], subtract the
+zero point 2^(bits-1), multiply by the scales reshaped [G, KB, 1, 16, 1], Transpose to [KB, B/4, 4, G, 16] and Reshape
+to [KB·B, 16 G] (W zero-padded), Slice N columns and MatMul by A zero-padded to KB·B (at accuracy_level 4 quantized and
 dequantized per block first, as the kernels quantize it), so they run on plain onnxruntime and on CUDA.
 
 Every graph that uses the ops also carries them as ONNX functions, built from the graph code that computes the same
@@ -51,16 +51,32 @@ import numpy as np
 
 DOMAIN = "mla_deploy"
 HALF_MATMUL = {"float16": "MatMulF16", "bfloat16": "MatMulBF16"}  # by the weight's dtype
-ROUTED_EXPERTS = {"float32": "RoutedExperts", "float16": "RoutedExpertsF16", "bfloat16": "RoutedExpertsBF16"}  # by weight dtype
+ROUTED_EXPERTS = {
+    "float32": "RoutedExperts",
+    "float16": "RoutedExpertsF16",
+    "bfloat16": "RoutedExpertsBF16",
+}  # by weight dtype
 STRIP = 64  # their weight layout: strips of 64 output columns, [N / 64, K, 64]
-LATENT_ATTENTION = {"float32": "LatentAttention", "float16": "LatentAttentionF16", "bfloat16": "LatentAttentionBF16"}  # by cache dtype
+LATENT_ATTENTION = {
+    "float32": "LatentAttention",
+    "float16": "LatentAttentionF16",
+    "bfloat16": "LatentAttentionBF16",
+}  # by cache dtype
 # the same kernel, for caches that can outgrow export.plan.LONG_CACHE_BYTES a row: only their function bodies differ
 LATENT_ATTENTION_LONG = {dtype: name.replace("Attention", "AttentionLong") for dtype, name in LATENT_ATTENTION.items()}
 # over an int8 latent cache with a scale per entry, by the rope cache's dtype (latent_attention_q8.c)
-LATENT_ATTENTION_Q8 = {"float32": "LatentAttentionQ8", "float16": "LatentAttentionQ8F16", "bfloat16": "LatentAttentionQ8BF16"}
-LATENT_ATTENTION_LONG_Q8 = {dtype: name.replace("Attention", "AttentionLong") for dtype, name in LATENT_ATTENTION_Q8.items()}
+LATENT_ATTENTION_Q8 = {
+    "float32": "LatentAttentionQ8",
+    "float16": "LatentAttentionQ8F16",
+    "bfloat16": "LatentAttentionQ8BF16",
+}
+LATENT_ATTENTION_LONG_Q8 = {
+    dtype: name.replace("Attention", "AttentionLong") for dtype, name in LATENT_ATTENTION_Q8.items()
+}
 # the same kernel for a prefill chunk's queries [b, T, h, ·] over an int8 latent cache
-LATENT_ATTENTION_CHUNK_Q8 = {dtype: name.replace("Attention", "AttentionChunk") for dtype, name in LATENT_ATTENTION_Q8.items()}
+LATENT_ATTENTION_CHUNK_Q8 = {
+    dtype: name.replace("Attention", "AttentionChunk") for dtype, name in LATENT_ATTENTION_Q8.items()
+}
 GATE_UP = 32  # RoutedExperts' fc1 strip: 32 gate columns, then the same 32 columns of up
 # the quantized ops, by their weights' bits (their layout: export.layouts)
 QMATMUL = {4: "QMatMul4", 8: "QMatMul8"}
@@ -80,8 +96,8 @@ def library() -> Path | None:
 
 
 def column_strips(w_in_out: np.ndarray) -> np.ndarray:
-    """W [K, N] (N a multiple of 64) as MatMulF16 / MatMulBF16 read it, strips of 64 columns [N / 64, K, 64]: a view, written
-    strip by strip. B[s, k, j] = W[k, 64 s + j]."""
+    """W [K, N] (N a multiple of 64) as MatMulF16 / MatMulBF16 read it, strips of 64 columns [N / 64, K, 64]: a view,
+    written strip by strip. B[s, k, j] = W[k, 64 s + j]."""
     k, n = w_in_out.shape
     if n % STRIP:
         raise ValueError(f"column_strips: N = {n} is not a multiple of {STRIP}")

@@ -38,9 +38,16 @@ def _layer(ckpt: Checkpoint, i: int) -> DecoderLayer:
 
 
 @torch.no_grad()
-def layerwise_logits(ckpt: Checkpoint, ids: torch.Tensor, kv_mask: torch.Tensor, lengths: torch.Tensor,
-                     decode_tokens: torch.Tensor, stored: CacheFormat | None = None,
-                     prefill_form: AttentionForm = AttentionForm.NAIVE, hidden: bool = False) -> tuple[torch.Tensor, ...]:
+def layerwise_logits(
+    ckpt: Checkpoint,
+    ids: torch.Tensor,
+    kv_mask: torch.Tensor,
+    lengths: torch.Tensor,
+    decode_tokens: torch.Tensor,
+    stored: CacheFormat | None = None,
+    prefill_form: AttentionForm = AttentionForm.NAIVE,
+    hidden: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Prefill logits [b, T, vocab] of right-padded prompts `ids` [b, T] (`lengths` [b] real tokens each), then the
     logits [b, steps, vocab] of decoding `decode_tokens` [b, steps] one at a time at slots lengths + step.
     `kv_mask` [b, capacity >= T + steps] as the graphs take it. `ckpt` may be any reader with `config`, `names()`

@@ -51,7 +51,9 @@ def check_feed(kind: str, feed: dict, cfg: MLAConfig, max_seq_len: int,
             raise InputError(f"{name}: expected a numpy array, got {type(value).__name__}")
         if value.dtype != numpy_dtype(spec.dtype):
             held = " (bfloat16 bit patterns)" if spec.dtype == "bfloat16" else ""
-            raise InputError(f"{name}: dtype {value.dtype}, expected {spec.dtype}: numpy {numpy_dtype(spec.dtype)}{held}")
+            raise InputError(
+                f"{name}: dtype {value.dtype}, expected {spec.dtype}: numpy {numpy_dtype(spec.dtype)}{held}"
+            )
         if value.ndim != len(spec.shape):
             raise InputError(f"{name}: shape {list(value.shape)}, expected rank {len(spec.shape)} {list(spec.shape)}")
         for size, axis in zip(value.shape, spec.shape):
@@ -59,7 +61,9 @@ def check_feed(kind: str, feed: dict, cfg: MLAConfig, max_seq_len: int,
                 if size != axis:
                     raise InputError(f"{name}: shape {list(value.shape)}, expected {list(spec.shape)}")
             elif axis in axes and axes[axis][0] != size:
-                raise InputError(f"{name}: {axis} is {size} but {axes[axis][1]} has {axis} {axes[axis][0]}: the inputs disagree")
+                raise InputError(
+                    f"{name}: {axis} is {size} but {axes[axis][1]} has {axis} {axes[axis][0]}: the inputs disagree"
+                )
             else:
                 axes.setdefault(axis, (size, name))
     _check_values(feed, axes, cfg, max_seq_len)

@@ -68,8 +68,10 @@ class Generator:
         self.sampling = (model.generation.sampling if sampling is None else sampling).validate()
         self.speculation = (speculation or Speculation()).resolve(model)
         if self.speculation.mode == "mtp" and io_spec.PREFILL not in model.sessions:
-            raise InputError("speculative='mtp' reads the prompt's hidden states from the prefill graph: load the model "
-                             "with it (not decode only)")
+            raise InputError(
+                "speculative='mtp' reads the prompt's hidden states from the prefill graph: load the model "
+                "with it (not decode only)"
+            )
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise InputError(f"chunk_size={chunk_size!r}: must be a positive integer")
         self.chunk_size = chunk_size
@@ -156,7 +158,9 @@ class Generator:
             for r, tokens_r in enumerate(emitted):
                 acceptance[r] = updated_acceptance(acceptance[r], len(drafts[r]), len(tokens_r) - 1)
                 pending[r] = tokens_r[-1]
-                if drafter is not None:  # the pairs just committed: (h at the pending token and each accepted draft, next)
+                if (
+                    drafter is not None
+                ):  # the pairs just committed: (h at the pending token and each accepted draft, next)
                     drafter.commit(r, np.array(tokens_r), hidden[r, : len(tokens_r)].copy(), int(starts[r]))
             out.take(state, emitted, decoded=True)
             state.decode_ms += (time.perf_counter() - t0) * 1e3
@@ -201,7 +205,8 @@ class Generator:
     # ---- steps ----
     def prefill(self, state: _State, rows: list[list[int]]) -> np.ndarray:
         """Feed every prompt, chunk by chunk; returns each row's last-token logits [b, vocab]. A model loaded without
-        its prefill graph (decode only: one prepacked copy of the weights) feeds the prompts through the decode graph."""
+        its prefill graph (decode only: one prepacked copy of the weights) feeds the prompts through the decode
+        graph."""
         if io_spec.PREFILL not in self.model.sessions:
             return self._prefill_by_decode(state, rows)
         t0 = time.perf_counter()

@@ -296,8 +296,14 @@ class Scheduler:
             if r.id not in chosen:
                 alike.setdefault(replace(r.sampling, seed=None), []).append(r)
         for params, rows in alike.items():  # one sample() per setting; each row draws from its own generator
-            tokens = sample(d.logits[[r.row for r in rows], 0], params, [r.rng for r in rows], [r.history for r in rows],
-                            [r.counts for r in rows], self._allowed(rows))
+            tokens = sample(
+                d.logits[[r.row for r in rows], 0],
+                params,
+                [r.rng for r in rows],
+                [r.history for r in rows],
+                [r.counts for r in rows],
+                self._allowed(rows),
+            )
             chosen.update(zip((r.id for r in rows), tokens.tolist()))
         for r in decoding:
             row, start = r.row, int(self.lengths[r.row]) - 1
@@ -351,7 +357,9 @@ class Scheduler:
             if r.constraint is None:
                 tokens = accept_row(logits[row, : len(d) + 1], d, r.sampling, r.history, r.counts, r.rng)
             else:  # a grammar row does not speculate: its one token sampled under its mask
-                tokens = [int(sample(logits[row, :1], r.sampling, r.rng, [r.history], [r.counts], self._allowed([r]))[0])]
+                tokens = [
+                    int(sample(logits[row, :1], r.sampling, r.rng, [r.history], [r.counts], self._allowed([r]))[0])
+                ]
             self.stats.speculation.add(len(d), len(tokens) - 1)
             r.acceptance = updated_acceptance(r.acceptance, len(d), len(tokens) - 1)
             self.lengths[row] += len(tokens)  # its pending token and the accepted drafts are in its cache now

@@ -54,8 +54,8 @@ class RuntimeOptions:
     log_severity: int = 3  # onnxruntime's own log: 0 verbose .. 3 errors only
     check_weights: str = "sampled"  # "full": hash every block of weights.bin at load (mla_deploy.integrity)
     # onnxruntime's prepacking copies every MatMul weight into a per-session packed buffer. None (auto): off, so both
-    # sessions read the one memory-mapped weights.bin (docs/benchmarks.md, "One copy of the weights"; mla-deploy's own ops never
-    # prepack), except for an export whose graphs use onnxruntime's MatMulNBits or QMoE, which run ~60x slower
+    # sessions read the one memory-mapped weights.bin (docs/benchmarks.md, "One copy of the weights"; mla-deploy's own
+    # ops never prepack), except for an export whose graphs use onnxruntime's MatMulNBits or QMoE, which run ~60x slower
     # unpacked (they dequantize on every call).
     prepack: bool | None = None
     # onnxruntime's intra-op threads spin between ops waiting for work: fastest for one caller, but in a server they
@@ -102,7 +102,9 @@ class ExportedModel:
         self.directory = Path(directory)
         self.options = options or RuntimeOptions()
         if self.options.check_weights not in integrity.CHECKS:
-            raise InputError(f"check_weights={self.options.check_weights!r}: expected one of {', '.join(integrity.CHECKS)}")
+            raise InputError(
+                f"check_weights={self.options.check_weights!r}: expected one of {', '.join(integrity.CHECKS)}"
+            )
         for entry in self.options.session_config:
             if not (isinstance(entry, tuple) and len(entry) == 2 and all(isinstance(x, str) and x for x in entry)):
                 raise InputError(f"session_config entry {entry!r}: expected a (key, value) pair of non-empty strings")
