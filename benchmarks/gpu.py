@@ -281,12 +281,13 @@ def _filled_caches(model, batch: int, capacity: int, rng: np.random.Generator):
     from mla_deploy.runtime.dtypes import numpy_dtype, ort_value
     from mla_deploy.safetensors_io import float32_to_bf16
 
-    caches = CacheBuffers(model.config, batch, capacity, model.max_seq_len, model.device, model.cache_dtype,
+    caches = CacheBuffers(model.config, batch, capacity, model.max_seq_len, model.device, model.cache_format,
                           resident=model.resident_caches)
     for name, value in caches.values.items():
+        dtype = caches.dtypes[name]
         values = rng.standard_normal(value.shape(), dtype=np.float32)
-        values = float32_to_bf16(values) if caches.dtype == "bfloat16" else values.astype(numpy_dtype(caches.dtype))
-        value.update_inplace(ort_value(values, caches.dtype))
+        values = float32_to_bf16(values) if dtype == "bfloat16" else values.astype(numpy_dtype(dtype))
+        value.update_inplace(ort_value(values, dtype))
     return caches
 
 
@@ -294,7 +295,6 @@ def decode_rate(directory: Path, provider: str, batch: int, ctx: int, steps: int
                 warmup: int = 5) -> dict:
     from mla_deploy.inspection import inspect_path
     from mla_deploy.runtime.cache import DecodeBinding
-    from mla_deploy.runtime.dtypes import numpy_dtype
 
     model = _model(directory, provider)
     cfg = model.config
@@ -317,7 +317,8 @@ def decode_rate(directory: Path, provider: str, batch: int, ctx: int, steps: int
     step = statistics.median(times)
     report = inspect_path(directory)
     weights = sum(report["decode_read_bytes"].values())
-    cache_read = cfg.latent_cache_width * cfg.num_hidden_layers * numpy_dtype(model.cache_dtype).itemsize * ctx * batch
+    per_token = model.cache_format.bytes_per_token(cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+    cache_read = per_token * ctx * batch
     return {"batch": batch, "context": ctx, "cuda_graph": cuda_graph, "device": model.device,
             "capacity": caches.capacity, "step_ms": round(step * 1e3, 4), "tokens_per_s": round(batch / step, 1),
             "bytes_read_per_step": int(weights + cache_read), "weight_bytes_per_step": int(weights),

@@ -203,16 +203,6 @@ class TensorSpec:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
 
 
-def cache_widths(num_layers: int | range, kv_lora_rank: int, rope_dim: int) -> dict[str, int]:
-    """past_* cache name -> width, layer by layer: the latent ĉ, then the roped key (layers 0 .. num_layers - 1, or
-    the given range of layers)."""
-    widths = {}
-    for i in (range(num_layers) if isinstance(num_layers, int) else num_layers):
-        widths[past_latent(i)] = kv_lora_rank
-        widths[past_rope(i)] = rope_dim
-    return widths
-
-
 def graph_io(graph: str, cfg: MLAConfig, cache_dtype: CacheFormat | str = "float32", hidden: bool = False,
              stage: Stage | None = None) -> tuple[list[TensorSpec], list[TensorSpec]]:
     """(inputs, outputs) of the prefill, decode, verify or draft graph for the config `cfg` over caches in

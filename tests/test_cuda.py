@@ -189,14 +189,15 @@ def test_resident_caches_on_cuda_allocate_there_and_bind_rows_by_address(exports
     cfg = model.config
     caches = CacheBuffers(cfg, 4, 10, model.max_seq_len, "cuda", dtype)
     assert caches.resident and caches.capacity == cache_module.BLOCK
-    widths = io_spec.cache_widths(cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+    widths = {t.past: t.width for t in caches.tensors}
     buffers = [((4, caches.capacity, w), dtype, "cuda") for w in widths.values()]
     assert [a for a in allocated if a[1] == dtype] == buffers
     binding = RecordingBinding()
     assert caches.bind(binding, slice(1, 3)) == []
     itemsize = numpy_dtype(dtype).itemsize
     expected = []
-    for past, present in io_spec.cache_pairs(caches.layers):
+    for t in caches.tensors:
+        past, present = t.past, t.present
         value, width = caches.values[past], widths[past]
         address = value.data_ptr() + 1 * caches.capacity * width * itemsize
         for kind, name in (("input", past), ("output", present)):

@@ -93,8 +93,8 @@ def test_the_manifests_record_the_stages_and_each_stage_loads_as_an_export(expor
         names = {s.name for s in model.graph_io(io_spec.PREFILL)[0]}
         assert (io_spec.INPUT_IDS in names, io_spec.HIDDEN_STATES in names) == (stage.first, not stage.first)
         assert (io_spec.LOGITS_POSITIONS in names) == stage.last
-        assert {n for n in names if n.startswith("past_")} == set(io_spec.cache_widths(stage.layers, cfg.kv_lora_rank,
-                                                                                       cfg.qk_rope_head_dim))
+        caches = io_spec.CacheFormat().tensors(stage.layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+        assert {n for n in names if n.startswith("past_")} == {t.past for t in caches}
         layers += list(stage.layers)
     assert layers == list(range(cfg.num_hidden_layers))
     assert check_export(exports[name])["bytes"] == sum(e["weights_bytes"] for e in manifest["stages"])
@@ -142,8 +142,8 @@ def test_each_stage_holds_only_its_layers_caches(exports):
     chain.forward("g", io_spec.PREFILL, ids, np.arange(3)[None], np.zeros(1, np.int64), np.array([2]))
     for worker in chain.workers:
         cfg = worker.model.config
-        assert set(worker.groups["g"].arrays) == set(io_spec.cache_widths(worker.stage.layers, cfg.kv_lora_rank,
-                                                                          cfg.qk_rope_head_dim))
+        caches = io_spec.CacheFormat().tensors(worker.stage.layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+        assert set(worker.groups["g"].arrays) == {t.past for t in caches}
     chain.close("g")
     assert all(not worker.groups for worker in chain.workers)
 
