@@ -205,7 +205,7 @@ def balance_router_bias(model, counts: dict, rate: float) -> None:
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, default=Path("mla_deploy/models/demo"))
-    p.add_argument("--steps", type=int, default=4000)
+    p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-3)

@@ -121,13 +121,3 @@ def test_the_python_likeness_check_tells_code_from_comments_and_broken_brackets(
     assert not left_open.python and "left open" in left_open.brackets
     assert not judge("def  0x00f4: 0x0378, #  CYRILLIC CAPITAL LETTER I\n").python  # a codec table: 1 keyword
     assert "off the 4-space grid" in " ".join(judge("def f(x):\n   return x\n    if x: pass\n").reasons())
-
-
-def test_the_demo_completes_def_as_python_in_nine_of_ten_seeded_runs(demo_export):
-    """`run --prompt "def "` with the export's own sampling defaults, seeds 0-9 (the unseeded count is the model
-    card's): the completions read as Python by scripts/python_likeness.py's check."""
-    judge = _likeness().judge
-    model = ExportedModel(demo_export)
-    texts = ["def " + complete(model, "def ", None, 64, model.generation.override(seed=seed))["text"]
-             for seed in range(10)]
-    assert sum(judge(t).python for t in texts) >= 9, [t for t in texts if not judge(t).python]
