@@ -199,9 +199,12 @@ def test_logit_bias_and_penalties_reach_the_sampler(server, client, tokenizer):
     token = tokenizer.encode(" cheese")[1]
     forced = client.completions.create(prompt="def ", max_tokens=5, logit_bias={str(token): 100}, **greedy())
     assert forced.choices[0].text == tokenizer.decode([token] * 5)
+    first = Generator(server[1].engine.model, SamplingParams(), stop_token_ids=()).generate(
+        [tokenizer.encode("def ")], 1).token_ids[0][0]
     banned = client.completions.create(prompt="def ", max_tokens=1, **greedy()).choices[0].text
-    avoided = client.completions.create(prompt="def ", max_tokens=1, logit_bias={str(tokenizer.encode("def " +
-                                        banned)[-1]): -100}, **greedy()).choices[0].text
+    assert banned == tokenizer.decode([first])
+    avoided = client.completions.create(prompt="def ", max_tokens=1, logit_bias={str(first): -100},
+                                        **greedy()).choices[0].text
     assert avoided != banned
     params = dict(presence_penalty=0.8, frequency_penalty=1.5)
     r = client.completions.create(prompt="x = [", max_tokens=20, **greedy(), **params)
