@@ -77,7 +77,7 @@ def main() -> int:
                "command": " ".join(sys.argv), "context": context, "new_tokens": args.new_tokens,
                "draft_tokens": args.draft_tokens, "llama.cpp": [], "off": [], "lookup": []}
     runs = {}
-    for _ in range(args.repeats + 1):  # the first round warms up
+    for _ in range(args.repeats + 1):  # the first pass warms up
         results["llama.cpp"].append(llama_bench(bins, gguf, args.threads, [context])[f"decode_{context}"])
         for mode, gen in generators.items():
             runs[mode] = gen.generate([prompt], args.new_tokens)

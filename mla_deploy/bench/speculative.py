@@ -53,7 +53,7 @@ def speculative_rows(export_dir: Path, modes: tuple[str, ...], threads: int, new
         ids = ids[: model.max_seq_len - new_tokens]
         speeds = {m: [] for m in modes}
         last = {}
-        for _ in range(repeats + 1):  # the first round warms up (and measures the draft policy's costs)
+        for _ in range(repeats + 1):  # the first pass warms up (and measures the draft policy's costs)
             for mode in modes:
                 last[mode] = generators[mode].generate([ids], new_tokens)
                 speeds[mode].append(last[mode].decode_tokens_per_s)

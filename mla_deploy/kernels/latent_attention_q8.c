@@ -3,6 +3,7 @@
  * Q8_LANES heads, no horizontal sums, the softmax over slots a running maximum per lane), then probs @ latent with
  * 16 (8 on AVX2) channels of two slots in the lanes, each head's pair of probabilities broadcast. */
 #include "latent_attention_q8.h"
+#include "widen.h"
 
 #include <float.h>
 #include <immintrin.h>
@@ -33,21 +34,6 @@ typedef struct {
 } Task;
 
 /* ---- plain C: the reference every path matches bit for bit ---- */
-
-static float half_value(const void *base, int64_t i, StripKind kind) {
-    if (kind == STRIP_F32) return ((const float *)base)[i];
-    uint32_t h = ((const uint16_t *)base)[i], bits;
-    if (kind == STRIP_BF16) {
-        bits = h << 16;
-    } else { /* float16: subnormals are m 2^-24; infinities and NaNs keep their class */
-        uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
-        if (exponent == 0) return (sign ? -1.0f : 1.0f) * (float)mantissa * 0x1p-24f;
-        bits = sign | (exponent == 0x1f ? 0x7f800000u : (exponent + 112) << 23) | mantissa << 13;
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 
 /* e^x as exp16 / exp8 compute it, one value: x = n ln 2 + r, Cephes' degree-6 polynomial for e^r (relative error
  * ~2e-7), x clamped to [-87.3, 88.3] */
@@ -86,7 +72,7 @@ static void scores_scalar(const LatentAttentionQ8 *job, Task *t) {
             int32_t dot = 0;
             for (int64_t k = 0; k < dc; k++) dot += q8[h * dc + k] * t->c[i][k];
             float lat = (float)dot * (qs[h] * t->sc[i]), r = 0.0f;
-            for (int64_t k = 0; k < dr; k++) r = fmaf(qr[k * lanes + h], half_value(t->r[i], k, job->rope_kind), r);
+            for (int64_t k = 0; k < dr; k++) r = fmaf(qr[k * lanes + h], stored_value(t->r[i], k, job->rope_kind), r);
             t->score[i * lanes + h] = job->blind[t->row] ? 0.0f : (lat + r) + t->added[i];
         }
 }
