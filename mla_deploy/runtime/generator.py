@@ -57,6 +57,15 @@ class _State:
     decode_ms: float = 0.0
 
 
+def run_to_end(steps: Generator_[StepOutput, None, GenerationResult]) -> GenerationResult:
+    """Run a generation's steps (Generator.stream, PipelineGenerator.stream) through; its GenerationResult."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
 class Generator:
     """Generates from an ExportedModel. Holds no per-generation state: one Generator serves many threads."""
 
@@ -79,12 +88,7 @@ class Generator:
 
     # ---- public ----
     def generate(self, prompts, max_new_tokens: int) -> GenerationResult:
-        steps = self.stream(prompts, max_new_tokens)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        return run_to_end(self.stream(prompts, max_new_tokens))
 
     def stream(self, prompts, max_new_tokens: int) -> Generator_[StepOutput, None, GenerationResult]:
         """Yield each step's new tokens; the iterator's return value is the GenerationResult.

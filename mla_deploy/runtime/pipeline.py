@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import io_spec
 from ..errors import InputError
-from .generator import GenerationResult, StepOutput, check_prompts
+from .generator import GenerationResult, StepOutput, check_prompts, run_to_end
 from .sampling import SamplingParams, sample
 
 _keys = itertools.count()
@@ -54,12 +54,7 @@ class PipelineGenerator:
         self.stop_token_ids = set(model.stop_token_ids if stop_token_ids is None else stop_token_ids)
 
     def generate(self, prompts, max_new_tokens: int) -> GenerationResult:
-        steps = self.stream(prompts, max_new_tokens)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        return run_to_end(self.stream(prompts, max_new_tokens))
 
     def check_prompts(self, prompts, max_new_tokens: int) -> list[list[int]]:
         return check_prompts(prompts, max_new_tokens, self.model.config.vocab_size, self.model.max_seq_len)
