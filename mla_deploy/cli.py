@@ -82,7 +82,8 @@ def _speculation(mode: str, draft_tokens: int):
 
 _session_config_option = click.option(  # run and serve
     "--session-config", "session_config", multiple=True, metavar="KEY=VALUE", callback=_session_entries,
-    help="A further onnxruntime session config entry, e.g. session.set_denormal_as_zero=1 (repeatable).")
+    help="A further onnxruntime session config entry, e.g. session.set_denormal_as_zero=1 (repeatable; that one also "
+         "sets flush-to-zero on the calling thread).")
 
 
 @click.group(cls=_Cli)

@@ -369,7 +369,7 @@ def test_cuda_request_without_cuda_falls_back_with_message(exported):
 
 def test_session_config_entries_reach_both_sessions_and_win(exported):
     out = exported("v2_group_limited")
-    entries = (("session.set_denormal_as_zero", "1"), ("session.intra_op.allow_spinning", "1"))
+    entries = (("session.inter_op.allow_spinning", "1"), ("session.intra_op.allow_spinning", "1"))
     model = ExportedModel(out, RuntimeOptions(spin=False, session_config=entries))  # spin=False sets "0" first
     for session in model.sessions.values():
         options = session.get_session_options()
@@ -380,7 +380,7 @@ def test_session_config_entries_reach_both_sessions_and_win(exported):
     kept = ExportedModel(out, RuntimeOptions(session_config=(("session.force_spinning_stop", "0"),)))
     assert [s.get_session_options().get_session_config_entry("session.force_spinning_stop")
             for s in kept.sessions.values()] == ["0", "0"]
-    for bad in [("session.set_denormal_as_zero", 1)], [("session.set_denormal_as_zero",)], [("", "1")]:
+    for bad in [("session.inter_op.allow_spinning", 1)], [("session.inter_op.allow_spinning",)], [("", "1")]:
         with pytest.raises(InputError, match=r"session_config entry .*: expected a \(key, value\) pair"):
             ExportedModel(out, RuntimeOptions(session_config=tuple(bad)))
 

@@ -187,7 +187,7 @@ def test_session_config_options_reach_the_sessions_of_run_and_serve(demo_export,
     from mla_deploy import runtime
     from mla_deploy.serve import server
 
-    key = "session.set_denormal_as_zero"
+    key = "session.inter_op.allow_spinning"  # set_denormal_as_zero would set flush-to-zero on this process's thread
     seen = []
 
     class Recording(runtime.ExportedModel):

@@ -6,6 +6,9 @@ exactly the reference's (a top-k or top-p boundary off by one token fails), ever
 lie within 5 standard errors of its probability, and the total variation distance must be small.
 """
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -258,6 +261,29 @@ def test_a_draw_of_exactly_zero_returns_a_token_that_can_be_drawn():
     assert sample(logits, params, LowestDraw(), [np.array([], np.int64)]).tolist() == [1]
     params = SamplingParams(temperature=1.0, top_p=0.5)
     assert sample(logits, params, LowestDraw(), [np.array([], np.int64)]).tolist() == [1]
+
+
+def test_a_zero_draw_lands_on_a_kept_token_after_a_session_sets_denormals_are_zero(exported):
+    """onnxruntime's session.set_denormal_as_zero sets flush-to-zero and denormals-are-zero on the thread that creates
+    the session, and they stay set: the sampler's floor under a zero draw must still read as above 0 there. In a
+    child process, so the flags do not reach the other tests."""
+    code = (
+        "import numpy as np\n"
+        "from mla_deploy.runtime import ExportedModel, RuntimeOptions, SamplingParams\n"
+        "from mla_deploy.runtime.sampling import sample\n"
+        f"ExportedModel({str(exported('v2_group_limited'))!r},\n"
+        "              RuntimeOptions(session_config=(('session.set_denormal_as_zero', '1'),)))\n"
+        "assert np.float64(np.finfo(np.float64).smallest_subnormal) * 1.0 == 0.0, 'denormals-are-zero is not set'\n"
+        "class LowestDraw:\n"
+        "    def random(self, shape):\n"
+        "        return np.zeros(shape)\n"
+        "logits = np.array([[-3.0, 2.0, 1.0, 0.5]])\n"
+        "for params in SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0, top_p=0.5):\n"
+        "    print(sample(logits, params, LowestDraw(), [np.array([], np.int64)]).tolist())\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["[1]", "[1]"]
 
 
 def test_rows_with_their_own_generators_draw_as_each_alone():

@@ -161,13 +161,14 @@ def draw(probs: np.ndarray, u: np.ndarray) -> np.ndarray:
 
 def uniform(rng: np.random.Generator | Sequence[np.random.Generator], rows: int) -> np.ndarray:
     """[rows, 1] uniforms in (0, 1): one from each row's generator, or `rows` from one. A draw of exactly 0.0 is
-    raised to the smallest float, so it counts the leading zero-probability tokens and lands on a token that can be
-    drawn."""
+    raised to the smallest normal float, so it counts the leading zero-probability tokens and lands on a token that
+    can be drawn (a subnormal would read as 0 on a thread with denormals-are-zero set, which onnxruntime's
+    session.set_denormal_as_zero sets on the thread that creates the session)."""
     if isinstance(rng, Sequence):
         u = np.concatenate([g.random((1, 1)) for g in rng])  # one draw from each row's generator
     else:
         u = rng.random((rows, 1))
-    return np.maximum(u, np.finfo(np.float64).smallest_subnormal)
+    return np.maximum(u, np.finfo(np.float64).tiny)
 
 
 def adjusted_logits(logits: np.ndarray, params: SamplingParams, history: list[np.ndarray],
