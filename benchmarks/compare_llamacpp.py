@@ -25,9 +25,17 @@ table gives, for our exports, the weight and cache bytes one decode token reads 
 and the fraction of the probed bandwidth that tokens/s x bytes reaches.
 
     .venv/bin/python benchmarks/compare_llamacpp.py [--checkpoint DIR | --preset v2lite-2L] [--threads 2]
-        [--contexts 128,4096,16384] [--workdir benchmarks/work/llamacpp] [--pairs f32,q8_0,q4_0,f16] [--note TEXT]
+        [--contexts 128,4096,16384] [--workdir benchmarks/work/llamacpp] [--models DIR] [--convert f32|q8_0]
+        [--pairs f32,q8_0,q4_0,f16] [--note TEXT]
 
 --pairs runs a subset (by llama.cpp's name of the precision); its results.json and chart then hold only those.
+--models puts the checkpoint, GGUF files, exports and results in DIR instead of WORK (the build stays in WORK).
+--convert q8_0 has the converter write q8_0 directly and requantizes the other kinds from it (llama-quantize
+--allow-requantize; f32 and f16 are then refused): the full-size V2-Lite's f32 GGUF would take 63 GB of disk,
+its q8_0 17 GB. q4_0 made that way carries a second rounding, which changes its values, not its speed:
+
+    .venv/bin/python benchmarks/compare_llamacpp.py --preset v2lite --models benchmarks/work/v2lite \\
+        --convert q8_0 --pairs q4_0 --contexts 128,4096
 """
 
 from __future__ import annotations
@@ -113,14 +121,15 @@ def converter_python(work: Path) -> Path:
     return python
 
 
-def gguf_files(work: Path, tree: Path, bins: Path, checkpoint: Path,
-               kinds: tuple[str, ...] = ("q8_0", "q4_0", "f16")) -> dict[str, Path]:
-    """`kinds` of `checkpoint` (f32 and llama-quantize's kinds of it) as GGUF files, each made once in `work`; the f32
-    file is converted only while a kind is missing, so it may be deleted once they are made."""
+def gguf_files(work: Path, tree: Path, bins: Path, python: Path, checkpoint: Path,
+               kinds: tuple[str, ...] = ("q8_0", "q4_0", "f16"), convert: str = "f32") -> dict[str, Path]:
+    """`kinds` of `checkpoint` as GGUF files, each made once in `work`: the converter writes `convert` (f32, or q8_0
+    where f32 would not fit the disk), llama-quantize makes the others from it; the converted file is written only
+    while a kind is missing, so it may be deleted once they are made (f32 is only ever a source)."""
     files = {kind: work / f"model-{kind}.gguf" for kind, _ in PAIRS}
-    if not files["f32"].exists() and not all(
+    if not files[convert].exists() and not all(
         files[kind].exists() for kind in kinds
-    ):  # the f32 GGUF only to quantize from
+    ):  # the converted GGUF to quantize from
         source = work / "checkpoint"
         if source.exists():
             shutil.rmtree(source)
@@ -139,11 +148,13 @@ def gguf_files(work: Path, tree: Path, bins: Path, checkpoint: Path,
                 shutil.copyfile(DEMO_CHECKPOINT / name, source / name)
         script = work / "convert.py"
         script.write_text(CONVERT.format(tree=str(tree), gguf=str(tree / "gguf-py")))
-        run([converter_python(work), script, "convert_hf_to_gguf.py", source, "--outtype", "f32", "--outfile",
-             files["f32"]])
+        run([python, script, "convert_hf_to_gguf.py", source, "--outtype", convert, "--outfile",
+             files[convert]])
+    requantize = ["--allow-requantize"] if convert != "f32" else []
     for kind in kinds:
         if not files[kind].exists():
-            run([bins / "llama-quantize", files["f32"], files[kind], kind.upper(), "2"], capture_output=True)
+            run([bins / "llama-quantize", *requantize, files[convert], files[kind], kind.upper(), "2"],
+                capture_output=True)
     return files
 
 
@@ -228,26 +239,34 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--contexts", default="128,4096,16384")
     ap.add_argument("--workdir", type=Path, default=ROOT / "benchmarks" / "work" / "llamacpp")
+    ap.add_argument("--models", type=Path, default=None, help="checkpoint, GGUFs, exports, results (default: WORK)")
+    ap.add_argument("--convert", choices=("f32", "q8_0"), default="f32", help="the GGUF the converter writes")
     ap.add_argument("--pairs", default=",".join(kind for kind, _ in PAIRS), help="llama.cpp precisions to compare")
     ap.add_argument("--note", default="", help="what the results file should say about the run (the machine's load)")
     args = ap.parse_args()
     pairs = [(kind, ours) for kind, ours in PAIRS if kind in args.pairs.split(",")]
     if not pairs:
         ap.error(f"--pairs {args.pairs!r}: expected some of {', '.join(kind for kind, _ in PAIRS)}")
+    if args.convert != "f32" and {"f32", "f16"} & {kind for kind, _ in pairs}:
+        ap.error(f"--convert {args.convert}: f32 and f16 would be made from {args.convert}'s rounded values; "
+                 "leave them out of --pairs")
     contexts = [int(c) for c in args.contexts.split(",")]
     work = args.workdir.resolve()
-    work.mkdir(parents=True, exist_ok=True)
+    models = (args.models or args.workdir).resolve()
+    for d in work, models:
+        d.mkdir(parents=True, exist_ok=True)
     checkpoint = args.checkpoint
     if checkpoint is None:
         from mla_deploy.presets import build_preset
 
-        checkpoint = work / args.preset
+        checkpoint = models / args.preset
         if not (checkpoint / "config.json").exists():
             build_preset(args.preset, checkpoint, 0, None)
     tree = llama_tree(work)
     bins = build(work, tree)
-    ggufs = gguf_files(work, tree, bins, checkpoint, tuple(kind for kind, _ in pairs))
-    exports = our_exports(work, checkpoint, tuple(ours for _, ours in pairs))
+    ggufs = gguf_files(models, tree, bins, converter_python(work), checkpoint, tuple(kind for kind, _ in pairs),
+                       args.convert)
+    exports = our_exports(models, checkpoint, tuple(ours for _, ours in pairs))
 
     from mla_deploy.bench.bandwidth import matmul_read_gbs
 
@@ -265,9 +284,9 @@ def main() -> int:
                         weights_gb=(exports[precision] / "weights.bin").stat().st_size / 1e9,
                         read_bytes={ctx: read_bytes_per_token(exports[precision], ctx) for ctx in contexts})
         results["pairs"].append(pair)
-    (work / "results.json").write_text(json.dumps(results, indent=1))
+    (models / "results.json").write_text(json.dumps(results, indent=1))
     print_table(results, contexts)
-    chart(results, contexts, work / "results.png")
+    chart(results, contexts, models / "results.png")
     return 0
 
 

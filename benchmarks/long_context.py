@@ -120,7 +120,8 @@ def main() -> int:
     bins = llamacpp.build(work, llamacpp.llama_tree(work))
     gguf = work / "model-q4_0.gguf"
     if not gguf.exists():
-        gguf = llamacpp.gguf_files(work, llamacpp.llama_tree(work), bins, checkpoint)["q4_0"]
+        tree, python = llamacpp.llama_tree(work), llamacpp.converter_python(work)
+        gguf = llamacpp.gguf_files(work, tree, bins, python, checkpoint, kinds=("q4_0",))["q4_0"]
     ours = exports(work, checkpoint)
 
     from mla_deploy.bench.engines import OnnxEngine

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from compare_llamacpp import build, cpu_model, gguf_files, llama_bench, llama_tree, log  # noqa: E402
+from compare_llamacpp import build, converter_python, cpu_model, gguf_files, llama_bench, llama_tree, log  # noqa: E402
 
 
 def main() -> int:
@@ -60,7 +60,7 @@ def main() -> int:
         build_preset("v2lite", checkpoint, 0, 2)
     tree = llama_tree(work)
     bins = build(work, tree)
-    gguf = gguf_files(work, tree, bins, checkpoint, kinds=("q4_0",))["q4_0"]
+    gguf = gguf_files(work, tree, bins, converter_python(work), checkpoint, kinds=("q4_0",))["q4_0"]
     ours = work / "export-int4"
     if not (ours / "manifest.json").exists():
         log("exporting int4")
