@@ -124,8 +124,9 @@ def converter_python(work: Path) -> Path:
 def gguf_files(work: Path, tree: Path, bins: Path, python: Path, checkpoint: Path,
                kinds: tuple[str, ...] = ("q8_0", "q4_0", "f16"), convert: str = "f32") -> dict[str, Path]:
     """`kinds` of `checkpoint` as GGUF files, each made once in `work`: the converter writes `convert` (f32, or q8_0
-    where f32 would not fit the disk), llama-quantize makes the others from it; the converted file is written only
-    while a kind is missing, so it may be deleted once they are made (f32 is only ever a source)."""
+    where f32 would not fit the disk), llama-quantize makes the others from it, and the converted file, unless it is
+    one of `kinds`, is deleted once they are made (the full-size V2-Lite's q8_0 and q4_0 together leave no room for
+    our export)."""
     files = {kind: work / f"model-{kind}.gguf" for kind, _ in PAIRS}
     if not files[convert].exists() and not all(
         files[kind].exists() for kind in kinds
@@ -155,6 +156,8 @@ def gguf_files(work: Path, tree: Path, bins: Path, python: Path, checkpoint: Pat
         if not files[kind].exists():
             run([bins / "llama-quantize", *requantize, files[convert], files[kind], kind.upper(), "2"],
                 capture_output=True)
+    if convert not in kinds:
+        files[convert].unlink(missing_ok=True)
     return files
 
 
