@@ -85,7 +85,9 @@ def llama_tree(work: Path) -> Path:
 
 
 def build(work: Path, tree: Path) -> Path:
+    """The llama.cpp binaries, built once; this process's children find the build's shared libraries beside them."""
     bins = work / "build" / "bin"
+    os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(bins), os.environ.get("LD_LIBRARY_PATH")]))
     if all((bins / t).exists() for t in TARGETS):
         return bins
     run(["cmake", "-S", tree, "-B", work / "build", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",

@@ -80,6 +80,11 @@ def _speculation(mode: str, draft_tokens: int):
     return Speculation(mode, draft_tokens).validate()  # bad values fail before loading
 
 
+_ray_address_option = click.option(  # run and serve
+    "--ray-address", default=None,
+    help="A staged export (export --stages N): the Ray cluster its stages' actors join ('auto': the one started on "
+         "this host); default: a local Ray instance. Needs the 'ray' extra.")
+
 _session_config_option = click.option(  # run and serve
     "--session-config", "session_config", multiple=True, metavar="KEY=VALUE", callback=_session_entries,
     help="A further onnxruntime session config entry, e.g. session.set_denormal_as_zero=1 (repeatable; that one also "
@@ -216,9 +221,7 @@ def export(checkpoint, out, absorb, dtype, cache_dtype, max_seq_len, no_verify, 
                    "the weights instead of two, where they are prepacked (a model near the machine's memory).")
 @_session_config_option
 @_speculation_options
-@click.option("--ray-address", default=None,
-              help="A staged export (export --stages N): the Ray cluster its stages' actors join ('auto': the one "
-                   "started on this host); default: a local Ray instance. Needs the 'ray' extra.")
+@_ray_address_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text (with the "
               "draft tokens proposed and accepted).")
 def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, provider,
@@ -401,13 +404,24 @@ def bench(quick, preset, checkpoint, contexts, batches, engines, steps, threads,
               help="Where the graphs run; on cuda the batch's caches stay in GPU memory.")
 @_session_config_option
 @_speculation_options
+@_ray_address_option
+@click.option("--micro-batches", type=click.IntRange(min=1), default=None,
+              help="A staged export: groups of rows in flight through the stages together (default: one per stage).")
 def serve(export_dir, host, port, max_batch, max_queue, prefill_chunk, api_key, model_name, threads, prepack, spin,
-          ray_replicas, provider, session_config, speculative, draft_tokens):
+          ray_replicas, provider, session_config, speculative, draft_tokens, ray_address, micro_batches):
     """Serve EXPORT_DIR over HTTP with OpenAI's completions and chat routes, batching requests continuously."""
     from .runtime import RuntimeOptions
 
     options = RuntimeOptions(provider=provider, threads=threads, prepack=prepack, spin=spin,
                              session_config=session_config)
+    from .manifest import is_staged, read_manifest
+
+    staged = is_staged(read_manifest(export_dir))
+    if ray_replicas is not None and staged:
+        raise click.UsageError("--ray-replicas copies a whole export per replica; a staged export already runs as "
+                               "one Ray actor per stage (serve it without --ray-replicas)")
+    if micro_batches is not None and not staged:
+        raise click.UsageError("--micro-batches: only a staged export (export --stages N) has stages to pipeline")
     if ray_replicas is not None:
         from .serve.ray import serve_on_ray
 
@@ -418,7 +432,7 @@ def serve(export_dir, host, port, max_batch, max_queue, prefill_chunk, api_key, 
     from .serve.server import serve as run_server
 
     service = build_service(export_dir, max_batch, max_queue, api_key, model_name, options, prefill_chunk,
-                            _speculation(speculative, draft_tokens))
+                            _speculation(speculative, draft_tokens), ray_address, micro_batches)
     click.echo(f"serving {service.model_name!r} on http://{host}:{port}/v1 (max batch {max_batch}, "
                f"max queue {max_queue}{', API key required' if api_key else ''})", err=True)
     run_server(service, host, port)

@@ -140,3 +140,61 @@ def test_two_ray_nodes_each_run_one_stage(exports):
             node.terminate()
             node.wait(timeout=60)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_serve_runs_a_staged_export_on_ray_and_reports_a_dead_stage(exports):
+    """`mla-deploy serve` on a staged export: one Ray actor per stage (a local Ray instance the server starts), the
+    prompts of one request batched through them, the whole export's greedy text; /health names the stages; a
+    stage killed is a clear error for the request that meets it, and /health then answers 503 naming it."""
+    import httpx2 as httpx
+    import openai
+
+    from mla_deploy.manifest import read_manifest
+    from mla_deploy.runtime.text import Tokenizer
+
+    port = free_ports(1)[0]
+    exe = Path(sys.executable).with_name("mla-deploy")
+    server = subprocess.Popen([str(exe), "serve", str(exports["2"]), "--port", str(port), "--max-batch", "4",
+                               "--model-name", "m", "--threads", "1"], stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None, server.stderr.read()[-3000:]
+            try:
+                health = httpx.get(base + "/health", timeout=2)
+                if health.status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.5)
+        stages = health.json()["stages"]
+        assert [s["index"] for s in stages] == [0, 1] and len({s["pid"] for s in stages}) == 2
+
+        manifest = read_manifest(exports["2"])
+        tokenizer = Tokenizer.from_export(exports["2"], manifest)
+        stops = set(manifest["config_obj"].eos_token_id)
+        expected = []
+        # the text up to the first stop token, which the server leaves out; the last prompt's continuation is bytes
+        # that are no whole UTF-8 text
+        for tokens in exports["tokens"][:4]:
+            cut = next((i for i, t in enumerate(tokens) if t in stops), len(tokens))
+            expected.append(tokenizer.decode(tokens[:cut]))
+        assert all(expected)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+        reply = client.completions.create(model="m", prompt=PROMPTS[:4], max_tokens=24, temperature=0,
+                                          extra_body={"repetition_penalty": 1.0})
+        assert [c.text for c in sorted(reply.choices, key=lambda c: c.index)] == expected
+
+        os.kill(stages[1]["pid"], 9)
+        with pytest.raises(openai.APIStatusError) as failed:
+            client.completions.create(model="m", prompt=PROMPTS[:1], max_tokens=8, temperature=0)
+        assert failed.value.status_code == 503 and "stage 1" in failed.value.message
+        health = httpx.get(base + "/health", timeout=60)
+        assert health.status_code == 503 and "StageFailedError" in health.text and "stage 1" in health.text
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+

@@ -31,22 +31,28 @@ class StageWorker:
         self.stage = self.model.stage
         self.groups: dict[Hashable, CacheBuffers] = {}
 
+    def open(self, key: Hashable, rows: int) -> None:
+        """Hold caches of `rows` rows for group `key` (a scheduler's fixed set of rows, whose steps cover some of
+        them); a group a step meets first is opened with that step's rows."""
+        model = self.model
+        self.groups[key] = CacheBuffers(model.config, rows, 1, model.max_seq_len, model.device, model.cache_format,
+                                        self.stage.layers, resident=model.resident_caches)
+
     def step(self, key: Hashable, kind: str, new: np.ndarray, positions: np.ndarray, write: np.ndarray,
-             logits_positions: np.ndarray | None = None) -> np.ndarray:
+             logits_positions: np.ndarray | None = None, rows: tuple[int, int] | None = None) -> np.ndarray:
         """Run the `kind` graph for group `key` over `new` (token ids [b, T] for the first stage, the stage before's
         hidden states [b, T, d] for the others) at `positions` [b, T], writing each row's T entries from slot
-        write[b] of this stage's caches (created for the group on its first step, grown as it goes). Returns the
-        hidden states [b, T, d], or, from the last stage, the logits [b, vocab] at `logits_positions` [b] (prefill)
-        or of the one new token (decode)."""
+        write[b] of this stage's caches (rows (lo, hi) of the group's: b = hi - lo; default all of them). Returns
+        the hidden states [b, T, d], or, from the last stage, the logits: [b, vocab] of the one new token (decode)
+        or at `logits_positions` [b] (prefill), [b, n, vocab] at `logits_positions` [b, n]."""
         b, t = positions.shape
-        caches = self.groups.get(key)
-        if caches is None:
-            model = self.model
-            caches = self.groups[key] = CacheBuffers(model.config, b, 1, model.max_seq_len, model.device,
-                                                     model.cache_format, self.stage.layers,
-                                                     resident=model.resident_caches)
-        if caches.batch != b:
-            raise InputError(f"stage {self.stage.index}: group {key!r} holds {caches.batch} rows, the step has {b}")
+        if key not in self.groups:
+            self.open(key, b)
+        caches = self.groups[key]
+        lo, hi = rows if rows is not None else (0, caches.batch)
+        if hi - lo != b or not 0 <= lo < hi <= caches.batch:
+            raise InputError(f"stage {self.stage.index}: group {key!r} holds {caches.batch} rows, the step has {b} "
+                             f"(rows {lo}-{hi - 1})")
         caches.ensure(int((write + t).max()))
         session = self.model.sessions[kind]
         binding = session.io_binding()
@@ -55,14 +61,16 @@ class StageWorker:
         binding.bind_cpu_input(io_spec.POSITION_IDS, np.ascontiguousarray(positions, np.int64))
         binding.bind_cpu_input(io_spec.ATTENTION_MASK, np.ones((b, caches.capacity), np.int64))
         binding.bind_cpu_input(io_spec.WRITE_INDICES, np.ascontiguousarray(write, np.int64))
+        every = logits_positions is not None and np.ndim(logits_positions) == 2
         if self.stage.last and kind == io_spec.PREFILL:
-            binding.bind_cpu_input(io_spec.LOGITS_POSITIONS, np.asarray(logits_positions, np.int64).reshape(b, 1))
+            binding.bind_cpu_input(io_spec.LOGITS_POSITIONS,
+                                   np.asarray(logits_positions, np.int64).reshape(b, -1 if every else 1))
         binding.bind_output(io_spec.LOGITS if self.stage.last else io_spec.HIDDEN_STATES_OUT, "cpu")
-        held = caches.bind(binding)
+        held = caches.bind(binding, slice(lo, hi))
         session.run_with_iobinding(binding)
         del held
         out = binding.get_outputs()[0].numpy()
-        return out[:, 0] if self.stage.last else out  # logits [b, 1, vocab] -> [b, vocab]
+        return out if not self.stage.last or every else out[:, 0]  # logits [b, 1, vocab] -> [b, vocab]
 
     def close(self, key: Hashable) -> None:
         """Free the group's caches (a finished generation)."""
@@ -103,11 +111,16 @@ class StageChain(StagedExport):
         super().__init__(directory)
         self.workers = [StageWorker(d, options, model_class) for d in self.stage_dirs]
 
-    def forward(self, key: Hashable, kind: str, new: np.ndarray, positions: np.ndarray, write: np.ndarray,
-                logits_positions: np.ndarray | None = None) -> np.ndarray:
-        """One step of group `key` through every stage: the last stage's logits [b, vocab]."""
+    def open(self, key: Hashable, rows: int) -> None:
+        """Caches of `rows` rows for group `key` on every stage (StageWorker.open)."""
         for worker in self.workers:
-            new = worker.step(key, kind, new, positions, write, logits_positions)
+            worker.open(key, rows)
+
+    def forward(self, key: Hashable, kind: str, new: np.ndarray, positions: np.ndarray, write: np.ndarray,
+                logits_positions: np.ndarray | None = None, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """One step of group `key` (its rows `rows`) through every stage: the last stage's logits."""
+        for worker in self.workers:
+            new = worker.step(key, kind, new, positions, write, logits_positions, rows)
         return new
 
     @property

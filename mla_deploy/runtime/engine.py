@@ -17,12 +17,20 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
+from .chain import StagedExport
 from .scheduler import Finished, PromptLogprobs, QueueFull, Request, Scheduler, TokenEvent
+from .staged_scheduler import StagedScheduler
 from .sampling import SamplingParams
 from .session import ExportedModel
 from .speculative import Speculation
 
-__all__ = ["Engine", "EngineStats", "Finished", "Histogram", "PromptLogprobs", "QueueFull", "TokenEvent"]
+__all__ = ["Engine", "EngineFailed", "EngineStats", "Finished", "Histogram", "PromptLogprobs", "QueueFull",
+           "TokenEvent"]
+
+
+class EngineFailed(RuntimeError):
+    """The scheduler thread died (a stage of a staged export lost, an onnxruntime failure): every request it held
+    ends with this, and the engine takes no more."""
 
 
 class Histogram:
@@ -54,10 +62,16 @@ class EngineStats:
 
 class Engine:
     def __init__(self, model: ExportedModel, max_batch: int = 16, max_queue: int = 256, prefill_chunk: int = 256,
-                 speculation: Speculation | None = None):
-        """`speculation`: the scheduler's (runtime.speculative); a request opts out with speculate=False."""
+                 speculation: Speculation | None = None, micro_batches: int | None = None):
+        """`model`: an ExportedModel, or a staged export's stage chain (runtime.chain.StageChain,
+        runtime.stages.StagedModel: runtime.staged_scheduler, `micro_batches` groups of rows in flight);
+        `speculation`: the scheduler's (runtime.speculative); a request opts out with speculate=False."""
         self.model = model
-        self.scheduler = Scheduler(model, max_batch, max_queue, prefill_chunk, speculation)
+        if isinstance(model, StagedExport):  # a stage chain: its stages hold the caches
+            self.scheduler: Scheduler = StagedScheduler(model, max_batch, max_queue, prefill_chunk, speculation,
+                                                        micro_batches)
+        else:
+            self.scheduler = Scheduler(model, max_batch, max_queue, prefill_chunk, speculation)
         self.stats = EngineStats()
         self._lock = threading.Condition()
         self._inbox: list[Request] = []
@@ -138,6 +152,8 @@ class Engine:
             self._closed = True
             self._lock.notify()
         self._thread.join()
+        if isinstance(self.scheduler, StagedScheduler):
+            self.scheduler.close()  # the stages' caches of its rows
 
     # ---- internals ----
     async def _batches(self, request: Request, queue: asyncio.Queue) -> AsyncIterator[list[TokenEvent | Finished]]:
@@ -150,7 +166,7 @@ class Engine:
                 now = time.perf_counter()
                 for event in events:
                     if isinstance(event, _Failed):
-                        raise RuntimeError(f"the scheduler failed: {event.error!r}")
+                        raise EngineFailed(f"the scheduler failed: {event.error!r}")
                     if isinstance(event, TokenEvent):  # (PromptLogprobs is not a token)
                         if last is None:
                             self.stats.ttft.observe(now - request.submitted_at)

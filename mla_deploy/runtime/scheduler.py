@@ -118,19 +118,22 @@ class Scheduler:
                  speculation: Speculation | None = None):
         if io_spec.PREFILL not in model.sessions:
             raise InputError("the scheduler prefills prompts with the prefill graph: load the model with both graphs")
+        self._rows_and_queue(model, max_batch, max_queue, prefill_chunk)
+        self.caches = CacheBuffers(model.config, max_batch, 1, model.max_seq_len, model.device, model.cache_format,
+                                   resident=model.resident_caches)
+        self._decode: DecodeBinding | None = None
+        self.speculation = (speculation or Speculation()).resolve(model)
+        self.drafter = MTPDrafter(model, max_batch) if self.speculation.mode == "mtp" else None
+
+    def _rows_and_queue(self, model, max_batch: int, max_queue: int, prefill_chunk: int) -> None:
         for name, value in (("max_batch", max_batch), ("max_queue", max_queue), ("prefill_chunk", prefill_chunk)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InputError(f"{name}={value!r}: must be a positive integer")
         self.model, self.max_batch, self.max_queue, self.prefill_chunk = model, max_batch, max_queue, prefill_chunk
-        self.caches = CacheBuffers(model.config, max_batch, 1, model.max_seq_len, model.device, model.cache_format,
-                                   resident=model.resident_caches)
         self.lengths = np.zeros(max_batch, np.int64)  # tokens held in each row's cache
         self.rows: list[Request | None] = [None] * max_batch
         self.waiting: deque[Request] = deque()
         self.stats = SchedulerStats()
-        self._decode: DecodeBinding | None = None
-        self.speculation = (speculation or Speculation()).resolve(model)
-        self.drafter = MTPDrafter(model, max_batch) if self.speculation.mode == "mtp" else None
 
     # ---- requests ----
     def check(self, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
@@ -250,23 +253,28 @@ class Scheduler:
                 self.drafter.prompt_done(row, hidden[0, t - 1 : t].copy(), start + t - 1)
         request.prefilled += t
         self.lengths[row] = request.prefilled
+        self._chunk_done(request, start, t, binding.get_outputs()[0].numpy())
+        if drafts and request.pending is not None:
+            self.drafter.first_token(row, request.pending)
+
+    def _chunk_done(self, request: Request, start: int, t: int, logits: np.ndarray) -> None:
+        """A prefill chunk of `request`'s prompt, tokens [start, start + t), has run: logits [1, positions, vocab]
+        (every position's where its prompt logprobs are asked for, else the last's). Gathers the prompt logprobs;
+        after the prompt's last chunk, emits them and samples the first token (or finishes a request for 0)."""
         self.stats.prefill_tokens += t
-        logits = binding.get_outputs()[0].numpy()  # [1, positions, vocab]
-        if every:
+        if request.prompt_logprobs is not None:
             # position start + j predicts prompt token start + j + 1 (the chunk's last predicts the next chunk's first)
             targets = request.prompt_ids[start + 1 : start + t + 1]
             request.prompt_lp = (request.prompt_lp or []) + _token_logprobs(logits[0, :len(targets)], targets,
                                                                             request.prompt_logprobs)
-        if request.prefilled == len(request.prompt_ids):
-            if every:
+        if start + t == len(request.prompt_ids):
+            if request.prompt_logprobs is not None:
                 request.emit(PromptLogprobs(request.prompt_lp))
                 request.prompt_lp = None
             if request.max_new_tokens == 0:
                 self._finish(request, "length")
                 return
             self._sample_and_emit(request, logits[:, -1])  # [1, vocab]
-            if drafts and request.pending is not None:
-                self.drafter.first_token(row, request.pending)
 
     def _decode_step(self, decoding: list[Request]) -> None:
         hi = max(r.row for r in decoding) + 1
@@ -289,22 +297,7 @@ class Scheduler:
             self.lengths[r.row] += 1
         self.stats.decode_steps += 1
         self.stats.decoded_rows += len(decoding)
-        plain = [r for r in decoding if _plain_greedy(r)]  # one argmax for all of them
-        chosen = dict(zip((r.id for r in plain), d.logits[[r.row for r in plain], 0].argmax(-1).tolist()))
-        alike: dict[SamplingParams, list[Request]] = {}  # the other rows by their sampling, seeds aside
-        for r in decoding:
-            if r.id not in chosen:
-                alike.setdefault(replace(r.sampling, seed=None), []).append(r)
-        for params, rows in alike.items():  # one sample() per setting; each row draws from its own generator
-            tokens = sample(
-                d.logits[[r.row for r in rows], 0],
-                params,
-                [r.rng for r in rows],
-                [r.history for r in rows],
-                [r.counts for r in rows],
-                self._allowed(rows),
-            )
-            chosen.update(zip((r.id for r in rows), tokens.tolist()))
+        chosen = self._choose(decoding, d.logits[:, 0])
         for r in decoding:
             row, start = r.row, int(self.lengths[r.row]) - 1
             self._sample_and_emit(r, d.logits[row : row + 1, 0], chosen[r.id])
@@ -312,6 +305,22 @@ class Scheduler:
                 self.drafter.commit(row, np.array([r.pending]), d.hidden[row, :1].copy(), start)
             if r.pending is not None and self._speculates(r):
                 r.acceptance = updated_acceptance(r.acceptance, 0, 0)  # a step without drafts
+
+    def _choose(self, decoding: list[Request], logits: np.ndarray, first_row: int = 0) -> dict[int, int]:
+        """Each decoding request's next token, by request id, from its row of `logits` [rows, vocab] (row r.row -
+        first_row): one argmax for every plain greedy row, one sample() per sampling setting for the others (each
+        row drawing from its own generator)."""
+        plain = [r for r in decoding if _plain_greedy(r)]
+        chosen = dict(zip((r.id for r in plain), logits[[r.row - first_row for r in plain]].argmax(-1).tolist()))
+        alike: dict[SamplingParams, list[Request]] = {}  # the other rows by their sampling, seeds aside
+        for r in decoding:
+            if r.id not in chosen:
+                alike.setdefault(replace(r.sampling, seed=None), []).append(r)
+        for params, rows in alike.items():
+            tokens = sample(logits[[r.row - first_row for r in rows]], params, [r.rng for r in rows],
+                            [r.history for r in rows], [r.counts for r in rows], self._allowed(rows))
+            chosen.update(zip((r.id for r in rows), tokens.tolist()))
+        return chosen
 
     # ---- speculation (runtime.speculative) ----
     def _speculates(self, request: Request) -> bool:

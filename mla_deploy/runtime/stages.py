@@ -77,11 +77,18 @@ class StagedModel(StagedExport):
             raise (cause if isinstance(cause, ExportLoadError) else StageFailedError(str(e).splitlines()[0])) from None
 
     # ---- the chain runtime.pipeline drives ----
-    def forward(self, key: Hashable, kind: str, new: np.ndarray, positions: np.ndarray, write: np.ndarray,
-                logits_positions: np.ndarray | None = None):
-        """One step of group `key` through every stage's actor: an object ref to the last stage's logits."""
+    def open(self, key: Hashable, rows: int) -> None:
+        """Caches of `rows` rows for group `key` on every stage's actor (before any step of the group: an actor runs
+        one caller's calls in order)."""
         for actor in self.actors:
-            new = actor.step.remote(key, kind, new, positions, write, logits_positions)
+            actor.open.remote(key, rows)
+
+    def forward(self, key: Hashable, kind: str, new: np.ndarray, positions: np.ndarray, write: np.ndarray,
+                logits_positions: np.ndarray | None = None, rows: tuple[int, int] | None = None):
+        """One step of group `key` (its rows `rows`) through every stage's actor: an object ref to the last stage's
+        logits."""
+        for actor in self.actors:
+            new = actor.step.remote(key, kind, new, positions, write, logits_positions, rows)
         return new
 
     def resolve(self, handle) -> np.ndarray:

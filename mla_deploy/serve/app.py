@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import InputError
 from ..runtime.chat import ChatTemplate, GenerationDefaults
-from ..runtime.engine import Engine, Finished, PromptLogprobs, QueueFull, TokenEvent
+from ..runtime.engine import Engine, EngineFailed, Finished, PromptLogprobs, QueueFull, TokenEvent
 from ..runtime.grammar import Constraint, Grammars
 from ..runtime.text import Tokenizer
 from . import protocol
@@ -250,6 +250,10 @@ def create_app(service: Service) -> FastAPI:
         message = f"no route {request.method} {request.url.path}" if e.status_code in (404, 405) else str(e.detail)
         return _error(service, APIError(e.status_code, message))
 
+    @app.exception_handler(EngineFailed)
+    async def engine_failed(request: Request, e: EngineFailed):  # /health says the same from now on
+        return _error(service, APIError(503, f"the engine failed: {e}"))
+
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception):
         return _error(service, APIError(500, f"internal error: {type(e).__name__}: {e}"))
@@ -258,7 +262,8 @@ def create_app(service: Service) -> FastAPI:
     async def health():
         if service.engine.error is not None:
             return _error(service, APIError(503, f"engine failed: {service.engine.error!r}"))
-        return {"status": "ok"}
+        placement = getattr(service.engine.model, "placement", None)  # a staged export's stages on Ray
+        return {"status": "ok"} if placement is None else {"status": "ok", "stages": placement}
 
     @app.get("/v1/models")
     async def models(request: Request):
