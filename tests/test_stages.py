@@ -187,3 +187,14 @@ def test_inspect_reports_every_stage(exports):
     assert report["weights_file_bytes"] == sum(e["weights_bytes"] for e in read_manifest(exports["2"])["stages"])
     assert report["damage"] is None
     assert "2 stages, layers 0-1, 2-3" in "\n".join(format_report(report))
+
+
+def test_serve_refuses_replicas_of_a_staged_export_and_micro_batches_of_a_whole_one(exports):
+    from click.testing import CliRunner
+
+    from mla_deploy.cli import main
+
+    result = CliRunner().invoke(main, ["serve", str(exports["2"]), "--ray-replicas", "2"])
+    assert result.exit_code == 2 and "already runs as one Ray actor per stage" in result.stderr
+    result = CliRunner().invoke(main, ["serve", str(exports["whole"]), "--micro-batches", "2"])
+    assert result.exit_code == 2 and "only a staged export" in result.stderr
