@@ -12,6 +12,9 @@ Blocks:
   16384, batch 8), from `benchmarks/results/llamacpp*.json` as `benchmarks/compare_llamacpp.py` writes them. Each
   precision comes from the latest file holding it (by its date; on the same date the file with fewer pairs wins: a
   `--pairs` run re-measures a subset after the full one), with that file's date and machine.
+- `llamacpp-full-size`: the same for the full-size DeepSeek-V2-Lite, from
+  `benchmarks/results/full-size-llamacpp*.json` (`compare_llamacpp.py --preset v2lite --convert q8_0`); a figure
+  the run did not measure says so.
 
 A result file's date is its "date" field; a file without one is dated by git: today where the working tree changes
 it (a measurement about to be committed), else the day of the last commit that changed it. A shallow clone cannot
@@ -64,10 +67,11 @@ def machine(data: dict) -> str:
     return f"{data.get('cpu', 'CPU not recorded')}, {data.get('threads', '?')} threads"
 
 
-def llamacpp_pairs(results: Path = RESULTS) -> dict[str, dict]:
-    """{our precision: its latest pair, with 'date', 'machine' and 'source' added}."""
+def llamacpp_pairs(results: Path = RESULTS, pattern: str = "llamacpp*.json") -> dict[str, dict]:
+    """{our precision: its latest pair among the files matching `pattern`, with 'date', 'machine' and 'source'
+    added}."""
     best: dict[str, tuple] = {}
-    for path in sorted(results.glob("llamacpp*.json")):
+    for path in sorted(results.glob(pattern)):
         data = json.loads(path.read_text())
         day = measured_on(path, data)
         for pair in data["pairs"]:
@@ -87,23 +91,37 @@ def _ratio(ours: float, theirs: float) -> str:
     return f"**{text}**" if ratio < 1 else text  # bold where llama.cpp is faster
 
 
-def llamacpp_summary(results: Path = RESULTS) -> str:
-    pairs = llamacpp_pairs(results)
-    missing = [name for name in SUMMARY_ORDER if name not in pairs]
-    if missing:
-        raise SystemExit(f"benchmarks/results/llamacpp*.json: no measurement of {', '.join(missing)}")
+def _pairs_table(pairs: dict[str, dict], names: list[str]) -> str:
     head = ["mla-deploy vs llama.cpp", *(title for _, title in COLUMNS), "measured"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name in SUMMARY_ORDER:
+    for name in names:
         pair = pairs[name]
         cells = [f"{LABELS.get(name, name)} vs {pair['llama.cpp']}"]
-        cells += [_ratio(pair["ours"][key], pair["theirs"][key]) for key, _ in COLUMNS]
+        cells += [_ratio(pair["ours"][key], pair["theirs"][key]) if key in pair["theirs"] else "not measured"
+                  for key, _ in COLUMNS]
         cells.append(f"{pair['date']}, {pair['machine']} (`{pair['source']}`)")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-RENDERERS = {"llamacpp-summary": llamacpp_summary}
+def llamacpp_summary(results: Path = RESULTS) -> str:
+    """Every precision pair on `v2lite-2L` (benchmarks/results/llamacpp*.json)."""
+    pairs = llamacpp_pairs(results)
+    missing = [name for name in SUMMARY_ORDER if name not in pairs]
+    if missing:
+        raise SystemExit(f"benchmarks/results/llamacpp*.json: no measurement of {', '.join(missing)}")
+    return _pairs_table(pairs, list(SUMMARY_ORDER))
+
+
+def llamacpp_full_size(results: Path = RESULTS) -> str:
+    """The pairs measured on the full-size V2-Lite (benchmarks/results/full-size-llamacpp*.json)."""
+    pairs = llamacpp_pairs(results, "full-size-llamacpp*.json")
+    if not pairs:
+        raise SystemExit("benchmarks/results/full-size-llamacpp*.json: no full-size measurement")
+    return _pairs_table(pairs, [name for name in SUMMARY_ORDER if name in pairs])
+
+
+RENDERERS = {"llamacpp-summary": llamacpp_summary, "llamacpp-full-size": llamacpp_full_size}
 
 
 def render(text: str, results: Path = RESULTS) -> str:
