@@ -223,11 +223,14 @@ def full_size(args) -> int:
         engine.load(graphs=("decode",))
     loaded = resident_memory()
     per_token = engine.cache_bytes_per_token()
-    room = args.memory_gb * 1e9 - loaded.rss
+    # the weights are mapped, resident as decode reads them: the cache gets what is left beside all of them
+    weights = (Path(args.full_size) / "weights.bin").stat().st_size
+    room = args.memory_gb * 1e9 - weights - loaded.anonymous
     result = {"date": time.strftime("%Y-%m-%d"), "cpu": llamacpp.cpu_model(), "export": str(args.full_size),
               "cache": engine.model.cache_format.latent, "cache_bytes_per_token": per_token,
-              "rss_after_load_gb": loaded.rss / 1e9, "max_context": int(room // per_token), "load": load,
-              "decode_tokens_per_s": {}}
+              "rss_after_load_gb": loaded.rss / 1e9, "weights_gb": weights / 1e9,
+              "max_context": min(int(room // per_token), engine.model.max_seq_len),
+              "memory_holds_context": int(room // per_token), "load": load, "decode_tokens_per_s": {}}
     for ctx in (int(c) for c in args.contexts.split(",")):
         if ctx > result["max_context"] or ctx + args.steps + 2 > engine.model.max_seq_len:
             log(f"context {ctx}: beyond the {result['max_context']} slots {room / 1e9:.1f} GB hold or the export's "
