@@ -11,6 +11,8 @@ from pathlib import Path
 
 import click
 
+from .cli_options import (_parse_ids, _parse_ints, _parse_modes, _ray_address_option, _session_config_option,
+                          _speculation, _speculation_options, _utf8)
 from .errors import MLADeployError, missing_extra
 from .presets import DEMO_CHECKPOINT
 
@@ -48,47 +50,6 @@ def _interrupted(signum, frame):
 def _progress(start=[None]):  # noqa: B006 - one clock per process
     start[0] = start[0] or time.perf_counter()
     return lambda msg: click.echo(f"[{time.perf_counter() - start[0]:7.1f}s] {msg}", err=True)
-
-
-def _session_entries(ctx, param, values: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
-    """--session-config KEY=VALUE options as (key, value) pairs."""
-    entries = []
-    for text in values:
-        key, sep, value = text.partition("=")
-        if not (sep and key.strip() and value.strip()):
-            raise click.BadParameter(f"{text!r}: expected KEY=VALUE, e.g. session.set_denormal_as_zero=1")
-        entries.append((key.strip(), value.strip()))
-    return tuple(entries)
-
-
-def _speculation_options(f):  # run and serve
-    f = click.option("--draft-tokens", type=int, default=4, show_default=True,
-                     help="Most tokens proposed per step with --speculative (fewer where the measured step costs and "
-                          "the drafts' acceptance in the generation say fewer pay).")(f)
-    return click.option("--speculative", type=click.Choice(["auto", "off", "lookup", "mtp"]), default="auto",
-                        show_default=True,
-                        help="Speculative decoding: propose tokens and verify them in one pass over the latent cache. "
-                             "lookup: from earlier occurrences in the prompt and output (any export); mtp: by the "
-                             "export's draft graph (a checkpoint with an MTP layer); auto: mtp where the export has "
-                             "it, else lookup. Greedy output is the same as off; sampled output keeps its "
-                             "distribution.")(f)
-
-
-def _speculation(mode: str, draft_tokens: int):
-    from .runtime.speculative import Speculation
-
-    return Speculation(mode, draft_tokens).validate()  # bad values fail before loading
-
-
-_ray_address_option = click.option(  # run and serve
-    "--ray-address", default=None,
-    help="A staged export (export --stages N): the Ray cluster its stages' actors join ('auto': the one started on "
-         "this host); default: a local Ray instance. Needs the 'ray' extra.")
-
-_session_config_option = click.option(  # run and serve
-    "--session-config", "session_config", multiple=True, metavar="KEY=VALUE", callback=_session_entries,
-    help="A further onnxruntime session config entry, e.g. session.set_denormal_as_zero=1 (repeatable; that one also "
-         "sets flush-to-zero on the calling thread).")
 
 
 @click.group(cls=_Cli)
@@ -451,48 +412,6 @@ def preset(name, out, seed, layers):
     from .presets import build_preset
 
     click.echo(build_preset(name, out, seed, layers))
-
-
-def _parse_modes(text):
-    if text is None:
-        return None
-    from .runtime.speculative import MODES
-
-    modes = tuple(m.strip() for m in text.split(",") if m.strip())
-    bad = [m for m in modes if m not in MODES or m == "auto"]
-    if bad or not modes:
-        raise MLADeployError(f"--speculative {text!r}: expected comma-separated modes among off, lookup, mtp")
-    return modes
-
-
-def _parse_ints(text, flag):
-    if text is None:
-        return None
-    try:
-        return tuple(int(t) for t in text.split(",") if t)
-    except ValueError:
-        raise MLADeployError(f"{flag} {text!r}: expected comma-separated integers") from None
-
-
-def _utf8(text: str | None) -> str | None:
-    """A usage error for bytes that are not UTF-8 (Python hands them over as lone surrogates): no tokenizer reads
-    them."""
-    from .errors import InputError
-    from .runtime.text import check_utf8
-
-    if text is not None:
-        try:
-            check_utf8(text, "the text")
-        except InputError as e:
-            raise click.BadParameter(str(e)) from None
-    return text
-
-
-def _parse_ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise MLADeployError(f"--prompt-ids {text!r}: expected comma-separated integers like 1,2,3") from None
 
 
 if __name__ == "__main__":
