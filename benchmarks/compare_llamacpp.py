@@ -260,13 +260,9 @@ def main() -> int:
     models = (args.models or args.workdir).resolve()
     for d in work, models:
         d.mkdir(parents=True, exist_ok=True)
-    checkpoint = args.checkpoint
-    if checkpoint is None:
-        from mla_deploy.presets import build_preset
+    from mla_deploy.presets import build_preset
 
-        checkpoint = models / args.preset
-        if not (checkpoint / "config.json").exists():
-            build_preset(args.preset, checkpoint, 0, None)
+    checkpoint = args.checkpoint or build_preset(args.preset, models / args.preset)  # reused once written
     tree = llama_tree(work)
     bins = build(work, tree)
     ggufs = gguf_files(models, tree, bins, converter_python(work), checkpoint, tuple(kind for kind, _ in pairs),

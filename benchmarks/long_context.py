@@ -110,13 +110,9 @@ def main() -> int:
         return full_size(args)
     work = args.workdir.resolve()
     work.mkdir(parents=True, exist_ok=True)
-    checkpoint = args.checkpoint
-    if checkpoint is None:
-        from mla_deploy.presets import build_preset
+    from mla_deploy.presets import build_preset
 
-        checkpoint = work / args.preset
-        if not (checkpoint / "config.json").exists():
-            build_preset(args.preset, checkpoint, 0, None)
+    checkpoint = args.checkpoint or build_preset(args.preset, work / args.preset)  # reused once written
     bins = llamacpp.build(work, llamacpp.llama_tree(work))
     gguf = work / "model-q4_0.gguf"
     if not gguf.exists():
