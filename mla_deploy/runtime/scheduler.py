@@ -34,7 +34,7 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -212,15 +212,21 @@ class Scheduler:
                 self.drafter.reset(row)
 
     def _prefill(self) -> None:
+        for request, t in self._chunks(self.rows):
+            self._prefill_chunk(request, t)
+
+    def _chunks(self, rows: Sequence[Request | None]) -> Iterator[tuple[Request, int]]:
+        """This step's prefill chunks of the prompts in `rows`, (request, tokens), about `prefill_chunk` tokens in
+        all; the consumer runs each chunk (advancing request.prefilled) before asking for the next."""
         budget = self.prefill_chunk
-        for request in [r for r in self.rows if r is not None and r.pending is None]:
+        for request in [r for r in rows if r is not None and r.pending is None]:
             while request.prefilled < len(request.prompt_ids) and budget > 0:
                 # a chunk always starts at a multiple of prefill_chunk: a prompt's chunks do not depend on the load
                 t = min(self.prefill_chunk, len(request.prompt_ids) - request.prefilled)
-                self._prefill_chunk(request, t)
+                yield request, t
                 budget -= t
             if budget <= 0:
-                break
+                return
 
     def _prefill_chunk(self, request: Request, t: int) -> None:
         start, row = request.prefilled, request.row

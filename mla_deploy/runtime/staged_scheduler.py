@@ -90,14 +90,8 @@ class StagedScheduler(Scheduler):
 
     # ---- launching ----
     def _launch(self, group: _Group) -> None:
-        budget = self.prefill_chunk
-        for request in [r for r in self.rows[group.lo:group.hi] if r is not None and r.pending is None]:
-            while request.prefilled < len(request.prompt_ids) and budget > 0:
-                t = min(self.prefill_chunk, len(request.prompt_ids) - request.prefilled)
-                self._launch_chunk(group, request, t)
-                budget -= t
-            if budget <= 0:
-                break
+        for request, t in self._chunks(self.rows[group.lo:group.hi]):
+            self._launch_chunk(group, request, t)
         decoding = [r for r in self.rows[group.lo:group.hi] if r is not None and r.pending is not None]
         if decoding:
             self._launch_decode(group, decoding)
