@@ -180,13 +180,17 @@ def export(checkpoint, out, absorb, dtype, cache_dtype, max_seq_len, no_verify, 
 @click.option("--decode-only", is_flag=True,
               help="Load only the decode graph and feed the prompt through it a token at a time: one prepacked copy of "
                    "the weights instead of two, where they are prepacked (a model near the machine's memory).")
+@click.option("--token-healing/--no-token-healing", default=True, show_default=True,
+              help="A --prompt ending part-way through a token (e.g. 'def ', ending in the lone space token) is fed "
+                   "without its last token, and the first generated token must start with that token's text.")
 @_session_config_option
 @_speculation_options
 @_ray_address_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text (with the "
               "draft tokens proposed and accepted).")
 def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, provider,
-        threads, check_weights, prepack, decode_only, session_config, speculative, draft_tokens, ray_address, as_json):
+        threads, check_weights, prepack, decode_only, token_healing, session_config, speculative, draft_tokens,
+        ray_address, as_json):
     """Generate from EXPORT_DIR, streaming the text as it is produced."""
     from .manifest import is_staged, read_manifest
     from .runtime import ExportedModel, RuntimeOptions, SamplingParams
@@ -206,7 +210,7 @@ def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_
         with StagedModel(export_dir, options, address=ray_address) as model:
             stages = ", ".join(f"stage {p['index']} RSS {p['rss_bytes'] / 1e9:.2f} GB" for p in model.placement)
             result = complete(model, prompt, ids, max_new_tokens, model.generation.override(**given),
-                              None if as_json else (lambda s: click.echo(s, nl=False)))
+                              None if as_json else (lambda s: click.echo(s, nl=False)), token_healing=token_healing)
         if as_json:
             click.echo(json.dumps({**result, "stages": model.placement}))
             return
@@ -219,7 +223,7 @@ def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_
     sampling = model.generation.override(**given)
     memory = model.load_memory
     on_text = None if as_json else (lambda s: click.echo(s, nl=False))
-    result = complete(model, prompt, ids, max_new_tokens, sampling, on_text, speculation)
+    result = complete(model, prompt, ids, max_new_tokens, sampling, on_text, speculation, token_healing)
     if as_json:
         result["load"] = {"seconds": round(model.load_seconds, 3), "memory": memory.to_dict() if memory else None}
         click.echo(json.dumps(result))

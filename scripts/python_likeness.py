@@ -1,6 +1,7 @@
 """Count how many unseeded completions of a prompt read as Python: the demo model's quality check.
 
     .venv/bin/python scripts/python_likeness.py EXPORT [--prompt "def "] [--runs 10] [-n 64] [--show]
+        [--no-token-healing]
 
 Each run is `mla-deploy run EXPORT --prompt PROMPT` with the export's own generation defaults (its
 generation_config.json) and no seed, through the same code (runtime.complete). A completion, prompt
@@ -58,8 +59,9 @@ class Verdict:
 
 
 def code_lines(text: str) -> list[tuple[str, bool]]:
-    """Each line of `text` with string literals and comments blanked out (same length), and whether the line starts
-    inside a string literal (a docstring's inner lines: their indentation is free)."""
+    """Each line of `text` with the insides of string literals and comments blanked out (same length; a string's
+    quotes stay, so the line a docstring opens on is a statement like any other), and whether the line starts inside
+    a string literal (a docstring's inner lines: their indentation is free)."""
     out, line, in_string, starts_in_string = [], [], None, False
     i = 0
     while i < len(text):
@@ -77,7 +79,7 @@ def code_lines(text: str) -> list[tuple[str, bool]]:
                 i += 2 if i + 1 < len(text) and text[i + 1] != "\n" else 1
                 continue
             if text.startswith(in_string, i):
-                line.append(" " * len(in_string))
+                line.append(in_string)
                 i += len(in_string)
                 in_string = None
                 continue
@@ -93,7 +95,7 @@ def code_lines(text: str) -> list[tuple[str, bool]]:
         if c in "'\"":
             quote = c * 3 if text.startswith(c * 3, i) else c
             in_string = quote
-            line.append(" " * len(quote))
+            line.append(quote)
             i += len(quote)
             continue
         line.append(c)
@@ -147,6 +149,7 @@ def main(argv=None) -> int:
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("-n", "--max-new-tokens", type=int, default=64)  # `mla-deploy run`'s default
     p.add_argument("--show", action="store_true", help="print each completion")
+    p.add_argument("--no-token-healing", action="store_true", help="feed the prompt as encoded (run's option)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
@@ -156,7 +159,8 @@ def main(argv=None) -> int:
     model = ExportedModel(args.export)
     runs = []
     for r in range(args.runs):
-        out = complete(model, args.prompt, None, args.max_new_tokens, model.generation.sampling)  # no seed
+        out = complete(model, args.prompt, None, args.max_new_tokens, model.generation.sampling,  # no seed
+                       token_healing=not args.no_token_healing)
         text = args.prompt + out["text"]
         verdict = judge(text)
         runs.append({"text": text, "python": verdict.python, **asdict(verdict), "reasons": verdict.reasons()})

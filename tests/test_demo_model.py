@@ -113,6 +113,8 @@ def test_the_python_likeness_check_tells_code_from_comments_and_broken_brackets(
     assert judge("def f(x):\n    return g(x,\n             y) if x else None\n").python  # a continuation aligns freely
     assert judge('def f(x):\n    """A docstring\n  with any indent."""\n    return x or None\n').python
     assert judge("def f(x):\n    if x:\n        return (x +").python  # cut off mid-statement on its last line: fine
+    assert judge('def f(self, x=None, y=True):\n    """Return x."""\n').python  # a docstring is an indented statement
+    assert not judge('def f(self, x=None, y=True):\n"""Return x."""\n').python
     comments = judge("def #\n#\n# == Message.\n#\n    return x if x else None\n")
     assert not comments.python and "comments" in " ".join(comments.reasons())
     closing = judge("def f(x):\n    return x)\n    if x: pass\n")

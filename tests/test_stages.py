@@ -198,3 +198,13 @@ def test_serve_refuses_replicas_of_a_staged_export_and_micro_batches_of_a_whole_
     assert result.exit_code == 2 and "already runs as one Ray actor per stage" in result.stderr
     result = CliRunner().invoke(main, ["serve", str(exports["whole"]), "--micro-batches", "2"])
     assert result.exit_code == 2 and "only a staged export" in result.stderr
+
+
+def test_a_first_token_mask_applies_over_stages_as_in_the_whole_export(exports):
+    mask = np.ones((len(PROMPTS), 4096), bool)
+    mask[:, :1000] = False  # every row's first token from the ids 1000 and up
+    expected = Generator(ExportedModel(exports["whole"]), SamplingParams(), stop_token_ids=()).generate(
+        PROMPTS, 8, mask).token_ids
+    got = PipelineGenerator(StageChain(exports["2"]), SamplingParams(), stop_token_ids=(), micro_batches=2).generate(
+        PROMPTS, 8, mask).token_ids
+    assert got == expected and all(row[0] >= 1000 for row in got)

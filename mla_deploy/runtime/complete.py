@@ -8,6 +8,7 @@ from typing import Callable
 from ..errors import InputError
 from .chain import StagedExport
 from .generator import Generator
+from .healing import HealedText, heal
 from .pipeline import PipelineGenerator
 from .sampling import SamplingParams
 from .session import ExportedModel
@@ -17,10 +18,14 @@ from .text import TextStream, Tokenizer
 
 def complete(model: ExportedModel | StagedExport, prompt: str | None = None, prompt_ids: list[int] | None = None,
              max_new_tokens: int = 64, sampling: SamplingParams | None = None,
-             on_text: Callable[[str], None] | None = None, speculation: Speculation | None = None) -> dict:
+             on_text: Callable[[str], None] | None = None, speculation: Speculation | None = None,
+             token_healing: bool = True) -> dict:
     """Generate from text (needs the export's tokenizer) or ids; `on_text` receives text as it is generated.
     sampling defaults to the export's generation_config.json (model.generation); speculation to off. A staged
-    export's stages (runtime.chain, runtime.stages) generate through runtime.pipeline, without speculation."""
+    export's stages (runtime.chain, runtime.stages) generate through runtime.pipeline, without speculation.
+    token_healing (text prompts): a prompt ending part-way through a token, such as `def `, is fed without its last
+    token and the completion's first token starts with that token's text (runtime.healing); the text streamed and
+    returned is what follows the prompt either way."""
     tokenizer = Tokenizer.from_export(model.directory, model.manifest)
     if (prompt is None) == (prompt_ids is None):
         raise InputError("give exactly one of a text prompt or prompt token ids")
@@ -28,14 +33,19 @@ def complete(model: ExportedModel | StagedExport, prompt: str | None = None, pro
         if tokenizer is None:
             raise InputError(f"{model.directory}: this export has no tokenizer; pass token ids (--prompt-ids)")
         prompt_ids = tokenizer.encode(prompt)
+    healing = heal(tokenizer, prompt_ids) if prompt is not None and token_healing else None
+    if healing is not None:
+        prompt_ids = healing.prompt_ids
     stream = TextStream(tokenizer) if tokenizer is not None else None
+    if stream is not None and healing is not None:
+        stream = HealedText(stream, healing.text)
     generator = (Generator(model, sampling, speculation=speculation) if isinstance(model, ExportedModel)
                  else PipelineGenerator(model, sampling))
     generator.check_prompts([prompt_ids], max_new_tokens)  # every option checked before anything is printed
     if on_text is not None and prompt is not None:
         on_text(prompt)  # the prompt first, then the completion as it is generated
     t0 = time.perf_counter()
-    steps = generator.stream([prompt_ids], max_new_tokens)
+    steps = generator.stream([prompt_ids], max_new_tokens, None if healing is None else healing.allowed[None])
     while True:
         try:
             step = next(steps)
@@ -52,6 +62,9 @@ def complete(model: ExportedModel | StagedExport, prompt: str | None = None, pro
             "mode": generator.speculation.mode, "draft_tokens": generator.speculation.draft_tokens,
             **result.speculation.to_dict()},
     }
+    if healing is not None:
+        out["token_healing"] = healing.to_dict()
     if tokenizer is not None:
-        out["text"] = tokenizer.decode(result.token_ids[0])
+        text = tokenizer.decode(result.token_ids[0])
+        out["text"] = text[len(healing.text):] if healing is not None else text
     return out

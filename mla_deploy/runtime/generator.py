@@ -87,11 +87,14 @@ class Generator:
         self.stop_token_ids = set(model.stop_token_ids if stop_token_ids is None else stop_token_ids)
 
     # ---- public ----
-    def generate(self, prompts, max_new_tokens: int) -> GenerationResult:
-        return run_to_end(self.stream(prompts, max_new_tokens))
+    def generate(self, prompts, max_new_tokens: int, first_allowed: np.ndarray | None = None) -> GenerationResult:
+        return run_to_end(self.stream(prompts, max_new_tokens, first_allowed))
 
-    def stream(self, prompts, max_new_tokens: int) -> Generator_[StepOutput, None, GenerationResult]:
+    def stream(self, prompts, max_new_tokens: int,
+               first_allowed: np.ndarray | None = None) -> Generator_[StepOutput, None, GenerationResult]:
         """Yield each step's new tokens; the iterator's return value is the GenerationResult.
+        first_allowed [rows, vocab] bool: the tokens each row's first generated token may be (token healing's mask,
+        runtime.healing); None: any.
         Closing the iterator early frees the generation's caches. With speculation a verification pass may give a row
         several tokens: they are yielded one StepOutput each, in step with the other rows (a row ahead of the others
         holds its tokens until they catch up), so the stream reads as without speculation."""
@@ -104,7 +107,8 @@ class Generator:
                       max_new_tokens)
         try:
             logits = self.prefill(state, rows)
-            tokens = sample(logits, self.sampling, state.rng, state.history, out.counts)
+            tokens = sample(logits, self.sampling, state.rng, state.history, out.counts,
+                            check_first_allowed(first_allowed, b, logits.shape[-1]))
             out.take(state, [[int(t)] for t in tokens])
             loop = self._speculative if self.speculation.on else self._plain
             yield from loop(state, out, tokens)
@@ -330,6 +334,19 @@ class _Output:
         for step in range(self.yielded, upto):
             yield StepOutput(step, [g[step] if step < len(g) else None for g in self.generated])
         self.yielded = max(self.yielded, upto)
+
+
+def check_first_allowed(mask: np.ndarray | None, rows: int, vocab: int) -> np.ndarray | None:
+    """A first-token mask as sample() takes it, [rows, vocab] bool, or InputError naming what is wrong with it."""
+    if mask is None:
+        return None
+    mask = np.asarray(mask)
+    if mask.dtype != bool or mask.shape != (rows, vocab):
+        raise InputError(f"first_allowed: expected a bool mask of shape ({rows}, {vocab}), got {mask.dtype} "
+                         f"{mask.shape}")
+    if not mask.any(axis=1).all():
+        raise InputError(f"first_allowed: row {int(np.argmin(mask.any(axis=1)))} allows no token")
+    return mask
 
 
 def check_prompts(prompts, max_new_tokens: int, vocab: int, limit: int, least: int = 1) -> list[list[int]]:

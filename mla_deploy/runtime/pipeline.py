@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import io_spec
 from ..errors import InputError
-from .generator import GenerationResult, StepOutput, check_prompts, run_to_end
+from .generator import GenerationResult, StepOutput, check_first_allowed, check_prompts, run_to_end
 from .sampling import SamplingParams, sample
 
 _keys = itertools.count()
@@ -53,16 +53,19 @@ class PipelineGenerator:
         self.micro_batches = micro_batches
         self.stop_token_ids = set(model.stop_token_ids if stop_token_ids is None else stop_token_ids)
 
-    def generate(self, prompts, max_new_tokens: int) -> GenerationResult:
-        return run_to_end(self.stream(prompts, max_new_tokens))
+    def generate(self, prompts, max_new_tokens: int, first_allowed: np.ndarray | None = None) -> GenerationResult:
+        return run_to_end(self.stream(prompts, max_new_tokens, first_allowed))
 
     def check_prompts(self, prompts, max_new_tokens: int) -> list[list[int]]:
         return check_prompts(prompts, max_new_tokens, self.model.config.vocab_size, self.model.max_seq_len)
 
-    def stream(self, prompts, max_new_tokens: int) -> Generator_[StepOutput, None, GenerationResult]:
+    def stream(self, prompts, max_new_tokens: int,
+               first_allowed: np.ndarray | None = None) -> Generator_[StepOutput, None, GenerationResult]:
         """Yield each micro-batch's step as its tokens arrive (None for the rows of the others and finished ones);
-        the iterator's return value is the GenerationResult. Closing it early frees every stage's caches."""
+        the iterator's return value is the GenerationResult. Closing it early frees every stage's caches.
+        first_allowed: as Generator.stream's."""
         rows = self.check_prompts(prompts, max_new_tokens)
+        first_allowed = check_first_allowed(first_allowed, len(rows), self.model.config.vocab_size)
         generated: list[list[int]] = [[] for _ in rows]
         reasons = ["length"] * len(rows)
         groups = []
@@ -75,7 +78,8 @@ class PipelineGenerator:
             while active:
                 for group in list(active):  # each in turn: the others' steps run on the stages meanwhile
                     logits = self.model.resolve(group.handle)
-                    tokens = self._sample(group, logits, generated, reasons)
+                    tokens = self._sample(group, logits, generated, reasons,
+                                          None if first_allowed is None or group.steps else first_allowed[group.rows])
                     out: list[int | None] = [None] * len(rows)
                     for r, row in enumerate(group.rows):
                         out[row] = None if group.stopped_before[r] else int(tokens[r])
@@ -116,9 +120,9 @@ class PipelineGenerator:
         return group
 
     def _sample(self, group: _MicroBatch, logits: np.ndarray, generated: list[list[int]],
-                reasons: list[str]) -> np.ndarray:
+                reasons: list[str], allowed: np.ndarray | None) -> np.ndarray:
         group.stopped_before = group.finished.copy()
-        tokens = sample(logits, self.sampling, group.rng, group.history, group.counts)
+        tokens = sample(logits, self.sampling, group.rng, group.history, group.counts, allowed)
         for r, row in enumerate(group.rows):
             if group.finished[r]:
                 continue

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import json
 from functools import lru_cache
 from pathlib import Path
@@ -19,6 +20,7 @@ class Tokenizer:
             raise ExportLoadError(f"{path}: cannot read tokenizer ({e})") from None
         self.path = Path(path)
         self._bytes: list[bytes] | None = None
+        self._by_bytes: tuple[list[bytes], list[int]] | None = None  # ordinary tokens sorted by their bytes
         self.special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
 
     @classmethod
@@ -47,6 +49,18 @@ class Tokenizer:
         if self._bytes is None:
             self._bytes = self._vocab_bytes()
         return self._bytes[token] if 0 <= token < len(self._bytes) else b""
+
+    def tokens_starting_with(self, prefix: bytes) -> list[int]:
+        """Ids of the ordinary (not special) tokens whose bytes start with `prefix`: one contiguous run of the
+        vocabulary sorted by bytes, found by bisection."""
+        if self._by_bytes is None:
+            pairs = sorted((self.token_bytes(i), i) for i in range(self.vocab_size) if i not in self.special_ids)
+            self._by_bytes = ([p[0] for p in pairs], [p[1] for p in pairs])
+        keys, ids = self._by_bytes
+        lo = hi = bisect.bisect_left(keys, prefix)
+        while hi < len(keys) and keys[hi].startswith(prefix):
+            hi += 1
+        return ids[lo:hi]
 
     def _vocab_bytes(self) -> list[bytes]:
         decoder = json.loads(self._tok.to_str()).get("decoder") or {}
