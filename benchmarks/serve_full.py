@@ -1,7 +1,7 @@
 """An export served: time to first token of a long prompt, and decode tokens/s of a few concurrent streams.
 
     .venv/bin/python benchmarks/serve_full.py EXPORT_DIR [--prompt-tokens 512] [--streams 4] [--tokens 64]
-        [--repeats 2] [--out benchmarks/results/serve_full.json]
+        [--repeats 2] [--out benchmarks/results/serve_full.json] [--serve-option=ARG ...]
 
 Starts `mla-deploy serve EXPORT_DIR` as a child process (a free localhost port, default options: the prefill graph
 takes the prompts) and, with prompts of random token ids (an export without a tokenizer takes ids; each request
@@ -75,12 +75,15 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/serve_full.json"))
+    ap.add_argument("--serve-option", action="append", default=[], metavar="ARG",
+                    help="an argument passed on to `mla-deploy serve` (repeatable), e.g. --serve-option=--speculative "
+                         "--serve-option=off")
     args = ap.parse_args()
     manifest = json.loads((args.export / "manifest.json").read_text())
     vocab, eos = manifest["config"]["vocab_size"], manifest["config"].get("eos_token_id")
     eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
     t0 = time.perf_counter()
-    proc, base = start_server(str(args.export), max(8, args.streams))
+    proc, base = start_server(str(args.export), max(8, args.streams), args.serve_option)
     try:
         result = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "cpu": cpu_model(),
                   "command": " ".join(sys.argv), "export": str(args.export),

@@ -149,7 +149,8 @@ def test_a_broken_draft_graph_fails_verification(mtp_export, mtp_checkpoint, tmp
 
 @pytest.fixture
 def always_draft(monkeypatch):
-    monkeypatch.setattr(DraftPolicy, "length", lambda self, acceptance, available: available)
+    monkeypatch.setattr(DraftPolicy, "lengths",
+                        lambda self, acc, avail: [0 if a is None else n for a, n in zip(acc, avail)])
 
 
 PROMPTS = [[5, 9, 3, 7, 5, 9, 3, 7, 5, 9], list(range(3, 40)), [2, 3, 2, 3, 2, 3, 2], [60, 61]]

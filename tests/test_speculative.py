@@ -17,6 +17,7 @@ from mla_deploy.runtime.speculative import (
     PRIOR_ACCEPTANCE,
     REVISIT,
     Costs,
+    CostModel,
     DraftPolicy,
     Speculation,
     accept_row,
@@ -32,7 +33,8 @@ P_VALUE = 0.01
 @pytest.fixture
 def always_draft(monkeypatch):
     """Draft every token the proposer has: what the tests check must happen, whatever the measured costs say."""
-    monkeypatch.setattr(DraftPolicy, "length", lambda self, acceptance, available: available)
+    monkeypatch.setattr(DraftPolicy, "lengths",
+                        lambda self, acc, avail: [0 if a is None else n for a, n in zip(acc, avail)])
 
 
 # ---- prompt lookup ----
@@ -181,12 +183,29 @@ def test_policy_drafts_only_what_pays_for_its_measured_costs():
     # a step without drafts: back toward the prior, so that a row whose drafts stopped paying tries again later
     assert updated_acceptance(0.1, 0, 0) == pytest.approx(0.1 + REVISIT * (PRIOR_ACCEPTANCE - 0.1))
     dear = DraftPolicy(Costs(decode=1.0, verify={t: 1.5 + 0.1 * (t - 2) for t in range(2, 6)}), mtp=False)
+    assert dear.length(0.9, 4) == 4  # alone, a row that is right 9 times in 10 pays for a pass of 1.8 steps
+    # one such row among 8 does not: the pass costs every row, and the other 7 gain nothing from it
+    assert dear.lengths([0.9] + [0.6] * 7, [4] + [0] * 7) == [0] * 8
+    assert dear.lengths([0.9] * 8, [4] * 8) == [4] * 8  # all 8 drafting: it does
+    # one common cap: a row with fewer drafts keeps them all, rows not decoding (None) draft nothing
+    assert dear.lengths([0.9, 0.9, None], [4, 2, 3]) == [4, 2, 0]
     low = 0.02  # a pass costs 1.5 steps: drafting pays above about 0.5
     for steps in range(200):
         if dear.length(low, 4):
             break
         low = updated_acceptance(low, 0, 0)
     assert 5 < steps < 100
+
+
+def test_the_cost_model_is_affine_in_the_rows_between_its_two_measurements():
+    one = Costs(decode=1.0, verify={2: 1.2, 3: 1.4}, draft=0.5)
+    many = Costs(decode=3.0, verify={2: 4.2, 3: 5.4}, draft=0.9)
+    model = CostModel(one, many, rows=5)
+    assert model.at(1) == one and model.at(5) == many and model.at(9) == many
+    mid = model.at(3)
+    assert mid.decode == pytest.approx(2.0) and mid.verify == pytest.approx({2: 2.7, 3: 3.4})
+    assert mid.draft == pytest.approx(0.7)
+    assert CostModel(one, one, rows=1).at(4) == one
 
 
 # ---- the verification pass over a real export ----

@@ -19,7 +19,8 @@ VARIANT = "v3_lora_group_yarn"
 
 @pytest.fixture
 def always_draft(monkeypatch):
-    monkeypatch.setattr(DraftPolicy, "length", lambda self, acceptance, available: available)
+    monkeypatch.setattr(DraftPolicy, "lengths",
+                        lambda self, acc, avail: [0 if a is None else n for a, n in zip(acc, avail)])
 
 
 @pytest.fixture(scope="module")

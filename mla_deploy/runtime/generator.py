@@ -150,11 +150,12 @@ class Generator:
             # nor past its own token budget (the token drawn after the accepted drafts comes on top)
             rooms = [0 if out.finished[r] else max(0, min(spec.draft_tokens, out.remaining(r) - 1, end))
                      for r in range(b)]
+            live = [None if out.finished[r] else acceptance[r] for r in range(b)]
             if drafter is not None:
-                drafts = drafter.propose(range(b), [policy.length(acceptance[r], room) for r, room in enumerate(rooms)])
+                drafts = drafter.propose(range(b), policy.lengths(live, rooms))
             else:
                 drafts = [lookup(state.history[r], rooms[r], spec.ngram, spec.min_ngram) for r in range(b)]
-                drafts = [d[: policy.length(acceptance[r], len(d))] for r, d in enumerate(drafts)]
+                drafts = [d[:m] for d, m in zip(drafts, policy.lengths(live, [len(d) for d in drafts]))]
             width = max(len(d) for d in drafts)
             starts = state.lengths.copy()
             if width == 0:

@@ -47,7 +47,7 @@ from .draft import MTPDrafter
 from .sampling import SamplingParams, sample
 from .session import ExportedModel
 from .speculative import (PRIOR_ACCEPTANCE, DraftPolicy, Speculation, SpeculationStats, accept_row, lookup,
-                          measure_costs, updated_acceptance, verification_pass)
+                          measure_cost_model, updated_acceptance, verification_pass)
 
 
 class QueueFull(MLADeployError):
@@ -124,6 +124,8 @@ class Scheduler:
         self._decode: DecodeBinding | None = None
         self.speculation = (speculation or Speculation()).resolve(model)
         self.drafter = MTPDrafter(model, max_batch) if self.speculation.mode == "mtp" else None
+        self.costs = (measure_cost_model(model, max_batch, self.speculation.draft_tokens, self.drafter is not None)
+                      if self.speculation.on else None)
 
     def _rows_and_queue(self, model, max_batch: int, max_queue: int, prefill_chunk: int) -> None:
         for name, value in (("max_batch", max_batch), ("max_queue", max_queue), ("prefill_chunk", prefill_chunk)):
@@ -337,21 +339,21 @@ class Scheduler:
         none for the others. Every row writes the pass's width from its length, so no draft may take a row past the
         export's length; nor past its own token budget (the token drawn after the accepted drafts comes on top)."""
         end = min(self.model.max_seq_len - 1 - int(self.lengths[r]) for r in range(hi))
-        by_row: list[Request | None] = [None] * hi
+        by_row: list[Request | None] = [None] * hi  # the speculating rows
+        acceptances: list[float | None] = [None] * hi  # every decoding row's (0: one that does not speculate)
         for r in decoding:
             if self._speculates(r):
                 by_row[r.row] = r
+            acceptances[r.row] = r.acceptance if self._speculates(r) else 0.0
         rooms = [0 if r is None else max(0, min(self.speculation.draft_tokens, r.max_new_tokens - len(r.generated) - 1,
                                                 end)) for r in by_row]
         spec = self.speculation
-        policy = DraftPolicy(measure_costs(self.model, hi, spec.draft_tokens, self.drafter is not None),
-                             self.drafter is not None)
+        policy = DraftPolicy(self.costs.at(hi), self.drafter is not None)
         if self.drafter is None:
             drafts = [np.zeros(0, np.int64) if r is None else lookup(r.history, room, spec.ngram, spec.min_ngram)
                       for r, room in zip(by_row, rooms)]
-            return [d if r is None else d[: policy.length(r.acceptance, len(d))] for r, d in zip(by_row, drafts)]
-        return self.drafter.propose(range(hi), [room if r is None else policy.length(r.acceptance, room)
-                                                for r, room in zip(by_row, rooms)])
+            return [d[:m] for d, m in zip(drafts, policy.lengths(acceptances, [len(d) for d in drafts]))]
+        return self.drafter.propose(range(hi), policy.lengths(acceptances, rooms))
 
     def _verify_step(self, decoding: list[Request], hi: int, drafts: list[np.ndarray]) -> None:
         """One verification pass over rows [0, hi): each decoding row's pending token and drafts at its length."""

@@ -111,23 +111,32 @@ class Costs:
 
 @dataclass
 class DraftPolicy:
-    """The draft length that maximizes expected tokens per second. With acceptance estimate a (each draft token
-    accepted with probability a once the ones before it were), m drafts give 1 + a + ... + a^m tokens per step, at
-    the cost of a verification pass of m + 1 tokens and m draft calls (the MTP draft's first call also catches it up
-    on the tokens committed since); no drafts: a decode step. Costs are measured (measure_costs)."""
+    """Draft lengths that maximize the expected tokens per second of a batch. With acceptance estimate a (each draft
+    token accepted with probability a once the ones before it were), a row with m drafts emits 1 + a + ... + a^m
+    tokens in a verification pass; the pass is as wide as the longest row's drafts + 1 and costs the same for every
+    row in it, with m draft calls before it (the MTP draft's first call also catches it up on the tokens committed
+    since); no drafts anywhere: a decode step. So one common cap m is chosen for the batch, from the expected tokens
+    of all its rows against the pass's cost: a batch of 8 where one row has a draft pays for the pass of all 8. Costs
+    are measured (measure_costs, CostModel)."""
     costs: Costs
     mtp: bool
 
-    def length(self, acceptance: float, available: int) -> int:
-        a = min(max(acceptance, 0.0), 0.999)
+    def lengths(self, acceptances: Sequence[float | None], available: Sequence[int]) -> list[int]:
+        """Each row's draft length given its acceptance estimate (None: a row that does not speculate, or no row at
+        all) and the drafts it has or may make."""
+        rows = [(min(max(a, 0.0), 0.999), n) for a, n in zip(acceptances, available) if a is not None]
         draft = self.costs.draft if self.mtp else 0.0
-        best, rate = 0, 1.0 / self.costs.decode
-        for m in range(1, available + 1):
-            tokens = (1 - a ** (m + 1)) / (1 - a)
+        best, rate = 0, len(rows) / self.costs.decode
+        for m in range(1, max((n for _, n in rows), default=0) + 1):
+            tokens = sum((1 - a ** (min(m, n) + 1)) / (1 - a) for a, n in rows)
             r = tokens / (self.costs.verify[m + 1] + m * draft)
             if r > rate:
                 best, rate = m, r
-        return best
+        return [0 if a is None else min(best, n) for a, n in zip(acceptances, available)]
+
+    def length(self, acceptance: float, available: int) -> int:
+        """lengths() for a batch of one row."""
+        return self.lengths([acceptance], [available])[0]
 
 
 def updated_acceptance(estimate: float, proposed: int, accepted: int) -> float:
@@ -138,6 +147,31 @@ def updated_acceptance(estimate: float, proposed: int, accepted: int) -> float:
         return estimate + REVISIT * (PRIOR_ACCEPTANCE - estimate)
     trials = accepted + (accepted < proposed)
     return ACCEPTANCE_MEMORY * estimate + (1 - ACCEPTANCE_MEMORY) * accepted / trials
+
+
+@dataclass
+class CostModel:
+    """Costs measured for one row and for `rows` rows; between them, each cost affine in the rows (a step's weight
+    reads are the same for any batch; its arithmetic and cache reads grow with the rows)."""
+    one: Costs
+    many: Costs
+    rows: int
+
+    def at(self, rows: int) -> Costs:
+        if self.rows == 1:
+            return self.one
+        f = (min(max(rows, 1), self.rows) - 1) / (self.rows - 1)
+        mix = lambda x, y: x + f * (y - x)  # noqa: E731
+        return Costs(mix(self.one.decode, self.many.decode),
+                     {t: mix(v, self.many.verify[t]) for t, v in self.one.verify.items()},
+                     mix(self.one.draft, self.many.draft))
+
+
+def measure_cost_model(model, rows: int, k: int, mtp: bool) -> CostModel:
+    """The CostModel for batches of 1 to `rows` rows: measure_costs at 1 and at `rows` (the scheduler measures it
+    once, when it starts, so that no request waits on the measurement)."""
+    one = measure_costs(model, 1, k, mtp)
+    return CostModel(one, measure_costs(model, rows, k, mtp) if rows > 1 else one, rows)
 
 
 def measure_costs(model, rows: int, k: int, mtp: bool, context: int = 64, repeats: int = 3) -> Costs:
