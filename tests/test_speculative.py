@@ -309,6 +309,31 @@ def test_greedy_tokens_with_lookup_are_plain_decodings(exported, always_draft, k
         assert one.generate([prompt], 24).token_ids == [tokens]
 
 
+def test_a_proposer_in_place_of_lookup_is_checked_like_any_draft(exported, always_draft):
+    """A replay of the plain run's output is accepted whole; a proposer that is always wrong is accepted nowhere;
+    the tokens are the plain run's either way."""
+    model = ExportedModel(exported(VARIANT))
+    plain = Generator(model, SamplingParams(), stop_token_ids=()).generate(PROMPTS, 24).token_ids
+
+    def replay(history, k):
+        r = next(i for i, p in enumerate(PROMPTS) if list(history[: len(p)]) == p)  # the row, by its prompt
+        done = len(history) - len(PROMPTS[r])
+        return plain[r][done : done + k]
+
+    def wrong(history, k):
+        return [(plain[0][0] + 1) % 50] * k if k else []
+
+    for proposer, accepted in ((replay, "all"), (wrong, "none")):
+        spec = Generator(model, SamplingParams(), stop_token_ids=(), speculation=Speculation("lookup", 4),
+                         proposer=proposer).generate(PROMPTS, 24)
+        assert spec.token_ids == plain, proposer.__name__
+        stats = spec.speculation
+        assert stats.proposed > 0 and (stats.accepted == stats.proposed if accepted == "all" else
+                                       stats.accepted < stats.proposed / 4)
+    with pytest.raises(InputError, match="a proposer replaces prompt lookup: it needs speculative='lookup'"):
+        Generator(model, SamplingParams(), speculation=Speculation("off"), proposer=replay)
+
+
 def test_greedy_tokens_with_penalties_are_plain_decodings(exported, always_draft):
     """Greedy with a repetition penalty and presence/frequency penalties: the drafts are judged on the penalized
     logits, the history growing by each accepted draft (lookup down to one-token matches, so that it proposes)."""

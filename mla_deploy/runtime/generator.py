@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from typing import Generator as Generator_
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -70,9 +70,13 @@ class Generator:
     """Generates from an ExportedModel. Holds no per-generation state: one Generator serves many threads."""
 
     def __init__(self, model: ExportedModel, sampling: SamplingParams | None = None, chunk_size: int = 512,
-                 stop_token_ids: Sequence[int] | None = None, speculation: Speculation | None = None):
+                 stop_token_ids: Sequence[int] | None = None, speculation: Speculation | None = None,
+                 proposer: Callable[[np.ndarray, int], np.ndarray] | None = None):
         """sampling and stop_token_ids default to the export's generation_config.json (model.generation), whose
-        eos ids default to the model config's; speculation to off."""
+        eos ids default to the model config's; speculation to off. proposer (speculation 'lookup'): a draft source
+        in place of prompt lookup, called with a row's tokens so far (prompt and output, the last not yet in the
+        cache) and the most drafts it may give; it returns up to that many token ids (a retrieval index, or a
+        benchmark's replay of known output); acceptance checks them as any draft."""
         self.model = model
         self.sampling = (model.generation.sampling if sampling is None else sampling).validate()
         self.speculation = (speculation or Speculation()).resolve(model)
@@ -85,6 +89,11 @@ class Generator:
             raise InputError(f"chunk_size={chunk_size!r}: must be a positive integer")
         self.chunk_size = chunk_size
         self.stop_token_ids = set(model.stop_token_ids if stop_token_ids is None else stop_token_ids)
+        if proposer is not None and self.speculation.mode != "lookup":
+            raise InputError(f"a proposer replaces prompt lookup: it needs speculative='lookup', not "
+                             f"{self.speculation.mode!r}")
+        spec = self.speculation
+        self.proposer = proposer or (lambda history, k: lookup(history, k, spec.ngram, spec.min_ngram))
 
     # ---- public ----
     def generate(self, prompts, max_new_tokens: int, first_allowed: np.ndarray | None = None) -> GenerationResult:
@@ -154,7 +163,8 @@ class Generator:
             if drafter is not None:
                 drafts = drafter.propose(range(b), policy.lengths(live, rooms))
             else:
-                drafts = [lookup(state.history[r], rooms[r], spec.ngram, spec.min_ngram) for r in range(b)]
+                drafts = [np.asarray(self.proposer(state.history[r], rooms[r]), np.int64)[: rooms[r]]
+                          for r in range(b)]
                 drafts = [d[:m] for d, m in zip(drafts, policy.lengths(live, [len(d) for d in drafts]))]
             width = max(len(d) for d in drafts)
             starts = state.lengths.copy()
