@@ -16,7 +16,6 @@ from mla_deploy.runtime.speculative import (
     MAX_DRAFT_TOKENS,
     PRIOR_ACCEPTANCE,
     REVISIT,
-    LEARNING,
     Costs,
     CostModel,
     DraftPolicy,
@@ -196,21 +195,6 @@ def test_policy_drafts_only_what_pays_for_its_measured_costs():
             break
         low = updated_acceptance(low, 0, 0)
     assert 5 < steps < 100
-
-
-def test_timed_steps_move_the_costs_toward_what_they_took():
-    costs = Costs(decode=1.0, verify={2: 1.2, 3: 1.4, 4: 1.6}, draft=0.5)
-    costs.observe(0, 2.0)  # a decode step that took twice the measurement
-    assert costs.decode == pytest.approx(1.0 + LEARNING)
-    costs.observe(2, 2 * (1.4 + 2 * 0.5))  # 2 drafts and a pass of 3 tokens, twice the predicted total
-    assert costs.verify == pytest.approx({t: v * (1 + LEARNING) for t, v in {2: 1.2, 3: 1.4, 4: 1.6}.items()})
-    assert costs.draft == pytest.approx(0.5 * (1 + LEARNING))
-    slow = Costs(decode=1.0, verify={t: 1.1 for t in range(2, 6)})
-    policy = DraftPolicy(slow, mtp=False)
-    assert policy.length(0.5, 4) > 0
-    for _ in range(20):  # passes that take 3 steps each, Python and all: drafting at 0.5 stops paying
-        slow.observe(4, 3.0)
-    assert policy.length(0.5, 4) == 0
 
 
 def test_the_cost_model_is_affine_in_the_rows_between_its_two_measurements():

@@ -46,8 +46,7 @@ from .grammar import Constraint, allowed_tokens
 from .draft import MTPDrafter
 from .sampling import SamplingParams, sample
 from .session import ExportedModel
-from .scoring import token_logprobs
-from .speculative import (PRIOR_ACCEPTANCE, Costs, DraftPolicy, Speculation, SpeculationStats, accept_row, lookup,
+from .speculative import (PRIOR_ACCEPTANCE, DraftPolicy, Speculation, SpeculationStats, accept_row, lookup,
                           measure_cost_model, updated_acceptance, verification_pass)
 
 
@@ -127,7 +126,6 @@ class Scheduler:
         self.drafter = MTPDrafter(model, max_batch) if self.speculation.mode == "mtp" else None
         self.costs = (measure_cost_model(model, max_batch, self.speculation.draft_tokens, self.drafter is not None)
                       if self.speculation.on else None)
-        self.learned: dict[int, Costs] = {}  # by rows: the costs the steps took (Costs.observe)
 
     def _rows_and_queue(self, model, max_batch: int, max_queue: int, prefill_chunk: int) -> None:
         for name, value in (("max_batch", max_batch), ("max_queue", max_queue), ("prefill_chunk", prefill_chunk)):
@@ -275,7 +273,7 @@ class Scheduler:
         if request.prompt_logprobs is not None:
             # position start + j predicts prompt token start + j + 1 (the chunk's last predicts the next chunk's first)
             targets = request.prompt_ids[start + 1 : start + t + 1]
-            request.prompt_lp = (request.prompt_lp or []) + token_logprobs(logits[0, :len(targets)], targets,
+            request.prompt_lp = (request.prompt_lp or []) + _token_logprobs(logits[0, :len(targets)], targets,
                                                                             request.prompt_logprobs)
         if start + t == len(request.prompt_ids):
             if request.prompt_logprobs is not None:
@@ -289,18 +287,10 @@ class Scheduler:
     def _decode_step(self, decoding: list[Request]) -> None:
         hi = max(r.row for r in decoding) + 1
         if self.speculation.on and any(self._speculates(r) for r in decoding):
-            t0 = time.perf_counter()
             drafts = self._propose(decoding, hi)
-            width = max(len(d) for d in drafts)
-            if width:
+            if any(len(d) for d in drafts):
                 self._verify_step(decoding, hi, drafts)
-            else:
-                self._plain_step(decoding, hi)
-            self._costs_at(hi).observe(width, time.perf_counter() - t0)  # what the steps take, Python and all
-            return
-        self._plain_step(decoding, hi)
-
-    def _plain_step(self, decoding: list[Request], hi: int) -> None:
+                return
         if self.caches.ensure(int(self.lengths[:hi].max()) + 1) or self._decode is None or self._decode.rows != hi:
             self._decode = DecodeBinding(self.model.sessions[io_spec.DECODE], self.caches, hi,
                                          self.model.config.vocab_size)
@@ -358,18 +348,12 @@ class Scheduler:
         rooms = [0 if r is None else max(0, min(self.speculation.draft_tokens, r.max_new_tokens - len(r.generated) - 1,
                                                 end)) for r in by_row]
         spec = self.speculation
-        policy = DraftPolicy(self._costs_at(hi), self.drafter is not None)
+        policy = DraftPolicy(self.costs.at(hi), self.drafter is not None)
         if self.drafter is None:
             drafts = [np.zeros(0, np.int64) if r is None else lookup(r.history, room, spec.ngram, spec.min_ngram)
                       for r, room in zip(by_row, rooms)]
             return [d[:m] for d, m in zip(drafts, policy.lengths(acceptances, [len(d) for d in drafts]))]
         return self.drafter.propose(range(hi), policy.lengths(acceptances, rooms))
-
-    def _costs_at(self, hi: int) -> Costs:
-        """The step costs for rows [0, hi): the start-up CostModel's, then what the steps of that many rows took."""
-        if hi not in self.learned:
-            self.learned[hi] = self.costs.at(hi)
-        return self.learned[hi]
 
     def _verify_step(self, decoding: list[Request], hi: int, drafts: list[np.ndarray]) -> None:
         """One verification pass over rows [0, hi): each decoding row's pending token and drafts at its length."""
@@ -419,7 +403,7 @@ class Scheduler:
         self.stats.generated_tokens += 1
         event = TokenEvent(token)
         if request.logprobs is not None:
-            (event.logprob, event.top_logprobs), = token_logprobs(logits, [token], request.logprobs)
+            (event.logprob, event.top_logprobs), = _token_logprobs(logits, [token], request.logprobs)
         request.emit(event)
         if token in request.stop_token_ids or request.constraint is not None and request.constraint.done:
             self._finish(request, "stop")
@@ -437,6 +421,7 @@ class Scheduler:
         self.stats.finished[reason] += 1
         request.emit(Finished(reason, len(request.prompt_ids), len(request.generated)))
 
+
     def _allowed(self, rows: list[Request]) -> np.ndarray | None:
         """The grammar masks of these rows [rows, vocab], or None when none has a grammar."""
         return allowed_tokens([r.constraint for r in rows], self.model.config.vocab_size)
@@ -445,3 +430,17 @@ class Scheduler:
 def _plain_greedy(request: Request) -> bool:
     """Greedy on the model's own logits (no penalty, bias or grammar): their argmax, the same for every such row."""
     return request.sampling.greedy and request.sampling.plain and request.constraint is None
+
+
+def _token_logprobs(logits: np.ndarray, tokens: Sequence[int], k: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """logits [n, vocab] and the token that followed each position -> (its log-probability, the k likeliest
+    (token, log-probability) pairs, likeliest first, ties by id), under the model's own distribution."""
+    z = logits.astype(np.float64)
+    z -= z.max(-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))  # log-softmax [n, vocab]
+    out = []
+    for row, token in zip(logp, tokens):
+        top = np.argpartition(-row, k - 1)[:k] if 0 < k < len(row) else np.arange(len(row) if k else 0)
+        top = top[np.lexsort((top, -row[top]))]  # likeliest first, ties by id
+        out.append((float(row[token]), [(int(i), float(row[i])) for i in top]))
+    return out

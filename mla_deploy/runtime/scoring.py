@@ -7,7 +7,7 @@ second, and so on), several windows of one length per graph run.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable
 
 import numpy as np
 
@@ -55,17 +55,3 @@ def export_scores(model: ExportedModel, batch: list[np.ndarray], rows_per_run: i
             top1.append(logits.argmax(-1).reshape(-1))
         on_run(start + len(runs))
     return np.concatenate(out), np.concatenate(top1)
-
-
-def token_logprobs(logits: np.ndarray, tokens: Sequence[int], k: int) -> list[tuple[float, list[tuple[int, float]]]]:
-    """logits [n, vocab] and the token that followed each position -> (its log-probability, the k likeliest
-    (token, log-probability) pairs, likeliest first, ties by id), under the model's own distribution."""
-    z = logits.astype(np.float64)
-    z -= z.max(-1, keepdims=True)
-    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))  # log-softmax [n, vocab]
-    out = []
-    for row, token in zip(logp, tokens):
-        top = np.argpartition(-row, k - 1)[:k] if 0 < k < len(row) else np.arange(len(row) if k else 0)
-        top = top[np.lexsort((top, -row[top]))]  # likeliest first, ties by id
-        out.append((float(row[token]), [(int(i), float(row[i])) for i in top]))
-    return out

@@ -34,7 +34,6 @@ MAX_DRAFT_TOKENS = 16
 PRIOR_ACCEPTANCE = 0.6  # a row's acceptance estimate before its first verification
 ACCEPTANCE_MEMORY = 0.7  # each verification moves the estimate 30 % of the way to what it saw
 REVISIT = 0.05  # each step a row drafts nothing moves its estimate 5 % of the way back to the prior
-LEARNING = 0.2  # each timed step moves the cost of its kind 20 % of the way to what it took (Costs.observe)
 
 
 @dataclass(frozen=True)
@@ -108,19 +107,6 @@ class Costs:
     decode: float
     verify: dict[int, float]
     draft: float = 0.0
-
-    def observe(self, width: int, seconds: float) -> None:
-        """Fold a timed step in, LEARNING of the way to what it took: width 0, a decode step; else `width` draft
-        calls and a verification pass of width + 1 tokens. measure_costs times the graph runs alone over a short
-        cache; a generation's steps also pay for proposing, sampling and accepting, over a cache that grows, and
-        what pays is what the steps take. A pass's error scales every pass and draft cost alike, so the widths not
-        yet seen keep their measured proportions."""
-        if width == 0:
-            self.decode += LEARNING * (seconds - self.decode)
-            return
-        scale = 1 + LEARNING * (seconds / (self.verify[width + 1] + width * self.draft) - 1)
-        self.verify = {t: v * scale for t, v in self.verify.items()}
-        self.draft *= scale
 
 
 @dataclass
