@@ -33,10 +33,12 @@ CACHE_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bf
 NOT_SEEN = float(np.finfo(np.float32).min)  # attention_bias's value for a slot a row does not see
 
 
-def _model(dtype: str, long: bool = False) -> bytes:
-    """LatentAttention (or LatentAttentionLong: the same kernel, the long-cache function body) as a one-op model."""
+def _model(dtype: str, long: bool = False, chunk: bool = False) -> bytes:
+    """LatentAttention (or LatentAttentionLong: the same kernel, the long-cache function body; LatentAttentionChunk:
+    T query tokens a row) as a one-op model."""
     types = [TensorProto.FLOAT, TensorProto.FLOAT, CACHE_TYPES[dtype], CACHE_TYPES[dtype], TensorProto.FLOAT]
-    name = (kernels.LATENT_ATTENTION_LONG if long else kernels.LATENT_ATTENTION)[dtype]
+    name = (kernels.LATENT_ATTENTION_CHUNK if chunk else kernels.LATENT_ATTENTION_LONG if long
+            else kernels.LATENT_ATTENTION)[dtype]
     graph = helper.make_graph(
         [helper.make_node(name, NAMES, ["out"], domain=kernels.DOMAIN)], "one_op",
         [helper.make_tensor_value_info(n, t, None) for n, t in zip(NAMES, types)],
@@ -47,16 +49,17 @@ def _model(dtype: str, long: bool = False) -> bytes:
         helper.make_opsetid("com.microsoft", 1),
     ]
     model = helper.make_model(graph, opset_imports=opsets, ir_version=11,
-                              functions=[ir.serde.serialize_function(latent_attention_function(dtype, long))])
+                              functions=[ir.serde.serialize_function(
+                                  latent_attention_function(dtype, long, chunk=chunk))])
     return model.SerializeToString()
 
 
-def _session(dtype: str, library: bool, threads: int, long: bool = False) -> ort.InferenceSession:
+def _session(dtype: str, library: bool, threads: int, long: bool = False, chunk: bool = False) -> ort.InferenceSession:
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     if library:
         so.register_custom_ops_library(str(kernels.library()))
-    return ort.InferenceSession(_model(dtype, long), so, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(_model(dtype, long, chunk), so, providers=["CPUExecutionProvider"])
 
 
 def _cache_value(x: np.ndarray, dtype: str) -> tuple[ort.OrtValue, np.ndarray]:
@@ -168,6 +171,46 @@ def _check(rng, b, h, dc, dr, cap, lengths, holes, threads, library, dtype, long
     assert np.all(np.abs(out - exact) <= bound)
 
 
+# (rows, tokens a row, heads, d_c, d_r, capacity, each row's first token's slot): a verification pass at batch 1, a
+# batch whose rows start at different lengths (one at slot 0), heads off the blocks and ranges crossed by the tokens
+CHUNKS = [(1, 5, 4, 64, 16, 256, [100]), (3, 4, 5, 32, 8, 300, [0, 254, 40]), (2, 9, 16, 512, 64, 600, [590, 3])]
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("b,t,h,dc,dr,cap,starts", CHUNKS)
+def test_the_chunk_form_gives_each_token_its_own_causal_attention(b, t, h, dc, dr, cap, starts, dtype, isa,
+                                                                   monkeypatch):
+    """LatentAttentionChunk*: T query tokens a cache row [b, T, h, ·], token j of row r seeing the slots up to
+    starts[r] + j (bias [b, 1, T, cap]); each against the float64 reference over its row's cache, and exactly the
+    one-token op's output for the same query and bias row."""
+    library = _forced(isa, monkeypatch)
+    rng = np.random.default_rng(cap + t)
+    ql = rng.standard_normal((b, t, h, dc)).astype(np.float32) * 0.3
+    qr = rng.standard_normal((b, t, h, dr)).astype(np.float32) * 0.3
+    (latent_value, latent), (rope_value, rope) = (_cache_value(rng.standard_normal((b, cap, w)).astype(np.float32),
+                                                               dtype) for w in (dc, dr))
+    bias = np.full((b, 1, t, cap), NOT_SEEN, np.float32)
+    for r, start in enumerate(starts):
+        for j in range(t):
+            bias[r, 0, j, : start + j + 1] = 0.0
+    feed = {"q_latent": ort.OrtValue.ortvalue_from_numpy(ql), "q_rope": ort.OrtValue.ortvalue_from_numpy(qr),
+            "latent": latent_value, "rope": rope_value, "bias": ort.OrtValue.ortvalue_from_numpy(bias)}
+    out = _session(dtype, library, 2, chunk=True).run_with_ort_values(["out"], feed)[0].numpy()
+    assert out.dtype == np.float32 and out.shape == (b, t, h, dc)
+    rows = lambda x: np.repeat(x, t, axis=0)  # noqa: E731 - each cache row once per token
+    exact, bound = _reference(ql.reshape(b * t, h, dc), qr.reshape(b * t, h, dr), rows(latent), rows(rope),
+                              bias.transpose(0, 2, 1, 3).reshape(b * t, 1, 1, cap))
+    assert np.all(np.abs(out.reshape(b * t, h, dc) - exact) <= bound)
+    one = _session(dtype, library, 2)
+    for j in range(t if library else 0):  # the kernel: the same arithmetic a query row, whatever the rows beside it
+        token = {"q_latent": ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(ql[:, j])),
+                 "q_rope": ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(qr[:, j])),
+                 "latent": latent_value, "rope": rope_value,
+                 "bias": ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(bias[:, :, j : j + 1]))}
+        assert np.array_equal(out[:, j], one.run_with_ort_values(["out"], token)[0].numpy())
+
+
 @needs_library
 @pytest.mark.parametrize(
     "shapes,message",
@@ -187,7 +230,7 @@ def _check(rng, b, h, dc, dr, cap, lengths, holes, threads, library, dtype, long
         ),
         (
             ([2, 4, 64], [2, 4, 16], [2, 10, 64], [2, 10, 16], [2, 1, 1, 9]),
-            r"bias must hold one value per row and cache slot",
+            r"bias must hold one value per query and cache slot",
         ),
         (
             ([2, 4, 40], [2, 4, 16], [2, 10, 40], [2, 10, 16], [2, 1, 1, 10]),

@@ -127,10 +127,12 @@ def probs_at_latent(op, logits, bias, latent, long_cache: bool) -> ir.Value:
 def latent_attention_op(cache: io_spec.CacheFormat | str, long_cache: bool, chunk: bool = False) -> str:
     """The kernel op's name for these caches: LatentAttention* over float caches (by their dtype), LatentAttentionQ8*
     over an int8 latent (by the rope's dtype); *Long* where the cache can outgrow the long-cache size a row;
-    LatentAttentionChunkQ8* for a prefill chunk's queries over an int8 latent."""
+    LatentAttentionChunk* / LatentAttentionChunkQ8* for T query tokens a row (a prefill chunk over an int8 latent,
+    the verify and draft graphs)."""
     cache = io_spec.CacheFormat.of(cache)
     if chunk:
-        return kernels.LATENT_ATTENTION_CHUNK_Q8[cache.rope]
+        return (kernels.LATENT_ATTENTION_CHUNK_Q8[cache.rope] if cache.scaled
+                else kernels.LATENT_ATTENTION_CHUNK[cache.latent])
     if cache.scaled:
         return (kernels.LATENT_ATTENTION_LONG_Q8 if long_cache else kernels.LATENT_ATTENTION_Q8)[cache.rope]
     return (kernels.LATENT_ATTENTION_LONG if long_cache else kernels.LATENT_ATTENTION)[cache.latent]
@@ -145,7 +147,8 @@ def latent_attention_chunk_core(op, q_latent: ir.Value, q_rope: ir.Value, caches
     rope_cache = cast(op, caches.rope, DATA_TYPES[cache.rope], FLOAT)
     scores = op.Add(
         op.MatMul(
-            op.Reshape(q_latent, [0, -1, width]), op.Transpose(latent, perm=[0, 2, 1])
+            op.Reshape(q_latent, op.Concat([0, -1], op.Shape(q_latent, start=3), axis=0)),
+            op.Transpose(latent, perm=[0, 2, 1]),
         ),  # [b, T·h, d_c] @ [b, d_c, cap]
         op.MatMul(
             op.Reshape(q_rope, op.Concat([0, -1], op.Shape(q_rope, start=3), axis=0)),
@@ -169,7 +172,7 @@ def latent_attention_function(cache: io_spec.CacheFormat | str, long_cache: bool
     cache = io_spec.CacheFormat.of(cache)
     latent, rope = DATA_TYPES[cache.latent], DATA_TYPES[cache.rope]
 
-    if chunk:
+    if chunk and cache.scaled:
         def body(op, q_latent, q_rope, codes, scale, rope_cache, bias):
             return latent_attention_chunk_core(
                 op, q_latent, q_rope, Caches(codes, rope_cache, scale), bias, cache, width
@@ -181,6 +184,13 @@ def latent_attention_function(cache: io_spec.CacheFormat | str, long_cache: bool
             f"an int8 latent cache (DequantizeLinear: codes x their entry's scale) and a {cache.rope} rope cache, "
             "for a chunk's queries [b, T, h, ·] with their bias [b, 1, T, cap]"
         )
+    elif chunk:
+        def body(op, q_latent, q_rope, latent_cache, rope_cache, bias):
+            return latent_attention_chunk_core(op, q_latent, q_rope, Caches(latent_cache, rope_cache), bias, cache,
+                                               width)
+
+        inputs = {"q_latent": FLOAT, "q_rope": FLOAT, "latent": latent, "rope": rope, "bias": FLOAT}
+        stored = f"{cache.latent} caches, for T query tokens a row [b, T, h, ·] with their bias [b, 1, T, cap]"
     elif cache.scaled:
         def body(op, q_latent, q_rope, codes, scale, rope_cache, bias):
             return latent_attention_core(op, q_latent, q_rope, Caches(codes, rope_cache, scale), bias, cache, width,
@@ -319,7 +329,7 @@ class MLAttention:
             q_pe = rope(op, q_pe, cos, sin)  # cos [b, 1, d_r/2] broadcasts over heads
         present = self.write_cache(op, self.latent_and_rope(op, x, cos, sin), past, write_indices)
         cache = plan.cache_format
-        kernel = plan.decode_attention == "kernel" and (cache.scaled or not tokens)
+        kernel = plan.decode_attention == "kernel"
         if kernel:  # the softmax scale on the queries: h·(d_c + d_r) products, not h·cap
             stored = (present.latent, present.scale, present.rope) if cache.scaled else (present.latent, present.rope)
             q_latent, q_pe = op.Mul(q_latent, self.scale), op.Mul(q_pe, self.scale)

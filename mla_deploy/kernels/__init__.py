@@ -64,6 +64,10 @@ LATENT_ATTENTION = {
 }  # by cache dtype
 # the same kernel, for caches that can outgrow export.plan.LONG_CACHE_BYTES a row: only their function bodies differ
 LATENT_ATTENTION_LONG = {dtype: name.replace("Attention", "AttentionLong") for dtype, name in LATENT_ATTENTION.items()}
+# the same kernel for T query tokens a row [b, T, h, ·] (the verify and draft graphs)
+LATENT_ATTENTION_CHUNK = {
+    dtype: name.replace("Attention", "AttentionChunk") for dtype, name in LATENT_ATTENTION.items()
+}
 # over an int8 latent cache with a scale per entry, by the rope cache's dtype (latent_attention_q8.c)
 LATENT_ATTENTION_Q8 = {
     "float32": "LatentAttentionQ8",

@@ -7,7 +7,9 @@
  *   LatentAttention (q_latent float32 [b, h, d_c], q_rope float32 [b, h, d_r], latent cache [b, cap, d_c],
  *                    rope cache [b, cap, d_r], bias float32 [b, 1, 1, cap]) -> float32 [b, h, d_c]
  *                    (latent_attention.h; LatentAttentionF16 / BF16 with the caches in half precision;
- *                    LatentAttentionLong* the same kernels under other names, whose function bodies suit long caches)
+ *                    LatentAttentionLong* the same kernels under other names, whose function bodies suit long caches;
+ *                    LatentAttentionChunk*: T query tokens a row [b, T, h, ·], bias [b, 1, T, cap], the verify and
+ *                    draft graphs)
  *   LatentAttentionQ8 (q_latent, q_rope, latent int8 [b, cap, d_c], latent_scale float32 [b, cap, 1],
  *                      rope float32 [b, cap, d_r], bias) -> float32 [b, h, d_c]   (latent_attention_q8.h;
  *                      Q8F16 / Q8BF16 with the rope cache in half precision; LatentAttentionLongQ8* likewise;
@@ -196,21 +198,23 @@ static OrtStatus *compute_latent_attention(OrtKernelContext *context, StripKind 
     void *data[5], *y;
     OrtStatus *status = inputs(context, op, 5, dims, rank, data);
     if (status) return status;
-    if (rank[0] != 3 || rank[1] != 3 || rank[2] != 3 || rank[3] != 3 || rank[4] < 1)
-        return error(op, "expected q_latent [b, h, d_c], q_rope [b, h, d_r], latent [b, cap, d_c], rope [b, cap, d_r], "
-                         "bias [b, 1, 1, cap]");
-    LatentAttention job = {.kind = kind, .isa = isa, .rows = dims[0][0], .heads = dims[0][1], .latent = dims[0][2],
-                           .rope = dims[1][2], .capacity = dims[2][1]};
+    size_t q = rank[0]; /* 3: one query a row [b, h, ·]; 4: T tokens a row [b, T, h, ·] */
+    if ((q != 3 && q != 4) || rank[1] != q || rank[2] != 3 || rank[3] != 3 || rank[4] < 1)
+        return error(op, "expected q_latent [b, h, d_c] or [b, T, h, d_c], q_rope likewise, latent [b, cap, d_c], "
+                         "rope [b, cap, d_r], bias [b, 1, T, cap]");
+    int64_t b = dims[0][0], t = q == 4 ? dims[0][1] : 1;
+    LatentAttention job = {.kind = kind, .isa = isa, .rows = b * t, .queries = t, .heads = dims[0][q - 2],
+                           .latent = dims[0][q - 1], .rope = dims[1][q - 1], .capacity = dims[2][1]};
     int64_t bias_size = 1;
     for (size_t i = 0; i < rank[4]; i++) bias_size *= dims[4][i];
-    if (dims[1][0] != job.rows || dims[1][1] != job.heads || dims[2][0] != job.rows || dims[2][2] != job.latent ||
-        dims[3][0] != job.rows || dims[3][1] != job.capacity || dims[3][2] != job.rope)
+    if (dims[1][0] != b || (q == 4 && dims[1][1] != t) || dims[1][q - 2] != job.heads || dims[2][0] != b ||
+        dims[2][2] != job.latent || dims[3][0] != b || dims[3][1] != job.capacity || dims[3][2] != job.rope)
         return error(op, "the queries and the caches disagree on the rows, the heads or the widths");
     if (dims[4][rank[4] - 1] != job.capacity || bias_size != job.rows * job.capacity)
-        return error(op, "bias must hold one value per row and cache slot [b, 1, 1, cap]");
+        return error(op, "bias must hold one value per query and cache slot [b, 1, T, cap]");
     if (job.latent % 16 || job.rope % 8) return error(op, "d_c must be a multiple of 16 and d_r of 8");
     OrtValue *y_value;
-    if (ORT_FN(api, OrtKernelContextGetOutputFn, ORT_KernelContext_GetOutput)(context, 0, dims[0], 3, &y_value) ||
+    if (ORT_FN(api, OrtKernelContextGetOutputFn, ORT_KernelContext_GetOutput)(context, 0, dims[0], q, &y_value) ||
         ORT_FN(api, OrtGetTensorMutableDataFn, ORT_GetTensorMutableData)(y_value, &y))
         return error(op, "cannot allocate the output");
     job.q_latent = data[0], job.q_rope = data[1], job.latent_cache = data[2], job.rope_cache = data[3];
@@ -563,6 +567,9 @@ OP_FUNCTIONS(attention_bf16, compute_latent_attention, STRIP_BF16, "LatentAttent
 OP_FUNCTIONS(long_f32, compute_latent_attention, STRIP_F32, "LatentAttentionLong")
 OP_FUNCTIONS(long_f16, compute_latent_attention, STRIP_F16, "LatentAttentionLongF16")
 OP_FUNCTIONS(long_bf16, compute_latent_attention, STRIP_BF16, "LatentAttentionLongBF16")
+OP_FUNCTIONS(chunk_f32, compute_latent_attention, STRIP_F32, "LatentAttentionChunk")
+OP_FUNCTIONS(chunk_f16, compute_latent_attention, STRIP_F16, "LatentAttentionChunkF16")
+OP_FUNCTIONS(chunk_bf16, compute_latent_attention, STRIP_BF16, "LatentAttentionChunkBF16")
 
 static ONNXTensorElementDataType input_f16(const OrtCustomOp *op, size_t i) {
     (void)op;
@@ -665,7 +672,10 @@ static OrtCustomOp ops[] = {CPU_OP(name_f16, input_f16, two, compute_f16), CPU_O
                             CPU_OP(name_attention_bf16, attention_bf16, five, compute_attention_bf16),
                             CPU_OP(name_long_f32, input_float, five, compute_long_f32),
                             CPU_OP(name_long_f16, attention_f16, five, compute_long_f16),
-                            CPU_OP(name_long_bf16, attention_bf16, five, compute_long_bf16)};
+                            CPU_OP(name_long_bf16, attention_bf16, five, compute_long_bf16),
+                            CPU_OP(name_chunk_f32, input_float, five, compute_chunk_f32),
+                            CPU_OP(name_chunk_f16, attention_f16, five, compute_chunk_f16),
+                            CPU_OP(name_chunk_bf16, attention_bf16, five, compute_chunk_bf16)};
 static OrtCustomOp quantized_ops[] = {
     KERNEL_OP(name_qmatmul4, qmatmul_input, three, create_quantized, compute_qmatmul, destroy_quantized),
     KERNEL_OP(name_qmatmul8, qmatmul_input, three, create_quantized, compute_qmatmul, destroy_quantized),

@@ -158,11 +158,11 @@ static float *seen_slots(LatentAttention *job, int64_t task, int kind, const voi
     int64_t s1 = s0 + LATENT_SPLIT < cap ? s0 + LATENT_SPLIT : cap, heads = job->heads, dc = job->latent;
     const float *bias = job->bias + row * cap;
     float *part = job->partial + task * heads * (dc + 2); /* per head: o [d_c], max, sum */
-    int64_t n = 0;
+    int64_t n = 0, cache_row = row / job->queries;
     for (int64_t s = s0; s < s1; s++)
         if (job->blind[row] || bias[s] > -FLT_MAX) {
-            latent[n] = element(job->latent_cache, (row * cap + s) * dc, kind);
-            rope[n] = element(job->rope_cache, (row * cap + s) * job->rope, kind);
+            latent[n] = element(job->latent_cache, (cache_row * cap + s) * dc, kind);
+            rope[n] = element(job->rope_cache, (cache_row * cap + s) * job->rope, kind);
             added[n++] = job->blind[row] ? 0.0f : bias[s];
         }
     float *score = n ? malloc(sizeof(float) * (size_t)(heads * n)) : NULL;
@@ -273,6 +273,7 @@ KERNEL static void range_f16(LatentAttention *job, int64_t task) { range_of(job,
 KERNEL static void range_bf16(LatentAttention *job, int64_t task) { range_of(job, task, STRIP_BF16); }
 
 void latent_attention_range(LatentAttention *job, int64_t task) {
+    task = task % job->rows * job->splits + task / job->rows; /* the caller's range-major order, as row * splits + range */
     if (job->isa == ISA_SCALAR) {
         range_scalar(job, task);
         return;

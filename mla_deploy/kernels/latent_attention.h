@@ -1,4 +1,5 @@
-/* MLA's absorbed decode attention over the latent cache, one query token per row:
+/* MLA's absorbed attention over the latent cache, for T query tokens per cache row (1 in decode; the tokens of a
+ * verification pass or a draft chunk, each with its own bias row: causality):
  *   score[h, s] = q_latent[h] . latent[s] + q_rope[h] . rope[s] + bias[s]      (the queries already scaled)
  *   out[h] = sum over slots s of softmax_s(score[h, s]) * latent[s]
  * A slot whose bias is -FLT_MAX (not seen: beyond the row's length, or masked) is skipped, so a step reads a row's
@@ -18,24 +19,26 @@
 typedef struct {
     StripKind kind;                              /* the caches' stored type */
     Isa isa;                                     /* the path that runs (dispatch.h) */
-    int64_t rows, heads, latent, rope, capacity; /* b, h, d_c (a multiple of 16), d_r (a multiple of 8), cap */
-    const float *q_latent;                       /* [b, h, d_c] */
-    const float *q_rope;                         /* [b, h, d_r] */
+    int64_t rows, queries;                       /* query rows b·T, and T: query row r reads cache row r / T */
+    int64_t heads, latent, rope, capacity;       /* h, d_c (a multiple of 16), d_r (a multiple of 8), cap */
+    const float *q_latent;                       /* [b·T, h, d_c] */
+    const float *q_rope;                         /* [b·T, h, d_r] */
     const void *latent_cache;                    /* [b, cap, d_c] */
     const void *rope_cache;                      /* [b, cap, d_r] */
-    const float *bias;                           /* [b, cap] */
-    float *out;                                  /* [b, h, d_c] */
+    const float *bias;                           /* [b·T, cap] */
+    float *out;                                  /* [b·T, h, d_c] */
     int64_t splits;                              /* slot ranges per row */
-    uint8_t *blind;                              /* [b]: the row sees no slot (every slot then counts, bias 0) */
-    float *partial;                              /* [b, splits, h, d_c + 2]: sum p * latent, max, sum p */
-    float *q_packed;                             /* [b, d_c + d_r, h]: the queries by column (float32 caches, h % 8 == 0) */
+    uint8_t *blind;                              /* [b·T]: the query row sees no slot (every slot then counts, bias 0) */
+    float *partial;                              /* [b·T, splits, h, d_c + 2]: sum p * latent, max, sum p */
+    float *q_packed;                             /* [b·T, d_c + d_r, h]: the queries by column (float32 caches, h % 8 == 0) */
     int failed;                                  /* a task could not get its scratch memory */
 } LatentAttention;
 
 /* Allocate the partial results and find the blind rows. 0 on success, -1 out of memory. */
 int latent_attention_plan(LatentAttention *job);
 void latent_attention_release(LatentAttention *job);
-/* One slot range of one row: task = row * splits + range. Tasks are independent. */
+/* One slot range of one query row: task = range * rows + row (the query rows of one range one after another, while
+ * its cache rows are warm: a chunk's T tokens read the same cache row). Tasks are independent. */
 void latent_attention_range(LatentAttention *job, int64_t task);
 /* One row's output from its ranges (after every range of the row). */
 void latent_attention_combine(LatentAttention *job, int64_t row);
