@@ -179,6 +179,12 @@ def test_policy_drafts_only_what_pays_for_its_measured_costs():
     drafted = Costs(decode=1.0, verify={t: 1.1 for t in range(2, 6)}, draft=0.5)
     assert DraftPolicy(drafted, mtp=True).length(0.7, 4) == 1  # every draft call costs half a step
     assert DraftPolicy(drafted, mtp=True).length(0.5, 4) == 0 and DraftPolicy(drafted, mtp=False).length(0.5, 4) > 1
+    # whether drafts could pay at all, every one accepted: not where a pass costs its steps, nor a draft call a step
+    assert DraftPolicy(flat, mtp=False).ever_pays(1, 4) and DraftPolicy(drafted, mtp=True).ever_pays(1, 4)
+    assert not DraftPolicy(steep, mtp=False).ever_pays(1, 4)
+    dear_drafts = Costs(decode=1.0, verify={t: 1.5 for t in range(2, 6)}, draft=1.0)
+    assert not DraftPolicy(dear_drafts, mtp=True).ever_pays(1, 4)
+    assert DraftPolicy(dear_drafts, mtp=False).ever_pays(1, 4)
     assert updated_acceptance(0.6, 4, 4) > 0.6 > updated_acceptance(0.6, 4, 0)
     # a step without drafts: back toward the prior, so that a row whose drafts stopped paying tries again later
     assert updated_acceptance(0.1, 0, 0) == pytest.approx(0.1 + REVISIT * (PRIOR_ACCEPTANCE - 0.1))

@@ -145,6 +145,9 @@ class Generator:
         pending = tokens.copy()  # each row's last token, not yet in its cache
         b = len(pending)
         policy = DraftPolicy(measure_costs(self.model, b, spec.draft_tokens, drafter is not None), drafter is not None)
+        if not policy.ever_pays(b, spec.draft_tokens):  # a pass (and its drafts) costs more than it could give
+            yield from self._plain(state, out, pending)
+            return
         acceptance = np.full(b, PRIOR_ACCEPTANCE)
         for r in range(b if drafter is not None else 0):  # the first token completes the last prompt position's pair
             drafter.first_token(r, int(pending[r]))

@@ -126,6 +126,9 @@ class Scheduler:
         self.drafter = MTPDrafter(model, max_batch) if self.speculation.mode == "mtp" else None
         self.costs = (measure_cost_model(model, max_batch, self.speculation.draft_tokens, self.drafter is not None)
                       if self.speculation.on else None)
+        # drafts that could not pay even all accepted (a draft call near a step's cost): no request speculates
+        self.drafts_pay = self.costs is not None and DraftPolicy(self.costs.one, self.drafter is not None).ever_pays(
+            1, self.speculation.draft_tokens)
 
     def _rows_and_queue(self, model, max_batch: int, max_queue: int, prefill_chunk: int) -> None:
         for name, value in (("max_batch", max_batch), ("max_queue", max_queue), ("prefill_chunk", prefill_chunk)):
@@ -332,7 +335,7 @@ class Scheduler:
 
     # ---- speculation (runtime.speculative) ----
     def _speculates(self, request: Request) -> bool:
-        return self.speculation.on and request.speculate and request.constraint is None
+        return self.drafts_pay and request.speculate and request.constraint is None
 
     def _propose(self, decoding: list[Request], hi: int) -> list[np.ndarray]:
         """Drafts for rows [0, hi): the speculating rows' proposals (the MTP draft catches every such row up first),

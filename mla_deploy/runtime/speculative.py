@@ -138,6 +138,11 @@ class DraftPolicy:
         """lengths() for a batch of one row."""
         return self.lengths([acceptance], [available])[0]
 
+    def ever_pays(self, rows: int, k: int) -> bool:
+        """Whether drafts could pay at all for `rows` rows: with every draft accepted (the estimate's ceiling) and k
+        of them a row. Where not, speculating only adds its bookkeeping to every step."""
+        return any(self.lengths([1.0] * rows, [k] * rows))
+
 
 def updated_acceptance(estimate: float, proposed: int, accepted: int) -> float:
     """A row's acceptance estimate after a step: accepted successes of accepted + (1 if one was rejected) trials,

@@ -59,7 +59,7 @@ class StagedScheduler(Scheduler):
             raise InputError(f"speculative={speculation.mode!r}: a staged export has no verify graph to speculate "
                              "with; serve it without --speculative")
         self._rows_and_queue(model, max_batch, max_queue, prefill_chunk)
-        self.speculation, self.drafter = Speculation(), None
+        self.speculation, self.drafter, self.drafts_pay = Speculation(), None, False
         count = len(model.stage_dirs) if micro_batches is None else micro_batches
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise InputError(f"micro_batches={micro_batches!r}: must be a positive integer")
