@@ -233,7 +233,9 @@ def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_
     else:
         click.echo(" ".join(map(str, result["token_ids"])))
     spec = result["speculation"]
-    drafts = (f", {spec['mode']}: {spec['accepted']}/{spec['proposed']} draft tokens accepted" if spec else "")
+    drafts = "" if not spec else f", {spec['mode']}: " + (
+        f"{spec['accepted']}/{spec['proposed']} draft tokens accepted" if spec["proposed"]
+        else "no drafts proposed (the policy found none that would pay)")
     click.echo(f"[{len(result['token_ids'])} tokens, prefill {result['prefill_ms']:.1f} ms, decode "
                f"{result['decode_tokens_per_s']:.1f} tok/s{drafts}; loaded in {model.load_seconds:.1f} s"
                + (f", {memory.describe()}" if memory else "") + "]", err=True)
