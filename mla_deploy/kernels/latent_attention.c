@@ -273,7 +273,7 @@ KERNEL static void range_f16(LatentAttention *job, int64_t task) { range_of(job,
 KERNEL static void range_bf16(LatentAttention *job, int64_t task) { range_of(job, task, STRIP_BF16); }
 
 void latent_attention_range(LatentAttention *job, int64_t task) {
-    task = task % job->rows * job->splits + task / job->rows; /* the caller's range-major order, as row * splits + range */
+    task = task % job->rows * job->splits + task / job->rows; /* range-major (the header) as row * splits + range */
     if (job->isa == ISA_SCALAR) {
         range_scalar(job, task);
         return;

@@ -109,6 +109,7 @@ class Generator:
         holds its tokens until they catch up), so the stream reads as without speculation."""
         rows = self.check_prompts(prompts, max_new_tokens)
         b = len(rows)
+        first_allowed = check_first_allowed(first_allowed, b, self.model.config.vocab_size)  # before any work
         state = self.new_state([np.asarray(r, np.int64) for r in rows])
         if self.speculation.mode == "mtp":
             state.drafter = MTPDrafter(self.model, b)
@@ -116,8 +117,7 @@ class Generator:
                       max_new_tokens)
         try:
             logits = self.prefill(state, rows)
-            tokens = sample(logits, self.sampling, state.rng, state.history, out.counts,
-                            check_first_allowed(first_allowed, b, logits.shape[-1]))
+            tokens = sample(logits, self.sampling, state.rng, state.history, out.counts, first_allowed)
             out.take(state, [[int(t)] for t in tokens])
             loop = self._speculative if self.speculation.on else self._plain
             yield from loop(state, out, tokens)
