@@ -345,9 +345,9 @@ class Scheduler:
         by_row: list[Request | None] = [None] * hi  # the speculating rows
         acceptances: list[float | None] = [None] * hi  # every decoding row's (0: one that does not speculate)
         for r in decoding:
-            if self._speculates(r):
-                by_row[r.row] = r
-            acceptances[r.row] = r.acceptance if self._speculates(r) else 0.0
+            speculates = self._speculates(r)
+            by_row[r.row] = r if speculates else None
+            acceptances[r.row] = r.acceptance if speculates else 0.0
         rooms = [0 if r is None else max(0, min(self.speculation.draft_tokens, r.max_new_tokens - len(r.generated) - 1,
                                                 end)) for r in by_row]
         spec = self.speculation
