@@ -7,15 +7,18 @@ without CUDA graphs, transformers on the same GPU, the GPU's copy bandwidth, and
 Needs onnxruntime-gpu (CUDAExecutionProvider), torch with CUDA, transformers; how to bring onnxruntime-gpu to a lent
 GPU machine: docs/gpu.md. Without the CUDA provider it stops with that message (no traceback).
 
-Jobs, in this order (the headline ones first), each recorded in the results JSON as soon as it is done:
+Jobs, in this order (every verify first, then the headline timings), each recorded in the results JSON as soon as
+it is done:
   environment   device name, driver, versions; the GPU's device-to-device copy bandwidth (torch, CUDA events;
                 bytes read plus bytes written)
-  per model (the demo, then `mla-deploy preset v2lite-2L`), per export (float16, bfloat16, float32, int4 weights
-  over float32; fused and factored absorb forms), built under --workdir unless there already:
+  per model (`mla-deploy preset v2lite-2L`, then the demo), per export (bfloat16, float16, float32, int4 weights
+  over float32 in mla_deploy's ops and in onnxruntime's MatMulNBits; fused and factored absorb forms), built under
+  --workdir unless there already (--prepare builds them alone, several at a time, with no GPU needed):
     verify      `verify_export(provider='cuda')`: every graph's logits against the torch source at the CPU's
                 tolerance for the dtype (verify.RTOL), the runtime's greedy tokens over device-resident caches
     decode      tokens/s at batch 1/8/32/64 (context 128; batch 1 and 8 also at 4k and 16k for the half exports),
-                each with and without a CUDA graph: resident caches of a fixed capacity filled with random values,
+                each with and without a CUDA graph (an export whose graph cannot be captured fails once and its
+                other CUDA-graph points say so): resident caches of a fixed capacity filled with random values,
                 one DecodeBinding, warm-up steps, then timed steps (each step copies its ids in and logits out)
     placement   onnxruntime's profiler over decode steps: nodes per execution provider, and the bytes of every
                 host<->device copy node it inserted per step, beside the binding's own copies by construction
@@ -58,7 +61,12 @@ import onnxruntime as ort  # noqa: E402
 from mla_deploy import io_spec  # noqa: E402
 from mla_deploy.presets import DEMO_CHECKPOINT  # noqa: E402
 
-DTYPES = ("bfloat16", "float16", "float32", "int4")
+DTYPES = ("bfloat16", "float16", "float32", "int4", "int4-nbits")
+# int4: mla_deploy's QMatMul4 ops, whose function bodies run on CUDA (weights dequantized once, at load);
+# int4-nbits: onnxruntime's com.microsoft MatMulNBits / GatherBlockQuantized, which have CUDA kernels (experts as
+# branches: If over each expert, onnxruntime's form that runs on every provider)
+QUANTIZED = {"int4": {"quantize": "int4"},
+             "int4-nbits": {"quantize": "int4", "quantized_ops": "onnxruntime", "experts": "branches"}}
 FORMS = ("fused", "factored")
 HALF = ("bfloat16", "float16")
 
@@ -125,11 +133,15 @@ class Bench:
         self.job("bandwidth", bandwidth, self.dry)
         models, dtypes, forms = ["demo"] if self.dry else a.models.split(","), a.dtypes.split(","), a.forms.split(",")
         short, every = ((16,), (16,)) if self.dry else ((128,), (128, 4096, 16384))
+        for name in models:  # correctness first: every export verified before any timing
+            for dtype in dtypes:
+                for form in forms:
+                    self.verify_jobs(name, dtype, form)
         for name in models:
             for dtype in dtypes:
                 for form in forms:
                     self.export_jobs(name, dtype, form)
-                    if (name, dtype, form) == (models[-1], dtypes[0], forms[0]):  # the headline comparison early
+                    if (name, dtype, form) == (models[0], dtypes[0], forms[0]):  # the headline comparison early
                         self.peer_jobs(name, False, every)
                         self.peer_jobs(name, True, short)
         for name in models:
@@ -152,35 +164,69 @@ class Bench:
         return path
 
     def export_dir(self, name: str, dtype: str, form: str) -> Path:
-        from mla_deploy.export import ExportOptions, export
-
         path = self.workdir / "exports" / f"{name}-{dtype}-{form}"
         if not (path / "manifest.json").is_file():
-            quantize = "int4" if dtype == "int4" else None
             max_len = min(self.args.max_seq_len, 1024) if name == "demo" else self.args.max_seq_len
-            export(self.checkpoint(name), path, ExportOptions(absorb=form, dtype="float32" if quantize else dtype,
-                                                              quantize=quantize, max_seq_len=max_len, force=True))
+            build_export(self.checkpoint(name), path, dtype, form, max_len)
         return path
+
+    def prepare(self) -> None:
+        """Checkpoints and exports only (no onnxruntime needed), `--jobs` exports at a time: what a lent machine
+        builds in the background while the rest of onnxruntime-gpu is still on its way."""
+        from concurrent.futures import ProcessPoolExecutor
+        import multiprocessing
+
+        a = self.args
+        todo = []
+        for name in a.models.split(","):
+            checkpoint = self.checkpoint(name)
+            max_len = min(a.max_seq_len, 1024) if name == "demo" else a.max_seq_len
+            for dtype in a.dtypes.split(","):
+                for form in a.forms.split(","):
+                    path = self.workdir / "exports" / f"{name}-{dtype}-{form}"
+                    if not (path / "manifest.json").is_file():
+                        todo.append((checkpoint, path, dtype, form, max_len))
+        with ProcessPoolExecutor(a.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            for args, done in zip(todo, pool.map(_build_logged, todo)):
+                print(f"[{time.perf_counter() - self.started:6.0f} s] {args[1].name}: {done}", flush=True)
+
+    def verify_jobs(self, name: str, dtype: str, form: str) -> Path | None:
+        key = f"{name}/{dtype}/{form}"
+        built = self.job(f"export {key}", lambda: {"path": str(self.export_dir(name, dtype, form))})
+        if built is None or built.get("error"):
+            return None
+        directory = Path(built["path"])
+        self.job(f"verify {key}", lambda: verify(directory, self.checkpoint(name), self.provider))
+        return directory
 
     def export_jobs(self, name: str, dtype: str, form: str) -> None:
         a, key = self.args, f"{name}/{dtype}/{form}"
-        built = self.job(f"export {key}", lambda: {"path": str(self.export_dir(name, dtype, form))})
-        if built is None or built.get("error"):
+        directory = self.verify_jobs(name, dtype, form)
+        if directory is None:
             return
-        directory = Path(built["path"])
-        self.job(f"verify {key}", lambda: verify(directory, self.checkpoint(name), self.provider))
         contexts = [128] if self.dry else [128] + ([4096, 16384] if dtype in HALF and form == "fused" else [])
         for ctx in contexts:
             batches = a.batches.split(",") if ctx == 128 else [b for b in ("1", "8") if b in a.batches.split(",")]
             for batch in batches:
                 for graph in (False, True) if not self.dry else (False,):
-                    self.job(f"decode {key} batch {batch} ctx {ctx}{' cuda-graph' if graph else ''}", decode_rate,
-                             directory, self.provider, int(batch), ctx, a.steps, graph)
+                    point = f"decode {key} batch {batch} ctx {ctx}{' cuda-graph' if graph else ''}"
+                    if graph and (failed := self.graph_failed(key)):  # one capture that cannot work says so
+                        self.results["jobs"].setdefault(point, {"skipped": f"a CUDA graph failed on {failed}"})
+                        continue
+                    self.job(point, decode_rate, directory, self.provider, int(batch), ctx, a.steps, graph)
         self.job(f"placement {key}", placement, directory, self.provider, 1, 128)
         if (dtype, form) == (a.dtypes.split(",")[0], a.forms.split(",")[0]):  # serve's engine, on the headline export
             for batch in a.batches.split(","):
                 self.job(f"scheduler {key} batch {batch}", scheduled_rate, directory, self.provider, int(batch),
                          16 if self.dry else 128, 4 if self.dry else 64)
+
+    def graph_failed(self, key: str) -> str | None:
+        """The first point of export `key` whose CUDA-graph session failed (a graph with control flow or host nodes
+        cannot be captured, whatever the batch)."""
+        for point, value in self.results["jobs"].items():
+            if point.startswith(f"decode {key} ") and point.endswith("cuda-graph") and value.get("error"):
+                return point
+        return None
 
     def peer_jobs(self, name: str, compiled: bool, contexts: tuple[int, ...]) -> None:
         for batch in (1, 8):
@@ -190,6 +236,23 @@ class Bench:
 
 
 # ---- jobs ----
+
+def build_export(checkpoint: Path, path: Path, dtype: str, form: str, max_len: int) -> None:
+    from mla_deploy.export import ExportOptions, export
+
+    quantized = QUANTIZED.get(dtype, {})
+    export(checkpoint, path, ExportOptions(absorb=form, dtype="float32" if quantized else dtype, max_seq_len=max_len,
+                                           force=True, **quantized))
+
+
+def _build_logged(args) -> str:
+    t0 = time.perf_counter()
+    try:
+        build_export(*args)
+    except Exception as e:  # the measuring run builds it again and records the error
+        return f"failed: {type(e).__name__}: {str(e).strip()[:300]}"
+    return f"built in {time.perf_counter() - t0:.0f} s"
+
 
 def environment(dry: bool) -> dict:
     info = {"onnxruntime": ort.__version__, "providers": ort.get_available_providers(),
@@ -499,6 +562,9 @@ def summary(jobs: dict) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prepare", action="store_true",
+                   help="build the checkpoints and exports under --workdir and stop (no GPU or onnxruntime-gpu needed)")
+    p.add_argument("--jobs", type=int, default=4, help="--prepare: exports built at a time")
     p.add_argument("--dry-run", action="store_true",
                    help="CPUExecutionProvider, the demo only, tiny sizes: the code path")
     p.add_argument("--workdir", default="/tmp/mla-gpu", help="checkpoints and exports (reused when there)")
@@ -506,7 +572,7 @@ def main() -> int:
                    help="results JSON (default benchmarks/results/gpu.json, or gpu-dry-run.json)")
     p.add_argument("--fresh", action="store_true", help="ignore the jobs already recorded in --out")
     p.add_argument("--budget-s", type=float, default=540, help="start no job after this many seconds")
-    p.add_argument("--models", default="demo,v2lite-2L")
+    p.add_argument("--models", default="v2lite-2L,demo")
     p.add_argument("--dtypes", default=",".join(DTYPES))
     p.add_argument("--forms", default=",".join(FORMS))
     p.add_argument("--batches", default="1,8,32,64")
@@ -515,6 +581,9 @@ def main() -> int:
                    help="the exports' maximum length (>= 16k context + steps)")
     args = p.parse_args()
     args.steps = args.steps or (2 if args.dry_run else 32)
+    if args.prepare:
+        Bench(args).prepare()
+        return 0
     if args.dry_run:
         args.batches = "1,2"
         print("DRY RUN: CPUExecutionProvider, the demo at tiny sizes; its figures are not GPU figures", flush=True)
