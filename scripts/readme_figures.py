@@ -15,6 +15,8 @@ Blocks:
 - `llamacpp-full-size`: the same for the full-size DeepSeek-V2-Lite, from
   `benchmarks/results/full-size-llamacpp*.json` (`compare_llamacpp.py --preset v2lite --convert q8_0`); a figure
   the run did not measure says so.
+- `gpu`: onnxruntime's CUDA provider against transformers on the same GPU, from `benchmarks/results/gpu.json`
+  (`benchmarks/gpu.py`): the exports verified, and the headline export's decode at batch 1 and 64, context 128.
 
 A result file's date is its "date" field; a file without one is dated by git: today where the working tree changes
 it (a measurement about to be committed), else the day of the last commit that changed it. A shallow clone cannot
@@ -121,7 +123,32 @@ def llamacpp_full_size(results: Path = RESULTS) -> str:
     return _pairs_table(pairs, [name for name in SUMMARY_ORDER if name in pairs])
 
 
-RENDERERS = {"llamacpp-summary": llamacpp_summary, "llamacpp-full-size": llamacpp_full_size}
+def gpu(results: Path = RESULTS) -> str:
+    """The CUDA run (benchmarks/results/gpu.json): verify outcomes, and decode of the first export timed."""
+    path = results / "gpu.json"
+    data = json.loads(path.read_text())
+    jobs = data["jobs"]
+    verified = [key.split(" ", 1)[1] for key in jobs if key.startswith("verify ") and "passed" in jobs[key]]
+    passed = [name for name in verified if jobs[f"verify {name}"]["passed"]]
+    rates = {key: value for key, value in jobs.items() if key.startswith("decode ") and "tokens_per_s" in value}
+    if not rates:
+        raise SystemExit(f"{path.name}: no decode measured")
+    first = next(iter(rates))  # "decode MODEL/DTYPE/FORM batch B ctx C"
+    export = first.split(" ")[1]
+    one, wide = rates.get(f"decode {export} batch 1 ctx 128"), rates.get(f"decode {export} batch 64 ctx 128")
+    peer = jobs.get(f"peer {export.split('/')[0]} eager batch 1 ctx 128", {})
+    head = ["on onnxruntime's CUDA provider", "verify", "decode batch 1, ctx 128 vs transformers bf16 eager",
+            "batch 64, ctx 128", "measured"]
+    decode = (_ratio(one["tokens_per_s"], peer["tokens_per_s"]) if one and "tokens_per_s" in peer
+              else f"{_tokens_per_s(one['tokens_per_s'])} tokens/s" if one else "not measured")
+    cells = [f"`{export}`, {jobs['environment'].get('device', 'device not recorded')}",
+             f"{len(passed)} of {len(verified)} exports pass", decode,
+             f"{_tokens_per_s(wide['tokens_per_s'])} tokens/s" if wide else "not measured",
+             f"{data.get('date') or data['updated'][:10]} (`{path.name}`)"]
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head), "| " + " | ".join(cells) + " |"]) + "\n"
+
+
+RENDERERS = {"llamacpp-summary": llamacpp_summary, "llamacpp-full-size": llamacpp_full_size, "gpu": gpu}
 
 
 def render(text: str, results: Path = RESULTS) -> str:

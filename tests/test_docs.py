@@ -117,6 +117,24 @@ def test_summary_picks_the_latest_file_for_each_precision(tmp_path):
     assert figures.llamacpp_pairs(tmp_path)["int8"]["date"] == "2026-01-02"
 
 
+def test_gpu_row_counts_failed_verifies_and_says_what_was_not_measured(tmp_path):
+    figures = _figures_module()
+    rate = {"tokens_per_s": 150.0}
+    jobs = {"environment": {"device": "GPU X"},
+            "verify m/bfloat16/fused": {"passed": True}, "verify m/float32/fused": {"passed": False},
+            "verify m/int4/fused": {"error": "RuntimeError: x"},
+            "decode m/bfloat16/fused batch 1 ctx 128": rate,
+            "decode m/bfloat16/fused batch 1 ctx 128 cuda-graph": {"error": "Fail: control flow"},
+            "peer m eager batch 1 ctx 128": {"tokens_per_s": 100.0}}
+    (tmp_path / "gpu.json").write_text(_json({"updated": "2026-01-03T10:00:00+00:00", "jobs": jobs}))
+    row = figures.gpu(tmp_path).splitlines()[2]
+    assert row.startswith("| `m/bfloat16/fused`, GPU X | 1 of 2 exports pass | 1.50x (150 / 100) | not measured |")
+    assert "2026-01-03" in row
+    del jobs["peer m eager batch 1 ctx 128"]
+    (tmp_path / "gpu.json").write_text(_json({"updated": "2026-01-03T10:00:00+00:00", "jobs": jobs}))
+    assert "| 150 tokens/s |" in figures.gpu(tmp_path)
+
+
 def _json(value) -> str:
     import json
 
