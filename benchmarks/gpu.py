@@ -11,8 +11,9 @@ Jobs, in this order (every verify first, then the headline timings), each record
 it is done:
   environment   device name, driver, versions; the GPU's device-to-device copy bandwidth (torch, CUDA events;
                 bytes read plus bytes written)
-  per model (`mla-deploy preset v2lite-2L`, then the demo), per export (bfloat16, float16, float32, int4 weights
-  over float32 in mla_deploy's ops and in onnxruntime's MatMulNBits; fused and factored absorb forms), built under
+  per model (`mla-deploy preset v2lite-2L`, then the demo), per export (bfloat16 with onnxruntime's MoE for the
+  routed experts, bfloat16, float16, float32, int4 weights over float32 in mla_deploy's ops and in onnxruntime's
+  MatMulNBits: EXPORTS; fused and factored absorb forms), built under
   --workdir unless there already (--prepare builds them alone, several at a time, with no GPU needed):
     verify      `verify_export(provider='cuda')`: every graph's logits against the torch source at the CPU's
                 tolerance for the dtype (verify.RTOL), the runtime's greedy tokens over device-resident caches
@@ -61,12 +62,19 @@ import onnxruntime as ort  # noqa: E402
 from mla_deploy import io_spec  # noqa: E402
 from mla_deploy.presets import DEMO_CHECKPOINT  # noqa: E402
 
-DTYPES = ("bfloat16", "float16", "float32", "int4", "int4-nbits")
-# int4: mla_deploy's QMatMul4 ops, whose function bodies run on CUDA (weights dequantized once, at load);
-# int4-nbits: onnxruntime's com.microsoft MatMulNBits / GatherBlockQuantized, which have CUDA kernels (experts as
-# branches: If over each expert, onnxruntime's form that runs on every provider)
-QUANTIZED = {"int4": {"quantize": "int4"},
-             "int4-nbits": {"quantize": "int4", "quantized_ops": "onnxruntime", "experts": "branches"}}
+# the exports measured, by name: their ExportOptions beyond the absorb form. bfloat16-moe: the routed experts in
+# onnxruntime's com.microsoft MoE (no control flow: a CUDA graph can capture the step) where the others of V2-Lite's
+# shape run them as If branches, whose conditions the host reads; int4: mla_deploy's QMatMul4 ops, whose function
+# bodies run on CUDA (weights dequantized once, at load); int4-nbits: onnxruntime's MatMulNBits /
+# GatherBlockQuantized, which have CUDA kernels (experts as branches)
+EXPORTS = {"bfloat16-moe": {"dtype": "bfloat16", "experts": "moe"}, "bfloat16": {"dtype": "bfloat16"},
+           "float16": {"dtype": "float16"}, "float32": {"dtype": "float32"},
+           "int4-nbits": {"quantize": "int4", "quantized_ops": "onnxruntime", "experts": "branches"},
+           "int4": {"quantize": "int4"}}
+DTYPES = tuple(EXPORTS)
+# exports whose sessions take minutes to create on CUDA (v2lite-2L int4 in QMatMul4 bodies: 203 s for verify's three
+# graphs, onnxruntime folding every dequantized weight on the host): verified with their own timings, not first
+SLOW_TO_LOAD = ("int4",)
 FORMS = ("fused", "factored")
 HALF = ("bfloat16", "float16")
 
@@ -134,7 +142,7 @@ class Bench:
         models, dtypes, forms = ["demo"] if self.dry else a.models.split(","), a.dtypes.split(","), a.forms.split(",")
         short, every = ((16,), (16,)) if self.dry else ((128,), (128, 4096, 16384))
         for name in models:  # correctness first: every export verified before any timing
-            for dtype in dtypes:
+            for dtype in (d for d in dtypes if d not in SLOW_TO_LOAD):
                 for form in forms:
                     self.verify_jobs(name, dtype, form)
         for name in models:
@@ -204,7 +212,8 @@ class Bench:
         directory = self.verify_jobs(name, dtype, form)
         if directory is None:
             return
-        contexts = [128] if self.dry else [128] + ([4096, 16384] if dtype in HALF and form == "fused" else [])
+        half = EXPORTS[dtype].get("dtype") in HALF
+        contexts = [128] if self.dry else [128] + ([4096, 16384] if half and form == "fused" else [])
         for ctx in contexts:
             batches = a.batches.split(",") if ctx == 128 else [b for b in ("1", "8") if b in a.batches.split(",")]
             for batch in batches:
@@ -240,9 +249,7 @@ class Bench:
 def build_export(checkpoint: Path, path: Path, dtype: str, form: str, max_len: int) -> None:
     from mla_deploy.export import ExportOptions, export
 
-    quantized = QUANTIZED.get(dtype, {})
-    export(checkpoint, path, ExportOptions(absorb=form, dtype="float32" if quantized else dtype, max_seq_len=max_len,
-                                           force=True, **quantized))
+    export(checkpoint, path, ExportOptions(absorb=form, max_seq_len=max_len, force=True, **EXPORTS[dtype]))
 
 
 def _build_logged(args) -> str:
@@ -536,7 +543,7 @@ def summary(jobs: dict) -> dict:
                 ratios.setdefault("batch32_over_batch1_tokens_per_s", {})[point] = \
                     round(value["tokens_per_s"] / one["tokens_per_s"], 2)
         for flavour in ("eager", "compiled"):
-            if name.split("/")[1] in HALF and value["batch"] in (1, 8):
+            if EXPORTS.get(name.split("/")[1], {}).get("dtype") in HALF and value["batch"] in (1, 8):
                 p = get(f"peer {model} {flavour} batch {value['batch']} ctx {value['context']}")
                 if p:
                     ratios.setdefault(f"onnx_over_transformers_{flavour}", {})[key[len("decode "):]] = \
@@ -581,6 +588,9 @@ def main() -> int:
                    help="the exports' maximum length (>= 16k context + steps)")
     args = p.parse_args()
     args.steps = args.steps or (2 if args.dry_run else 32)
+    unknown = [d for d in args.dtypes.split(",") if d not in EXPORTS]
+    if unknown:
+        p.error(f"--dtypes {','.join(unknown)}: expected some of {', '.join(EXPORTS)}")
     if args.prepare:
         Bench(args).prepare()
         return 0

@@ -114,11 +114,13 @@ def main(ctx, debug):
 @click.option("--head-bits", type=click.Choice(["4", "8"]), default="8", show_default=True,
               help="A quantized export's embedding and output layer: 8 loses less quality, 4 makes the smallest file "
                    "and the fastest decode (docs/precision.md).")
-@click.option("--experts", type=click.Choice(["auto", "kernel", "qmoe", "branches"]), default="auto", show_default=True,
+@click.option("--experts", type=click.Choice(["auto", "kernel", "qmoe", "moe", "branches"]), default="auto",
+              show_default=True,
               help="How MoE layers run their routed experts: auto picks mla-deploy's kernel (QRoutedExperts for "
                    "quantized exports, RoutedExperts for float exports of few-expert layers), QMoE with "
                    "--quantized-ops onnxruntime, else branches (one If per expert: stock ONNX that runs anywhere, "
-                   "CUDA included; docs/precision.md).")
+                   "CUDA included; docs/precision.md); moe: onnxruntime's MoE over float experts, no control flow "
+                   "(for CUDA: docs/gpu.md).")
 @click.option("--decode-attention", type=click.Choice(["auto", "kernel", "ops"]), default="auto", show_default=True,
               help="The decode attention core: mla-deploy's LatentAttention kernel, or onnxruntime's ops (stock ONNX "
                    "that runs anywhere, CUDA included; docs/design.md).")

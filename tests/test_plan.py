@@ -26,6 +26,7 @@ OPTION_SETS = {
     "default": ExportOptions(),
     "float16 factored": ExportOptions(dtype="float16", absorb="factored"),
     "bfloat16 portable": ExportOptions(dtype="bfloat16", experts="branches", decode_attention="ops"),
+    "float16 moe": ExportOptions(dtype="float16", experts="moe"),
     "int4 head4": ExportOptions(quantize="int4", head_bits=4, absorb="fused", block_size=16, accuracy_level=0),
     "int8 short": ExportOptions(quantize="int8", max_seq_len=64),
     "int8 onnxruntime": ExportOptions(quantize="int8", quantized_ops="onnxruntime", dtype="float16"),
@@ -52,6 +53,7 @@ def test_the_manifest_records_the_plan_and_the_graphs_follow_it(tiny, tmp_path, 
     assert any(op.startswith(("QMatMul", "QGather")) for op in kernel_ops) == (plan.quantized_ops == "kernel")
     assert ("com.microsoft::MatMulNBits" in decode) == (plan.quantized_ops == "onnxruntime")
     assert ("com.microsoft::QMoE" in decode) == (plan.experts == "qmoe")
+    assert ("com.microsoft::MoE" in decode) == (plan.experts == "moe")
     assert ("If" in decode) == (plan.experts == "branches")
     prefill_ops = {
         op.split("::")[1] for op in manifest["graphs"]["prefill"]["op_counts"] if op.startswith("mla_deploy::")
@@ -97,7 +99,7 @@ def test_a_manifest_without_the_long_cache_field_reads_back_by_the_rule(tiny, tm
     "options,message",
     [
         (ExportOptions(dtype="float8"), "--dtype float8: dtype 'float8': expected one of float32, float16, bfloat16"),
-        (ExportOptions(experts="dense"), "experts='dense': expected one of auto, qmoe, kernel, branches"),
+        (ExportOptions(experts="dense"), "experts='dense': expected one of auto, qmoe, kernel, moe, branches"),
         (ExportOptions(decode_attention="fast"), "decode_attention='fast': expected one of auto, kernel, ops"),
         (ExportOptions(quantize="int3"), "--quantize int3: expected one of int4, int8"),
         (ExportOptions(head_bits=4), "--head-bits 4: the embedding and output layer keep"),
@@ -120,3 +122,5 @@ def test_choices_that_need_the_config_are_refused_by_name(tiny, tmp_path):
         ExportPlan.resolve(cfg, ExportOptions(max_seq_len=5000))
     with pytest.raises(ExportError, match="experts='kernel' over quantized weights is mla_deploy.QRoutedExperts"):
         ExportPlan.resolve(cfg, ExportOptions(quantize="int8", experts="kernel", quantized_ops="onnxruntime"))
+    with pytest.raises(ExportError, match="experts='moe' multiplies by float experts; over quantized ones use 'qmoe'"):
+        ExportPlan.resolve(cfg, ExportOptions(quantize="int4", experts="moe"))

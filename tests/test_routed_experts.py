@@ -18,6 +18,7 @@ from mla_deploy.presets import DEMO_CHECKPOINT
 from mla_deploy.runtime import ExportedModel, Generator, RuntimeOptions, SamplingParams
 from mla_deploy.runtime.feeds import prefill_feed
 from mla_deploy.safetensors_io import bf16_to_float32, float32_to_bf16
+from mla_deploy.verify import verify_export
 
 import kernel_levels
 
@@ -245,3 +246,20 @@ def test_the_demo_export_runs_its_experts_in_the_kernel_and_its_function_body_al
     prompts = [[1, 17, 300, 42], [1, 5], [1, 900, 901, 902, 903]]
     tokens = [Generator(m, SamplingParams(), stop_token_ids=()).generate(prompts, 10).token_ids for m in (on, off)]
     assert tokens[0] == tokens[1]
+
+
+@pytest.mark.parametrize("variant", ["v2_group_limited", "v3_lora_group_yarn"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_onnxruntime_moe_experts_verify_against_the_source(checkpoint_dir, tmp_path, variant, dtype):
+    """experts="moe": one com.microsoft MoE per layer, fed DeepSeek's choice as masked log-weights, for both routers
+    (V2's softmax with group-limited greedy choice, V3's sigmoid with its selection-only bias and normalised top-k):
+    verify passes at the dtype's tolerance, and the graph has no If left."""
+    out = tmp_path / "out"
+    export(checkpoint_dir(variant)[0], out, ExportOptions(dtype=dtype, experts="moe", block_size=16),
+           progress=lambda m: None)
+    model = ExportedModel(out)
+    assert model.manifest["experts"] == "moe"
+    counts = model.manifest["graphs"][io_spec.DECODE]["op_counts"]
+    assert counts["com.microsoft::MoE"] == model.config.num_hidden_layers - model.config.first_k_dense_replace
+    assert "If" not in counts
+    assert verify_export(out, checkpoint_dir(variant)[0], steps=4).passed

@@ -1,8 +1,8 @@
 """modeling/moe.py as graph code: the dense SwiGLU, the V2 / V3 routers, and MoE layers whose routed experts run in
 the form the plan chose (export.plan): one mla_deploy.RoutedExperts, or QRoutedExperts over block-quantized experts
-("kernel"), one com.microsoft QMoE ("qmoe"), or one If per expert ("branches"), whose branch gathers that expert's
-tokens, runs its SwiGLU on them and scatter-adds the weighted result, so an expert nobody chose costs one skipped
-branch and reads none of its weights. The kernels' ONNX bodies, every expert on every token weighted by the
+("kernel"), one com.microsoft QMoE ("qmoe") or MoE ("moe"), or one If per expert ("branches"), whose branch gathers
+that expert's tokens, runs its SwiGLU on them and scatter-adds the weighted result, so an expert nobody chose costs
+one skipped branch and reads none of its weights. The kernels' ONNX bodies, every expert on every token weighted by the
 dispatch, are built from this file's graph code (`every_expert`: `routed_experts_function`,
 `qrouted_experts_function`).
 """
@@ -186,9 +186,11 @@ class MoE:
         if cfg.n_shared_experts:
             shared = SwiGLU(g, f"{self.name}.shared", hf + "shared_experts.", t,
                             cfg.moe_intermediate_size * cfg.n_shared_experts)(op, x2)
-        if g.plan.experts in ("qmoe", "kernel"):
+        if g.plan.experts in ("qmoe", "moe", "kernel"):
             if g.plan.experts == "qmoe":  # chosen and the weights that mix the experts' outputs in the compute dtype
                 routed = self._qmoe(op, x2, g.to_compute(op, chosen), g.to_compute(op, dispatch))
+            elif g.plan.experts == "moe":
+                routed = self._moe(op, x2, dispatch)
             else:
                 routed = self._kernel(op, x2, dispatch)
             out = routed if shared is None else op.Add(shared, routed)
@@ -291,6 +293,25 @@ class MoE:
                        activation_alpha=1.0, activation_beta=0.0, normalize_routing_weights=0,
                        expert_weight_bits=q.bits, block_size=q.block, accuracy_level=q.accuracy_level,
                        _domain="com.microsoft")  # [N, d]
+
+    def _moe(self, op, x2, dispatch) -> ir.Value:
+        """All routed experts in one com.microsoft MoE over float experts. Its router is softmax then top-k over
+        `router_probs`: fed log(dispatch) on the chosen experts and -1e30 elsewhere, it picks DeepSeek's choice and,
+        renormalised (normalize_routing_weights 1), weighs expert e by dispatch_e / sum(dispatch); the output times
+        sum(dispatch) is DeepSeek's mix. fc1 [E, 2I, d] interleaves gate and up rows (swiglu_fusion 1; SwiGLU with
+        alpha 1 and beta 0 is silu(gate) · up), fc2 [E, d, I]; stored in the export's dtype, multiplied in float32."""
+        cfg, g = self.cfg, self.g
+
+        def stacked(kind: str) -> np.ndarray:  # [E, N, K]: each expert's MatMul B [K, N] transposed
+            return np.stack([self._fused_expert_weight(kind, e).T for e in range(cfg.n_routed_experts)])
+
+        fc1, fc2 = (cast(op, g.initializer(f"{self.name}.experts.{kind}", lambda kind=kind: stacked(kind),
+                                           g.plan.dtype), DATA_TYPES[g.plan.dtype], FLOAT) for kind in ("fc1", "fc2"))
+        logits = op.Where(op.Greater(dispatch, 0.0), op.Log(dispatch), -1e30)  # [N, E]
+        routed = op.MoE(g.to_float(op, x2), logits, fc1, None, fc2, k=cfg.num_experts_per_tok,
+                        activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0,
+                        normalize_routing_weights=1, _domain="com.microsoft")  # [N, d]
+        return g.to_compute(op, op.Mul(routed, op.ReduceSum(dispatch, [-1], keepdims=1)))
 
     def _expert(self, op, e: int, flag, x2, chosen, dispatch, acc) -> ir.Value:
         """acc + weight · expert_e(x) on the rows that chose expert e, inside If(expert e chosen by any row); `acc`

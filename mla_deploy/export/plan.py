@@ -26,7 +26,10 @@ The rules (each form measured against the others: docs/benchmarks.md):
   onnxruntime's form, one com.microsoft QMoE per MoE layer, where the experts' matrices are whole quantization blocks
   along K (QMoE's rule); "branches" otherwise (DeepSeek-V2-Lite's 64 and 6, V3's 256 and 8, in float), one If per
   expert, so an expert no token chose reads none of its weights. "branches" is also the portable form: stock ONNX
-  that runs anywhere, CUDA included.
+  that runs anywhere, CUDA included, but each If reads its condition on the host: on CUDA a decode step waits for
+  the GPU once per expert, and onnxruntime captures no CUDA graph of a model with control flow (docs/gpu.md).
+  "moe" (asked for, float exports): one com.microsoft MoE per MoE layer, onnxruntime's grouped kernels on CPU and
+  CUDA with no control flow, each expert on the tokens that chose it, over float32 weights (cast at load).
 - decode attention: "kernel" (mla_deploy.LatentAttention: scores, softmax and probs @ latent in one op that reads
   the caches as stored and only the slots each row sees; LatentAttentionQ8 over an int8 latent) where its widths fit
   the kernel's blocks (d_c a multiple of 16, d_r of 8), for half and int8 caches always (onnxruntime's ops would
@@ -66,7 +69,7 @@ from . import layouts
 from .quantize import Quantization, quantized_hf_names
 
 QUANTIZE_BITS = {"int4": 4, "int8": 8}
-EXPERTS = ("auto", "qmoe", "kernel", "branches")
+EXPERTS = ("auto", "qmoe", "kernel", "moe", "branches")
 QUANTIZED_OPS = ("auto", "kernel", "onnxruntime")
 # the scales each quantized form stores: the kernels read float16 (export.layouts), MatMulNBits and QMoE take their
 # activations' type (float32)
@@ -96,7 +99,7 @@ class ExportOptions:
     accuracy_level: int = 4  # 4 = int8 activations inside the kernel, 0 = float (exact)
     head_bits: int = 8  # the embedding and the output layer of a quantized export: 8, or 4 (smallest, fastest)
     quantized_ops: str = "auto"  # a quantized export's ops: auto (= kernel), kernel, onnxruntime
-    experts: str = "auto"  # routed experts: auto, kernel, qmoe (quantized), branches (portable)
+    experts: str = "auto"  # routed experts: auto, kernel, qmoe (quantized), moe (float), branches (portable)
     decode_attention: str = "auto"  # the decode graph's attention core: auto, kernel, ops (portable)
     cache_dtype: str = (
         "auto"  # the latent cache: auto (--dtype), float32, float16, bfloat16, int8 (io_spec.CacheFormat)
@@ -160,7 +163,7 @@ class ExportPlan:
     rope_dtype: str  # the roped-key cache as stored: a float type
     quantization: Quantization | None  # bits, block, accuracy level, head bits, scale dtype; None: float weights
     quantized_ops: str | None  # quantized weights' ops: "kernel" or "onnxruntime"; None: float weights
-    experts: str | None  # routed experts: "kernel", "qmoe" or "branches" (None read back for a model without any)
+    experts: str | None  # routed experts: "kernel", "qmoe", "moe" or "branches" (None: a model without any)
     decode_attention: str  # the decode attention core: "kernel" or "ops"
     prefill_attention: str  # "naive" (decompressing the cache) or "absorbed" (the chunk kernel over an int8 cache)
     long_cache: bool  # decode attention multiplies probs by the cache as the A operand (LatentAttentionLong)
@@ -250,7 +253,7 @@ class ExportPlan:
                   if self.cache_format.scaled else f"{self.cache_dtype} caches" if self.cache_dtype == self.rope_dtype
                   else f"{self.cache_dtype} latent cache, {self.rope_dtype} rope cache")
         experts = {"kernel": "mla_deploy.QRoutedExperts" if q else "mla_deploy.RoutedExperts",
-                   "qmoe": "com.microsoft QMoE", "branches": "one If per expert"}
+                   "qmoe": "com.microsoft QMoE", "moe": "com.microsoft MoE", "branches": "one If per expert"}
         return (f"absorb {self.absorb.value}; {weights} computed in {self.compute}; {caches}; "
                 f"decode attention in {core}" + (" (the cache as MatMul's A operand: long cache)" if self.long_cache
                                                  else "")
@@ -328,6 +331,8 @@ def resolve_experts(cfg: MLAConfig, requested: str, quantization: Quantization |
                           "scales; --quantized-ops onnxruntime stores float32 ones: use 'qmoe' or 'branches'")
     if requested == "qmoe" and quantization is None:
         raise ExportError("experts='qmoe' needs --quantize (QMoE multiplies by quantized experts)")
+    if requested == "moe" and quantization is not None:
+        raise ExportError("experts='moe' multiplies by float experts; over quantized ones use 'qmoe'")
     if requested == "auto" and quantization is not None and quantized_ops == "kernel":
         return "kernel"
     if requested in ("auto", "qmoe") and quantization is not None:
