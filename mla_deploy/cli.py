@@ -120,7 +120,7 @@ def main(ctx, debug):
                    "quantized exports, RoutedExperts for float exports of few-expert layers), QMoE with "
                    "--quantized-ops onnxruntime, else branches (one If per expert: stock ONNX that runs anywhere, "
                    "CUDA included; docs/precision.md); moe: onnxruntime's MoE over float experts, no control flow "
-                   "(for CUDA: docs/gpu.md).")
+                   "(for CUDA; slow on the CPU: docs/gpu.md).")
 @click.option("--decode-attention", type=click.Choice(["auto", "kernel", "ops"]), default="auto", show_default=True,
               help="The decode attention core: mla-deploy's LatentAttention kernel, or onnxruntime's ops (stock ONNX "
                    "that runs anywhere, CUDA included; docs/design.md).")
