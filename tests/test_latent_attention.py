@@ -304,7 +304,7 @@ def test_the_export_command_takes_both_choices(tmp_path):
     assert result.exit_code == 0, result.output
     manifest = ExportedModel(out).manifest
     assert (manifest["experts"], manifest["decode_attention"]) == ("branches", "ops")
-    for option, value in (("--experts", "dense"), ("--experts", "moe"), ("--decode-attention", "fast")):
+    for option, value in (("--experts", "dense"), ("--experts", "mixture"), ("--decode-attention", "fast")):
         refused = CliRunner().invoke(main, ["export", str(ckpt), "-o", str(tmp_path / "no"), option, value])
         assert refused.exit_code == 2 and option in refused.output and f"'{value}' is not one of" in refused.output
         assert not (tmp_path / "no").exists()
