@@ -171,12 +171,16 @@ class Bench:
             build_preset(name, path)
         return path
 
+    def export_build(self, name: str, dtype: str, form: str) -> tuple[Path, Path, str, str, int]:
+        """build_export's arguments for one export: checkpoint, directory, dtype, form, maximum length."""
+        max_len = min(self.args.max_seq_len, 1024) if name == "demo" else self.args.max_seq_len
+        return self.checkpoint(name), self.workdir / "exports" / f"{name}-{dtype}-{form}", dtype, form, max_len
+
     def export_dir(self, name: str, dtype: str, form: str) -> Path:
-        path = self.workdir / "exports" / f"{name}-{dtype}-{form}"
-        if not (path / "manifest.json").is_file():
-            max_len = min(self.args.max_seq_len, 1024) if name == "demo" else self.args.max_seq_len
-            build_export(self.checkpoint(name), path, dtype, form, max_len)
-        return path
+        build = self.export_build(name, dtype, form)
+        if not (build[1] / "manifest.json").is_file():
+            build_export(*build)
+        return build[1]
 
     def prepare(self) -> None:
         """Checkpoints and exports only (no onnxruntime needed), `--jobs` exports at a time: what a lent machine
@@ -185,15 +189,8 @@ class Bench:
         import multiprocessing
 
         a = self.args
-        todo = []
-        for name in a.models.split(","):
-            checkpoint = self.checkpoint(name)
-            max_len = min(a.max_seq_len, 1024) if name == "demo" else a.max_seq_len
-            for dtype in a.dtypes.split(","):
-                for form in a.forms.split(","):
-                    path = self.workdir / "exports" / f"{name}-{dtype}-{form}"
-                    if not (path / "manifest.json").is_file():
-                        todo.append((checkpoint, path, dtype, form, max_len))
+        todo = [build for name in a.models.split(",") for dtype in a.dtypes.split(",") for form in a.forms.split(",")
+                if not ((build := self.export_build(name, dtype, form))[1] / "manifest.json").is_file()]
         with ProcessPoolExecutor(a.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
             for args, done in zip(todo, pool.map(_build_logged, todo)):
                 print(f"[{time.perf_counter() - self.started:6.0f} s] {args[1].name}: {done}", flush=True)
