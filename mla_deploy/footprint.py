@@ -30,11 +30,12 @@ def parameter_counts(cfg: MLAConfig) -> dict[str, int]:
 
 def decode_read_bytes(cfg: MLAConfig, absorb: AbsorbMode | None, itemsize: float = F32,
                       active_experts: int | None = None, quantized_itemsize: float | None = None,
-                      head_itemsize: float | None = None) -> dict[str, int]:
+                      head_itemsize: float | None = None, per_head_itemsize: float = F32) -> dict[str, int]:
     """Weight bytes one decode token reads, by group: attention in the absorbed form `absorb` (None: the naive form,
     decompressing the cache), `active_experts` routed experts per MoE layer (default: num_experts_per_tok).
     `quantized_itemsize`: bytes per weight of what a quantized export stores as codes (export.quantize: every
-    linear weight but kv_b and the routers; the head at `head_itemsize`); the rest stays at `itemsize`."""
+    linear weight but kv_b and the routers; the head at `head_itemsize`); the rest stays at `itemsize`. The factored
+    form's per-head W^UK / W^UV are float32 islands, or codes at `per_head_itemsize` in a quantized export."""
     d, h = cfg.hidden_size, cfg.num_attention_heads
     dn, dr, dc, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
     k = cfg.num_experts_per_tok if active_experts is None else active_experts
@@ -51,8 +52,8 @@ def decode_read_bytes(cfg: MLAConfig, absorb: AbsorbMode | None, itemsize: float
         )  # q_a, kv_a, q, o
         if absorb is None:  # naive: kv_b decompresses the cache
             from_kv_b = dc * h * (dn + dv)
-        elif absorb == AbsorbMode.FACTORED:  # per-head W^UK, W^UV
-            from_kv_b = h * dn * dc + h * dc * dv
+        elif absorb == AbsorbMode.FACTORED:  # per-head W^UK, W^UV: float32, or codes (counted in their bytes)
+            from_kv_b = (h * dn * dc + h * dc * dv) * per_head_itemsize / itemsize
         else:  # fused products replace q's nope rows and o (quantized after absorption when the export quantizes)
             fused = absorbed_weight_bytes(cfg, absorb, 1) - q_in * h * dr
             from_kv_b, projections = 0, projections - q_in * h * dn - h * dv * d + fused

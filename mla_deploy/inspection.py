@@ -111,7 +111,8 @@ def _quantized_sizes(q: dict | None) -> dict[str, float]:
     if not q:
         return {}
     spec = Quantization.from_dict(q)
-    return {"quantized_itemsize": spec.bytes_per_weight(), "head_itemsize": spec.bytes_per_weight(spec.head_bits)}
+    return {"quantized_itemsize": spec.bytes_per_weight(), "head_itemsize": spec.bytes_per_weight(spec.head_bits),
+            **({"per_head_itemsize": spec.bytes_per_weight(spec.per_head_bits)} if spec.per_head_bits else {})}
 
 
 def _size(n: float) -> str:

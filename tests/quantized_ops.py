@@ -14,7 +14,7 @@ from mla_deploy import kernels
 from mla_deploy.export import layouts
 from mla_deploy.export.opset import IR_VERSION, OPSET
 from mla_deploy.export.quantize import quantize, unpack_codes
-from mla_deploy.export.linear import qmatmul_function
+from mla_deploy.export.linear import qbatch_matmul_function, qmatmul_function
 
 U = 2.0**-24  # float32's unit roundoff
 
@@ -57,6 +57,13 @@ def quantized(w: np.ndarray, bits: int, block: int):
 def qmatmul_model(k: int, n: int, bits: int, block: int, level: int, codes, scales, a_shape=None) -> bytes:
     a = helper.make_tensor_value_info("A", TensorProto.FLOAT, a_shape or ["M", k])
     return model(kernels.QMATMUL[bits], [a], {"codes": codes, "scales": scales}, qmatmul_function(bits),
+                 K=k, N=n, block_size=block, accuracy_level=level)
+
+
+def qbatch_matmul_model(k: int, n: int, bits: int, block: int, level: int, codes, scales, a_shape=None) -> bytes:
+    """QBatchMatMul over codes [H, G, KB, ·] and scales [H, G, KB, 16] (one weight per head, stacked)."""
+    a = helper.make_tensor_value_info("A", TensorProto.FLOAT, a_shape or [codes.shape[0], "M", k])
+    return model(kernels.QBATCH_MATMUL[bits], [a], {"codes": codes, "scales": scales}, qbatch_matmul_function(bits),
                  K=k, N=n, block_size=block, accuracy_level=level)
 
 

@@ -7,7 +7,9 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from mla_deploy.export.quantize import dequantize, quantize, unpack_codes
+from types import SimpleNamespace
+
+from mla_deploy.export.quantize import Quantization, dequantize, per_head_rounded_kv_b, quantize, unpack_codes
 
 
 def reference(w: np.ndarray, bits: int, block: int):
@@ -93,3 +95,28 @@ def test_chunked_columns_quantize_as_one():
     w = rng.standard_normal((100, 37)).astype(np.float32)
     whole, chunked = quantize(w, 4, 32), quantize(w, 4, 32, chunk_bytes=8 * 4 * 32 * 3)  # 3 columns per chunk
     assert (whole.codes == chunked.codes).all() and (whole.scales == chunked.scales).all()
+
+
+@pytest.mark.parametrize("bits, block", [(8, 32), (8, 16), (4, 32)])
+def test_per_head_rounding_blocks_each_product_along_what_it_sums(bits, block):
+    """kv_b [h·(d_nope+d_v), d_c]: head h's W^UK [d_nope, d_c] is quantized as a weight [K = d_nope, N = d_c] (q_nope
+    @ W^UK sums over d_nope) and W^UV^T [d_c, d_v] as [K = d_c, N = d_v] (o_latent @ W^UV^T sums over d_c), d_nope and
+    d_v not whole blocks; each element within half its block's scale; and rounding twice changes nothing, so the
+    export may quantize the already rounded kv_b and get the codes of the original."""
+    cfg = SimpleNamespace(num_attention_heads=3, qk_nope_head_dim=40, v_head_dim=24, kv_lora_rank=64)
+    h, dn, dv, dc = 3, 40, 24, 64
+    rng = np.random.default_rng(bits + block)
+    kv_b = rng.standard_normal((h * (dn + dv), dc)).astype(np.float32)
+    q = Quantization(8, block, scale_dtype="float16", per_head_bits=bits)
+    rounded = per_head_rounded_kv_b(cfg, kv_b, q)
+    assert rounded.shape == kv_b.shape and rounded.dtype == kv_b.dtype
+    for head in range(h):
+        rows = slice(head * (dn + dv), (head + 1) * (dn + dv))
+        uk, uv = kv_b[rows][:dn], kv_b[rows][dn:]  # [d_nope, d_c], [d_v, d_c]
+        expected_uk = dequantize(quantize(uk, bits, block, scale_dtype="float16"))
+        expected_uv = dequantize(quantize(uv.T, bits, block, scale_dtype="float16")).T
+        assert np.array_equal(rounded[rows][:dn], expected_uk) and np.array_equal(rounded[rows][dn:], expected_uv)
+        step = quantize(uk, bits, block, scale_dtype="float16").scales.astype(np.float64)  # [d_c, KB]
+        bound = np.repeat(step.T, block, axis=0)[:dn] * (0.5 + 2 ** (bits - 1) * 2.0**-11)  # [d_nope, d_c]
+        assert np.all(np.abs(rounded[rows][:dn] - uk) <= bound)
+    assert np.array_equal(per_head_rounded_kv_b(cfg, rounded, q), rounded)

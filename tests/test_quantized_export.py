@@ -77,8 +77,11 @@ def test_quantized_export_equals_the_dequantized_source(checkpoint_dir, quantize
                            steps=6)
     assert report.passed, report.lines
     assert f"deployed prefill with {deployed} (accuracy_level 4)" in report.lines[-2]
-    # int8 activations move the logits measurably (2-7 % of the logit scale on these random weights), not wildly
-    assert report.tolerance < report.deployed_drift < 0.2 * max(1.0, report.logit_scale)
+    # int8 activations move the logits measurably (1-7 % of the logit scale at most positions on these random
+    # weights), not wildly: a wrong code or scale moves them by the scale itself. The max over positions also catches
+    # near ties of the group-limited router that int8 activations tip the other way: v3_lora_group_yarn int4 has one
+    # (0.65 at one position of a 2.24 scale, the other positions 0.01-0.11), hence half the scale as the bound
+    assert report.tolerance < report.deployed_drift < 0.5 * max(1.0, report.logit_scale)
 
 
 @pytest.mark.parametrize("variant, bits", [("v3_lora_group_yarn", "int4"), ("v2_nolora_greedy_yarn", "int8")])
@@ -133,9 +136,14 @@ def test_every_quantizable_weight_runs_through_the_plans_quantized_ops(checkpoin
         float_weights = {i for n in nodes if n.op_type == "MatMul" for i in n.input[1:]}
         initializers = {i.name for i in onnx.load(str(out / f"{kind}.onnx"),
                                                   load_external_data=False).graph.initializer}
-        # the float MatMul weights left are exactly kv_b (prefill), the routers and the per-head W^UK / W^UV
+        # the float MatMul weights left are exactly kv_b (prefill), the routers and, in onnxruntime's form, the
+        # per-head W^UK / W^UV (the kernel form multiplies their int8 codes: QBatchMatMul8, two a layer)
         left = sorted(w.split(".")[-1] for w in float_weights & initializers)
-        assert set(left) <= {"kv_b", "router", "uk", "uv"}, left
+        assert set(left) <= ({"kv_b", "router"} if quantized_ops == "kernel" else {"kv_b", "router", "uk", "uv"}), left
+        per_head = [n for n in nodes if n.op_type == "QBatchMatMul8"]
+        layers = cfg.num_hidden_layers if kind == "decode" and quantized_ops == "kernel" else 0
+        assert sorted(n.input[1].split(".")[-2] for n in per_head) == ["uk"] * layers + ["uv"] * layers, kind
+        assert q["per_head_bits"] == (8 if quantized_ops == "kernel" else None)
         gathers = [n for n in nodes if n.op_type in ("Gather", "GatherBlockQuantized", "QGather4", "QGather8")
                    and n.input[int(n.op_type.startswith("QGather"))].startswith("embed")]
         assert [n.op_type for n in gathers] == ["QGather8" if quantized_ops == "kernel" else "GatherBlockQuantized"]
@@ -298,7 +306,7 @@ def test_head_bits_4_puts_the_embedding_and_head_at_4_bits_exactly(checkpoint_di
     assert report.passed, report.lines
     graph = onnx.load(str(out / "decode.onnx"), load_external_data=False).graph
     assert {n.op_type for n in graph.node if n.domain == "mla_deploy" and n.op_type.startswith("Q")} <= \
-        {"QMatMul4", "QGather4", "QRoutedExperts4"}
+        {"QMatMul4", "QGather4", "QRoutedExperts4", "QBatchMatMul8"}  # the per-head W^UK / W^UV stay at 8 bits
     assert (out / "weights.bin").stat().st_size < (quantized(variant, "int4", 32) / "weights.bin").stat().st_size
 
 
@@ -312,6 +320,20 @@ def test_head_bits_needs_a_quantized_export_and_4_or_8(checkpoint_dir, tmp_path)
                                        "--head-bits", "2"])
     assert result.exit_code == 2 and "--head-bits" in result.stderr
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_per_head_quantization_rounds_kv_b_in_the_source_of_factored_exports_only(checkpoint_dir, fused):
+    """A factored export's per-head W^UK / W^UV codes stand for kv_b rounded by per_head_rounded_kv_b, so its
+    dequantized source reads kv_b so (and only kv_b beyond the quantized weights); a fused export's kv_b enters its
+    absorbed products, quantized after absorption, and stays float."""
+    ckpt = Checkpoint(checkpoint_dir("v2_nolora_greedy_yarn")[0])
+    q = quantize_module.Quantization(4, 16, scale_dtype="float16", per_head_bits=8)
+    dq = quantize_module.DequantizedCheckpoint(ckpt, q, fused=fused)
+    names = set(quantized_hf_names(ckpt.config))
+    for name in ckpt.names():
+        changed = not np.array_equal(dq.tensor(name), ckpt.tensor(name))
+        assert changed == (name in names or (name.endswith("kv_b_proj.weight") and not fused)), name
 
 
 def test_dequantized_checkpoint_changes_only_quantized_weights(checkpoint_dir):

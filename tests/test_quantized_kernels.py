@@ -1,7 +1,7 @@
-"""mla_deploy.QMatMul4 / QMatMul8 and QGather4 / QGather8 (the kernel library's C, built at install) against float64
-numpy references, on every instruction-set path this CPU has (forced by MLA_DEPLOY_ISA) and the plain C one, one and
-two threads; with their ONNX function bodies as the fallback; their errors; and the library's registration
-(QRoutedExperts: tests/test_quantized_experts.py)."""
+"""mla_deploy.QMatMul4 / QMatMul8, QBatchMatMul4 / QBatchMatMul8 and QGather4 / QGather8 (the kernel library's C,
+built at install) against float64 numpy references, on every instruction-set path this CPU has (forced by
+MLA_DEPLOY_ISA) and the plain C one, one and two threads; with their ONNX function bodies as the fallback; their
+errors; and the library's registration (QRoutedExperts: tests/test_quantized_experts.py)."""
 
 import numpy as np
 import pytest
@@ -10,8 +10,8 @@ from onnx import TensorProto, helper, load_from_string
 from mla_deploy import kernels
 from mla_deploy.export.quantize import dequantize
 from mla_deploy.export.linear import qgather_function
-from quantized_ops import (U, activation_error_bound, has_level, level4_terms, model, qmatmul_model, quantized,
-                           session)
+from quantized_ops import (U, activation_error_bound, has_level, level4_terms, model, qbatch_matmul_model,
+                           qmatmul_model, quantized, session)
 
 needs_library = pytest.mark.skipif(kernels.library() is None,
                                    reason="the kernel library did not build on this machine (no compiler)")
@@ -67,6 +67,92 @@ def test_qmatmul_matches_numpy(isa, bits, block, level, monkeypatch):
             assert np.all(np.abs(y - terms.sum(-1)) <= bound), (m, k, n)
             # against float activations: each moved by at most half its block's int8 step
             assert np.all(np.abs(y - exact) <= activation_error_bound(a, w_deq, block) + bound), (m, k, n)
+
+
+def assert_product_within_bounds(y: np.ndarray, a: np.ndarray, qw, level: int, what) -> None:
+    """Y = A @ W' of one weight, by the bounds test_qmatmul_matches_numpy states."""
+    y, block, k = y.astype(np.float64), qw.block, a.shape[1]
+    w_deq = dequantize(qw)
+    exact = a.astype(np.float64) @ w_deq.astype(np.float64)
+    if level == 0:
+        assert np.all(np.abs(y - exact) <= float_bound(a, w_deq, block)), what
+    else:
+        terms = level4_terms(a, qw)
+        bound = (-(-k // block) + 1) * U * np.abs(terms).sum(-1)
+        assert np.all(np.abs(y - terms.sum(-1)) <= bound), what
+        assert np.all(np.abs(y - exact) <= activation_error_bound(a, w_deq, block) + bound), what
+
+
+def stacked(rng, heads: int, k: int, n: int, bits: int, block: int):
+    """Per head h a quantized W_h [K, N]; and the heads' codes and scales stacked [H, ...] as QBatchMatMul takes."""
+    per_head = [quantized((rng.standard_normal((k, n)) * 0.1).astype(np.float32), bits, block) for _ in range(heads)]
+    return [q for q, _, _ in per_head], np.stack([c for _, c, _ in per_head]), np.stack([s for _, _, s in per_head])
+
+
+@needs_library
+@pytest.mark.parametrize("level", [0, 4])
+@pytest.mark.parametrize("block", [16, 32, 128])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("isa", ISAS)
+def test_qbatch_matmul_multiplies_each_head_by_its_own_weight(isa, bits, block, level, monkeypatch):
+    """QBatchMatMul (the per-head W^UK / W^UV): head h's rows times head h's weight, for every head, within the one
+    weight's bounds, at every row count of shapes() (K and N ragged); one and two threads add in the same order, and
+    each head's result is QMatMul's over that head's weight bit for bit."""
+    monkeypatch.setenv("MLA_DEPLOY_ISA", isa)
+    rng = np.random.default_rng(bits * 1000 + block * 10 + level + 5)
+    heads = 3
+    for m, k, n in shapes(block):
+        weights, codes, scales = stacked(rng, heads, k, n, bits, block)
+        a = rng.standard_normal((heads, m, k)).astype(np.float32)
+        a[1, 0, : min(block, k)] = 0  # an all-zero block of activations
+        onnx_model = qbatch_matmul_model(k, n, bits, block, level, codes, scales)
+        results = [session(onnx_model, True, threads).run(None, {"A": a})[0] for threads in (1, 2)]
+        assert results[0].shape == (heads, m, n) and results[0].dtype == np.float32
+        assert np.array_equal(results[0], results[1]), "one and two threads must add in the same order"
+        for h, qw in enumerate(weights):
+            assert_product_within_bounds(results[0][h], a[h], qw, level, (h, m, k, n))
+            one = session(qmatmul_model(k, n, bits, block, level, codes[h], scales[h]), True).run(None, {"A": a[h]})[0]
+            assert np.array_equal(results[0][h], one), (h, m, k, n)
+
+
+@pytest.mark.parametrize("library", [pytest.param(True, marks=needs_library, id="kernel"),
+                                     pytest.param(False, id="function-body")])
+@pytest.mark.parametrize("level", [0, 4])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_qbatch_matmul_with_or_without_the_library(bits, level, library):
+    """The same batched model through the kernel and through its stock-ONNX body: both within the bounds of
+    test_qmatmul_keeps_leading_dimensions_with_or_without_the_library, head by head."""
+    rng = np.random.default_rng(11 + bits + level)
+    heads, m, k, n, block = 4, 5, 150, 45, 32
+    weights, codes, scales = stacked(rng, heads, k, n, bits, block)
+    a = rng.standard_normal((heads, m, k)).astype(np.float32)
+    y = session(qbatch_matmul_model(k, n, bits, block, level, codes, scales), library).run(None, {"A": a})[0]
+    assert y.shape == (heads, m, n)
+    for h, qw in enumerate(weights):
+        if level == 0:
+            exact = a[h].astype(np.float64) @ dequantize(qw).astype(np.float64)
+            bound = (k + 2) * U * (np.abs(a[h].astype(np.float64)) @ np.abs(dequantize(qw).astype(np.float64)))
+        else:
+            terms = level4_terms(a[h], qw)
+            exact, bound = terms.sum(-1), (k + 2) * U * np.abs(terms).sum(-1) * 2
+        assert np.all(np.abs(y[h].astype(np.float64) - exact) <= bound), h
+
+
+@needs_library
+@pytest.mark.parametrize(
+    "a_shape,codes_heads,message",
+    [
+        ((2, 1, 64), 3, r"QBatchMatMul8: A, codes and scales must have the same number of heads H"),
+        ((3, 64), 3, r"QBatchMatMul8: expected A \[H, M, K\], codes \[H, G, KB, bytes\]"),
+        ((3, 1, 60), 3, r"QBatchMatMul8: A's last dimension must equal the attribute K"),
+    ],
+)
+def test_qbatch_matmul_refuses_mismatched_heads_by_name(a_shape, codes_heads, message):
+    rng = np.random.default_rng(1)
+    _, codes, scales = stacked(rng, codes_heads, 64, 20, 8, 32)
+    onnx_model = qbatch_matmul_model(64, 20, 8, 32, 4, codes, scales, a_shape=[None] * len(a_shape))
+    with pytest.raises(Exception, match=message):
+        session(onnx_model, True).run(None, {"A": np.ones(a_shape, np.float32)})
 
 
 @needs_library

@@ -22,7 +22,7 @@ from ..config import MLAConfig
 from . import absorb
 from .absorb import AbsorbMode
 from .builder import BOOL, DATA_TYPES, FLOAT, INT8, Graph, Tensors, cast, kernel_function
-from .linear import linear
+from .linear import head_linear, linear, per_head_quantized
 from .norm import RMSNorm
 from .rope import rope
 
@@ -276,10 +276,14 @@ class MLAttention:
         present = self.write_cache(op, self.latent_and_rope(op, x, cos, sin), past, write_indices)
 
         latent = read_latent(op, present.latent, present.scale, g.cache_type, cfg.kv_lora_rank)
-        kv = linear(g, op, g.to_compute(op, latent), f"{self.name}.kv_b",
-                    lambda: t(self.hf + "kv_b_proj.weight").T, quantizable=False)  # [b, cap, h·(d_nope+d_v)]
+        if per_head_quantized(g.plan):  # float32: the decode graph's per-head codes' values, not re-rounded
+            kv = linear(g, op, latent, f"{self.name}.kv_b", lambda: t(self.hf + "kv_b_proj.weight").T,
+                        quantizable=False, island=True)
+        else:
+            kv = g.to_float(op, linear(g, op, g.to_compute(op, latent), f"{self.name}.kv_b",
+                                       lambda: t(self.hf + "kv_b_proj.weight").T, quantizable=False))
         kv = op.Transpose(
-            op.Reshape(g.to_float(op, kv), [0, 0, h, dn + dv]), perm=[0, 2, 1, 3]
+            op.Reshape(kv, [0, 0, h, dn + dv]), perm=[0, 2, 1, 3]
         )  # -> [b, cap, h, ·] -> [b, h, cap, d_nope+d_v]
         k_nope, v = op.Split(kv, [dn, dv], axis=-1, _outputs=2)
         scores = op.Add(
@@ -319,8 +323,9 @@ class MLAttention:
             q_nope = op.Transpose(
                 op.Reshape(g.to_float(op, q_nope), [rows, h, dn]), perm=[1, 0, 2]
             )  # [b, T, h·d_nope] -> [b·T, h, d_nope] -> [h, b·T, d_nope]
-            uk = g.weight(f"{self.name}.uk", lambda: absorb.factored_uk(cfg, kv_b()), island=True)
-            q_latent = op.Transpose(op.MatMul(q_nope, uk), perm=[1, 0, 2])  # [h, b·T, d_c] -> [b·T, h, d_c]
+            q_latent = op.Transpose(head_linear(g, op, q_nope, f"{self.name}.uk",
+                                                lambda: absorb.factored_uk(cfg, kv_b())),
+                                    perm=[1, 0, 2])  # [h, b·T, d_c] -> [b·T, h, d_c]
         q_pe = linear(g, op, q_in, f"{self.name}.q_rope", lambda: absorb.query_rope_weight(cfg, q_weight()))
         q_pe = op.Reshape(g.to_float(op, q_pe), [rows, h, dr])  # [b, T, h·d_r] -> [b·T, h, d_r]
         if tokens:  # each token's cos / sin [b, T, d_r/2] -> [b·T, 1, d_r/2], broadcast over heads
@@ -366,8 +371,8 @@ class MLAttention:
             )  # [b, T, d]
         else:
             o_latent = op.Transpose(o_latent, perm=[1, 0, 2])  # [b·T, h, d_c] -> [h, b·T, d_c]
-            uv = g.weight(f"{self.name}.uv", lambda: absorb.factored_uv(cfg, kv_b()), island=True)
-            o = op.MatMul(o_latent, uv)  # [h, b·T, d_v]
+            o = head_linear(g, op, o_latent, f"{self.name}.uv",
+                            lambda: absorb.factored_uv(cfg, kv_b()))  # [h, b·T, d_v]
             o = op.Reshape(
                 op.Transpose(o, perm=[1, 0, 2]), by_token(h * dv)
             )  # [h, b·T, d_v] -> [b·T, h, d_v] -> [b, T, h·d_v]

@@ -116,9 +116,10 @@ class Graph:
             self._values[name] = self.builder.initializer(self.weights.view(name, of, shape), name=name, qualify=False)
         return self._values[name]
 
-    def quantized_weight(self, name: str, make: Callable[[], np.ndarray], bits: int,
-                         island: bool = False) -> tuple[ir.Value, ir.Value, int, int]:
+    def quantized_weight(self, name: str, make: Callable[[], np.ndarray], bits: int, island: bool = False,
+                         heads: bool = False) -> tuple[ir.Value, ir.Value, int, int]:
         """Codes and scales of the float weight `make()` [K, N], quantized once, in the plan's form; and K, N.
+        `heads`: make() is one weight per head [h, K, N], each quantized alone and stacked (kernel form only).
         "kernel": the kernels' layout (export.layouts: codes [G, KB, 2·B·bits], float16 scales [G, KB, 16]);
         "onnxruntime": MatMulNBits' codes [N, KB, B·bits/8] and scales [N, KB] in the compute dtype, or float32 for a
         float32 `island`'s MatMulNBits."""
@@ -130,11 +131,20 @@ class Graph:
                 self.weights.shapes[name] = (made["q"].k, made["q"].n)
             return made["q"]
 
+        def stacked() -> tuple[np.ndarray, np.ndarray]:  # one weight per head: W [h, K, N], each quantized alone
+            per_head = [self.quantize(name, w, bits) for w in make()]
+            self.weights.shapes[name] = (per_head[0].k, per_head[0].n)
+            parts = [layouts.qmatmul_layout(w) for w in per_head]
+            return np.stack([c for c, _ in parts]), np.stack([s for _, s in parts])
+
         if self.plan.quantized_ops == "kernel":
             def layout(part: int) -> np.ndarray:
                 if "layout" not in made:
-                    made["layout"] = layouts.qmatmul_layout(quantized())
-                    made.pop("q")  # the layout holds every code: the quantized weight can go
+                    if heads:
+                        made["layout"] = stacked()
+                    else:
+                        made["layout"] = layouts.qmatmul_layout(quantized())
+                        made.pop("q")  # the layout holds every code: the quantized weight can go
                 return made["layout"][part]
 
             codes = self.initializer(f"{name}.codes", lambda: layout(0), "uint8")

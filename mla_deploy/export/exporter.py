@@ -33,6 +33,7 @@ from .graphs import build_graph, op_counts
 from .opset import OPSET
 from .plan import ExportOptions, ExportPlan
 from .precision import RoundedCheckpoint
+from .quantize import PerHeadRounded
 from .weights import WeightsFile
 
 Progress = Callable[[str], None]
@@ -60,6 +61,8 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
     plan = ExportPlan.resolve(cfg, options, ckpt.has_mtp)
     _report_choices(cfg, options, plan, progress)
     source = RoundedCheckpoint(ckpt, plan.dtype)  # the weights as the export's dtype holds them
+    if plan.quantization is not None and plan.quantization.per_head_bits:  # kv_b as its per-head codes hold it
+        source = PerHeadRounded(source, plan.quantization)
     progress("hashing source weights")
     source_hash = ckpt.content_hash()
     export_id = hashlib.sha256(plan.recipe(source_hash, __version__).encode()).hexdigest()[:32]
@@ -101,8 +104,8 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
     return ExportResult(out, plan, manifest, list(ckpt.notes))
 
 
-def _write_graphs(directory: Path, cfg, plan: ExportPlan, source: RoundedCheckpoint, progress: Progress, manifest: dict,
-                  stage: io_spec.Stage | None = None) -> dict:
+def _write_graphs(directory: Path, cfg, plan: ExportPlan, source: RoundedCheckpoint | PerHeadRounded,
+                  progress: Progress, manifest: dict, stage: io_spec.Stage | None = None) -> dict:
     """The graphs (of one stage) and their one weights file into `directory`; returns `manifest` completed with the
     weights' digests and the graphs' hashes and operator counts."""
     graphs, layers = {}, len(stage.layers) if stage else cfg.num_hidden_layers

@@ -41,6 +41,25 @@ def linear(g: Graph, op, x: ir.Value, name: str, make_w_in_out: Callable[[], np.
     return y if island else g.to_compute(op, y)
 
 
+def per_head_quantized(plan) -> bool:
+    """The factored form's per-head W^UK / W^UV are block-quantized (QBatchMatMul) rather than float32."""
+    q = plan.quantization
+    return q is not None and q.per_head_bits is not None
+
+
+def head_linear(g: Graph, op, x: ir.Value, name: str, make_heads: Callable[[], np.ndarray]) -> ir.Value:
+    """x [h, M, K] float32 @ W_h per head, W [h, K, N] (the factored form's W^UK, W^UVᵀ): float32 MatMul, or
+    mla_deploy.QBatchMatMul over each head's codes at the plan's per_head_bits. Their values are
+    export.quantize.per_head_rounded_kv_b's, which the source the graphs are written from already holds."""
+    if not per_head_quantized(g.plan):
+        return op.MatMul(x, g.weight(name, make_heads, island=True))
+    q = g.plan.quantization
+    bits = q.per_head_bits
+    codes, scales, k, n = g.quantized_weight(name, make_heads, bits, island=True, heads=True)
+    return g.kernel_op(op, kernels.QBATCH_MATMUL[bits], lambda: qbatch_matmul_function(bits), x, codes, scales,
+                       K=k, N=n, block_size=q.block, accuracy_level=q.accuracy_level)  # [h, M, N] float32
+
+
 def qmatmul(op, a: ir.Value, codes: ir.Value, scales: ir.Value, bits: int) -> ir.Value:
     """A [..., K] float32 @ W for an int`bits` W [K, N] in the kernels' layout (codes [G, KB, 2·B·bits], float16
     scales [G, KB, 16]); K, N, block_size and accuracy_level are the calling node's attributes: at 4, A's rows are
@@ -65,6 +84,31 @@ def qmatmul_function(bits: int) -> ir.Function:
         "(export.layouts: codes [G, KB, 2·B·bits], float16 scales [G, KB, 16]); accuracy_level 4 "
         "quantizes A's rows per block to int8 first. mla-deploy's kernel library reads W as stored; "
         "this body, where that is not registered, multiplies by a float32 copy folded at load.",
+        attributes={"K": None, "N": None, "block_size": None, "accuracy_level": 0},
+    )
+
+
+def qbatch_matmul(op, a: ir.Value, codes: ir.Value, scales: ir.Value, bits: int) -> ir.Value:
+    """A [H, M, K] float32 @ W_h per head h, each an int`bits` W_h [K, N] in the kernels' layout, stacked: codes
+    [H, G, KB, 2·B·bits], float16 scales [H, G, KB, 16] -> [H, M, N]; attributes as qmatmul's."""
+    n, block = attribute(op, "N"), attribute(op, "block_size")
+    k_pad = op.Mul(op.Shape(codes, start=2, end=3), block)  # [1]: KB·B
+    rows = quantized_activations(op, a, k_pad, block, attribute(op, "accuracy_level"), rank=3)  # [H, M, K_pad]
+    w = op.Slice(dequantized_weight(op, codes, scales, bits, lead=1), [0], n, [2])  # [H, K_pad, 16 G] -> [H, K_pad, N]
+    return op.MatMul(rows, w)  # [H, M, N]
+
+
+def qbatch_matmul_function(bits: int) -> ir.Function:
+    """The body of mla_deploy.QBatchMatMul4 / QBatchMatMul8."""
+    return kernel_function(
+        kernels.QBATCH_MATMUL[bits],
+        {"A": FLOAT, "codes": UINT8, "scales": FLOAT16},
+        "Y",
+        lambda op, a, codes, scales: qbatch_matmul(op, a, codes, scales, bits),
+        f"Y[h] = A[h] @ W_h for float32 A [H, M, K] and one int{bits} W_h [K, N] per h in mla-deploy's quantized "
+        "layout, stacked (codes [H, G, KB, 2·B·bits], float16 scales [H, G, KB, 16]); accuracy_level 4 quantizes "
+        "A's rows per block to int8 first. The kernel library reads the weights as stored; this body multiplies by "
+        "a float32 copy folded at load.",
         attributes={"K": None, "N": None, "block_size": None, "accuracy_level": 0},
     )
 

@@ -16,7 +16,9 @@ The rules (each form measured against the others: docs/benchmarks.md):
   graphs' sessions; their function bodies are stock ONNX, run where the kernel library is not registered (CUDA
   included), at the price of float32 copies of the weights folded at load. "onnxruntime": com.microsoft
   MatMulNBits / GatherBlockQuantized (and QMoE where the experts fit it) over float32 scales, which onnxruntime
-  prepacks per session: its own fast kernels on CPU and CUDA, a second copy of the weights per graph.
+  prepacks per session: its own fast kernels on CPU and CUDA, a second copy of the weights per graph. The factored
+  form's per-head W^UK / W^UV are int8 in the kernel form (mla_deploy.QBatchMatMul, PER_HEAD_BITS), float32 in
+  onnxruntime's.
 - routed experts: "kernel" for quantized exports in the kernel form (mla_deploy.QRoutedExperts: each expert on the
   tokens that chose it, reading only those experts' codes) and for float exports of layers with few experts per
   chosen one (n_routed_experts <= DENSE_RATIO x num_experts_per_tok, the demo model's 8 and 2): one
@@ -75,6 +77,9 @@ QUANTIZED_OPS = ("auto", "kernel", "onnxruntime")
 # the scales each quantized form stores: the kernels read float16 (export.layouts), MatMulNBits and QMoE take their
 # activations' type (float32)
 SCALE_DTYPE = {"kernel": "float16", "onnxruntime": "float32"}
+# a quantized factored export's per-head W^UK / W^UV (mla_deploy.QBatchMatMul; MatMulNBits has no batched form, so
+# the onnxruntime form keeps them float32): 8 bits whatever --quantize, as the head
+PER_HEAD_BITS = 8
 DECODE_ATTENTION = ("auto", "kernel", "ops")
 CACHE_DTYPES = ("auto", *io_spec.FLOAT_CACHES, *io_spec.QUANTIZED_CACHES)
 DENSE_RATIO = 4
@@ -180,15 +185,18 @@ class ExportPlan:
         if not 1 <= max_seq_len <= cfg.max_position_embeddings:
             raise ExportError(f"--max-seq-len {max_seq_len}: must be between 1 and max_position_embeddings="
                               f"{cfg.max_position_embeddings}")
+        absorb = resolve_absorb(cfg, options.absorb)
         quantization = options.quantization()
         quantized_ops = None
         if quantization is not None:
             quantized_ops = "kernel" if options.quantized_ops == "auto" else options.quantized_ops
-            quantization = replace(quantization, scale_dtype=SCALE_DTYPE[quantized_ops])
+            # the factored form's per-head W^UK / W^UV at 8 bits where mla_deploy.QBatchMatMul multiplies them
+            per_head = PER_HEAD_BITS if absorb == AbsorbMode.FACTORED and quantized_ops == "kernel" else None
+            quantization = replace(quantization, scale_dtype=SCALE_DTYPE[quantized_ops], per_head_bits=per_head)
         cache = options.cache_format()
         decode_attention = resolve_decode_attention(cfg, options.decode_attention, cache.latent)
         plan = cls(
-            absorb=resolve_absorb(cfg, options.absorb),
+            absorb=absorb,
             dtype=options.dtype,
             compute=COMPUTE,
             cache_dtype=cache.latent,
@@ -287,7 +295,10 @@ class ExportPlan:
                           "rope_cache": self.rope_dtype, "float32": FLOAT32_ISLANDS},
             "quantization": None if q is None else {
                 **q.to_dict(), "quantized_weights": len(quantized_hf_names(cfg)),
-                "float": "kv_b_proj, routers, norms, rope tables" + ("" if fused else ", per-head W^UK / W^UV"),
+                "float": "kv_b_proj, routers, norms, rope tables" + ("" if fused or q.per_head_bits
+                                                                     else ", per-head W^UK / W^UV"),
+                **({"per_head": f"per-head W^UK / W^UV at {q.per_head_bits} bits (mla_deploy.QBatchMatMul); kv_b_proj "
+                                "holds the values they dequantize to"} if q.per_head_bits else {}),
                 **({"absorbed": "fused W^Q·W^UK and W^UV·W^O quantized after absorption"} if fused else {}),
                 "layouts": quantized_layouts(q, self.quantized_ops)},
         }

@@ -34,6 +34,7 @@ ACCURACY_LEVELS = (0, 4)  # 0: float activations (exact against the dequantized 
 # HF linear weights left in float: kv_b (prefill decompresses with it, decode splits it into the small per-head W^UK /
 # W^UV, so one float copy keeps both graphs on the same weights), the routers (tiny, and they choose the experts).
 FLOAT_LINEARS = ("self_attn.kv_b_proj.weight", "mlp.gate.weight")
+KV_B = FLOAT_LINEARS[0]
 HEAD_WEIGHTS = ("model.embed_tokens.weight", "lm_head.weight")  # quantized at Quantization.head_bits
 
 
@@ -50,10 +51,16 @@ class Quantization:
     # (first 20k characters of its held-out text).
     head_bits: int = 8
     scale_dtype: str = "float32"  # float16: what mla_deploy's quantized kernels read (export/layouts.py)
+    # The factored form's per-head W^UK [d_nope, d_c] and W^UV^T [d_c, d_v] (kv_b_proj split by head), multiplied by
+    # mla_deploy.QBatchMatMul: 8 bits, or None to keep them float32. 27 x 8.4 MB of float32 a token reads in the
+    # full DeepSeek-V2-Lite, 2.2 MB a layer at 8 bits (per_head_rounded_kv_b).
+    per_head_bits: int | None = None
 
     def __post_init__(self):
         if self.head_bits not in BITS:
             raise ValueError(f"head_bits={self.head_bits}: expected one of {BITS}")
+        if self.per_head_bits not in (None, *BITS):
+            raise ValueError(f"per_head_bits={self.per_head_bits}: expected None or one of {BITS}")
         _check(self.bits, self.block, self.scale_dtype)
         if self.accuracy_level not in ACCURACY_LEVELS:
             raise ValueError(f"accuracy_level={self.accuracy_level}: expected one of {ACCURACY_LEVELS}")
@@ -69,7 +76,7 @@ class Quantization:
     def from_dict(cls, recorded: dict) -> "Quantization":
         """The spec an export's manifest records (`to_dict` plus what the exporter adds)."""
         return cls(recorded["bits"], recorded["block"], recorded["accuracy_level"], recorded["head_bits"],
-                   recorded.get("scale_dtype", "float32"))
+                   recorded.get("scale_dtype", "float32"), recorded.get("per_head_bits"))
 
     def bytes_per_weight(self, bits: int | None = None) -> float:
         """Codes plus one scale per block."""
@@ -110,9 +117,11 @@ class DequantizedCheckpoint:
 
     def tensor(self, name: str) -> np.ndarray:
         w = self.ckpt.tensor(name)
+        q = self.quantization
+        if name.endswith(KV_B) and q.per_head_bits and not self.fused:
+            return per_head_rounded_kv_b(self.config, w, q)
         if name not in self._quantized:
             return w
-        q = self.quantization
         return np.ascontiguousarray(dequantize(quantize(w.T, q.bits_of(name), q.block, scale_dtype=q.scale_dtype)).T)
 
     def absorbed_matrices(self, layer: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -125,6 +134,34 @@ class DequantizedCheckpoint:
         kv_b, o_weight = self.ckpt.tensor(hf + "kv_b_proj.weight"), self.ckpt.tensor(hf + "o_proj.weight")
         return tuple(dequantize(quantize(w, q.bits, q.block, scale_dtype=q.scale_dtype)) for w in (
             absorb.fused_query_absorb(cfg, q_weight, kv_b), absorb.fused_output_absorb(cfg, o_weight, kv_b)))
+
+
+def per_head_rounded_kv_b(cfg: MLAConfig, kv_b: np.ndarray, q: Quantization) -> np.ndarray:
+    """kv_b_proj.weight [h·(d_nope+d_v), d_c] as a factored export with per-head quantization stands for it: each
+    head's W^UK [d_nope, d_c] quantized as a weight [K = d_nope, N = d_c] and W^UV^T [d_c, d_v] as [K = d_c, N = d_v]
+    (the blocks along what each product sums over), at `q.per_head_bits`, dequantized back into place. The prefill
+    graph's float kv_b holds these values too, so both graphs compute with the same weights; quantizing them again
+    gives the same codes (a block's largest value stays its scale's multiple)."""
+    bits = q.per_head_bits
+
+    def rounded(w: np.ndarray) -> np.ndarray:  # [K, N]
+        return dequantize(quantize(w, bits, q.block, scale_dtype=q.scale_dtype))
+
+    w_uk, w_uv = absorb.split_kv_b(cfg, kv_b)  # [h, d_nope, d_c], [h, d_v, d_c]
+    heads = [np.concatenate([rounded(uk), rounded(uv.T).T]) for uk, uv in zip(w_uk, w_uv)]  # [d_nope + d_v, d_c]
+    return np.concatenate(heads).astype(kv_b.dtype)  # [h·(d_nope+d_v), d_c]
+
+
+class PerHeadRounded:
+    """A checkpoint whose kv_b_proj weights read as per_head_rounded_kv_b: what a factored export quantizing its
+    per-head W^UK / W^UV writes from (the other weights as they are: the exporter quantizes them itself)."""
+
+    def __init__(self, ckpt, quantization: Quantization):
+        self.ckpt, self.quantization, self.config = ckpt, quantization, ckpt.config
+
+    def tensor(self, name: str) -> np.ndarray:
+        w = self.ckpt.tensor(name)
+        return per_head_rounded_kv_b(self.config, w, self.quantization) if name.endswith(KV_B) else w
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,8 @@
  *                      LatentAttentionChunkQ8*: the queries [b, T, h, ·] of a prefill chunk, bias [b, 1, T, cap])
  *   QMatMul4, QMatMul8 (A float32 [..., K], codes uint8 [G, KB, 2·B·bits], scales float16 [G, KB, 16]; attributes
  *                       K, N, block_size, accuracy_level) -> Y float32 [..., N]   (qmatmul.h: int4 / int8 weights)
+ *   QBatchMatMul4, QBatchMatMul8 (A float32 [H, M, K], codes [H, G, KB, 2·B·bits], scales [H, G, KB, 16]; the same
+ *                       attributes) -> Y float32 [H, M, N]: one such weight per head (the per-head W^UK, W^UV)
  *   QRoutedExperts4, QRoutedExperts8 (X float32 [T, d], dispatch float32 [T, E], fc1 codes and scales, fc2 codes and
  *                       scales, each [E, ...] of qmatmul.h's layout; attributes block_size, accuracy_level) -> Y [T, d]
  *                       (qexperts.h)
@@ -369,7 +371,9 @@ typedef struct {
     float *scale;
     int32_t *offset;
     float *padded;    /* level 0: the rows zero-padded to whole blocks */
-    int64_t m, row_chunk, rows_chunks, group_chunk;
+    int64_t m, row_chunk, rows_chunks, group_chunk, column_chunks;
+    int64_t heads, head_rows;        /* QBatchMatMul: H weights, each multiplying head_rows = M rows; QMatMul: 1, m */
+    int64_t head_codes, head_scales; /* one head's codes (bytes) and scales (values) */
     float *y;
 } QProduct;
 
@@ -385,29 +389,42 @@ static void run_quantize(void *data, size_t task) {
     }
 }
 
+/* task = (head · column chunks + column chunk) · row chunks + row chunk; a head's rows follow the previous head's */
 static void run_product(void *data, size_t task) {
     QProduct *p = data;
-    int64_t rc = (int64_t)task % p->rows_chunks, gc = (int64_t)task / p->rows_chunks;
-    int64_t r0 = rc * p->row_chunk, r1 = r0 + p->row_chunk < p->m ? r0 + p->row_chunk : p->m;
+    int64_t rc = (int64_t)task % p->rows_chunks, gc = (int64_t)task / p->rows_chunks % p->column_chunks;
+    int64_t head = (int64_t)task / p->rows_chunks / p->column_chunks;
+    int64_t r0 = rc * p->row_chunk, r1 = r0 + p->row_chunk < p->head_rows ? r0 + p->row_chunk : p->head_rows;
     int64_t g0 = gc * p->group_chunk, g1 = g0 + p->group_chunk < p->w->groups ? g0 + p->group_chunk : p->w->groups;
-    qmatmul_rows_groups(p->node->isa, p->w, &p->acts, r0, r1, g0, g1, p->y + r0 * p->w->n + g0 * QCOLS, p->w->n);
+    QWeight w = *p->w;
+    w.codes += head * p->head_codes, w.scales += head * p->head_scales;
+    r0 += head * p->head_rows, r1 += head * p->head_rows;
+    qmatmul_rows_groups(p->node->isa, &w, &p->acts, r0, r1, g0, g1, p->y + r0 * w.n + g0 * QCOLS, w.n);
 }
 
 #define PRODUCT_ROWS 64 /* rows per task: their codes (64 x K bytes) stay in L2 while a task's column tiles pass */
 
-static OrtStatus *compute_qmatmul(void *kernel, OrtKernelContext *context) {
-    const QKernel *node = kernel;
+/* QMatMul (batched = 0): A [..., K] @ W; QBatchMatMul (batched = 1): A [H, M, K] @ W_h per head h, the weights' codes
+ * and scales stacked [H, ...]. Rows are quantized (or padded) all at once, then multiplied per head. */
+static OrtStatus *compute_qmatmul_any(const QKernel *node, OrtKernelContext *context, int batched) {
     int64_t dims[3][MAX_RANK], y_dims[MAX_RANK];
     size_t rank[3];
     void *data[3], *y;
     OrtStatus *status = inputs(context, node->op, 3, dims, rank, data);
     if (status) return status;
-    if (rank[0] < 1 || rank[1] != 3 || rank[2] != 3)
+    if (!batched && (rank[0] < 1 || rank[1] != 3 || rank[2] != 3))
         return error(node->op, "expected A [..., K], codes [G, KB, bytes], scales [G, KB, 16]");
+    if (batched && (rank[0] != 3 || rank[1] != 4 || rank[2] != 4))
+        return error(node->op, "expected A [H, M, K], codes [H, G, KB, bytes], scales [H, G, KB, 16]");
+    if (batched && (dims[1][0] != dims[0][0] || dims[2][0] != dims[0][0]))
+        return error(node->op, "A, codes and scales must have the same number of heads H (their first dimension)");
     if (dims[0][rank[0] - 1] != node->k) return error(node->op, "A's last dimension must equal the attribute K");
     QWeight w;
-    if ((status = quantized_weight(node, "B", node->k, node->n, dims[1], dims[2], data[1], data[2], &w))) return status;
-    QProduct p = {.node = node, .w = &w, .a = data[0], .m = 1,
+    if ((status = quantized_weight(node, "B", node->k, node->n, dims[1] + batched, dims[2] + batched, data[1], data[2],
+                                   &w)))
+        return status;
+    QProduct p = {.node = node, .w = &w, .a = data[0], .m = 1, .heads = batched ? dims[0][0] : 1,
+                  .head_codes = w.groups * w.kb * qweight_run_bytes(&w), .head_scales = w.groups * w.kb * QCOLS,
                   .acts = {.level = (int)node->level, .lda = w.kb * w.block}};
     for (size_t i = 0; i + 1 < rank[0]; i++) p.m *= dims[0][i];
     memcpy(y_dims, dims[0], sizeof(int64_t) * rank[0]);
@@ -417,7 +434,7 @@ static OrtStatus *compute_qmatmul(void *kernel, OrtKernelContext *context) {
         ORT_FN(api, OrtGetTensorMutableDataFn, ORT_GetTensorMutableData)(y_value, &y))
         return error(node->op, "cannot allocate Y");
     if (p.m == 0) return NULL;
-    p.y = y;
+    p.y = y, p.head_rows = p.m / p.heads;
     /* level 4: A's rows quantized (codes, scales, offsets); level 0: copied zero-padded where K is not whole blocks */
     int64_t lda = p.acts.lda, copies = node->level == 4 ? p.m * lda + 8 * p.m * w.kb
                                       : node->k % node->block ? 4 * p.m * lda : 0;
@@ -434,15 +451,24 @@ static OrtStatus *compute_qmatmul(void *kernel, OrtKernelContext *context) {
     OrtKernelContext *pool = pool_for(context, p.m * node->k * node->n);
     p.row_chunk = 32;
     if (scratch) status = parallel_for(pool, run_quantize, (size_t)((p.m + p.row_chunk - 1) / p.row_chunk), &p);
-    /* tasks: row chunks x column chunks (multiples of 4 groups, one row's tile), about 16 of them in all */
+    /* tasks: heads x row chunks x column chunks (multiples of 4 groups, one row's tile), about 16 of them in all */
     p.row_chunk = PRODUCT_ROWS;
-    p.rows_chunks = (p.m + PRODUCT_ROWS - 1) / PRODUCT_ROWS;
-    int64_t column_chunks = p.rows_chunks >= 8 ? 2 : 16 / p.rows_chunks;
-    p.group_chunk = ((w.groups + column_chunks - 1) / column_chunks + 3) / 4 * 4;
-    column_chunks = (w.groups + p.group_chunk - 1) / p.group_chunk;
-    if (!status) status = parallel_for(pool, run_product, (size_t)(p.rows_chunks * column_chunks), &p);
+    p.rows_chunks = (p.head_rows + PRODUCT_ROWS - 1) / PRODUCT_ROWS;
+    int64_t per_head = p.heads * p.rows_chunks;
+    p.column_chunks = per_head >= 8 ? 2 : 16 / per_head;
+    p.group_chunk = ((w.groups + p.column_chunks - 1) / p.column_chunks + 3) / 4 * 4;
+    p.column_chunks = (w.groups + p.group_chunk - 1) / p.group_chunk;
+    if (!status) status = parallel_for(pool, run_product, (size_t)(p.heads * p.rows_chunks * p.column_chunks), &p);
     free(scratch);
     return status;
+}
+
+static OrtStatus *compute_qmatmul(void *kernel, OrtKernelContext *context) {
+    return compute_qmatmul_any(kernel, context, 0);
+}
+
+static OrtStatus *compute_qbatchmatmul(void *kernel, OrtKernelContext *context) {
+    return compute_qmatmul_any(kernel, context, 1);
 }
 
 typedef struct {
@@ -632,6 +658,8 @@ static size_t three(const OrtCustomOp *op) { (void)op; return 3; }
 static size_t six(const OrtCustomOp *op) { (void)op; return 6; }
 static const char *name_qmatmul4(const OrtCustomOp *op) { (void)op; return "QMatMul4"; }
 static const char *name_qmatmul8(const OrtCustomOp *op) { (void)op; return "QMatMul8"; }
+static const char *name_qbatchmatmul4(const OrtCustomOp *op) { (void)op; return "QBatchMatMul4"; }
+static const char *name_qbatchmatmul8(const OrtCustomOp *op) { (void)op; return "QBatchMatMul8"; }
 static const char *name_qexperts4(const OrtCustomOp *op) { (void)op; return "QRoutedExperts4"; }
 static const char *name_qexperts8(const OrtCustomOp *op) { (void)op; return "QRoutedExperts8"; }
 static const char *name_qgather4(const OrtCustomOp *op) { (void)op; return "QGather4"; }
@@ -679,6 +707,8 @@ static OrtCustomOp ops[] = {CPU_OP(name_f16, input_f16, two, compute_f16), CPU_O
 static OrtCustomOp quantized_ops[] = {
     KERNEL_OP(name_qmatmul4, qmatmul_input, three, create_quantized, compute_qmatmul, destroy_quantized),
     KERNEL_OP(name_qmatmul8, qmatmul_input, three, create_quantized, compute_qmatmul, destroy_quantized),
+    KERNEL_OP(name_qbatchmatmul4, qmatmul_input, three, create_quantized, compute_qbatchmatmul, destroy_quantized),
+    KERNEL_OP(name_qbatchmatmul8, qmatmul_input, three, create_quantized, compute_qbatchmatmul, destroy_quantized),
     KERNEL_OP(name_qexperts4, qexperts_input, six, create_quantized, compute_qexperts, destroy_quantized),
     KERNEL_OP(name_qexperts8, qexperts_input, six, create_quantized, compute_qexperts, destroy_quantized),
     KERNEL_OP(name_qgather4, qgather_input, three, create_quantized, compute_qgather, destroy_quantized),
