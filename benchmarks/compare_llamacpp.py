@@ -26,16 +26,17 @@ and the fraction of the probed bandwidth that tokens/s x bytes reaches.
 
     .venv/bin/python benchmarks/compare_llamacpp.py [--checkpoint DIR | --preset v2lite-2L] [--threads 2]
         [--contexts 128,4096,16384] [--workdir benchmarks/work/llamacpp] [--models DIR] [--convert f32|q8_0]
-        [--pairs f32,q8_0,q4_0,f16] [--note TEXT]
+        [--pairs f32,q8_0,q4_0,f16] [--ours int4,int4-head4,...] [--note TEXT]
 
---pairs runs a subset (by llama.cpp's name of the precision); its results.json and chart then hold only those.
+--pairs runs a subset (by llama.cpp's name of the precision); its results.json and chart then hold only those;
+--ours keeps only those of our exports in them (q4_0 pairs with int4 and int4-head4).
 --models puts the checkpoint, GGUF files, exports and results in DIR instead of WORK (the build stays in WORK).
 --convert q8_0 has the converter write q8_0 directly and requantizes the other kinds from it (llama-quantize
 --allow-requantize; f32 and f16 are then refused): the full-size V2-Lite's f32 GGUF would take 63 GB of disk,
 its q8_0 17 GB. q4_0 made that way carries a second rounding, which changes its values, not its speed:
 
     .venv/bin/python benchmarks/compare_llamacpp.py --preset v2lite --models benchmarks/work/v2lite \\
-        --convert q8_0 --pairs q4_0 --contexts 128,4096
+        --convert q8_0 --pairs q4_0 [--ours int4] --contexts 128,4096
 """
 
 from __future__ import annotations
@@ -247,11 +248,15 @@ def main() -> int:
     ap.add_argument("--models", type=Path, default=None, help="checkpoint, GGUFs, exports, results (default: WORK)")
     ap.add_argument("--convert", choices=("f32", "q8_0"), default="f32", help="the GGUF the converter writes")
     ap.add_argument("--pairs", default=",".join(kind for kind, _ in PAIRS), help="llama.cpp precisions to compare")
+    ap.add_argument("--ours", default=None, help="our exports to run in those pairs (default: every one): for "
+                    "example int4 alone where the disk holds one full-size export")
     ap.add_argument("--note", default="", help="what the results file should say about the run (the machine's load)")
     args = ap.parse_args()
-    pairs = [(kind, ours) for kind, ours in PAIRS if kind in args.pairs.split(",")]
+    pairs = [(kind, ours) for kind, ours in PAIRS if kind in args.pairs.split(",")
+             and (args.ours is None or ours in args.ours.split(","))]
     if not pairs:
-        ap.error(f"--pairs {args.pairs!r}: expected some of {', '.join(kind for kind, _ in PAIRS)}")
+        ap.error(f"--pairs {args.pairs!r} --ours {args.ours!r}: expected some of "
+                 + ", ".join(f"{kind} ({ours})" for kind, ours in PAIRS))
     if args.convert != "f32" and {"f32", "f16"} & {kind for kind, _ in pairs}:
         ap.error(f"--convert {args.convert}: f32 and f16 would be made from {args.convert}'s rounded values; "
                  "leave them out of --pairs")

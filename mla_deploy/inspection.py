@@ -157,6 +157,7 @@ def format_report(r: dict) -> list[str]:
             f"quantized  int{q['bits']} weights, int{q['head_bits']} embedding and head ({q['quantized_weights']} "
             f"tensors), blocks of {q['block']}, {q.get('scale_dtype', 'float32')} scales, accuracy_level "
             f"{q['accuracy_level']}; float: {q['float']}"
+            + (f"; per-head W^UK / W^UV int{q['per_head_bits']}" if q.get("per_head_bits") else "")
         )
         for bits, layout in (q.get("layouts") or {}).items():
             lines.append(f"  {bits} layout {layout['layout']}: codes {layout['codes']}, scales {layout['scales']}")
