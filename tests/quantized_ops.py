@@ -61,8 +61,8 @@ def qmatmul_model(k: int, n: int, bits: int, block: int, level: int, codes, scal
 
 
 def qbatch_matmul_model(k: int, n: int, bits: int, block: int, level: int, codes, scales, a_shape=None) -> bytes:
-    """QBatchMatMul over codes [H, G, KB, ·] and scales [H, G, KB, 16] (one weight per head, stacked)."""
-    a = helper.make_tensor_value_info("A", TensorProto.FLOAT, a_shape or [codes.shape[0], "M", k])
+    """QBatchMatMul of A [M, H, K] over codes [H, G, KB, ·] and scales [H, G, KB, 16] (one weight per head, stacked)."""
+    a = helper.make_tensor_value_info("A", TensorProto.FLOAT, a_shape or ["M", codes.shape[0], k])
     return model(kernels.QBATCH_MATMUL[bits], [a], {"codes": codes, "scales": scales}, qbatch_matmul_function(bits),
                  K=k, N=n, block_size=block, accuracy_level=level)
 

@@ -95,7 +95,7 @@ def stacked(rng, heads: int, k: int, n: int, bits: int, block: int):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("isa", ISAS)
 def test_qbatch_matmul_multiplies_each_head_by_its_own_weight(isa, bits, block, level, monkeypatch):
-    """QBatchMatMul (the per-head W^UK / W^UV): head h's rows times head h's weight, for every head, within the one
+    """QBatchMatMul (the per-head W^UK / W^UV): every row's head h times weight h, for every head, within the one
     weight's bounds, at every row count of shapes() (K and N ragged); one and two threads add in the same order, and
     each head's result is QMatMul's over that head's weight bit for bit."""
     monkeypatch.setenv("MLA_DEPLOY_ISA", isa)
@@ -103,16 +103,17 @@ def test_qbatch_matmul_multiplies_each_head_by_its_own_weight(isa, bits, block, 
     heads = 3
     for m, k, n in shapes(block):
         weights, codes, scales = stacked(rng, heads, k, n, bits, block)
-        a = rng.standard_normal((heads, m, k)).astype(np.float32)
-        a[1, 0, : min(block, k)] = 0  # an all-zero block of activations
+        a = rng.standard_normal((m, heads, k)).astype(np.float32)
+        a[0, 1, : min(block, k)] = 0  # an all-zero block of activations
         onnx_model = qbatch_matmul_model(k, n, bits, block, level, codes, scales)
         results = [session(onnx_model, True, threads).run(None, {"A": a})[0] for threads in (1, 2)]
-        assert results[0].shape == (heads, m, n) and results[0].dtype == np.float32
+        assert results[0].shape == (m, heads, n) and results[0].dtype == np.float32
         assert np.array_equal(results[0], results[1]), "one and two threads must add in the same order"
         for h, qw in enumerate(weights):
-            assert_product_within_bounds(results[0][h], a[h], qw, level, (h, m, k, n))
-            one = session(qmatmul_model(k, n, bits, block, level, codes[h], scales[h]), True).run(None, {"A": a[h]})[0]
-            assert np.array_equal(results[0][h], one), (h, m, k, n)
+            rows = np.ascontiguousarray(a[:, h])  # [M, K]: head h of every row
+            assert_product_within_bounds(results[0][:, h], rows, qw, level, (h, m, k, n))
+            one = session(qmatmul_model(k, n, bits, block, level, codes[h], scales[h]), True).run(None, {"A": rows})[0]
+            assert np.array_equal(results[0][:, h], one), (h, m, k, n)
 
 
 @pytest.mark.parametrize("library", [pytest.param(True, marks=needs_library, id="kernel"),
@@ -125,26 +126,27 @@ def test_qbatch_matmul_with_or_without_the_library(bits, level, library):
     rng = np.random.default_rng(11 + bits + level)
     heads, m, k, n, block = 4, 5, 150, 45, 32
     weights, codes, scales = stacked(rng, heads, k, n, bits, block)
-    a = rng.standard_normal((heads, m, k)).astype(np.float32)
+    a = rng.standard_normal((m, heads, k)).astype(np.float32)
     y = session(qbatch_matmul_model(k, n, bits, block, level, codes, scales), library).run(None, {"A": a})[0]
-    assert y.shape == (heads, m, n)
+    assert y.shape == (m, heads, n)
     for h, qw in enumerate(weights):
+        rows = np.ascontiguousarray(a[:, h])
         if level == 0:
-            exact = a[h].astype(np.float64) @ dequantize(qw).astype(np.float64)
-            bound = (k + 2) * U * (np.abs(a[h].astype(np.float64)) @ np.abs(dequantize(qw).astype(np.float64)))
+            exact = rows.astype(np.float64) @ dequantize(qw).astype(np.float64)
+            bound = (k + 2) * U * (np.abs(rows.astype(np.float64)) @ np.abs(dequantize(qw).astype(np.float64)))
         else:
-            terms = level4_terms(a[h], qw)
+            terms = level4_terms(rows, qw)
             exact, bound = terms.sum(-1), (k + 2) * U * np.abs(terms).sum(-1) * 2
-        assert np.all(np.abs(y[h].astype(np.float64) - exact) <= bound), h
+        assert np.all(np.abs(y[:, h].astype(np.float64) - exact) <= bound), h
 
 
 @needs_library
 @pytest.mark.parametrize(
     "a_shape,codes_heads,message",
     [
-        ((2, 1, 64), 3, r"QBatchMatMul8: A, codes and scales must have the same number of heads H"),
-        ((3, 64), 3, r"QBatchMatMul8: expected A \[H, M, K\], codes \[H, G, KB, bytes\]"),
-        ((3, 1, 60), 3, r"QBatchMatMul8: A's last dimension must equal the attribute K"),
+        ((1, 2, 64), 3, r"QBatchMatMul8: A's heads \(its second dimension\) must equal the first dimension of codes"),
+        ((3, 64), 3, r"QBatchMatMul8: expected A \[M, H, K\], codes \[H, G, KB, bytes\]"),
+        ((1, 3, 60), 3, r"QBatchMatMul8: A's last dimension must equal the attribute K"),
     ],
 )
 def test_qbatch_matmul_refuses_mismatched_heads_by_name(a_shape, codes_heads, message):

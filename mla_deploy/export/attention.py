@@ -247,7 +247,7 @@ class MLAttention:
         latent = RMSNorm(g, f"{self.name}.kv_norm", self.hf + "kv_a_layernorm.weight", self.t, cfg.rms_norm_eps)(
             op, latent
         )
-        k_pe = cast(op, rope(op, g.to_float(op, k_pe), cos, sin), FLOAT, g.rope_type)
+        k_pe = cast(op, rope(op, g.to_float(op, k_pe), cos, sin, heads=1), FLOAT, g.rope_type)  # one shared key
         if g.plan.cache_format.scaled:
             codes, scale = quantize_latent(op, g.to_float(op, latent))
             return Caches(codes, k_pe, scale)
@@ -272,7 +272,7 @@ class MLAttention:
             op.Reshape(g.to_float(op, q), [0, 0, h, dn + dr]), perm=[0, 2, 1, 3]
         )  # -> [b, T, h, ·] -> [b, h, T, d_nope+d_r]
         q_nope, q_pe = op.Split(q, [dn, dr], axis=-1, _outputs=2)
-        q_pe = rope(op, q_pe, op.Unsqueeze(cos, [1]), op.Unsqueeze(sin, [1]))  # cos [b, 1, T, d_r/2]
+        q_pe = rope(op, q_pe, cos, sin)  # [b, h, T, d_r], cos [b, T, d_r/2]
         present = self.write_cache(op, self.latent_and_rope(op, x, cos, sin), past, write_indices)
 
         latent = read_latent(op, present.latent, present.scale, g.cache_type, cfg.kv_lora_rank)
@@ -320,18 +320,12 @@ class MLAttention:
             q_latent = op.Reshape(q_latent, [rows, h, dc])  # [b, T, h·d_c] -> [b·T, h, d_c]
         else:
             q_nope = linear(g, op, q_in, f"{self.name}.q_nope", lambda: absorb.query_nope_weight(cfg, q_weight()))
-            q_nope = op.Transpose(
-                op.Reshape(g.to_float(op, q_nope), [rows, h, dn]), perm=[1, 0, 2]
-            )  # [b, T, h·d_nope] -> [b·T, h, d_nope] -> [h, b·T, d_nope]
-            q_latent = op.Transpose(head_linear(g, op, q_nope, f"{self.name}.uk",
-                                                lambda: absorb.factored_uk(cfg, kv_b())),
-                                    perm=[1, 0, 2])  # [h, b·T, d_c] -> [b·T, h, d_c]
+            q_nope = op.Reshape(g.to_float(op, q_nope), [rows, h, dn])  # [b, T, h·d_nope] -> [b·T, h, d_nope]
+            q_latent = head_linear(g, op, q_nope, f"{self.name}.uk",
+                                   lambda: absorb.factored_uk(cfg, kv_b()))  # [b·T, h, d_c]
         q_pe = linear(g, op, q_in, f"{self.name}.q_rope", lambda: absorb.query_rope_weight(cfg, q_weight()))
-        q_pe = op.Reshape(g.to_float(op, q_pe), [rows, h, dr])  # [b, T, h·d_r] -> [b·T, h, d_r]
-        if tokens:  # each token's cos / sin [b, T, d_r/2] -> [b·T, 1, d_r/2], broadcast over heads
-            q_pe = rope(op, q_pe, op.Reshape(cos, [-1, 1, dr // 2]), op.Reshape(sin, [-1, 1, dr // 2]))
-        else:
-            q_pe = rope(op, q_pe, cos, sin)  # cos [b, 1, d_r/2] broadcasts over heads
+        q_pe = rope(op, g.to_float(op, q_pe), cos, sin, heads=h)  # [b, T, h·d_r], each token's cos / sin
+        q_pe = op.Reshape(q_pe, [rows, h, dr])  # [b, T, h·d_r] -> [b·T, h, d_r]
         present = self.write_cache(op, self.latent_and_rope(op, x, cos, sin), past, write_indices)
         cache = plan.cache_format
         kernel = plan.decode_attention == "kernel"
@@ -370,11 +364,8 @@ class MLAttention:
                 ),
             )  # [b, T, d]
         else:
-            o_latent = op.Transpose(o_latent, perm=[1, 0, 2])  # [b·T, h, d_c] -> [h, b·T, d_c]
             o = head_linear(g, op, o_latent, f"{self.name}.uv",
-                            lambda: absorb.factored_uv(cfg, kv_b()))  # [h, b·T, d_v]
-            o = op.Reshape(
-                op.Transpose(o, perm=[1, 0, 2]), by_token(h * dv)
-            )  # [h, b·T, d_v] -> [b·T, h, d_v] -> [b, T, h·d_v]
+                            lambda: absorb.factored_uv(cfg, kv_b()))  # [b·T, h, d_c] -> [b·T, h, d_v]
+            o = op.Reshape(o, by_token(h * dv))  # [b·T, h, d_v] -> [b, T, h·d_v]
             out = linear(g, op, g.to_compute(op, o), f"{self.name}.o", lambda: o_weight().T)
         return out, present

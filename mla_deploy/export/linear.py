@@ -48,16 +48,18 @@ def per_head_quantized(plan) -> bool:
 
 
 def head_linear(g: Graph, op, x: ir.Value, name: str, make_heads: Callable[[], np.ndarray]) -> ir.Value:
-    """x [h, M, K] float32 @ W_h per head, W [h, K, N] (the factored form's W^UK, W^UVᵀ): float32 MatMul, or
-    mla_deploy.QBatchMatMul over each head's codes at the plan's per_head_bits. Their values are
-    export.quantize.per_head_rounded_kv_b's, which the source the graphs are written from already holds."""
+    """x [M, h, K] float32 -> [M, h, N], row m's head h times W_h, W [h, K, N] (the factored form's W^UK, W^UVᵀ):
+    mla_deploy.QBatchMatMul over each head's codes at the plan's per_head_bits, or a float32 batched MatMul. The
+    quantized values are export.quantize.per_head_rounded_kv_b's, which the source the graphs are written from
+    already holds."""
     if not per_head_quantized(g.plan):
-        return op.MatMul(x, g.weight(name, make_heads, island=True))
+        heads_first = op.Transpose(x, perm=[1, 0, 2])  # [h, M, K]
+        return op.Transpose(op.MatMul(heads_first, g.weight(name, make_heads, island=True)), perm=[1, 0, 2])
     q = g.plan.quantization
     bits = q.per_head_bits
     codes, scales, k, n = g.quantized_weight(name, make_heads, bits, island=True, heads=True)
     return g.kernel_op(op, kernels.QBATCH_MATMUL[bits], lambda: qbatch_matmul_function(bits), x, codes, scales,
-                       K=k, N=n, block_size=q.block, accuracy_level=q.accuracy_level)  # [h, M, N] float32
+                       K=k, N=n, block_size=q.block, accuracy_level=q.accuracy_level)  # [M, h, N] float32
 
 
 def qmatmul(op, a: ir.Value, codes: ir.Value, scales: ir.Value, bits: int) -> ir.Value:
@@ -89,13 +91,14 @@ def qmatmul_function(bits: int) -> ir.Function:
 
 
 def qbatch_matmul(op, a: ir.Value, codes: ir.Value, scales: ir.Value, bits: int) -> ir.Value:
-    """A [H, M, K] float32 @ W_h per head h, each an int`bits` W_h [K, N] in the kernels' layout, stacked: codes
-    [H, G, KB, 2·B·bits], float16 scales [H, G, KB, 16] -> [H, M, N]; attributes as qmatmul's."""
+    """A [M, H, K] float32, row m's head h @ W_h, each an int`bits` W_h [K, N] in the kernels' layout, stacked: codes
+    [H, G, KB, 2·B·bits], float16 scales [H, G, KB, 16] -> [M, H, N]; attributes as qmatmul's."""
     n, block = attribute(op, "N"), attribute(op, "block_size")
     k_pad = op.Mul(op.Shape(codes, start=2, end=3), block)  # [1]: KB·B
-    rows = quantized_activations(op, a, k_pad, block, attribute(op, "accuracy_level"), rank=3)  # [H, M, K_pad]
+    rows = quantized_activations(op, op.Transpose(a, perm=[1, 0, 2]), k_pad, block, attribute(op, "accuracy_level"),
+                                 rank=3)  # [H, M, K_pad]
     w = op.Slice(dequantized_weight(op, codes, scales, bits, lead=1), [0], n, [2])  # [H, K_pad, 16 G] -> [H, K_pad, N]
-    return op.MatMul(rows, w)  # [H, M, N]
+    return op.Transpose(op.MatMul(rows, w), perm=[1, 0, 2])  # [H, M, N] -> [M, H, N]
 
 
 def qbatch_matmul_function(bits: int) -> ir.Function:
@@ -105,7 +108,7 @@ def qbatch_matmul_function(bits: int) -> ir.Function:
         {"A": FLOAT, "codes": UINT8, "scales": FLOAT16},
         "Y",
         lambda op, a, codes, scales: qbatch_matmul(op, a, codes, scales, bits),
-        f"Y[h] = A[h] @ W_h for float32 A [H, M, K] and one int{bits} W_h [K, N] per h in mla-deploy's quantized "
+        f"Y[m, h] = A[m, h] @ W_h for float32 A [M, H, K] and one int{bits} W_h [K, N] per h in mla-deploy's quantized "
         "layout, stacked (codes [H, G, KB, 2·B·bits], float16 scales [H, G, KB, 16]); accuracy_level 4 quantizes "
         "A's rows per block to int8 first. The kernel library reads the weights as stored; this body multiplies by "
         "a float32 copy folded at load.",

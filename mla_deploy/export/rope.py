@@ -11,10 +11,11 @@ from ..config import MLAConfig
 from .builder import Graph
 
 
-def rope(op, x: ir.Value, cos: ir.Value, sin: ir.Value) -> ir.Value:
-    """Rotate halves: x [..., d_r], cos/sin broadcastable to [..., d_r/2]."""
-    x1, x2 = op.Split(x, axis=-1, num_outputs=2, _outputs=2)  # [..., d_r/2] each
-    return op.Concat(op.Sub(op.Mul(x1, cos), op.Mul(x2, sin)), op.Add(op.Mul(x2, cos), op.Mul(x1, sin)), axis=-1)
+def rope(op, x: ir.Value, cos: ir.Value, sin: ir.Value, heads: int | None = None) -> ir.Value:
+    """Rotate halves, x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin over the two halves of each head's d_r: ONNX
+    RotaryEmbedding (interleaved=0), one node where the formula written out takes eight. x [b, T, heads·d_r] (3D,
+    `heads` given) or [b, heads, T, d_r]; cos / sin [b, T, d_r/2], each token's row (rope_lookup)."""
+    return op.RotaryEmbedding(x, cos, sin, interleaved=0, **({"num_heads": heads} if heads is not None else {}))
 
 
 def rope_lookup(g: Graph, cfg: MLAConfig, position_ids: ir.Value) -> tuple[ir.Value, ir.Value]:

@@ -16,8 +16,8 @@
  *                      LatentAttentionChunkQ8*: the queries [b, T, h, ·] of a prefill chunk, bias [b, 1, T, cap])
  *   QMatMul4, QMatMul8 (A float32 [..., K], codes uint8 [G, KB, 2·B·bits], scales float16 [G, KB, 16]; attributes
  *                       K, N, block_size, accuracy_level) -> Y float32 [..., N]   (qmatmul.h: int4 / int8 weights)
- *   QBatchMatMul4, QBatchMatMul8 (A float32 [H, M, K], codes [H, G, KB, 2·B·bits], scales [H, G, KB, 16]; the same
- *                       attributes) -> Y float32 [H, M, N]: one such weight per head (the per-head W^UK, W^UV)
+ *   QBatchMatMul4, QBatchMatMul8 (A float32 [M, H, K], codes [H, G, KB, 2·B·bits], scales [H, G, KB, 16]; the same
+ *                       attributes) -> Y float32 [M, H, N]: row m's head h times weight h (the per-head W^UK, W^UV)
  *   QRoutedExperts4, QRoutedExperts8 (X float32 [T, d], dispatch float32 [T, E], fc1 codes and scales, fc2 codes and
  *                       scales, each [E, ...] of qmatmul.h's layout; attributes block_size, accuracy_level) -> Y [T, d]
  *                       (qexperts.h)
@@ -374,6 +374,7 @@ typedef struct {
     int64_t m, row_chunk, rows_chunks, group_chunk, column_chunks;
     int64_t heads, head_rows;        /* QBatchMatMul: H weights, each multiplying head_rows = M rows; QMatMul: 1, m */
     int64_t head_codes, head_scales; /* one head's codes (bytes) and scales (values) */
+    int64_t *head_index;             /* QBatchMatMul: [H, M], the rows of A ([M, H] of them) head h multiplies */
     float *y;
 } QProduct;
 
@@ -389,7 +390,8 @@ static void run_quantize(void *data, size_t task) {
     }
 }
 
-/* task = (head · column chunks + column chunk) · row chunks + row chunk; a head's rows follow the previous head's */
+/* task = (head · column chunks + column chunk) · row chunks + row chunk. QBatchMatMul: head h's product row m is row
+ * m H + h of A and Y ([M, H, ·]), through the head's row index */
 static void run_product(void *data, size_t task) {
     QProduct *p = data;
     int64_t rc = (int64_t)task % p->rows_chunks, gc = (int64_t)task / p->rows_chunks % p->column_chunks;
@@ -397,15 +399,17 @@ static void run_product(void *data, size_t task) {
     int64_t r0 = rc * p->row_chunk, r1 = r0 + p->row_chunk < p->head_rows ? r0 + p->row_chunk : p->head_rows;
     int64_t g0 = gc * p->group_chunk, g1 = g0 + p->group_chunk < p->w->groups ? g0 + p->group_chunk : p->w->groups;
     QWeight w = *p->w;
+    QActs acts = p->acts;
     w.codes += head * p->head_codes, w.scales += head * p->head_scales;
-    r0 += head * p->head_rows, r1 += head * p->head_rows;
-    qmatmul_rows_groups(p->node->isa, &w, &p->acts, r0, r1, g0, g1, p->y + r0 * w.n + g0 * QCOLS, w.n);
+    if (p->head_index) acts.index = p->head_index + head * p->head_rows;
+    qmatmul_rows_groups(p->node->isa, &w, &acts, r0, r1, g0, g1, p->y + (r0 * p->heads + head) * w.n + g0 * QCOLS,
+                        p->heads * w.n);
 }
 
 #define PRODUCT_ROWS 64 /* rows per task: their codes (64 x K bytes) stay in L2 while a task's column tiles pass */
 
-/* QMatMul (batched = 0): A [..., K] @ W; QBatchMatMul (batched = 1): A [H, M, K] @ W_h per head h, the weights' codes
- * and scales stacked [H, ...]. Rows are quantized (or padded) all at once, then multiplied per head. */
+/* QMatMul (batched = 0): A [..., K] @ W; QBatchMatMul (batched = 1): A [M, H, K], row m's head h @ W_h, the weights'
+ * codes and scales stacked [H, ...]. Rows are quantized (or padded) all at once, then multiplied per head. */
 static OrtStatus *compute_qmatmul_any(const QKernel *node, OrtKernelContext *context, int batched) {
     int64_t dims[3][MAX_RANK], y_dims[MAX_RANK];
     size_t rank[3];
@@ -415,15 +419,15 @@ static OrtStatus *compute_qmatmul_any(const QKernel *node, OrtKernelContext *con
     if (!batched && (rank[0] < 1 || rank[1] != 3 || rank[2] != 3))
         return error(node->op, "expected A [..., K], codes [G, KB, bytes], scales [G, KB, 16]");
     if (batched && (rank[0] != 3 || rank[1] != 4 || rank[2] != 4))
-        return error(node->op, "expected A [H, M, K], codes [H, G, KB, bytes], scales [H, G, KB, 16]");
-    if (batched && (dims[1][0] != dims[0][0] || dims[2][0] != dims[0][0]))
-        return error(node->op, "A, codes and scales must have the same number of heads H (their first dimension)");
+        return error(node->op, "expected A [M, H, K], codes [H, G, KB, bytes], scales [H, G, KB, 16]");
+    if (batched && (dims[1][0] != dims[0][1] || dims[2][0] != dims[0][1]))
+        return error(node->op, "A's heads (its second dimension) must equal the first dimension of codes and scales");
     if (dims[0][rank[0] - 1] != node->k) return error(node->op, "A's last dimension must equal the attribute K");
     QWeight w;
     if ((status = quantized_weight(node, "B", node->k, node->n, dims[1] + batched, dims[2] + batched, data[1], data[2],
                                    &w)))
         return status;
-    QProduct p = {.node = node, .w = &w, .a = data[0], .m = 1, .heads = batched ? dims[0][0] : 1,
+    QProduct p = {.node = node, .w = &w, .a = data[0], .m = 1, .heads = batched ? dims[0][1] : 1,
                   .head_codes = w.groups * w.kb * qweight_run_bytes(&w), .head_scales = w.groups * w.kb * QCOLS,
                   .acts = {.level = (int)node->level, .lda = w.kb * w.block}};
     for (size_t i = 0; i + 1 < rank[0]; i++) p.m *= dims[0][i];
@@ -440,6 +444,12 @@ static OrtStatus *compute_qmatmul_any(const QKernel *node, OrtKernelContext *con
                                       : node->k % node->block ? 4 * p.m * lda : 0;
     char *scratch = NULL;
     if (copies && !(scratch = malloc((size_t)copies))) return error(node->op, "out of memory for A's rows");
+    if (batched && !(p.head_index = malloc(sizeof(int64_t) * (size_t)p.m))) {
+        free(scratch);
+        return error(node->op, "out of memory for A's rows");
+    }
+    for (int64_t h = 0; batched && h < p.heads; h++)
+        for (int64_t r = 0; r < p.head_rows; r++) p.head_index[h * p.head_rows + r] = r * p.heads + h;
     if (node->level == 4) {
         p.acts.scale = p.scale = (float *)scratch, p.acts.offset = p.offset = (int32_t *)(scratch + 4 * p.m * w.kb);
         p.acts.q = p.q = (int8_t *)(scratch + 8 * p.m * w.kb);
@@ -459,6 +469,7 @@ static OrtStatus *compute_qmatmul_any(const QKernel *node, OrtKernelContext *con
     p.group_chunk = ((w.groups + p.column_chunks - 1) / p.column_chunks + 3) / 4 * 4;
     p.column_chunks = (w.groups + p.group_chunk - 1) / p.group_chunk;
     if (!status) status = parallel_for(pool, run_product, (size_t)(p.heads * p.rows_chunks * p.column_chunks), &p);
+    free(p.head_index);
     free(scratch);
     return status;
 }
