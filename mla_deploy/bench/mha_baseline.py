@@ -75,7 +75,7 @@ def build_mha_decode(cfg, t, max_seq_len: int, weights: WeightsFile) -> ir.Model
             op.Reshape(q, [0, 0, h, dn + dr]), perm=[0, 2, 1, 3]
         )  # -> [b, 1, h, ·] -> [b, h, 1, d_nope + d_r]
         q_nope, q_pe = op.Split(q, [dn, dr], axis=-1, _outputs=2)
-        q_pe = rope(op, q_pe, op.Unsqueeze(cos, [1]), op.Unsqueeze(sin, [1]))
+        q_pe = rope(op, q_pe, cos, sin)  # [b, h, 1, d_r], cos [b, 1, d_r/2]
         latent, k_pe, _ = attn.latent_and_rope(op, hn, cos, sin)  # [b, 1, d_c], [b, 1, d_r] (float32 caches: no scale)
         kv = linear(g, op, latent, f"layers.{i}.attn.kv_b", lambda: t(attn.hf + "kv_b_proj.weight").T)
         kv = op.Transpose(
