@@ -446,7 +446,7 @@ static OrtStatus *compute_qmatmul_any(const QKernel *node, OrtKernelContext *con
     if (copies && !(scratch = malloc((size_t)copies))) return error(node->op, "out of memory for A's rows");
     if (batched && !(p.head_index = malloc(sizeof(int64_t) * (size_t)p.m))) {
         free(scratch);
-        return error(node->op, "out of memory for A's rows");
+        return error(node->op, "out of memory for the heads' row index");
     }
     for (int64_t h = 0; batched && h < p.heads; h++)
         for (int64_t r = 0; r < p.head_rows; r++) p.head_index[h * p.head_rows + r] = r * p.heads + h;
@@ -464,8 +464,8 @@ static OrtStatus *compute_qmatmul_any(const QKernel *node, OrtKernelContext *con
     /* tasks: heads x row chunks x column chunks (multiples of 4 groups, one row's tile), about 16 of them in all */
     p.row_chunk = PRODUCT_ROWS;
     p.rows_chunks = (p.head_rows + PRODUCT_ROWS - 1) / PRODUCT_ROWS;
-    int64_t per_head = p.heads * p.rows_chunks;
-    p.column_chunks = per_head >= 8 ? 2 : 16 / per_head;
+    int64_t row_tasks = p.heads * p.rows_chunks;
+    p.column_chunks = row_tasks >= 8 ? 2 : 16 / row_tasks;
     p.group_chunk = ((w.groups + p.column_chunks - 1) / p.column_chunks + 3) / 4 * 4;
     p.column_chunks = (w.groups + p.group_chunk - 1) / p.group_chunk;
     if (!status) status = parallel_for(pool, run_product, (size_t)(p.heads * p.rows_chunks * p.column_chunks), &p);
