@@ -116,7 +116,8 @@ def _write_graphs(directory: Path, cfg, plan: ExportPlan, source: RoundedCheckpo
             with progress_bar(1 if kind == io_spec.DRAFT else layers, f"{kind} layers", "layer") as advance:
                 graphs[kind] = build_graph(kind, cfg, source.tensor, plan, weights, metadata,
                                            on_layer=lambda i: advance(1), stage=stage)
-    progress(f"wrote weights ({weights.nbytes / 1e9:.2f} GB)")
+    size = f"{weights.nbytes / 1e9:.2f} GB" if weights.nbytes >= 1e8 else f"{weights.nbytes / 1e6:.1f} MB"
+    progress(f"wrote weights ({size})")
     manifest["weights"].update(bytes=weights.nbytes, block_bytes=integrity.BLOCK_BYTES, digest=integrity.DIGEST,
                                block_digests=integrity.block_digests(directory / WEIGHTS_FILE))
     for kind, model in graphs.items():

@@ -295,8 +295,9 @@ class ExportPlan:
                           "rope_cache": self.rope_dtype, "float32": FLOAT32_ISLANDS},
             "quantization": None if q is None else {
                 **q.to_dict(), "quantized_weights": len(quantized_hf_names(cfg)),
-                "float": "kv_b_proj, routers, norms, rope tables" + ("" if fused or q.per_head_bits
-                                                                     else ", per-head W^UK / W^UV"),
+                "float": ("kv_b_proj (in prefill; it holds the values of the per-head W^UK / W^UV codes)"
+                          if q.per_head_bits else "kv_b_proj") + ", routers, norms, rope tables"
+                         + ("" if fused or q.per_head_bits else ", per-head W^UK / W^UV"),
                 **({"per_head": f"per-head W^UK / W^UV at {q.per_head_bits} bits (mla_deploy.QBatchMatMul); kv_b_proj "
                                 "holds the values they dequantize to"} if q.per_head_bits else {}),
                 **({"absorbed": "fused W^Q·W^UK and W^UV·W^O quantized after absorption"} if fused else {}),
