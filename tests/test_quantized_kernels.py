@@ -83,6 +83,17 @@ def assert_product_within_bounds(y: np.ndarray, a: np.ndarray, qw, level: int, w
         assert np.all(np.abs(y - exact) <= activation_error_bound(a, w_deq, block) + bound), what
 
 
+def any_order_bound(a: np.ndarray, qw, level: int) -> tuple[np.ndarray, np.ndarray]:
+    """The reference A @ W' [M, N] and how far a product adding its K terms in any order (a function body's MatMul)
+    may be from it: level 0 against the float activations, level 4 against the kernels' int8 terms."""
+    k = a.shape[1]
+    if level == 0:
+        w_deq = dequantize(qw).astype(np.float64)
+        return a.astype(np.float64) @ w_deq, (k + 2) * U * (np.abs(a.astype(np.float64)) @ np.abs(w_deq))
+    terms = level4_terms(a, qw)
+    return terms.sum(-1), (k + 2) * U * np.abs(terms).sum(-1) * 2
+
+
 def stacked(rng, heads: int, k: int, n: int, bits: int, block: int):
     """Per head h a quantized W_h [K, N]; and the heads' codes and scales stacked [H, ...] as QBatchMatMul takes."""
     per_head = [quantized((rng.standard_normal((k, n)) * 0.1).astype(np.float32), bits, block) for _ in range(heads)]
@@ -130,13 +141,7 @@ def test_qbatch_matmul_with_or_without_the_library(bits, level, library):
     y = session(qbatch_matmul_model(k, n, bits, block, level, codes, scales), library).run(None, {"A": a})[0]
     assert y.shape == (m, heads, n)
     for h, qw in enumerate(weights):
-        rows = np.ascontiguousarray(a[:, h])
-        if level == 0:
-            exact = rows.astype(np.float64) @ dequantize(qw).astype(np.float64)
-            bound = (k + 2) * U * (np.abs(rows.astype(np.float64)) @ np.abs(dequantize(qw).astype(np.float64)))
-        else:
-            terms = level4_terms(rows, qw)
-            exact, bound = terms.sum(-1), (k + 2) * U * np.abs(terms).sum(-1) * 2
+        exact, bound = any_order_bound(np.ascontiguousarray(a[:, h]), qw, level)
         assert np.all(np.abs(y[:, h].astype(np.float64) - exact) <= bound), h
 
 
@@ -192,14 +197,8 @@ def test_qmatmul_keeps_leading_dimensions_with_or_without_the_library(bits, leve
         None, {"A": a}
     )[0]
     assert y.shape == (2, 3, n)
-    a2, y2 = a.reshape(6, k), y.reshape(6, n).astype(np.float64)
-    if level == 0:
-        exact = a2.astype(np.float64) @ dequantize(qw).astype(np.float64)
-        bound = (k + 2) * U * (np.abs(a2.astype(np.float64)) @ np.abs(dequantize(qw).astype(np.float64)))
-    else:
-        terms = level4_terms(a2, qw)
-        exact, bound = terms.sum(-1), (k + 2) * U * np.abs(terms).sum(-1) * 2
-    assert np.all(np.abs(y2 - exact) <= bound)
+    exact, bound = any_order_bound(a.reshape(6, k), qw, level)
+    assert np.all(np.abs(y.reshape(6, n).astype(np.float64) - exact) <= bound)
 
 
 @needs_library
