@@ -193,6 +193,7 @@ static OrtStatus *compute_routed_experts(OrtKernelContext *context, StripKind ki
 }
 
 static void run_latent_range(void *data, size_t task) { latent_attention_range(data, (int64_t)task); }
+static void run_latent_combine(void *data, size_t task) { latent_attention_combine(data, (int64_t)task); }
 
 static OrtStatus *compute_latent_attention(OrtKernelContext *context, StripKind kind, const char *op, Isa isa) {
     int64_t dims[5][MAX_RANK];
@@ -226,13 +227,16 @@ static OrtStatus *compute_latent_attention(OrtKernelContext *context, StripKind 
     if (latent_attention_plan(&job)) return error(op, "out of memory for the partial results");
     status = parallel_for(pool_for(context, job.rows * job.capacity * job.heads * (job.latent + job.rope)),
                           run_latent_range, (size_t)(job.rows * job.splits), &job);
-    for (int64_t r = 0; !status && r < job.rows; r++) latent_attention_combine(&job, r);
+    if (!status) /* the ranges' partial results summed per head: splits x d_c multiply-adds a task */
+        status = parallel_for(pool_for(context, job.rows * job.heads * job.splits * job.latent), run_latent_combine,
+                              (size_t)(job.rows * job.heads), &job);
     if (!status && __atomic_load_n(&job.failed, __ATOMIC_RELAXED)) status = error(op, "out of memory for a range's scores");
     latent_attention_release(&job);
     return status;
 }
 
 static void run_latent_range_q8(void *data, size_t task) { latent_attention_q8_range(data, (int64_t)task); }
+static void run_latent_combine_q8(void *data, size_t task) { latent_attention_q8_combine(data, (int64_t)task); }
 
 /* A kernel holds nothing but the instruction-set level read when onnxruntime created it (create; dispatch.h), as its
  * pointer's value: level + 1, so that it is never NULL. */
@@ -275,7 +279,9 @@ static OrtStatus *compute_latent_attention_q8(void *kernel, OrtKernelContext *co
     /* about a quarter of the float kernel's instructions a slot (int8 products): the same threshold in slots */
     status = parallel_for(pool_for(context, job.rows * job.capacity * job.heads * (job.latent + job.rope) / 4),
                           run_latent_range_q8, (size_t)(job.rows * job.splits), &job);
-    for (int64_t r = 0; !status && r < job.rows; r++) latent_attention_q8_combine(&job, r);
+    if (!status) /* the ranges' partial results summed per head: splits x d_c multiply-adds a task */
+        status = parallel_for(pool_for(context, job.rows * job.heads * job.splits * job.latent), run_latent_combine_q8,
+                              (size_t)(job.rows * job.heads), &job);
     if (!status && __atomic_load_n(&job.failed, __ATOMIC_RELAXED)) status = error(op, "out of memory for a range's scores");
     latent_attention_q8_release(&job);
     return status;

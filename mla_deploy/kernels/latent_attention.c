@@ -285,24 +285,20 @@ void latent_attention_range(LatentAttention *job, int64_t task) {
     }
 }
 
-void latent_attention_combine(LatentAttention *job, int64_t row) {
-    int64_t heads = job->heads, dc = job->latent, stride = heads * (dc + 2);
-    const float *parts = job->partial + row * job->splits * stride;
-    for (int64_t h = 0; h < heads; h++) {
-        float *out = job->out + (row * heads + h) * dc, top = -INFINITY, sum = 0.0f;
-        for (int64_t j = 0; j < job->splits; j++) {
-            const float *part = parts + j * stride + h * (dc + 2);
-            if (part[dc + 1] > 0.0f) top = fmaxf(top, part[dc]);
-        }
-        memset(out, 0, sizeof(float) * (size_t)dc);
-        if (top == -INFINITY) continue; /* no slot anywhere: only after a failed allocation */
-        for (int64_t j = 0; j < job->splits; j++) {
-            const float *part = parts + j * stride + h * (dc + 2);
-            if (!(part[dc + 1] > 0.0f)) continue;
-            float w = expf(part[dc] - top);
-            sum += w * part[dc + 1];
-            for (int64_t d = 0; d < dc; d++) out[d] += w * part[d];
-        }
-        for (int64_t d = 0; d < dc; d++) out[d] /= sum;
+void latent_attention_combine(LatentAttention *job, int64_t task) {
+    const int64_t heads = job->heads, dc = job->latent, stride = heads * (dc + 2), row = task / heads, h = task % heads;
+    const float *parts = job->partial + row * job->splits * stride + h * (dc + 2);
+    float *out = job->out + (row * heads + h) * dc, top = -INFINITY, sum = 0.0f;
+    for (int64_t j = 0; j < job->splits; j++)
+        if (parts[j * stride + dc + 1] > 0.0f) top = fmaxf(top, parts[j * stride + dc]);
+    memset(out, 0, sizeof(float) * (size_t)dc);
+    if (top == -INFINITY) return; /* no slot anywhere: only after a failed allocation */
+    for (int64_t j = 0; j < job->splits; j++) {
+        const float *part = parts + j * stride;
+        if (!(part[dc + 1] > 0.0f)) continue;
+        float w = expf(part[dc] - top);
+        sum += w * part[dc + 1];
+        for (int64_t d = 0; d < dc; d++) out[d] += w * part[d];
     }
+    for (int64_t d = 0; d < dc; d++) out[d] /= sum;
 }

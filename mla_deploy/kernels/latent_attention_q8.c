@@ -33,6 +33,30 @@ typedef struct {
     float *part;                        /* this task's [heads, d_c + 2] of the partial results */
 } Task;
 
+/* The cache lines of the next block of slots (its codes and rope rows), asked for one per step of this block's
+ * product loop. In a decode step the weights have just streamed through the caches, so every row comes from memory:
+ * unasked, the first read of a row waited on it for 30-44 % of the scores' time, and asked for all at once at the
+ * block's start, the lines came too late to help (the misses a core keeps in flight are few); spread over the loop,
+ * the wait fell to 8 % and the step at 16k by 12 % (benchmarks/attention_kernels.py, docs/long-context.md). */
+#define AHEAD_LINES 128
+typedef struct {
+    const char *line[AHEAD_LINES];
+    int64_t n;
+} Ahead;
+
+static inline void lines_ahead(const LatentAttentionQ8 *job, const Task *t, int64_t i0, int64_t count, Ahead *a) {
+    const int64_t rope_bytes = job->rope * strip_kind_bytes(job->rope_kind);
+    a->n = 0;
+    for (int64_t i = i0; i < t->n && i < i0 + count; i++) {
+        for (int64_t k = 0; k < job->latent && a->n < AHEAD_LINES; k += 64) a->line[a->n++] = (const char *)t->c[i] + k;
+        for (int64_t k = 0; k < rope_bytes && a->n < AHEAD_LINES; k += 64) a->line[a->n++] = (const char *)t->r[i] + k;
+    }
+}
+
+static inline void ask_ahead(const Ahead *a, int64_t j) {
+    if (j < a->n) __builtin_prefetch(a->line[j]);
+}
+
 /* ---- plain C: the reference every path matches bit for bit ---- */
 
 /* e^x as exp16 / exp8 compute it, one value: x = n ln 2 + r, Cephes' degree-6 polynomial for e^r (relative error
@@ -141,7 +165,7 @@ Q8_AVX2 static void widen_rope_avx2(const LatentAttentionQ8 *job, const void *co
 
 /* scores of slots [i0, i0 + ns) for lanes [hb, hb + 8): their rows widened in c16 [ns, d_c], ropef [ns, d_r] */
 INLINE_AVX2 void score_block_avx2(const int ns, const LatentAttentionQ8 *job, Task *t, int64_t i0, int64_t hb,
-                                  const int16_t *c16, const float *ropef) {
+                                  const int16_t *c16, const float *ropef, const Ahead *ahead) {
     const int64_t lanes = job->lanes, dc = job->latent, dr = job->rope;
     const int16_t *qp = (const int16_t *)job->q_packed + t->row * job->q_packed_row / 2; /* [d_c / 2, lanes, 2] */
     const float *qr = job->q_rope_packed + t->row * dr * lanes + hb;
@@ -149,6 +173,7 @@ INLINE_AVX2 void score_block_avx2(const int ns, const LatentAttentionQ8 *job, Ta
     for (int s = 0; s < ns; s++) acc[s] = _mm256_setzero_si256();
     for (int64_t j = 0; j < dc / 2; j++) {
         __m256i q = _mm256_loadu_si256((const __m256i *)(qp + (j * lanes + hb) * 2));
+        ask_ahead(ahead, j);
         for (int s = 0; s < ns; s++) {
             int32_t pair;
             memcpy(&pair, c16 + s * dc + 2 * j, sizeof pair);
@@ -173,6 +198,8 @@ INLINE_AVX2 void score_block_avx2(const int ns, const LatentAttentionQ8 *job, Ta
 Q8_AVX2 static void scores_avx2(const LatentAttentionQ8 *job, Task *t) {
     for (int64_t i0 = 0; i0 < t->n; i0 += SB2) {
         int ns = t->n - i0 < SB2 ? (int)(t->n - i0) : SB2;
+        Ahead ahead;
+        lines_ahead(job, t, i0 + SB2, SB2, &ahead);
         for (int s = 0; s < ns; s++) /* the rows as 16-bit values, read once for every head */
             for (int64_t k = 0; k < job->latent; k += 16)
                 _mm256_storeu_si256((__m256i *)(t->c16 + s * job->latent + k),
@@ -180,10 +207,10 @@ Q8_AVX2 static void scores_avx2(const LatentAttentionQ8 *job, Task *t) {
         widen_rope_avx2(job, t->r + i0, ns, t->ropef);
         for (int64_t hb = 0; hb < job->lanes; hb += 8)
             if (ns == SB2)
-                score_block_avx2(SB2, job, t, i0, hb, t->c16, t->ropef);
+                score_block_avx2(SB2, job, t, i0, hb, t->c16, t->ropef, &ahead);
             else /* the block's edge, a slot at a time */
                 for (int s = 0; s < ns; s++)
-                    score_block_avx2(1, job, t, i0 + s, hb, t->c16 + s * job->latent, t->ropef + s * job->rope);
+                    score_block_avx2(1, job, t, i0 + s, hb, t->c16 + s * job->latent, t->ropef + s * job->rope, &ahead);
     }
 }
 
@@ -251,6 +278,17 @@ Q8_AVX2 static void weighted_avx2(const LatentAttentionQ8 *job, Task *t) {
 
 /* ---- AVX-512 VNNI: 8-bit products for the scores (vpdpbusd), 16-bit for probs @ latent (vpdpwssd) ---- */
 
+/* acc + the products, in place: GCC's intrinsics leave each accumulator's register untied across a loop's iterations
+ * and copy it there and back every step, so the two products are written out with the accumulator as operand 0 */
+INLINE_AVX512 __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    return acc;
+}
+INLINE_AVX512 __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
+    __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    return acc;
+}
+
 INLINE_AVX512 __m512 exp16_q8(__m512 x) {
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -280,7 +318,7 @@ Q8_AVX512 static int32_t code_sum_avx512(const int8_t *c, int64_t dc) {
 
 /* scores of slots [i0, i0 + ns) for lanes [hb, hb + 16): the sums of their codes in csum [ns], rope in ropef [ns, d_r] */
 INLINE_AVX512 void score_block_avx512(const int ns, const LatentAttentionQ8 *job, Task *t, int64_t i0, int64_t hb,
-                                      const int32_t *csum, const float *ropef) {
+                                      const int32_t *csum, const float *ropef, const Ahead *ahead) {
     const int64_t lanes = job->lanes, dc = job->latent, dr = job->rope;
     const uint8_t *qp = (const uint8_t *)job->q_packed + t->row * job->q_packed_row; /* [d_c / 4, lanes, 4] */
     const float *qr = job->q_rope_packed + t->row * dr * lanes + hb;
@@ -288,10 +326,11 @@ INLINE_AVX512 void score_block_avx512(const int ns, const LatentAttentionQ8 *job
     for (int s = 0; s < ns; s++) acc[s] = _mm512_setzero_si512();
     for (int64_t j = 0; j < dc / 4; j++) {
         __m512i q = _mm512_loadu_si512(qp + (j * lanes + hb) * 4);
+        ask_ahead(ahead, j);
         for (int s = 0; s < ns; s++) {
             int32_t quad;
             memcpy(&quad, t->c[i0 + s] + 4 * j, sizeof quad);
-            acc[s] = _mm512_dpbusd_epi32(acc[s], q, _mm512_set1_epi32(quad));
+            acc[s] = dpbusd(acc[s], q, _mm512_set1_epi32(quad));
         }
     }
     __m512 r[SB]; /* the rope's dot products, one chain per slot, k in order */
@@ -313,15 +352,17 @@ INLINE_AVX512 void score_block_avx512(const int ns, const LatentAttentionQ8 *job
 Q8_AVX512 static void scores_avx512(const LatentAttentionQ8 *job, Task *t) {
     for (int64_t i0 = 0; i0 < t->n; i0 += SB) {
         int ns = t->n - i0 < SB ? (int)(t->n - i0) : SB;
+        Ahead ahead;
+        lines_ahead(job, t, i0 + SB, SB, &ahead);
         int32_t csum[SB];
         for (int s = 0; s < ns; s++) csum[s] = code_sum_avx512(t->c[i0 + s], job->latent);
         widen_rope_avx2(job, t->r + i0, ns, t->ropef);
         for (int64_t hb = 0; hb < job->lanes; hb += 16)
             if (ns == SB)
-                score_block_avx512(SB, job, t, i0, hb, csum, t->ropef);
+                score_block_avx512(SB, job, t, i0, hb, csum, t->ropef, &ahead);
             else /* the block's edge, a slot at a time */
                 for (int s = 0; s < ns; s++)
-                    score_block_avx512(1, job, t, i0 + s, hb, csum + s, t->ropef + s * job->rope);
+                    score_block_avx512(1, job, t, i0 + s, hb, csum + s, t->ropef + s * job->rope, &ahead);
     }
 }
 
@@ -364,7 +405,7 @@ INLINE_AVX512 void weighted_block_avx512(const int nh, const LatentAttentionQ8 *
         for (int h = 0; h < nh; h++) {
             int32_t pair;
             memcpy(&pair, pairs + 2 * h, sizeof pair);
-            acc[h] = _mm512_dpwssd_epi32(acc[h], b, _mm512_set1_epi32(pair));
+            acc[h] = dpwssd(acc[h], b, _mm512_set1_epi32(pair));
         }
     }
     const int64_t dc = job->latent;
@@ -490,24 +531,20 @@ void latent_attention_q8_range(LatentAttentionQ8 *job, int64_t task) {
     free(scratch);
 }
 
-void latent_attention_q8_combine(LatentAttentionQ8 *job, int64_t row) {
-    const int64_t heads = job->heads, dc = job->latent, stride = heads * (dc + 2);
-    const float *parts = job->partial + row * job->splits * stride;
-    for (int64_t h = 0; h < heads; h++) {
-        float *out = job->out + (row * heads + h) * dc, top = -INFINITY, sum = 0.0f;
-        for (int64_t j = 0; j < job->splits; j++) {
-            const float *part = parts + j * stride + h * (dc + 2);
-            if (part[dc + 1] > 0.0f) top = fmaxf(top, part[dc]);
-        }
-        memset(out, 0, sizeof(float) * (size_t)dc);
-        if (top == -INFINITY) continue; /* no slot anywhere: only after a failed allocation */
-        for (int64_t j = 0; j < job->splits; j++) {
-            const float *part = parts + j * stride + h * (dc + 2);
-            if (!(part[dc + 1] > 0.0f)) continue;
-            float w = expf(part[dc] - top);
-            sum += w * part[dc + 1];
-            for (int64_t d = 0; d < dc; d++) out[d] += w * part[d];
-        }
-        for (int64_t d = 0; d < dc; d++) out[d] /= sum;
+void latent_attention_q8_combine(LatentAttentionQ8 *job, int64_t task) {
+    const int64_t heads = job->heads, dc = job->latent, stride = heads * (dc + 2), row = task / heads, h = task % heads;
+    const float *parts = job->partial + row * job->splits * stride + h * (dc + 2);
+    float *out = job->out + (row * heads + h) * dc, top = -INFINITY, sum = 0.0f;
+    for (int64_t j = 0; j < job->splits; j++)
+        if (parts[j * stride + dc + 1] > 0.0f) top = fmaxf(top, parts[j * stride + dc]);
+    memset(out, 0, sizeof(float) * (size_t)dc);
+    if (top == -INFINITY) return; /* no slot anywhere: only after a failed allocation */
+    for (int64_t j = 0; j < job->splits; j++) {
+        const float *part = parts + j * stride;
+        if (!(part[dc + 1] > 0.0f)) continue;
+        float w = expf(part[dc] - top);
+        sum += w * part[dc + 1];
+        for (int64_t d = 0; d < dc; d++) out[d] += w * part[d];
     }
+    for (int64_t d = 0; d < dc; d++) out[d] /= sum;
 }

@@ -58,7 +58,8 @@ void latent_attention_q8_release(LatentAttentionQ8 *job);
 /* One slot range of one query row: task = range * rows + row (the query rows of one range one after another, while
  * its cache rows are warm). Tasks are independent. */
 void latent_attention_q8_range(LatentAttentionQ8 *job, int64_t task);
-/* One row's output from its ranges (after every range of the row). */
-void latent_attention_q8_combine(LatentAttentionQ8 *job, int64_t row);
+/* One head's output of one row from its ranges (after every range of the row): task = row · heads + head.
+ * Tasks are independent. */
+void latent_attention_q8_combine(LatentAttentionQ8 *job, int64_t task);
 
 #endif
