@@ -109,6 +109,25 @@ class OnnxEngine:
         tokens = rng.integers(0, self.cfg.vocab_size, batch)
         return _median_ms(lambda: self.gen.decode_step(state, tokens), steps)
 
+    def interleaved_step_ms(self, contexts: list[int], steps: int) -> dict[int, float]:
+        """The median decode step at each context, the contexts' steps taken in turn (one step at each, `steps`
+        times): a ratio of two contexts' steps then sees the same machine, where blocks of steps one context after
+        the other see its load change between them. Each row's context grows by one a step."""
+        states = {}
+        for ctx in contexts:
+            rng = np.random.default_rng(ctx)
+            states[ctx] = (random_decode_state(self.gen, 1, ctx, steps + WARMUP_MAX + 2, rng),
+                           rng.integers(0, self.cfg.vocab_size, 1))
+        for state, tokens in states.values():
+            _warm_up(lambda: self.gen.decode_step(state, tokens))
+        times: dict[int, list[float]] = {ctx: [] for ctx in contexts}
+        for _ in range(steps):
+            for ctx, (state, tokens) in states.items():
+                t0 = time.perf_counter()
+                self.gen.decode_step(state, tokens)
+                times[ctx].append((time.perf_counter() - t0) * 1e3)
+        return {ctx: statistics.median(t) for ctx, t in times.items()}
+
     def prefill_at_context_s(self, n: int, ctx: int) -> float:
         """Seconds to prefill `n` tokens of one row on top of `ctx` already in its cache (random data, every slot
         written), in the Generator's chunks: positions ctx .. ctx + n - 1, each chunk over the whole cache before it,
