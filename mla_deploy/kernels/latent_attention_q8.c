@@ -214,6 +214,11 @@ Q8_AVX2 static void scores_avx2(const LatentAttentionQ8 *job, Task *t) {
     }
 }
 
+/* round(w · inv) of 8 lanes, at most PMAX */
+INLINE_AVX2 __m256i probability16_avx2(const float *w, __m256 inv) {
+    return _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(w), inv)), _mm256_set1_epi32(PMAX));
+}
+
 /* the 16-bit probabilities of lanes [hb, hb + 8): from w = p · sc in score, transposed into p16 [heads, n2] */
 Q8_AVX2 static void softmax_avx2(const LatentAttentionQ8 *job, Task *t) {
     const int64_t lanes = job->lanes;
@@ -230,12 +235,14 @@ Q8_AVX2 static void softmax_avx2(const LatentAttentionQ8 *job, Task *t) {
         __m256 positive = _mm256_cmp_ps(wmax, _mm256_setzero_ps(), _CMP_GT_OQ);
         __m256 inv = _mm256_and_ps(positive, _mm256_div_ps(_mm256_set1_ps((float)PMAX), wmax));
         int nh = job->heads - hb < 8 ? (int)(job->heads - hb) : 8;
-        for (int64_t i = 0; i < t->n; i++) {
-            __m256i v = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(t->score + i * lanes + hb), inv)),
-                                         _mm256_set1_epi32(PMAX));
-            int32_t lane[8];
-            _mm256_storeu_si256((__m256i *)lane, v);
-            for (int h = 0; h < nh; h++) t->p16[p16_at(t, job->heads, hb + h, i)] = (int16_t)lane[h];
+        for (int64_t i = 0; i < t->n; i += 2) { /* a pair of slots: each head's two 16-bit values in one 32-bit lane */
+            __m256i even = probability16_avx2(t->score + i * lanes + hb, inv);
+            __m256i odd = i + 1 < t->n ? probability16_avx2(t->score + (i + 1) * lanes + hb, inv)
+                                       : _mm256_setzero_si256();
+            __m256i pairs = _mm256_or_si256(even, _mm256_slli_epi32(odd, 16)); /* both in [0, PMAX] */
+            int32_t *to = (int32_t *)(t->p16 + p16_at(t, job->heads, hb, i));
+            __m256i heads = _mm256_cmpgt_epi32(_mm256_set1_epi32(nh), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            _mm256_maskstore_epi32(to, heads, pairs);
         }
         _mm256_storeu_ps(t->top + hb, top);
         _mm256_storeu_ps(t->sum + hb, sum);
@@ -366,6 +373,11 @@ Q8_AVX512 static void scores_avx512(const LatentAttentionQ8 *job, Task *t) {
     }
 }
 
+/* round(w · inv) of 16 lanes, at most PMAX */
+INLINE_AVX512 __m512i probability16_avx512(const float *w, __m512 inv) {
+    return _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(w), inv)), _mm512_set1_epi32(PMAX));
+}
+
 Q8_AVX512 static void softmax_avx512(const LatentAttentionQ8 *job, Task *t) {
     const int64_t lanes = job->lanes;
     for (int64_t hb = 0; hb < job->heads; hb += 16) {
@@ -381,12 +393,12 @@ Q8_AVX512 static void softmax_avx512(const LatentAttentionQ8 *job, Task *t) {
         __mmask16 positive = _mm512_cmp_ps_mask(wmax, _mm512_setzero_ps(), _CMP_GT_OQ);
         __m512 inv = _mm512_maskz_div_ps(positive, _mm512_set1_ps((float)PMAX), wmax);
         int nh = job->heads - hb < 16 ? (int)(job->heads - hb) : 16;
-        for (int64_t i = 0; i < t->n; i++) {
-            __m512i v = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(t->score + i * lanes + hb), inv)),
-                                         _mm512_set1_epi32(PMAX));
-            int16_t lane[16];
-            _mm256_storeu_si256((__m256i *)lane, _mm512_cvtepi32_epi16(v));
-            for (int h = 0; h < nh; h++) t->p16[p16_at(t, job->heads, hb + h, i)] = lane[h];
+        for (int64_t i = 0; i < t->n; i += 2) { /* a pair of slots: each head's two 16-bit values in one 32-bit lane */
+            __m512i even = probability16_avx512(t->score + i * lanes + hb, inv);
+            __m512i odd = i + 1 < t->n ? probability16_avx512(t->score + (i + 1) * lanes + hb, inv)
+                                       : _mm512_setzero_si512();
+            __m512i pairs = _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)); /* both in [0, PMAX] */
+            _mm512_mask_storeu_epi32(t->p16 + p16_at(t, job->heads, hb, i), (__mmask16)((1u << nh) - 1), pairs);
         }
         _mm512_storeu_ps(t->top + hb, top);
         _mm512_storeu_ps(t->sum + hb, sum);
