@@ -31,7 +31,7 @@ NAMES = ["q_latent", "q_rope", "latent", "latent_scale", "rope", "bias"]
 ROPE_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
 NOT_SEEN = float(np.finfo(np.float32).min)
 HERE = LEVELS[: LEVELS.index(cpu_level()) + 1]  # the levels this CPU runs
-RANGE = 256  # latent_attention_q8.h's Q8_RANGE: slots a task, and the span of one set of 16-bit probabilities
+RANGE = 512  # latent_attention_q8.h's Q8_RANGE: slots a task, and the span of one set of 16-bit probabilities
 PMAX = 32767
 
 
@@ -157,8 +157,8 @@ def _reference(ql, qr, codes, scale, rope, bias, quantized_queries=True):
 # (rows, heads, d_c, d_r, capacity, seen slots per row): one row at DeepSeek's widths across three ranges, rows of
 # different lengths with a row of length 1 and one that sees nothing, heads and slots off the register blocks, a
 # batch of DeepSeek's widths across ranges, 8 heads of d_c 128
-SHAPES = [(1, 16, 512, 64, 600, [600]), (5, 4, 64, 16, 256, [1, 7, 256, 0, 130]), (3, 5, 32, 8, 40, [40, 11, 2]),
-          (2, 3, 48, 8, 700, [700, 301]), (2, 16, 512, 64, 1100, [1100, 257]), (2, 8, 128, 32, 300, [300, 1]),
+SHAPES = [(1, 16, 512, 64, 1300, [1300]), (5, 4, 64, 16, 256, [1, 7, 256, 0, 130]), (3, 5, 32, 8, 40, [40, 11, 2]),
+          (2, 3, 48, 8, 700, [700, 301]), (2, 16, 512, 64, 1100, [1100, 513]), (2, 8, 128, 32, 300, [300, 1]),
           (3, 20, 64, 16, 520, [513, 2, 256])]
 
 
@@ -257,7 +257,7 @@ def _chunk_case(rng, b, t, h, dc, dr, cap, starts, rope="float32"):
 # (rows, T queries a row, heads, d_c, d_r, capacity, the chunk's first slot per row): a chunk whose causal spans
 # cross range boundaries at DeepSeek's widths, a row whose first query sees one slot beside one deep in its cache,
 # heads and widths off the register blocks
-CHUNKS = [(1, 5, 16, 512, 64, 600, [254]), (2, 3, 4, 64, 16, 300, [0, 290]), (2, 4, 5, 32, 8, 520, [255, 3])]
+CHUNKS = [(1, 5, 16, 512, 64, 600, [510]), (2, 3, 4, 64, 16, 300, [0, 290]), (2, 4, 5, 32, 8, 520, [511, 3])]
 
 
 @needs_library
