@@ -367,15 +367,17 @@ void latent_attention_range(LatentAttention *job, int64_t task) {
     }
 }
 
-void latent_attention_combine(LatentAttention *job, int64_t task) {
-    const int64_t heads = job->heads, dc = job->latent, stride = heads * (dc + 2), row = task / heads, h = task % heads;
-    const float *parts = job->partial + row * job->splits * stride + h * (dc + 2);
-    float *out = job->out + (row * heads + h) * dc, top = -INFINITY, sum = 0.0f;
-    for (int64_t j = 0; j < job->splits; j++)
+void latent_ranges_combine(const float *partial, int64_t splits, int64_t heads, int64_t dc, float *out,
+                           int64_t task) {
+    const int64_t stride = heads * (dc + 2), row = task / heads, h = task % heads;
+    const float *parts = partial + row * splits * stride + h * (dc + 2);
+    float top = -INFINITY, sum = 0.0f;
+    out += (row * heads + h) * dc;
+    for (int64_t j = 0; j < splits; j++)
         if (parts[j * stride + dc + 1] > 0.0f) top = fmaxf(top, parts[j * stride + dc]);
     memset(out, 0, sizeof(float) * (size_t)dc);
     if (top == -INFINITY) return; /* no slot anywhere: only after a failed allocation */
-    for (int64_t j = 0; j < job->splits; j++) {
+    for (int64_t j = 0; j < splits; j++) {
         const float *part = parts + j * stride;
         if (!(part[dc + 1] > 0.0f)) continue;
         float w = expf(part[dc] - top);
@@ -383,4 +385,8 @@ void latent_attention_combine(LatentAttention *job, int64_t task) {
         for (int64_t d = 0; d < dc; d++) out[d] += w * part[d];
     }
     for (int64_t d = 0; d < dc; d++) out[d] /= sum;
+}
+
+void latent_attention_combine(LatentAttention *job, int64_t task) {
+    latent_ranges_combine(job->partial, job->splits, job->heads, job->latent, job->out, task);
 }

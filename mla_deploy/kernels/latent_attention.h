@@ -40,6 +40,10 @@ void latent_attention_release(LatentAttention *job);
 /* One slot range of one query row: task = range * rows + row (the query rows of one range one after another, while
  * its cache rows are warm: a chunk's T tokens read the same cache row). Tasks are independent. */
 void latent_attention_range(LatentAttention *job, int64_t task);
+/* The flash-decoding combine both latent attention kernels share: head task % heads of row task / heads, out[row, h]
+ * from the row's `splits` partial results [splits, heads, d_c + 2] (sum p · latent, max, sum p), each rescaled by
+ * e^(its max - the largest). */
+void latent_ranges_combine(const float *partial, int64_t splits, int64_t heads, int64_t dc, float *out, int64_t task);
 /* One head's output of one row from its ranges (after every range of the row): task = row · heads + head.
  * Tasks are independent. */
 void latent_attention_combine(LatentAttention *job, int64_t task);

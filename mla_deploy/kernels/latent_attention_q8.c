@@ -3,6 +3,7 @@
  * Q8_LANES heads, no horizontal sums, the softmax over slots a running maximum per lane), then probs @ latent with
  * 16 (8 on AVX2) channels of two slots in the lanes, each head's pair of probabilities broadcast. */
 #include "latent_attention_q8.h"
+#include "latent_attention.h"
 #include "widen.h"
 
 #include <float.h>
@@ -544,19 +545,5 @@ void latent_attention_q8_range(LatentAttentionQ8 *job, int64_t task) {
 }
 
 void latent_attention_q8_combine(LatentAttentionQ8 *job, int64_t task) {
-    const int64_t heads = job->heads, dc = job->latent, stride = heads * (dc + 2), row = task / heads, h = task % heads;
-    const float *parts = job->partial + row * job->splits * stride + h * (dc + 2);
-    float *out = job->out + (row * heads + h) * dc, top = -INFINITY, sum = 0.0f;
-    for (int64_t j = 0; j < job->splits; j++)
-        if (parts[j * stride + dc + 1] > 0.0f) top = fmaxf(top, parts[j * stride + dc]);
-    memset(out, 0, sizeof(float) * (size_t)dc);
-    if (top == -INFINITY) return; /* no slot anywhere: only after a failed allocation */
-    for (int64_t j = 0; j < job->splits; j++) {
-        const float *part = parts + j * stride;
-        if (!(part[dc + 1] > 0.0f)) continue;
-        float w = expf(part[dc] - top);
-        sum += w * part[dc + 1];
-        for (int64_t d = 0; d < dc; d++) out[d] += w * part[d];
-    }
-    for (int64_t d = 0; d < dc; d++) out[d] /= sum;
+    latent_ranges_combine(job->partial, job->splits, job->heads, job->latent, job->out, task);
 }
