@@ -86,7 +86,7 @@ def main(ctx, debug):
     default="auto",
     show_default=True,
     help="The latent cache: auto stores it in --dtype; int8 stores codes with a float32 "
-    "scale per token and layer, the roped key staying in --dtype (docs/precision.md).",
+    "scale per token and layer, the roped key staying in --dtype (docs/long-context.md).",
 )
 @click.option(
     "--max-seq-len", type=click.IntRange(min=1), default=None, help="Longest sequence (default: the config's)."

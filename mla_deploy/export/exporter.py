@@ -112,7 +112,8 @@ def _write_graphs(directory: Path, cfg, plan: ExportPlan, source: RoundedCheckpo
     metadata = {"producer": "mla-deploy", "mla_deploy_version": __version__, "export_id": manifest["export_id"]}
     with WeightsFile(directory / WEIGHTS_FILE) as weights:
         for kind in graph_kinds(plan):
-            progress(f"building {kind} graph ({FORMS[kind].format(absorb=plan.absorb.value)}), writing its weights")
+            form = FORMS[kind].format(absorb=plan.absorb.value, prefill=plan.prefill_attention)
+            progress(f"building {kind} graph ({form}), writing its weights")
             with progress_bar(1 if kind == io_spec.DRAFT else layers, f"{kind} layers", "layer") as advance:
                 graphs[kind] = build_graph(kind, cfg, source.tensor, plan, weights, metadata,
                                            on_layer=lambda i: advance(1), stage=stage)
@@ -132,7 +133,7 @@ def _write_graphs(directory: Path, cfg, plan: ExportPlan, source: RoundedCheckpo
     return manifest
 
 
-FORMS = {io_spec.PREFILL: "naive attention", io_spec.DECODE: "absorbed, {absorb}",
+FORMS = {io_spec.PREFILL: "{prefill} attention", io_spec.DECODE: "absorbed, {absorb}",
          io_spec.VERIFY: "absorbed, {absorb}, any number of tokens", io_spec.DRAFT: "the MTP layer, absorbed, {absorb}"}
 
 
