@@ -236,14 +236,13 @@ Q8_AVX2 static void softmax_avx2(const LatentAttentionQ8 *job, Task *t) {
         __m256 positive = _mm256_cmp_ps(wmax, _mm256_setzero_ps(), _CMP_GT_OQ);
         __m256 inv = _mm256_and_ps(positive, _mm256_div_ps(_mm256_set1_ps((float)PMAX), wmax));
         int nh = job->heads - hb < 8 ? (int)(job->heads - hb) : 8;
+        __m256i real = _mm256_cmpgt_epi32(_mm256_set1_epi32(nh), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)); /* lanes */
         for (int64_t i = 0; i < t->n; i += 2) { /* a pair of slots: each head's two 16-bit values in one 32-bit lane */
             __m256i even = probability16_avx2(t->score + i * lanes + hb, inv);
             __m256i odd = i + 1 < t->n ? probability16_avx2(t->score + (i + 1) * lanes + hb, inv)
                                        : _mm256_setzero_si256();
             __m256i pairs = _mm256_or_si256(even, _mm256_slli_epi32(odd, 16)); /* both in [0, PMAX] */
-            int32_t *to = (int32_t *)(t->p16 + p16_at(t, job->heads, hb, i));
-            __m256i heads = _mm256_cmpgt_epi32(_mm256_set1_epi32(nh), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-            _mm256_maskstore_epi32(to, heads, pairs);
+            _mm256_maskstore_epi32((int32_t *)(t->p16 + p16_at(t, job->heads, hb, i)), real, pairs);
         }
         _mm256_storeu_ps(t->top + hb, top);
         _mm256_storeu_ps(t->sum + hb, sum);
