@@ -7,13 +7,13 @@ without CUDA graphs, transformers on the same GPU, the GPU's copy bandwidth, and
 Needs onnxruntime-gpu (CUDAExecutionProvider), torch with CUDA, transformers; how to bring onnxruntime-gpu to a lent
 GPU machine: docs/gpu.md. Without the CUDA provider it stops with that message (no traceback).
 
-Jobs, in this order (every verify first, then the headline timings), each recorded in the results JSON as soon as
-it is done:
+Jobs, in this order (an export is verified before it is timed; the headline export, the first model's first dtype
+and form, first of all), each recorded in the results JSON as soon as it is done:
   environment   device name, driver, versions; the GPU's device-to-device copy bandwidth (torch, CUDA events;
                 bytes read plus bytes written)
   per model (`mla-deploy preset v2lite-2L`, then the demo), per export (bfloat16 with onnxruntime's MoE for the
-  routed experts, bfloat16, float16, float32, int4 weights over float32 in mla_deploy's ops and in onnxruntime's
-  MatMulNBits: EXPORTS; fused and factored absorb forms), built under
+  routed experts, bfloat16, float16, float32, int4 weights over float32 in onnxruntime's MatMulNBits and in
+  mla_deploy's ops: EXPORTS, the last slow to load and so last of all; fused and factored absorb forms), built under
   --workdir unless there already (--prepare builds them alone, several at a time, with no GPU needed):
     verify      `verify_export(provider='cuda')`: every graph's logits against the torch source at the CPU's
                 tolerance for the dtype (verify.RTOL), the runtime's greedy tokens over device-resident caches
@@ -23,11 +23,13 @@ it is done:
                 one DecodeBinding, warm-up steps, then timed steps (each step copies its ids in and logits out)
     placement   onnxruntime's profiler over decode steps: nodes per execution provider, and the bytes of every
                 host<->device copy node it inserted per step, beside the binding's own copies by construction
-    scheduler   (the first dtype and form only) `serve`'s continuously batching Scheduler without HTTP, batch
+    scheduler   (the headline export only) `serve`'s continuously batching Scheduler without HTTP, batch
                 1/8/32/64 requests of 128 prompt tokens and 64 new ones: decode tokens/s while every row decodes
   peer          transformers' AutoModelForCausalLM on the same checkpoint (its DeepseekV2/V3 class), bfloat16, sdpa,
                 eager and torch.compile, batch 1 and 8, context 128/4k/16k (each step from a fresh cache of
-                exactly that context, built outside the timer)
+                exactly that context, built outside the timer). `--peer-only` times them alone (torch only, no
+                onnxruntime-gpu: a lent machine runs it while onnxruntime-gpu is on its way); a later run given
+                `--merge` that file waits for that process to end and takes its points
 A job that fails records its error and the run goes on. When --budget-s runs out the remaining jobs are left for the
 next run: the same command again skips every job already in --out (that is how a 10-minute command limit is met).
 The summary (computed on every write) gives the issue's ratios from what is there.
@@ -141,25 +143,69 @@ class Bench:
         self.job("bandwidth", bandwidth, self.dry)
         models, dtypes, forms = ["demo"] if self.dry else a.models.split(","), a.dtypes.split(","), a.forms.split(",")
         short, every = ((16,), (16,)) if self.dry else ((128,), (128, 4096, 16384))
-        for name in models:  # correctness first: every export verified before any timing
-            for dtype in (d for d in dtypes if d not in SLOW_TO_LOAD):
+        self.merge_peers()  # the peers timed by a --peer-only process while onnxruntime-gpu was on its way
+        fast = [d for d in dtypes if d not in SLOW_TO_LOAD]
+        # correctness first: the headline export (the first model, dtype and form) verified, then its points and
+        # serve's scheduler on it; every other export of the first model that loads in seconds verified, then timed
+        if fast:
+            self.verify_jobs(models[0], fast[0], forms[0])
+            self.export_jobs(models[0], fast[0], forms[0])
+        self.peer_jobs(models[0], False, every)
+        self.peer_jobs(models[0], True, short)
+        for dtype in fast:
+            for form in forms:
+                self.verify_jobs(models[0], dtype, form)
+        for dtype in fast:
+            for form in forms:
+                self.export_jobs(models[0], dtype, form)
+        for name in models[1:]:  # the other models' verify, then their points
+            for dtype in fast:
                 for form in forms:
                     self.verify_jobs(name, dtype, form)
-        for name in models:
-            for dtype in dtypes:
+        for name in models[1:]:
+            for dtype in fast:
                 for form in forms:
                     self.export_jobs(name, dtype, form)
-                    if (name, dtype, form) == (models[0], dtypes[0], forms[0]):  # the headline comparison early
-                        self.peer_jobs(name, False, every)
-                        self.peer_jobs(name, True, short)
-        for name in models:
-            self.peer_jobs(name, False, every)
-            self.peer_jobs(name, True, short)
-        for name in models:  # torch.compile compiles once per shape: the long contexts last
-            self.peer_jobs(name, True, every)
+        self.peer_jobs(models[0], True, every)  # torch.compile compiles once per shape: the long contexts last
+        for name in models:  # the exports that take minutes to load, last
+            for dtype in (d for d in dtypes if d in SLOW_TO_LOAD):
+                for form in forms:
+                    self.export_jobs(name, dtype, form)
         left = self.results.get("pending", [])
         self.save()
         print(f"wrote {self.out}" + (f"; {len(left)} jobs left for the next run (same command)" if left else ""))
+
+    def run_peers(self) -> None:
+        """--peer-only: transformers on the first model, eager then compiled, every batch and context; the GPU's
+        only user while it runs (a lent machine runs it while onnxruntime-gpu is still on its way)."""
+        models = ["demo"] if self.dry else self.args.models.split(",")
+        every = (16,) if self.dry else (128, 4096, 16384)
+        self.job("environment", environment, self.dry)
+        self.peer_jobs(models[0], False, every)
+        self.peer_jobs(models[0], True, every)
+        self.save()
+        print(f"wrote {self.out}")
+
+    def merge_peers(self) -> None:
+        """Wait for a running `--peer-only` process (its timings want the GPU to themselves), then take the peer
+        jobs of --merge that this run has not recorded."""
+        if not self.args.merge:
+            return
+        waited = time.perf_counter()
+        while subprocess.run(["pgrep", "-f", r"gpu\.py .*--peer-only"], capture_output=True).returncode == 0:
+            if time.perf_counter() - waited < 1:
+                print("waiting for the --peer-only process to finish", flush=True)
+            time.sleep(2)
+        source = Path(self.args.merge)
+        if not source.is_file():
+            print(f"--merge {source}: no such file; the peers run here", flush=True)
+            return
+        jobs = self.results["jobs"]
+        for key, value in json.loads(source.read_text()).get("jobs", {}).items():
+            if key.startswith("peer ") and not value.get("error") and (key not in jobs or jobs[key].get("error")):
+                jobs[key] = {**value, "merged_from": source.name}
+        self.results["waited_for_peers_s"] = round(time.perf_counter() - waited, 1)
+        self.save()
 
     def checkpoint(self, name: str) -> Path:
         if name == "demo":
@@ -505,7 +551,7 @@ def peer(checkpoint: Path, dry: bool, batch: int, ctx: int, steps: int, compiled
     step = statistics.median(times)
     return {"model_class": type(model).__name__, "dtype": "bfloat16", "compiled": compiled, "device": device,
             "batch": batch, "context": ctx, "step_ms": round(step * 1e3, 4), "tokens_per_s": round(batch / step, 1),
-            "first_call_s": round(first, 2)}
+            "first_call_s": round(first, 2), "load_average": [round(x, 2) for x in os.getloadavg()]}
 
 
 def _timed(fn) -> float:
@@ -575,6 +621,10 @@ def main() -> int:
     p.add_argument("--out", default=None,
                    help="results JSON (default benchmarks/results/gpu.json, or gpu-dry-run.json)")
     p.add_argument("--fresh", action="store_true", help="ignore the jobs already recorded in --out")
+    p.add_argument("--peer-only", action="store_true",
+                   help="transformers' points alone (eager, then compiled) on the first of --models, into --out")
+    p.add_argument("--merge", default=None,
+                   help="a --peer-only results file: waits for that process to end, then takes its peer points")
     p.add_argument("--budget-s", type=float, default=540, help="start no job after this many seconds")
     p.add_argument("--models", default="v2lite-2L,demo")
     p.add_argument("--dtypes", default=",".join(DTYPES))
@@ -590,6 +640,9 @@ def main() -> int:
         p.error(f"--dtypes {','.join(unknown)}: expected some of {', '.join(EXPORTS)}")
     if args.prepare:
         Bench(args).prepare()
+        return 0
+    if args.peer_only:  # torch alone: no onnxruntime-gpu needed
+        Bench(args).run_peers()
         return 0
     if args.dry_run:
         args.batches = "1,2"

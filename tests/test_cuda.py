@@ -343,3 +343,23 @@ def test_the_gpu_benchmark_refuses_to_run_without_cuda_with_a_clear_message(tmp_
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "has no CUDAExecutionProvider" in done.stderr and "docs/gpu.md" in done.stderr and "--dry-run" in done.stderr
     assert not (tmp_path / "gpu.json").exists()
+
+
+def test_the_gpu_benchmark_takes_the_peer_points_of_a_peer_only_run(tmp_path):
+    import argparse
+    import json
+
+    gpu = _gpu_benchmark()
+    peers = tmp_path / "peer.json"
+    peers.write_text(json.dumps({"dry_run": True, "jobs": {
+        "peer demo eager batch 1 ctx 16": {"tokens_per_s": 10.0}, "peer demo compiled batch 1 ctx 16": {"error": "x"},
+        "environment": {"device": "elsewhere"}}}))
+    args = argparse.Namespace(dry_run=True, out=str(tmp_path / "gpu.json"), fresh=False, workdir=str(tmp_path),
+                              merge=str(peers))
+    bench = gpu.Bench(args)
+    bench.results["jobs"]["peer demo eager batch 8 ctx 16"] = {"tokens_per_s": 3.0}
+    bench.merge_peers()
+    jobs = json.loads((tmp_path / "gpu.json").read_text())["jobs"]
+    assert jobs["peer demo eager batch 1 ctx 16"] == {"tokens_per_s": 10.0, "merged_from": "peer.json"}
+    assert jobs["peer demo eager batch 8 ctx 16"] == {"tokens_per_s": 3.0}  # its own point stays
+    assert "peer demo compiled batch 1 ctx 16" not in jobs and "environment" not in jobs  # failures, other jobs: not
