@@ -41,6 +41,7 @@ benchmarks/results/gpu-dry-run.json, labelled as such: it proves the code path, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -144,6 +145,8 @@ class Bench:
         models, dtypes, forms = ["demo"] if self.dry else a.models.split(","), a.dtypes.split(","), a.forms.split(",")
         short, every = ((16,), (16,)) if self.dry else ((128,), (128, 4096, 16384))
         self.merge_peers()  # the peers timed by a --peer-only process while onnxruntime-gpu was on its way
+        if waited := self.wait_for("prepare"):  # exports a --prepare process is still building
+            self.results["waited_for_prepare_s"] = waited
         fast = [d for d in dtypes if d not in SLOW_TO_LOAD]
         # correctness first: the headline export (the first model, dtype and form) verified, then its points and
         # serve's scheduler on it; every other export of the first model that loads in seconds verified, then timed
@@ -180,22 +183,46 @@ class Bench:
         only user while it runs (a lent machine runs it while onnxruntime-gpu is still on its way)."""
         models = ["demo"] if self.dry else self.args.models.split(",")
         every = (16,) if self.dry else (128, 4096, 16384)
-        self.job("environment", environment, self.dry)
-        self.peer_jobs(models[0], False, every)
-        self.peer_jobs(models[0], True, every)
-        self.save()
+        with self.running("peer"):
+            self.job("environment", environment, self.dry)
+            self.peer_jobs(models[0], False, every)
+            self.peer_jobs(models[0], True, every)
+            self.save()
         print(f"wrote {self.out}")
+
+    @contextlib.contextmanager
+    def running(self, role: str):
+        """`role`'s pid in --workdir while this process does it: what a later run waits on (`wait_for`), where a
+        shell's `pgrep -f` would also find the shell whose own command line names the process."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        marker = self.workdir / f"{role}.pid"
+        marker.write_text(str(os.getpid()))
+        try:
+            yield
+        finally:
+            marker.unlink(missing_ok=True)
+
+    def wait_for(self, role: str) -> float:
+        """Seconds waited for a `--prepare` / `--peer-only` process of this --workdir to end."""
+        marker, t0 = self.workdir / f"{role}.pid", time.perf_counter()
+        while marker.is_file():
+            try:
+                state = Path(f"/proc/{int(marker.read_text())}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (ValueError, OSError):  # ended without removing it (killed)
+                break
+            if state in ("Z", "X"):  # ended, not yet reaped by its parent
+                break
+            if time.perf_counter() - t0 < 1:
+                print(f"waiting for the {role} process to finish", flush=True)
+            time.sleep(1)
+        return round(time.perf_counter() - t0, 1)
 
     def merge_peers(self) -> None:
         """Wait for a running `--peer-only` process (its timings want the GPU to themselves), then take the peer
         jobs of --merge that this run has not recorded."""
         if not self.args.merge:
             return
-        waited = time.perf_counter()
-        while subprocess.run(["pgrep", "-f", r"gpu\.py .*--peer-only"], capture_output=True).returncode == 0:
-            if time.perf_counter() - waited < 1:
-                print("waiting for the --peer-only process to finish", flush=True)
-            time.sleep(2)
+        waited = self.wait_for("peer")
         source = Path(self.args.merge)
         if not source.is_file():
             print(f"--merge {source}: no such file; the peers run here", flush=True)
@@ -204,7 +231,7 @@ class Bench:
         for key, value in json.loads(source.read_text()).get("jobs", {}).items():
             if key.startswith("peer ") and not value.get("error") and (key not in jobs or jobs[key].get("error")):
                 jobs[key] = {**value, "merged_from": source.name}
-        self.results["waited_for_peers_s"] = round(time.perf_counter() - waited, 1)
+        self.results["waited_for_peers_s"] = waited
         self.save()
 
     def checkpoint(self, name: str) -> Path:
@@ -237,7 +264,8 @@ class Bench:
         a = self.args
         todo = [build for name in a.models.split(",") for dtype in a.dtypes.split(",") for form in a.forms.split(",")
                 if not ((build := self.export_build(name, dtype, form))[1] / "manifest.json").is_file()]
-        with ProcessPoolExecutor(a.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        spawn = multiprocessing.get_context("spawn")
+        with self.running("prepare"), ProcessPoolExecutor(a.jobs, mp_context=spawn) as pool:
             for args, done in zip(todo, pool.map(_build_logged, todo)):
                 print(f"[{time.perf_counter() - self.started:6.0f} s] {args[1].name}: {done}", flush=True)
 
@@ -513,7 +541,9 @@ def peer(checkpoint: Path, dry: bool, batch: int, ctx: int, steps: int, compiled
     from transformers import AutoModelForCausalLM, DynamicCache
 
     device = "cpu" if dry else "cuda"
+    warmup = 3
     if _LOADED.get("key") != (checkpoint, device):  # one model in memory at a time, loaded once for its jobs
+        warmup = 20  # a process's first point: its first steps run slow well past the first call
         _LOADED.clear()
         model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16, attn_implementation="sdpa")
         _LOADED.update(key=(checkpoint, device), model=model.to(device).eval())
@@ -538,7 +568,7 @@ def peer(checkpoint: Path, dry: bool, batch: int, ctx: int, steps: int, compiled
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     times, first = [], None
     with torch.no_grad():
-        for i in range(steps + 3):
+        for i in range(steps + warmup):
             cache = fresh_cache()
             sync()
             t0 = time.perf_counter()
@@ -546,7 +576,7 @@ def peer(checkpoint: Path, dry: bool, batch: int, ctx: int, steps: int, compiled
             sync()
             seconds = time.perf_counter() - t0
             first = seconds if first is None else first
-            if i >= 3:
+            if i >= warmup:
                 times.append(seconds)
     step = statistics.median(times)
     return {"model_class": type(model).__name__, "dtype": "bfloat16", "compiled": compiled, "device": device,

@@ -363,3 +363,28 @@ def test_the_gpu_benchmark_takes_the_peer_points_of_a_peer_only_run(tmp_path):
     assert jobs["peer demo eager batch 1 ctx 16"] == {"tokens_per_s": 10.0, "merged_from": "peer.json"}
     assert jobs["peer demo eager batch 8 ctx 16"] == {"tokens_per_s": 3.0}  # its own point stays
     assert "peer demo compiled batch 1 ctx 16" not in jobs and "environment" not in jobs  # failures, other jobs: not
+
+
+def test_the_gpu_benchmark_waits_for_a_live_helper_process_and_not_for_a_dead_ones_marker(tmp_path):
+    import argparse
+    import subprocess
+    import sys
+    import time
+
+    gpu = _gpu_benchmark()
+    args = argparse.Namespace(dry_run=True, out=str(tmp_path / "gpu.json"), fresh=False, workdir=str(tmp_path),
+                              merge=None)
+    bench = gpu.Bench(args)
+    assert bench.wait_for("prepare") == 0  # none running
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(2.5)"])
+    (tmp_path / "prepare.pid").write_text(str(helper.pid))
+    t0 = time.perf_counter()
+    bench.wait_for("prepare")
+    assert helper.poll() is not None and time.perf_counter() - t0 >= 1.5  # it waited for the process to end
+    helper.wait()
+    t0 = time.perf_counter()
+    bench.wait_for("prepare")  # the marker of an ended process (killed before it could remove it): no wait
+    assert time.perf_counter() - t0 < 1
+    with bench.running("peer"):
+        assert (tmp_path / "peer.pid").read_text() == str(__import__("os").getpid())
+    assert not (tmp_path / "peer.pid").exists()

@@ -133,6 +133,12 @@ def test_gpu_row_counts_failed_verifies_and_says_what_was_not_measured(tmp_path)
     del jobs["peer m eager batch 1 ctx 128"]
     (tmp_path / "gpu.json").write_text(_json({"updated": "2026-01-03T10:00:00+00:00", "jobs": jobs}))
     assert "| 150 tokens/s |" in figures.gpu(tmp_path)
+    jobs["peer m eager batch 1 ctx 128"] = {"tokens_per_s": 100.0}
+    jobs["peer m compiled batch 1 ctx 128"] = {"tokens_per_s": 200.0}
+    (tmp_path / "gpu.json").write_text(_json({"updated": "2026-01-03T10:00:00+00:00", "jobs": jobs}))
+    table = figures.gpu(tmp_path).splitlines()
+    assert "vs transformers bf16 eager / torch.compile |" in table[0]
+    assert "| 1.50x / **0.75x** (150 / 100 / 200) |" in table[2]
 
 
 def _json(value) -> str:
