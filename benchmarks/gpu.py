@@ -67,11 +67,14 @@ from mla_deploy.presets import DEMO_CHECKPOINT  # noqa: E402
 
 # the exports measured, by name: their ExportOptions beyond the absorb form. bfloat16-moe: the routed experts in
 # onnxruntime's com.microsoft MoE (no control flow: a CUDA graph can capture the step) where the others of V2-Lite's
-# shape run them as If branches, whose conditions the host reads; int4: mla_deploy's QMatMul4 ops, whose function
+# shape run them as If branches, whose conditions the host reads; float16-f16: the same computing in float16
+# (--compute float16: onnxruntime's MatMul and MoE over the weights as stored, where the others' function bodies
+# multiply float32 copies made at load); int4: mla_deploy's QMatMul4 ops, whose function
 # bodies run on CUDA (weights dequantized once, at load); int4-nbits: onnxruntime's MatMulNBits /
 # GatherBlockQuantized, which have CUDA kernels (experts as branches)
-EXPORTS = {"bfloat16-moe": {"dtype": "bfloat16", "experts": "moe"}, "bfloat16": {"dtype": "bfloat16"},
-           "float16": {"dtype": "float16"}, "float32": {"dtype": "float32"},
+EXPORTS = {"bfloat16-moe": {"dtype": "bfloat16", "experts": "moe"},
+           "float16-f16": {"dtype": "float16", "compute": "float16", "experts": "moe"},
+           "bfloat16": {"dtype": "bfloat16"}, "float16": {"dtype": "float16"}, "float32": {"dtype": "float32"},
            "int4-nbits": {"quantize": "int4", "quantized_ops": "onnxruntime", "experts": "branches"},
            "int4": {"quantize": "int4"}}
 DTYPES = tuple(EXPORTS)
@@ -522,9 +525,13 @@ def placement(directory: Path, provider: str, batch: int, ctx: int, steps: int =
     providers = Counter(e["args"].get("provider", "?") for e in nodes)
     copies = [e for e in nodes if "Memcpy" in e["args"].get("op_name", "")]
     on_cpu = Counter(e["args"]["op_name"] for e in nodes if e["args"].get("provider") == "CPUExecutionProvider")
+    by_op = Counter()  # each op's host-side time (CUDA launches are asynchronous: the GPU's time shows where it waits)
+    for e in nodes:
+        by_op[e["args"].get("op_name", "?")] += e.get("dur", 0)
     return {"node_runs_per_step_by_provider": {k: v / steps for k, v in providers.items()},
             "cpu_op_runs_per_step": ({k: v / steps for k, v in on_cpu.items()} if provider != "cpu"
                                      else "all (CPU provider)"),
+            "op_us_per_step": {k: round(v / steps, 1) for k, v in by_op.most_common(16)},
             "copy_nodes_per_step": len(copies) / steps,
             "copy_node_bytes_per_step": sum(int(e["args"].get("output_size", 0)) for e in copies) / steps,
             "largest_copy_node_bytes": max((int(e["args"].get("output_size", 0)) for e in copies), default=0),

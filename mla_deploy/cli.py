@@ -80,6 +80,10 @@ def main(ctx, debug):
 )
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True,
               help="Weights and caches (bfloat16 computes in float32 on the CPU: docs/precision.md).")
+@click.option("--compute", type=click.Choice(["auto", "float32", "float16"]), default="auto", show_default=True,
+              help="What the layers compute in outside their float32 islands: auto is float32 (the CPU's kernels "
+                   "read half weights as stored); float16, with --dtype float16, multiplies the weights as stored in "
+                   "onnxruntime's own ops, for a GPU (docs/gpu.md).")
 @click.option(
     "--cache-dtype",
     type=click.Choice(["auto", "float32", "float16", "bfloat16", "int8"]),
@@ -131,7 +135,7 @@ def main(ctx, debug):
                    "directory each under the output, for hosts that cannot hold the whole model (run, Ray).")
 @click.option("--force", is_flag=True, help="Replace an earlier export at the output path (nothing else is ever "
               "replaced).")
-def export(checkpoint, out, absorb, dtype, cache_dtype, max_seq_len, no_verify, steps, quantize, block_size,
+def export(checkpoint, out, absorb, dtype, compute, cache_dtype, max_seq_len, no_verify, steps, quantize, block_size,
            accuracy_level, quantized_ops, head_bits, experts, decode_attention, no_draft, stages, force):
     """Export CHECKPOINT (default: the bundled demo model) to prefill.onnx, decode.onnx and verify.onnx (and
     draft.onnx from a checkpoint with an MTP layer); with --stages N, N stage directories."""
@@ -152,7 +156,7 @@ def export(checkpoint, out, absorb, dtype, cache_dtype, max_seq_len, no_verify, 
     options = ExportOptions(absorb=absorb, dtype=dtype, max_seq_len=max_seq_len, force=force, quantize=quantize,
                             block_size=int(block_size), accuracy_level=int(accuracy_level), head_bits=int(head_bits),
                             quantized_ops=quantized_ops, experts=experts, decode_attention=decode_attention,
-                            cache_dtype=cache_dtype, draft=not no_draft, stages=stages)
+                            cache_dtype=cache_dtype, draft=not no_draft, stages=stages, compute=compute)
     run_export(checkpoint, out, options, progress=progress, verify=None if no_verify else verify)
 
 

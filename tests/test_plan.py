@@ -3,6 +3,7 @@
 import hashlib
 import json
 
+import numpy as np
 import onnx
 import pytest
 
@@ -27,6 +28,7 @@ OPTION_SETS = {
     "float16 factored": ExportOptions(dtype="float16", absorb="factored"),
     "bfloat16 portable": ExportOptions(dtype="bfloat16", experts="branches", decode_attention="ops"),
     "float16 moe": ExportOptions(dtype="float16", experts="moe"),
+    "float16 computed in float16": ExportOptions(dtype="float16", compute="float16", experts="moe", absorb="fused"),
     "int4 head4": ExportOptions(quantize="int4", head_bits=4, absorb="fused", block_size=16, accuracy_level=0),
     "int8 short": ExportOptions(quantize="int8", max_seq_len=64),
     "int8 onnxruntime": ExportOptions(quantize="int8", quantized_ops="onnxruntime", dtype="float16"),
@@ -59,9 +61,15 @@ def test_the_manifest_records_the_plan_and_the_graphs_follow_it(tiny, tmp_path, 
         op.split("::")[1] for op in manifest["graphs"]["prefill"]["op_counts"] if op.startswith("mla_deploy::")
     }
     half = {"MatMulF16", "MatMulBF16"}
-    assert bool((kernel_ops | prefill_ops) & half) == plan.half_weights  # quantized: kv_b, a prefill weight
+    assert bool((kernel_ops | prefill_ops) & half) == plan.half_kernels  # quantized: kv_b, a prefill weight
     model = onnx.load(str(out / "decode.onnx"), load_external_data=False)
     assert {p.key: p.value for p in model.metadata_props}["export_id"] == manifest["export_id"]
+    assert manifest["precision"]["compute"] == plan.compute
+    if plan.compute != "float32":  # every weight multiplied as stored: no Cast of a weight (folded into a copy)
+        weights = {t.name: t for t in model.graph.initializer}
+        cast = [n.input[0] for n in model.graph.node if n.op_type == "Cast" and n.input[0] in weights
+                and np.prod(weights[n.input[0]].dims) > 256]
+        assert not cast, cast
 
 
 def test_auto_resolves_by_the_rules():
@@ -108,6 +116,11 @@ def test_a_manifest_without_the_long_cache_field_reads_back_by_the_rule(tiny, tm
             ExportOptions(quantize="int4", quantized_ops="ort"),
             "--quantized-ops ort: expected one of auto, kernel, onnxruntime",
         ),
+        (ExportOptions(compute="float64"), "--compute float64: expected one of auto, float32, float16"),
+        (ExportOptions(compute="float16"), "--compute float16: computes in the weights' stored dtype (add --dtype "
+                                           "float16; this export stores float32)"),
+        (ExportOptions(compute="float16", dtype="float16", quantize="int4"),
+         "--compute float16: with --quantize int4 the quantized ops compute in float32"),
     ],
 )
 def test_a_bad_option_fails_before_the_checkpoint_is_read(tmp_path, options, message):

@@ -23,7 +23,8 @@ from mla_deploy.runtime.feeds import prefill_feed
 from mla_deploy.runtime.scheduler import Request, Scheduler, TokenEvent
 from mla_deploy.safetensors_io import bf16_to_float32
 from mla_deploy import verify as verify_module
-from mla_deploy.verify import RTOL, verify_export
+from mla_deploy.manifest import read_manifest
+from mla_deploy.verify import COMPUTE_RTOL, RTOL, verify_export
 from tiny import VARIANTS, build_hf_model, save_hf_model
 
 DTYPES = ("float16", "bfloat16")
@@ -51,6 +52,22 @@ def test_every_config_exports_and_verifies(checkpoint_dir, half, variant, dtype)
     report = verify_export(half(variant, dtype), checkpoint_dir(variant)[0], steps=6)
     assert report.passed, report.lines
     assert report.rtol == RTOL[dtype]
+
+
+@pytest.mark.parametrize("absorb", ["fused", "factored"])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_float16_compute_verifies_and_generates_like_the_float32_compute(checkpoint_dir, half, tmp_path, variant,
+                                                                          absorb):
+    """--compute float16 (the GPU's form): onnxruntime's MatMul and MoE over the weights as stored, the layers in
+    float16 outside the float32 islands; the CPU runs it too, so its parity is checked here."""
+    src = checkpoint_dir(variant)[0]
+    out = tmp_path / "out"
+    export(src, out, ExportOptions(absorb=absorb, dtype="float16", compute="float16", experts="moe"))
+    report = verify_export(out, src, steps=4)
+    assert report.passed, report.lines
+    assert report.rtol == COMPUTE_RTOL["float16"] and report.token_agreement == 1.0
+    print(f"float16 compute {variant} {absorb}: worst / tolerance {report.worst / report.tolerance:.3f}")
+    assert read_manifest(out)["precision"]["compute"] == "float16"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

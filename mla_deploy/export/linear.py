@@ -27,7 +27,7 @@ def linear(g: Graph, op, x: ir.Value, name: str, make_w_in_out: Callable[[], np.
     (DequantizedCheckpoint.absorbed_matrices); kv_b and the router are not `quantizable`. In a float32 `island` x is
     float32 and so are W or MatMulNBits' scales."""
     q = g.plan.quantization
-    if (q is None or not quantizable) and g.plan.half_weights and not island:
+    if (q is None or not quantizable) and g.plan.half_kernels and not island:
         return half_matmul(g, op, x, name, make_w_in_out)
     if q is None or not quantizable:
         return op.MatMul(x, g.weight(name, make_w_in_out, island=island))

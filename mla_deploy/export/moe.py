@@ -299,19 +299,22 @@ class MoE:
         `router_probs`: fed log(dispatch) on the chosen experts and -1e30 elsewhere, it picks DeepSeek's choice and,
         renormalised (normalize_routing_weights 1), weighs expert e by dispatch_e / sum(dispatch); the output times
         sum(dispatch) is DeepSeek's mix. fc1 [E, 2I, d] interleaves gate and up rows (swiglu_fusion 1; SwiGLU with
-        alpha 1 and beta 0 is silu(gate) · up), fc2 [E, d, I]; stored in the export's dtype, multiplied in float32."""
+        alpha 1 and beta 0 is silu(gate) · up), fc2 [E, d, I]; stored in the export's dtype, multiplied in the
+        compute dtype (float32 copies made at load under a float32 compute; as stored under a float16 one)."""
         cfg, g = self.cfg, self.g
 
         def stacked(kind: str) -> np.ndarray:  # [E, N, K]: each expert's MatMul B [K, N] transposed
             return np.stack([self._fused_expert_weight(kind, e).T for e in range(cfg.n_routed_experts)])
 
         fc1, fc2 = (cast(op, g.initializer(f"{self.name}.experts.{kind}", lambda kind=kind: stacked(kind),
-                                           g.plan.dtype), DATA_TYPES[g.plan.dtype], FLOAT) for kind in ("fc1", "fc2"))
-        logits = op.Where(op.Greater(dispatch, 0.0), op.Log(dispatch), -1e30)  # [N, E]
-        routed = op.MoE(g.to_float(op, x2), logits, fc1, None, fc2, k=cfg.num_experts_per_tok,
+                                           g.plan.dtype), DATA_TYPES[g.plan.dtype], g.compute_type)
+                    for kind in ("fc1", "fc2"))
+        # -1e4, not -1e30: the logits are in the compute dtype, and float16 tops out at 65504
+        logits = cast(op, op.Where(op.Greater(dispatch, 0.0), op.Log(dispatch), -1e4), FLOAT, g.compute_type)
+        routed = op.MoE(x2, logits, fc1, None, fc2, k=cfg.num_experts_per_tok,
                         activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0,
-                        normalize_routing_weights=1, _domain="com.microsoft")  # [N, d]
-        return g.to_compute(op, op.Mul(routed, op.ReduceSum(dispatch, [-1], keepdims=1)))
+                        normalize_routing_weights=1, _domain="com.microsoft")  # [N, d] in the compute dtype
+        return op.Mul(routed, g.to_compute(op, op.ReduceSum(dispatch, [-1], keepdims=1)))
 
     def _expert(self, op, e: int, flag, x2, chosen, dispatch, acc) -> ir.Value:
         """acc + weight · expert_e(x) on the rows that chose expert e, inside If(expert e chosen by any row); `acc`

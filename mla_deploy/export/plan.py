@@ -5,8 +5,12 @@ alone, never on the machine that exports, so one checkpoint and one set of optio
 
 The rules (each form measured against the others: docs/benchmarks.md):
 - absorb: auto picks the absorbed form that reads fewer weight bytes per decode token (export.absorb).
-- precision: weights are stored in --dtype; the layers compute in float32 for every dtype, as
-  onnxruntime's CPU provider has no bfloat16 arithmetic and widens float16 MatMuls itself (export.precision).
+- precision: weights are stored in --dtype; the layers compute in float32 for every dtype (--compute auto), as
+  onnxruntime's CPU provider has no bfloat16 arithmetic and widens float16 MatMuls itself (export.precision), and
+  half weights are multiplied as stored by mla_deploy's MatMulF16 / MatMulBF16. --compute float16 (a float16
+  export's, for a GPU) computes outside the float32 islands in float16, the weights multiplied as stored by
+  onnxruntime's MatMul and MoE: a GPU reads the stored bytes, where the function bodies of a float32 compute read
+  float32 copies made at load (twice the bytes); not with --quantize.
 - caches: --cache-dtype auto stores both caches in --dtype. A float --cache-dtype stores both in it; int8 stores the
   latent as codes with one float32 scale per token and layer (io_spec.CacheFormat), and the roped key in --dtype:
   on the demo's held-out text an int8 k_pe cost 4x the latent's top-1 agreement with the float cache (99.41 % against
@@ -87,7 +91,8 @@ KERNEL_HEADS_BELOW = 16  # auto picks the kernel over float32 caches for fewer h
 # a row's latent cache (float32) at the export's maximum length beyond which decode attention takes the cache as the
 # A operand: 8192 slots of DeepSeek's 512-wide latent
 LONG_CACHE_BYTES = 16 * 2**20
-COMPUTE = "float32"  # what the layers compute in outside the float32 islands, for every --dtype (module docstring)
+COMPUTE = "float32"  # what the layers compute in outside the float32 islands under --compute auto (module docstring)
+COMPUTES = ("auto", "float32", "float16")
 FLOAT32_ISLANDS = ("norm weights, rope tables, routers, per-head W^UK / W^UV, fused absorbed matrices (the math around "
                    "them runs in float32 too)")
 
@@ -111,6 +116,7 @@ class ExportOptions:
         "auto"  # the latent cache: auto (--dtype), float32, float16, bfloat16, int8 (io_spec.CacheFormat)
     )
     draft: bool = True  # the MTP draft graph, where the checkpoint has an MTP layer
+    compute: str = "auto"  # outside the float32 islands: auto (= float32), float32, float16 (a float16 export's)
     stages: int = 1  # pipeline stages: N stage exports of contiguous layers, joined by their hidden states
 
     def check(self) -> None:
@@ -133,6 +139,18 @@ class ExportOptions:
             raise ExportError(f"--stages {self.stages!r}: expected a positive integer")
         if self.cache_dtype not in CACHE_DTYPES:
             raise ExportError(f"--cache-dtype {self.cache_dtype}: expected one of {', '.join(CACHE_DTYPES)}")
+        if self.compute not in COMPUTES:
+            raise ExportError(f"--compute {self.compute}: expected one of {', '.join(COMPUTES)}")
+        if self.compute not in ("auto", COMPUTE):
+            if self.dtype != self.compute:
+                raise ExportError(f"--compute {self.compute}: computes in the weights' stored dtype (add --dtype "
+                                  f"{self.compute}; this export stores {self.dtype})")
+            if self.quantize is not None:
+                raise ExportError(f"--compute {self.compute}: with --quantize {self.quantize} the quantized ops "
+                                  "compute in float32 (leave --compute out)")
+
+    def resolved_compute(self) -> str:
+        return COMPUTE if self.compute == "auto" else self.compute
 
     def cache_format(self) -> io_spec.CacheFormat:
         """The caches' element types (module docstring, caches)."""
@@ -198,7 +216,7 @@ class ExportPlan:
         plan = cls(
             absorb=absorb,
             dtype=options.dtype,
-            compute=COMPUTE,
+            compute=options.resolved_compute(),
             cache_dtype=cache.latent,
             rope_dtype=cache.rope,
             quantization=quantization,
@@ -223,9 +241,10 @@ class ExportPlan:
         return io_spec.CacheFormat(self.cache_dtype, self.rope_dtype)
 
     @property
-    def half_weights(self) -> bool:
-        """Float weights in half precision, multiplied as stored by mla_deploy's MatMulF16 / MatMulBF16."""
-        return self.dtype in kernels.HALF_MATMUL
+    def half_kernels(self) -> bool:
+        """Float weights in half precision under a float32 compute, multiplied as stored by mla_deploy's MatMulF16 /
+        MatMulBF16 (a half compute multiplies them in onnxruntime's MatMul)."""
+        return self.dtype in kernels.HALF_MATMUL and self.compute == COMPUTE
 
     def to_dict(self) -> dict:
         """Every field, JSON-ready (inspect --json)."""
