@@ -23,7 +23,7 @@ from mla_deploy.runtime import session as session_module
 from mla_deploy.runtime.cache import CacheBuffers, DecodeBinding
 from mla_deploy.runtime.dtypes import ONNX, device_value, numpy_dtype
 from mla_deploy.runtime.scheduler import Request, Scheduler, TokenEvent
-from mla_deploy.verify import RTOL, verify_export
+from mla_deploy.verify import COMPUTE_RTOL, RTOL, verify_export
 
 VARIANT = "v2_nolora_greedy_yarn"
 PROMPTS = [[5, 9, 2, 7, 1, 3], [8, 8, 4], list(range(10, 30))]
@@ -47,15 +47,19 @@ needs_cuda = pytest.mark.skipif(cuda_missing() is not None, reason=str(cuda_miss
 
 @pytest.fixture(scope="module")
 def exports(checkpoint_dir, tmp_path_factory):
-    """(dtype, absorb) -> an export of the tiny checkpoint; dtype 'int4' is a float32 export with int4 weights."""
+    """(dtype, absorb) -> an export of the tiny checkpoint; dtype 'int4' is a float32 export with int4 weights,
+    'bfloat16-moe' a bfloat16 one whose routed experts run in onnxruntime's MoE (no control flow), 'float16-f16' a
+    float16 one computing in float16 (--compute float16) with them in MoE too."""
     built = {}
 
     def get(dtype: str, absorb: str = "factored"):
         if (dtype, absorb) not in built:
             out = tmp_path_factory.mktemp(f"cuda-{dtype}-{absorb}") / "out"
             quantize = "int4" if dtype == "int4" else None
-            options = ExportOptions(absorb=absorb, dtype="float32" if quantize else dtype, quantize=quantize,
-                                    block_size=16, experts="branches")
+            stored, form = dtype.split("-") if "-" in dtype else (dtype, "")
+            options = ExportOptions(absorb=absorb, dtype="float32" if quantize else stored, quantize=quantize,
+                                    block_size=16, experts="moe" if form else "branches",
+                                    compute="float16" if form == "f16" else "auto")
             export(checkpoint_dir(VARIANT)[0], out, options)
             built[dtype, absorb] = out
         return built[dtype, absorb]
@@ -228,14 +232,40 @@ def test_resident_caches_on_cuda_allocate_there_and_bind_rows_by_address(exports
 
 @needs_cuda
 @pytest.mark.parametrize("absorb", ["fused", "factored"])
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int4"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int4", "bfloat16-moe", "float16-f16"])
 def test_every_dtype_and_absorb_form_verifies_on_cuda(checkpoint_dir, exports, dtype, absorb):
     """The CPU's tolerance for each dtype (verify.RTOL: float32 1e-4 with TF32 off, halves 1e-3; int4 is compared
-    with its dequantized weights at float32's)."""
+    with its dequantized weights at float32's; a float16 compute at verify.COMPUTE_RTOL)."""
     report = verify_export(exports(dtype, absorb), checkpoint_dir(VARIANT)[0], steps=6, provider="cuda")
     assert report.device == "cuda", report.lines
     assert report.passed, report.lines
-    assert report.rtol == RTOL["float32" if dtype == "int4" else dtype]
+    expected = {"int4": RTOL["float32"], "bfloat16-moe": RTOL["bfloat16"], "float16-f16": COMPUTE_RTOL["float16"]}
+    assert report.rtol == expected.get(dtype, RTOL.get(dtype))
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["bfloat16-moe", "float16-f16"])
+def test_a_cuda_graph_replays_the_decode_step_of_an_export_without_control_flow(exports, dtype):
+    """The same steps with and without a captured CUDA graph, over resident caches of one capacity bound at fixed
+    addresses: the same logits, and the caches written in place."""
+    model = ExportedModel(exports(dtype, "fused"), RuntimeOptions(provider="cuda"), graphs=(io_spec.DECODE,))
+    graph = model.directory / model.manifest["graphs"][io_spec.DECODE]["file"]
+    logits = {}
+    for cuda_graph in (False, True):
+        session = ort.InferenceSession(str(graph), model.session_options(io_spec.DECODE), providers=model.providers,
+                                       provider_options=session_module.provider_options(model.providers,
+                                                                                        cuda_graph=cuda_graph))
+        caches = CacheBuffers(model.config, 2, 32, model.max_seq_len, "cuda", model.cache_format, resident=True)
+        d = DecodeBinding(session, caches, 2, model.config.vocab_size)
+        steps = []
+        for step in range(6):  # onnxruntime captures after its warm-up runs, then replays
+            d.ids[:, 0], d.pos[:, 0], d.write[:] = [5 + step, 9 + step], step, step
+            d.run(session)
+            steps.append(d.logits.copy())
+        logits[cuda_graph] = np.stack(steps)
+        written = caches.host(io_spec.past_latent(0))
+        assert written[:, :6].any(axis=-1).all() and not written[:, 6:].any()
+    np.testing.assert_allclose(logits[True], logits[False], rtol=1e-5, atol=1e-5)
 
 
 @needs_cuda
