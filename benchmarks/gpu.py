@@ -25,6 +25,8 @@ and form, first of all), each recorded in the results JSON as soon as it is done
                 host<->device copy node it inserted per step, beside the binding's own copies by construction
     scheduler   (the headline export only) `serve`'s continuously batching Scheduler without HTTP, batch
                 1/8/32/64 requests of 128 prompt tokens and 64 new ones: decode tokens/s while every row decodes
+  tests         (after the headline export's points) tests/test_cuda.py's CUDA tests in a child pytest: its summary
+                line and the names of any failures (--no-tests leaves it out)
   peer          transformers' AutoModelForCausalLM on the same checkpoint (its DeepseekV2/V3 class), bfloat16, sdpa,
                 eager and torch.compile, batch 1 and 8, context 128/4k/16k (each step from a fresh cache of
                 exactly that context, built outside the timer). `--peer-only` times them alone (torch only, no
@@ -158,6 +160,8 @@ class Bench:
             self.export_jobs(models[0], fast[0], forms[0])
         self.peer_jobs(models[0], False, every)
         self.peer_jobs(models[0], True, short)
+        if not self.dry and not a.no_tests:  # the CUDA tests on this machine, recorded with the figures
+            self.job("tests/test_cuda.py", cuda_tests)
         for dtype in fast:
             for form in forms:
                 self.verify_jobs(models[0], dtype, form)
@@ -591,6 +595,16 @@ def peer(checkpoint: Path, dry: bool, batch: int, ctx: int, steps: int, compiled
             "first_call_s": round(first, 2), "load_average": [round(x, 2) for x in os.getloadavg()]}
 
 
+def cuda_tests() -> dict:
+    """tests/test_cuda.py's CUDA half (`-k cuda`) in a child pytest: its summary line and any failures' names."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
+                           str(ROOT / "tests" / "test_cuda.py"), "-k", "cuda"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=600)
+    lines = done.stdout.strip().splitlines()
+    return {"returncode": done.returncode, "summary": lines[-1] if lines else done.stderr.strip()[-300:],
+            "failed": [line.split(" ")[1] for line in lines if line.startswith("FAILED ")]}
+
+
 def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -660,6 +674,7 @@ def main() -> int:
     p.add_argument("--fresh", action="store_true", help="ignore the jobs already recorded in --out")
     p.add_argument("--peer-only", action="store_true",
                    help="transformers' points alone (eager, then compiled) on the first of --models, into --out")
+    p.add_argument("--no-tests", action="store_true", help="leave out the run of tests/test_cuda.py")
     p.add_argument("--merge", default=None,
                    help="a --peer-only results file: waits for that process to end, then takes its peer points")
     p.add_argument("--budget-s", type=float, default=540, help="start no job after this many seconds")
