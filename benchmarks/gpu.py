@@ -12,11 +12,13 @@ and form, first of all), each recorded in the results JSON as soon as it is done
   environment   device name, driver, versions; the GPU's device-to-device copy bandwidth (torch, CUDA events;
                 bytes read plus bytes written)
   per model (`mla-deploy preset v2lite-2L`, then the demo), per export (bfloat16 with onnxruntime's MoE for the
-  routed experts, bfloat16, float16, float32, int4 weights over float32 in onnxruntime's MatMulNBits and in
-  mla_deploy's ops: EXPORTS, the last slow to load and so last of all; fused and factored absorb forms), built under
-  --workdir unless there already (--prepare builds them alone, several at a time, with no GPU needed):
+  routed experts, the same in float16 computing in float16, bfloat16, float16, float32, int4 weights over float32
+  in onnxruntime's MatMulNBits and in mla_deploy's ops: EXPORTS, the last slow to load and so last of all; fused and
+  factored absorb forms), built under --workdir unless there already (--prepare builds them alone, several at a
+  time, with no GPU needed):
     verify      `verify_export(provider='cuda')`: every graph's logits against the torch source at the CPU's
-                tolerance for the dtype (verify.RTOL), the runtime's greedy tokens over device-resident caches
+                tolerance for the export (verify.RTOL, COMPUTE_RTOL), the runtime's greedy tokens over
+                device-resident caches
     decode      tokens/s at batch 1/8/32/64 (context 128; batch 1 and 8 also at 4k and 16k for the half exports),
                 each with and without a CUDA graph (an export whose graph cannot be captured fails once and its
                 other CUDA-graph points say so): resident caches of a fixed capacity filled with random values,
@@ -148,7 +150,7 @@ class Bench:
         self.job("environment", environment, self.dry)
         self.job("bandwidth", bandwidth, self.dry)
         models, dtypes, forms = ["demo"] if self.dry else a.models.split(","), a.dtypes.split(","), a.forms.split(",")
-        short, every = ((16,), (16,)) if self.dry else ((128,), (128, 4096, 16384))
+        short, every = ((128,), (128,)) if self.dry else ((128,), (128, 4096, 16384))
         self.merge_peers()  # the peers timed by a --peer-only process while onnxruntime-gpu was on its way
         if waited := self.wait_for("prepare"):  # exports a --prepare process is still building
             self.results["waited_for_prepare_s"] = waited
@@ -189,7 +191,7 @@ class Bench:
         """--peer-only: transformers on the first model, eager then compiled, every batch and context; the GPU's
         only user while it runs (a lent machine runs it while onnxruntime-gpu is still on its way)."""
         models = ["demo"] if self.dry else self.args.models.split(",")
-        every = (16,) if self.dry else (128, 4096, 16384)
+        every = (128,) if self.dry else (128, 4096, 16384)
         with self.running("peer"):
             self.job("environment", environment, self.dry)
             self.peer_jobs(models[0], False, every)
@@ -679,8 +681,9 @@ def main() -> int:
                    help="a --peer-only results file: waits for that process to end, then takes its peer points")
     p.add_argument("--budget-s", type=float, default=540, help="start no job after this many seconds")
     p.add_argument("--models", default="v2lite-2L,demo")
-    p.add_argument("--dtypes", default=",".join(DTYPES))
-    p.add_argument("--forms", default=",".join(FORMS))
+    p.add_argument("--dtypes", default=",".join(DTYPES),
+                   help=f"the exports measured, by name (EXPORTS), in order: {', '.join(DTYPES)}")
+    p.add_argument("--forms", default=",".join(FORMS), help=f"absorb forms: {', '.join(FORMS)}")
     p.add_argument("--batches", default="1,8,32,64")
     p.add_argument("--steps", type=int, default=None, help="timed decode steps per point (default 32; dry run 2)")
     p.add_argument("--max-seq-len", type=int, default=16512,

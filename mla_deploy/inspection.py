@@ -142,8 +142,8 @@ def format_report(r: dict) -> list[str]:
     k = r.get("kernels")
     if k:
         counts = ", ".join(
-            f"{kind} {' '.join(f'{op} x{n}' for op, n in ops.items())}" for kind, ops in k["ops"].items()
-        )
+            f"{kind} {' '.join(f'{op} x{n}' for op, n in ops.items())}" for kind, ops in k["ops"].items() if ops
+        )  # the graphs that have any
         how = ("run by mla-deploy's kernel library, built here: the weights are read as stored (and the caches, by "
                "LatentAttention)" if k["library"] else
                "mla-deploy's kernel library was not built here (no C compiler at install): onnxruntime runs their "
