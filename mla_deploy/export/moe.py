@@ -296,7 +296,7 @@ class MoE:
 
     def _moe(self, op, x2, dispatch) -> ir.Value:
         """All routed experts in one com.microsoft MoE over float experts. Its router is softmax then top-k over
-        `router_probs`: fed log(dispatch) on the chosen experts and -1e30 elsewhere, it picks DeepSeek's choice and,
+        `router_probs`: fed log(dispatch) on the chosen experts and -1e4 elsewhere, it picks DeepSeek's choice and,
         renormalised (normalize_routing_weights 1), weighs expert e by dispatch_e / sum(dispatch); the output times
         sum(dispatch) is DeepSeek's mix. fc1 [E, 2I, d] interleaves gate and up rows (swiglu_fusion 1; SwiGLU with
         alpha 1 and beta 0 is silu(gate) · up), fc2 [E, d, I]; stored in the export's dtype, multiplied in the
@@ -309,7 +309,7 @@ class MoE:
         fc1, fc2 = (cast(op, g.initializer(f"{self.name}.experts.{kind}", lambda kind=kind: stacked(kind),
                                            g.plan.dtype), DATA_TYPES[g.plan.dtype], g.compute_type)
                     for kind in ("fc1", "fc2"))
-        # -1e4, not -1e30: the logits are in the compute dtype, and float16 tops out at 65504
+        # -1e4: far below any log(dispatch), and inside float16 (65504) where the logits are in it
         logits = cast(op, op.Where(op.Greater(dispatch, 0.0), op.Log(dispatch), -1e4), FLOAT, g.compute_type)
         routed = op.MoE(x2, logits, fc1, None, fc2, k=cfg.num_experts_per_tok,
                         activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0,

@@ -150,6 +150,7 @@ class ExportOptions:
                                   "compute in float32 (leave --compute out)")
 
     def resolved_compute(self) -> str:
+        """What the layers compute in outside the float32 islands (module docstring, precision)."""
         return COMPUTE if self.compute == "auto" else self.compute
 
     def cache_format(self) -> io_spec.CacheFormat:

@@ -13,6 +13,10 @@ graphs read the rounded values, including the weights kept in float32 for the fl
 the per-head and fused absorbed matrices, computed from the rounded factors), so `RoundedCheckpoint` is the exact
 source it is verified against, as a quantized export's is its dequantized checkpoint.
 
+`--compute float16` (export.plan) makes a float16 export compute in float16 outside those islands, every weight
+multiplied as stored by onnxruntime's own ops: the form for a GPU, where the function bodies would multiply float32
+copies.
+
 In every dtype some math stays float32 (export.builder's float32 islands): RMSNorm statistics, rope, the attention
 core and the router. The fused W^Q·W^UK product is where half precision overflows first. The plan (export.plan)
 records the dtype, the compute dtype and the caches' dtype.
