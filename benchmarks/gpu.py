@@ -25,6 +25,8 @@ and form, first of all), each recorded in the results JSON as soon as it is done
                 one DecodeBinding, warm-up steps, then timed steps (each step copies its ids in and logits out)
     placement   onnxruntime's profiler over decode steps: nodes per execution provider, and the bytes of every
                 host<->device copy node it inserted per step, beside the binding's own copies by construction
+    gpu kernels torch's profiler (CUPTI) over decode steps: the GPU's busy time per step beside the wall time, and
+                the kernels that take it, by name
     scheduler   (the headline export only) `serve`'s continuously batching Scheduler without HTTP, batch
                 1/8/32/64 requests of 128 prompt tokens and 64 new ones: decode tokens/s while every row decodes
   tests         (after the headline export's points) tests/test_cuda.py's CUDA tests in a child pytest: its summary
@@ -304,6 +306,7 @@ class Bench:
                         continue
                     self.job(point, decode_rate, directory, self.provider, int(batch), ctx, a.steps, graph)
         self.job(f"placement {key}", placement, directory, self.provider, 1, 128)
+        self.job(f"gpu kernels {key}", gpu_kernels, directory, self.provider, 1, 128)
         if (dtype, form) == (a.dtypes.split(",")[0], a.forms.split(",")[0]):  # serve's engine, on the headline export
             for batch in a.batches.split(","):
                 self.job(f"scheduler {key} batch {batch}", scheduled_rate, directory, self.provider, int(batch),
@@ -543,6 +546,50 @@ def placement(directory: Path, provider: str, batch: int, ctx: int, steps: int =
             "largest_copy_node_bytes": max((int(e["args"].get("output_size", 0)) for e in copies), default=0),
             "one_layer_cache_bytes": caches.values[io_spec.past_latent(0)].tensor_size_in_bytes(),
             "binding_copies_per_step": d.transfer_bytes()}
+
+
+def gpu_kernels(directory: Path, provider: str, batch: int, ctx: int, steps: int = 8, top: int = 24) -> dict:
+    """The GPU's own time per decode step, kernel by kernel: torch's profiler (CUPTI, which records every kernel the
+    process launches, onnxruntime's included) around `steps` steps of the decode session. The wall time of the same
+    steps beside it: the difference is launches and the host. On the CPU provider there are no kernels to record."""
+    import tempfile
+    from collections import Counter
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from mla_deploy.runtime.cache import DecodeBinding
+
+    model = _model(directory, provider)
+    session = model.sessions[io_spec.DECODE]
+    caches = _filled_caches(model, batch, ctx + steps + 2, np.random.default_rng(1))
+    d = DecodeBinding(session, caches, batch, model.config.vocab_size)
+
+    def step(i: int) -> None:
+        d.ids[:, 0], d.pos[:, 0], d.write[:] = 1, ctx + i, ctx + i
+        d.run(session)
+
+    for i in range(2):
+        step(i)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if provider == "cuda" else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for i in range(2, 2 + steps):
+            step(i)
+        wall = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory() as tmp:  # the trace holds every kernel CUPTI saw, whoever launched it
+        prof.export_chrome_trace(str(Path(tmp) / "trace.json"))
+        events = json.loads((Path(tmp) / "trace.json").read_text()).get("traceEvents", [])
+    us, count = Counter(), Counter()
+    for e in events:
+        if e.get("cat") == "kernel":
+            us[e["name"]] += float(e.get("dur", 0))
+            count[e["name"]] += 1
+    return {"batch": batch, "context": ctx, "steps": steps, "wall_ms_per_step": round(wall / steps * 1e3, 4),
+            "gpu_busy_ms_per_step": round(sum(us.values()) / steps / 1e3, 4),
+            "kernels_per_step": sum(count.values()) / steps, "torch": torch.__version__,
+            "top": [{"kernel": name[:160], "per_step": count[name] / steps, "us_per_step": round(t / steps, 1)}
+                    for name, t in us.most_common(top)]}
 
 
 _LOADED: dict = {}

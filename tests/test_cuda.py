@@ -348,6 +348,8 @@ def test_the_gpu_benchmark_jobs_run_on_the_cpu_provider_and_summarise(exports):
     assert served["decode_tokens_per_s"] > 0 and served["rows_per_decode_step"] > 1
     placed = gpu.placement(directory, "cpu", 1, 16, steps=2)
     assert placed["copy_nodes_per_step"] == 0
+    timed = gpu.gpu_kernels(directory, "cpu", 1, 16, steps=2)
+    assert timed["wall_ms_per_step"] > 0 and timed["top"] == [] and timed["gpu_busy_ms_per_step"] == 0  # no GPU
     assert set(placed["node_runs_per_step_by_provider"]) == {"CPUExecutionProvider"}
     jobs = {"bandwidth": {"gb_per_s": 100.0}, "decode m/bfloat16/fused batch 1 ctx 16": {**rate, "batch": 1},
             "decode m/bfloat16/fused batch 32 ctx 16": {**rate, "batch": 32, "tokens_per_s": rate["tokens_per_s"] * 12},
