@@ -391,10 +391,15 @@ static TileFn tile_fn(Isa isa, int level, int bits, int rows, int groups) {
 /* Rows and groups of the main tile for a product of `rows` rows. AVX-512, measured on one Zen 4 core (K 2048,
  * int4, block 32): up to 8 rows (batched decode, the weights streamed from memory) 3 x 4 tiles keep 4 streams of
  * runs in flight and ran 10 % faster than 6 x 2 or 8 x 1; more rows (prefill, the column tile's runs in L1/L2 for
- * every row tile) 6 x 2 ran at 73 % of one vpdpbusd per cycle against 68 % for 12 x 1 and 64 % for 8 x 1. */
-static void tile_shape(Isa isa, int64_t rows, int *r, int *g) {
+ * every row tile) 6 x 2 ran at 73 % of one vpdpbusd per cycle against 68 % for 12 x 1 and 64 % for 8 x 1. One or
+ * two rows of int4 (decode) read one group at a time instead, a single stream through the weight: on one Zen 5
+ * core from memory (benchmarks/qmatmul_core.c, K 2048 and 1408, 64 MiB) 28-32 GB/s against 20-28 GB/s for 4
+ * groups; int8's runs, twice as long, stream as well in 4 groups (30-33 against 26-29 GB/s for 1). */
+static void tile_shape(Isa isa, int bits, int64_t rows, int *r, int *g) {
     if (isa == ISA_AVX2) {
         *r = rows < 4 ? (int)rows : 4, *g = 1;
+    } else if (bits == 4 && rows <= 2) {
+        *r = (int)rows, *g = 1;
     } else if (rows <= 8) {
         *r = rows < 3 ? (int)rows : 3, *g = 4;
     } else {
@@ -410,7 +415,7 @@ void qmatmul_rows_groups(Isa isa, const QWeight *w, const QActs *a, int64_t r0, 
         return;
     }
     int main_rows, main_groups;
-    tile_shape(isa, r1 - r0, &main_rows, &main_groups);
+    tile_shape(isa, w->bits, r1 - r0, &main_rows, &main_groups);
     Tile t = {.w = w, .level = a->level};
     for (int64_t g = g0; g < g1;) {
         int groups = main_groups;
