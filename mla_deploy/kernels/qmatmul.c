@@ -105,6 +105,19 @@ static void quantize_block_scalar(const float *x, int block, int8_t *q, float *s
     *scale = amax / 127.0f, *sum = total;
 }
 
+/* Ask for the weight bytes PREFETCH_BYTES ahead of a run being read, into L1: a group's runs lie end to end, so
+ * that is where the stream goes next, across the 4 KB page boundaries where a core's hardware prefetchers stop. In an
+ * int4 v2lite-2L decode step (2 threads, Zen 5, processes alternating) 2048 bytes ahead ran 0.60-0.96x the time of
+ * no prefetch at batch 1 (6 of 6 pairs faster), 1024 and 3072-8192 less well. A prefetch never faults, so past the
+ * end of the weight it is harmless. */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 2048
+#endif
+
+static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *run) {
+    if (PREFETCH_BYTES) _mm_prefetch((const char *)(run + PREFETCH_BYTES), _MM_HINT_T0);
+}
+
 /* group g's 16 scales of block j (g counted from the tile's first group) */
 static inline const uint16_t *scales_at(const Tile *t, int g, int64_t j) {
     return t->w->scales + ((t->g + g) * t->w->kb + j) * QCOLS;
@@ -150,6 +163,7 @@ INLINE_AVX2 void int_tile_avx2(const Tile *t, const int R, const int G, const in
                 for (int i = 0; i < R * G * 2; i++) part[i] = _mm256_setzero_si256();
                 for (int p = p0; p < p0 + 4 && p < block / 8; p++) {
                     __m256i lo[4], hi[4];
+                    for (int i = 0; i < G * 2; i += 2) prefetch_ahead(wp + i / 2 * stride + 64 * p);
                     for (int i = 0; i < G * 2; i++) {
                         __m256i v = load_half(wp, stride, i, 64 * p);
                         lo[i] = _mm256_and_si256(v, low), hi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
@@ -167,6 +181,7 @@ INLINE_AVX2 void int_tile_avx2(const Tile *t, const int R, const int G, const in
         } else { /* signed codes: |w| times a with w's sign, each product pair below 2^15 */
             for (int qd = 0; qd < block / 4; qd++) {
                 __m256i mag[4], sgn[4];
+                for (int i = 0; i < G * 2; i += 2) prefetch_ahead(wp + i / 2 * stride + 64 * qd);
                 for (int i = 0; i < G * 2; i++) {
                     sgn[i] = _mm256_xor_si256(load_half(wp, stride, i, 64 * qd), flip);
                     mag[i] = _mm256_abs_epi8(sgn[i]);
@@ -265,6 +280,7 @@ INLINE_AVX512 void int_tile_avx512(const Tile *t, const int R, const int G, cons
         if (bits == 8) {
             for (int qd = 0; qd < block / 4; qd++) {
                 __m512i wv[4];
+                for (int g = 0; g < G; g++) prefetch_ahead(wp + g * stride + 64 * qd);
                 for (int g = 0; g < G; g++) wv[g] = _mm512_loadu_si512(wp + g * stride + 64 * qd);
                 for (int r = 0; r < R; r++) {
                     __m512i av = _mm512_set1_epi32(load4(t->q[r] + j * block + 4 * qd));
@@ -275,6 +291,7 @@ INLINE_AVX512 void int_tile_avx512(const Tile *t, const int R, const int G, cons
             for (int p = 0; p < block / 8; p++) {
                 __m512i lo[4], hi[4];
                 for (int g = 0; g < G; g++) {
+                    prefetch_ahead(wp + g * stride + 64 * p);
                     __m512i v = _mm512_loadu_si512(wp + g * stride + 64 * p);
                     lo[g] = _mm512_and_si512(v, low), hi[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
                 }

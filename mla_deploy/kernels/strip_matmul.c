@@ -21,6 +21,10 @@
 
 #define PANEL 16    /* columns of one AVX2 register block */
 #define PREFETCH 16 /* rows of B ahead: a decode batch streams B from memory */
+#ifndef ROW_PREFETCH_BYTES /* one row of A: the strip's bytes this far ahead, across the 4 KB pages where a core's
+                            * hardware prefetchers stop (as qmatmul.c's runs) */
+#define ROW_PREFETCH_BYTES 2048
+#endif
 #define TASKS 32    /* strip_matmul_task: at least this many tasks where rows allow (several per thread) */
 #define TASK_GROUPS 8 /* and at least this many groups per task (each task reads its strip's B once) */
 
@@ -76,6 +80,8 @@ INLINE void row_strip(const float *a, const void *strip, float *y, int64_t k, in
     __m256 acc[8];
     for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
     for (int64_t i = 0; i < k; i++) {
+        const char *ahead = (const char *)element(strip, i * STRIP, kind) + ROW_PREFETCH_BYTES;
+        for (int l = 0; l < STRIP * strip_kind_bytes(kind); l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
         __m256 ai = _mm256_broadcast_ss(a + i);
         for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(ai, load8(strip, i * STRIP + 8 * j, kind), acc[j]);
     }
