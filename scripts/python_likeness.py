@@ -13,6 +13,11 @@ included, reads as Python when all of these hold, judged outside string literals
     opened on the last line (the completion stops after max_new_tokens, mid-statement);
   - comments: at most half of the non-blank lines are comment-only lines.
 Prints one line per run and the count; --json prints them as one object.
+
+--text-itself judges the training text instead of the model: at RUNS occurrences of the prompt in the demo's
+held-out files (scripts/train_demo.py's split, chosen with a fixed seed), the prompt and the file's own next
+MAX_NEW_TOKENS tokens (the export's tokenizer). That count is what a model that wrote exactly like the standard
+library would score.
 """
 
 from __future__ import annotations
@@ -142,6 +147,29 @@ def judge(text: str) -> Verdict:
     return Verdict(keywords, indented, bad, brackets, comments, nonblank)
 
 
+def text_itself(export: Path, prompt: str, runs: int, max_new_tokens: int, seed: int = 0) -> list[str]:
+    """The prompt and the next max_new_tokens tokens of the held-out files at `runs` of the prompt's occurrences."""
+    import random
+
+    from tokenizers import Tokenizer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from train_demo import stdlib_files
+
+    tokenizer = Tokenizer.from_file(str(export / "tokenizer.json"))
+    places = []
+    for path in stdlib_files()[1]:
+        text = path.read_text(errors="replace")
+        places += [(text, i) for i in range(len(text)) if text.startswith(prompt, i)]
+    chosen = random.Random(seed).sample(places, min(runs, len(places)))
+    out = []
+    for text, i in chosen:
+        start = i + len(prompt)
+        ids = tokenizer.encode(text[start : start + 40 * max_new_tokens], add_special_tokens=False).ids
+        out.append(prompt + tokenizer.decode(ids[:max_new_tokens]))
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("export", type=Path)
@@ -151,17 +179,22 @@ def main(argv=None) -> int:
     p.add_argument("--show", action="store_true", help="print each completion")
     p.add_argument("--no-token-healing", action="store_true", help="feed the prompt as encoded (run's option)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--text-itself", action="store_true",
+                   help="judge the held-out files' own continuations of the prompt instead of the model's")
     args = p.parse_args(argv)
 
-    from mla_deploy.runtime import ExportedModel
-    from mla_deploy.runtime.complete import complete
+    if args.text_itself:
+        texts = iter(text_itself(args.export, args.prompt, args.runs, args.max_new_tokens))
+    else:
+        from mla_deploy.runtime import ExportedModel
+        from mla_deploy.runtime.complete import complete
 
-    model = ExportedModel(args.export)
+        model = ExportedModel(args.export)
+        texts = (args.prompt + complete(model, args.prompt, None, args.max_new_tokens,  # no seed
+                                        model.generation.sampling, token_healing=not args.no_token_healing)["text"]
+                 for _ in range(args.runs))
     runs = []
-    for r in range(args.runs):
-        out = complete(model, args.prompt, None, args.max_new_tokens, model.generation.sampling,  # no seed
-                       token_healing=not args.no_token_healing)
-        text = args.prompt + out["text"]
+    for r, text in enumerate(texts):
         verdict = judge(text)
         runs.append({"text": text, "python": verdict.python, **asdict(verdict), "reasons": verdict.reasons()})
         if not args.json:
@@ -169,10 +202,11 @@ def main(argv=None) -> int:
             if args.show:
                 print("    " + text.replace("\n", "\n    "))
     count = sum(r["python"] for r in runs)
+    what = "continuations in the held-out text" if args.text_itself else "completions"
     if args.json:
-        print(json.dumps({"prompt": args.prompt, "runs": args.runs, "python": count, "results": runs}))
+        print(json.dumps({"prompt": args.prompt, "runs": len(runs), "python": count, "judged": what, "results": runs}))
     else:
-        print(f"{count} of {args.runs} completions of {args.prompt!r} read as Python")
+        print(f"{count} of {len(runs)} {what} of {args.prompt!r} read as Python")
     return 0
 
 

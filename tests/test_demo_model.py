@@ -123,3 +123,19 @@ def test_the_python_likeness_check_tells_code_from_comments_and_broken_brackets(
     assert not left_open.python and "left open" in left_open.brackets
     assert not judge("def  0x00f4: 0x0378, #  CYRILLIC CAPITAL LETTER I\n").python  # a codec table: 1 keyword
     assert "off the 4-space grid" in " ".join(judge("def f(x):\n   return x\n    if x: pass\n").reasons())
+
+
+def test_the_text_itself_is_the_held_out_files_own_continuation_of_the_prompt():
+    from pathlib import Path
+
+    likeness = _likeness()
+    demo = Path(__file__).resolve().parents[1] / "mla_deploy" / "models" / "demo"
+    texts = likeness.text_itself(demo, "def ", runs=6, max_new_tokens=64)
+    assert len(texts) == 6 and len(set(texts)) == 6
+    from train_demo import stdlib_files  # on the path: text_itself takes the held-out split from it
+
+    held_out = [path.read_text(errors="replace") for path in stdlib_files()[1]]
+    for text in texts:
+        assert text.startswith("def ") and len(text) > 64  # 64 tokens of source, not characters
+        assert any(text in source for source in held_out)  # the file's own text, decoded back exactly
+    assert texts == likeness.text_itself(demo, "def ", runs=6, max_new_tokens=64)  # the same places every time
