@@ -12,11 +12,12 @@ benchmarks/work/llamacpp) by this script, step by step, each step skipped when i
      the vocabulary to vocab_size), and that tokenizer's pre-tokenizer hash is unknown to the converter, so it is
      mapped to "gpt-2" (the same byte-level pre-tokenization); `q_lora_rank: null` is written as 0;
   4. quantize: the f32 GGUF to q8_0, q4_0 and f16 with llama-quantize;
-  5. ours: float32, int8 and int4 (block 32; the embedding and output layer at 8 bits, or at 4 in int4-head4,
+  5. ours: float32, int8 and int4 (block 32; the embedding and output layer at 8 bits, at 6 in int4-head6 (as q4_0's
+     q6_K output layer), or at 4 in int4-head4,
      whose file is about q4_0's size: llama.cpp keeps q4_0's output layer at q6_K) and float16 exports of the
      same checkpoint.
 
-Then, per precision pair (f32 / float32, q8_0 / int8, q4_0 / int4, q4_0 / int4-head4, f16 / float16), llama-bench
+Then, per precision pair (f32 / float32, q8_0 / int8, q4_0 / int4, int4-head6, int4-head4, f16 / float16), llama-bench
 (`-p 512` and `-n 32 -d CTX`, flash attention on, batch 1) and our runtime run one after the other with the
 same thread count: prefill of 512 tokens, and decode tokens/s at contexts 128 / 4096 / 16384; at batch 8,
 llama-batched-bench's generation speed beside our batch-8 decode step. Printed as one table with the ratios
@@ -29,7 +30,7 @@ and the fraction of the probed bandwidth that tokens/s x bytes reaches.
         [--pairs f32,q8_0,q4_0,f16] [--ours int4,int4-head4,...] [--note TEXT]
 
 --pairs runs a subset (by llama.cpp's name of the precision); its results.json and chart then hold only those;
---ours keeps only those of our exports in them (q4_0 pairs with int4 and int4-head4).
+--ours keeps only those of our exports in them (q4_0 pairs with int4, int4-head6 and int4-head4).
 --models puts the checkpoint, GGUF files, exports and results in DIR instead of WORK (the build stays in WORK).
 --convert q8_0 has the converter write q8_0 directly and requantizes the other kinds from it (llama-quantize
 --allow-requantize; f32 and f16 are then refused): the full-size V2-Lite's f32 GGUF would take 63 GB of disk,
@@ -57,9 +58,11 @@ sys.path.insert(0, str(ROOT))
 
 SDIST = "llama-cpp-python==0.3.36"
 TARGETS = ("llama-bench", "llama-quantize", "llama-batched-bench")
-PAIRS = (("f32", "float32"), ("q8_0", "int8"), ("q4_0", "int4"), ("q4_0", "int4-head4"), ("f16", "float16"))
+PAIRS = (("f32", "float32"), ("q8_0", "int8"), ("q4_0", "int4"), ("q4_0", "int4-head6"), ("q4_0", "int4-head4"),
+         ("f16", "float16"))
 EXPORTS = {  # our exports, by name: ExportOptions beyond block 32
     "float32": {}, "int8": {"quantize": "int8"}, "int4": {"quantize": "int4"},
+    "int4-head6": {"quantize": "int4", "head_bits": 6},  # embedding and head at 6 bits: q4_0's q6_K output layer
     "int4-head4": {"quantize": "int4", "head_bits": 4},  # embedding and head at 4 bits too: about q4_0's file size
     "float16": {"dtype": "float16"},
 }

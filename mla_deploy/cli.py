@@ -115,9 +115,10 @@ def main(ctx, debug):
                    "reading the weights where they lie (one copy for both graphs; stock-ONNX bodies elsewhere); "
                    "onnxruntime is its MatMulNBits / GatherBlockQuantized / QMoE, prepacked per session (CPU and "
                    "CUDA kernels of its own; docs/precision.md).")
-@click.option("--head-bits", type=click.Choice(["4", "8"]), default="8", show_default=True,
-              help="A quantized export's embedding and output layer: 8 loses less quality, 4 makes the smallest file "
-                   "and the fastest decode (docs/precision.md).")
+@click.option("--head-bits", type=click.Choice(["4", "6", "8"]), default="8", show_default=True,
+              help="A quantized export's embedding and output layer: 8 loses least quality, 6 reads as many bytes as "
+                   "llama.cpp's q6_K output layer, 4 makes the smallest file and the fastest decode "
+                   "(docs/precision.md).")
 @click.option("--experts", type=click.Choice(["auto", "kernel", "qmoe", "moe", "branches"]), default="auto",
               show_default=True,
               help="How MoE layers run their routed experts: auto picks mla-deploy's kernel (QRoutedExperts for "

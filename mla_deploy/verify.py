@@ -241,7 +241,7 @@ class FloatActivations(ExportedModel):
     dequantized weights) in every graph it loads, the verify and draft graphs included: each graph read with that
     attribute changed in memory, its weights still mapped from the export's weights.bin."""
 
-    QUANTIZED = {f"{family}{bits}" for family in ("QMatMul", "QBatchMatMul", "QRoutedExperts") for bits in (4, 8)}
+    QUANTIZED = {*kernels.QMATMUL.values(), *kernels.QBATCH_MATMUL.values(), *kernels.QROUTED_EXPERTS.values()}
 
     def _open(self, path: Path, options: ort.SessionOptions) -> ort.InferenceSession:
         graph = onnx.load(str(path), load_external_data=False)

@@ -43,7 +43,7 @@ def float_bound(a: np.ndarray, w_deq: np.ndarray, block: int) -> np.ndarray:
 @needs_library
 @pytest.mark.parametrize("level", [0, 4])
 @pytest.mark.parametrize("block", [16, 32, 64, 128])
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 6, 8])
 @pytest.mark.parametrize("isa", ISAS)
 def test_qmatmul_matches_numpy(isa, bits, block, level, monkeypatch):
     monkeypatch.setenv("MLA_DEPLOY_ISA", isa)  # read as onnxruntime creates the kernel
@@ -164,7 +164,7 @@ def test_qbatch_matmul_refuses_mismatched_heads_by_name(a_shape, codes_heads, me
 
 @needs_library
 @pytest.mark.parametrize("level", [0, 4])
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 6, 8])
 def test_every_path_gives_the_same_bits(bits, level, monkeypatch):
     """Every path does the same float32 operations in the same order (qmatmul.h), so forcing a lower level changes
     no bit of Y: a path that read a code or a scale from the wrong place would."""
@@ -185,7 +185,7 @@ def test_every_path_gives_the_same_bits(bits, level, monkeypatch):
 @pytest.mark.parametrize("library", [pytest.param(True, marks=needs_library, id="kernel"),
                                      pytest.param(False, id="function-body")])
 @pytest.mark.parametrize("level", [0, 4])
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 6, 8])
 def test_qmatmul_keeps_leading_dimensions_with_or_without_the_library(bits, level, library):
     """The same model through the kernel and through its stock-ONNX body (onnxruntime without the library): both
     within the references' bounds; the body's MatMul adds in its own order (K terms)."""
@@ -235,7 +235,7 @@ def gather_model(k: int, n: int, bits: int, block: int, codes, scales, ids_shape
 @pytest.mark.parametrize("library", [pytest.param(True, marks=needs_library, id="kernel"),
                                      pytest.param(False, id="function-body")])
 @pytest.mark.parametrize("block", [16, 32, 64, 128])
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 6, 8])
 def test_qgather_reads_a_heads_columns_as_embedding_rows(bits, block, library):
     """A tied head W = Eᵀ [d, V]: token v's embedding row is column v, dequantized exactly (codes times float16
     scales are float32 values); negative ids count from the end, as Gather's."""

@@ -55,7 +55,7 @@ def test_quantization_records_its_scale_dtype():
 SHAPES = [(100, 37), (256, 48), (17, 5), (64, 16)]  # K a multiple of the block or not, N a multiple of 16 or not
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 6, 8])
 @pytest.mark.parametrize("block", [16, 32, 64, 128])
 @pytest.mark.parametrize("k,n", SHAPES)
 def test_layout_places_every_code_where_the_kernels_read_it(bits, block, k, n):
@@ -76,6 +76,10 @@ def test_layout_places_every_code_where_the_kernels_read_it(bits, block, k, n):
                 else:
                     byte = codes[gg, j, 64 * (kk // 8) + 4 * c + kk % 4]
                     stored = byte & 0xF if kk % 8 < 4 else byte >> 4
+                    if bits == 6:  # the high 2 bits of quad kk // 4, past the low nibbles' 8 B bytes
+                        quad = kk // 4
+                        high = codes[gg, j, 8 * block + 64 * (quad // 4) + 4 * c + kk % 4]
+                        stored |= ((high >> (2 * (quad % 4))) & 3) << 4
                 assert stored == unsigned[col, j, kk]
     if n % 16:  # padding columns: zero-point codes, zero scales
         assert not scales[-1, :, n % 16:].any()

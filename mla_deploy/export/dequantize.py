@@ -27,8 +27,17 @@ def dequantized_weight(op, codes: ir.Value, scales: ir.Value, bits: int, lead: i
     its padding rows and columns zero: (code - 2^(bits-1)) · scale, laid out back (export.layouts)."""
     keep = [0] * (lead + 2)  # Reshape's 0: the lead axes, G and KB as they are
     x = op.Cast(codes, to=FLOAT)
-    if bits == 4:  # run byte 64 p + i: quad 2p in its low nibble, quad 2p + 1 in its high one
+    high = None
+    if bits == 6:  # an int4 run of the low nibbles (8 B bytes), then the high 2 bits of four quads a piece (4 B)
+        third = op.Div(op.Shape(codes, start=-1), 3)  # [1]: 4 B
+        high = op.Reshape(op.Slice(x, op.Mul(third, 2), op.Mul(third, 3), [-1]), keep + [-1, 1, 64])
+        fields = [op.Floor(op.Mul(high, 1 / 4**i)) for i in range(5)]  # x // 4^i
+        high = op.Concat(*[op.Sub(fields[i], op.Mul(fields[i + 1], 4.0)) for i in range(4)], axis=-2)  # [.., 4, 64]
+        x = op.Slice(x, [0], op.Mul(third, 2), [-1])
+    if bits in (4, 6):  # run byte 64 p + i: quad 2p in its low nibble, quad 2p + 1 in its high one
         x = nibbles(op, op.Reshape(x, keep + [-1, 1, 64]), axis=-2)  # [.., G, KB, B/8, 2, 64]
+    if high is not None:  # quads 4h + i of piece h, bits 2i, over quads 2p + h: the same order
+        x = op.Add(op.Reshape(x, keep + [-1, 64]), op.Mul(op.Reshape(high, keep + [-1, 64]), 16.0))
     q = op.Sub(op.Reshape(x, keep + [-1, COLUMNS, 4]), float(2 ** (bits - 1)))  # [.., G, KB, B/4, 16, 4]
     s = op.Reshape(op.Cast(scales, to=FLOAT), keep + [1, COLUMNS, 1])  # [.., G, KB, 1, 16, 1]
     axes = list(range(lead))

@@ -15,6 +15,8 @@ vpmaddubsw on 32-byte halves) against four activation bytes broadcast to every l
 int4: run byte 64 p + 4 c + t holds, in its low nibble, the code of column 16 g + c at k = j B + 8 p + t, and in its
 high nibble the one at k = j B + 8 p + 4 + t (p < B / 8): a mask and a shift turn 64 bytes into the two 64-byte
 quads 2p and 2p + 1 of the int8 run.
+int6 (a head at 6 bits): the run's first 8 B bytes are the int4 run of the codes' low nibbles; byte 8 B + 64 h +
+4 c + t holds in bits 2 i and 2 i + 1 the high 2 bits of the code at k = j B + 4 (4 h + i) + t (h < B / 16).
 
 Every kernel input is such a pair (or a stack of them, one per expert), so a function body (export.
 dequantize) dequantizes it with stock ONNX: Cast the bytes; for int4 split the nibbles as floor(x / 16)
@@ -33,6 +35,14 @@ SCALE_DTYPE = np.float16
 NAME = "mla_deploy.q16"  # the layout's name in a manifest
 
 
+RUNS = {
+    8: "int8: byte 64q+4c+t = code of column 16g+c at k = j*block+4q+t",
+    4: "int4: byte 64p+4c+t = code at k = j*block+8p+t (low nibble) | code at k+4 (high nibble)",
+    6: "int6: bytes 0 .. 8*block-1 the int4 run of the codes' low nibbles; byte 8*block+64h+4c+t bits 2i, 2i+1 = "
+       "high 2 bits of the code at k = j*block+4(4h+i)+t",
+}
+
+
 def groups(n: int) -> int:
     return -(-n // COLUMNS)
 
@@ -43,8 +53,7 @@ def describe(bits: int, block: int) -> dict:
     return {"layout": NAME, "bits": bits, "block": block, "columns_per_group": COLUMNS, "scale_dtype": "float16",
             "zero_point": zero, "codes": "uint8 [ceil(N/16), ceil(K/block), 2*block*bits]",
             "scales": "float16 [ceil(N/16), ceil(K/block), 16]",
-            "run": ("int8: byte 64q+4c+t = code of column 16g+c at k = j*block+4q+t" if bits == 8 else
-                    "int4: byte 64p+4c+t = code at k = j*block+8p+t (low nibble) | code at k+4 (high nibble)"),
+            "run": RUNS[bits],
             "value": f"(code - {zero}) * scale; padding columns and the last block's padding dequantize to 0"}
 
 
@@ -63,12 +72,20 @@ def qmatmul_layout(qw: QuantizedWeight) -> tuple[np.ndarray, np.ndarray]:
     codes = np.full((g * COLUMNS, kb, qw.block), zero, np.int16)
     codes[:n] = signed + zero
     codes = codes.reshape(g, COLUMNS, kb, qw.block // 4, 4).transpose(0, 2, 3, 1, 4)  # [G, KB, B/4, 16, 4]
-    if qw.bits == 4:
+    high = None
+    if qw.bits == 6:  # the high 2 bits of quads 4h .. 4h + 3 in one piece, quad 4h + i at bits 2i
+        high = (codes >> 4).reshape(g, kb, qw.block // 16, 4, COLUMNS, 4)
+        high = sum(high[:, :, :, i] << (2 * i) for i in range(4)).reshape(g, kb, -1)  # [G, KB, B/16 · 64]
+        codes = codes & 0xF
+    if qw.bits in (4, 6):
         quads = codes.reshape(g, kb, qw.block // 8, 2, COLUMNS, 4)  # quad 2p + h
         codes = quads[:, :, :, 0] | (quads[:, :, :, 1] << 4)  # [G, KB, B/8, 16, 4]
+    codes = codes.reshape(g, kb, -1)
+    if high is not None:
+        codes = np.concatenate([codes, high], axis=-1)  # [G, KB, 8 B + 4 B]
     out_scales = np.zeros((g * COLUMNS, kb), SCALE_DTYPE)
     out_scales[:n] = half
-    return (np.ascontiguousarray(codes.astype(np.uint8).reshape(g, kb, -1)),
+    return (np.ascontiguousarray(codes.astype(np.uint8)),
             np.ascontiguousarray(out_scales.reshape(g, COLUMNS, kb).transpose(0, 2, 1)))
 
 
@@ -81,9 +98,15 @@ def qmatmul_unlayout(codes: np.ndarray, scales: np.ndarray, k: int, n: int, bits
         raise ValueError(f"qmatmul_unlayout: codes {codes.shape} and scales {scales.shape} do not hold a {bits}-bit "
                          f"[{k}, {n}] weight in blocks of {block}")
     run = codes.astype(np.int16)
-    if bits == 4:
+    high = None
+    if bits == 6:
+        run, high = run[..., : 8 * block], run[..., 8 * block :].reshape(g, kb, block // 16, 1, COLUMNS, 4)
+        high = np.concatenate([(high >> (2 * i)) & 3 for i in range(4)], axis=3)  # [G, KB, B/16, 4, 16, 4]
+    if bits in (4, 6):
         run = run.reshape(g, kb, block // 8, 1, COLUMNS, 4)
         run = np.concatenate([run & 0xF, run >> 4], axis=3)  # [G, KB, B/8, 2, 16, 4]: quads 2p, 2p + 1
+    if high is not None:
+        run = run.reshape(high.shape) | (high << 4)
     run = run.reshape(g, kb, block // 4, COLUMNS, 4).transpose(0, 3, 1, 2, 4)  # [G, 16, KB, B/4, 4]
     unsigned = run.reshape(g * COLUMNS, kb, block)[:n]
     if bits == 4:

@@ -73,7 +73,7 @@ from ..manifest import cache_format as manifest_cache_format
 from .absorb import AbsorbMode, absorbed_weight_bytes, resolve_absorb
 from .precision import DTYPES
 from . import layouts
-from .quantize import Quantization, quantized_hf_names
+from .quantize import HEAD_BITS, Quantization, quantized_hf_names
 
 QUANTIZE_BITS = {"int4": 4, "int8": 8}
 EXPERTS = ("auto", "qmoe", "kernel", "moe", "branches")
@@ -108,7 +108,7 @@ class ExportOptions:
     quantize: str | None = None  # "int4" or "int8": weight-only, block-wise (export.quantize)
     block_size: int = 32
     accuracy_level: int = 4  # 4 = int8 activations inside the kernel, 0 = float (exact)
-    head_bits: int = 8  # the embedding and the output layer of a quantized export: 8, or 4 (smallest, fastest)
+    head_bits: int = 8  # the embedding and the output layer of a quantized export: 8, 6 (llama.cpp's q6_K size), or 4
     quantized_ops: str = "auto"  # a quantized export's ops: auto (= kernel), kernel, onnxruntime
     experts: str = "auto"  # routed experts: auto, kernel, qmoe (quantized), moe (float), branches (portable)
     decode_attention: str = "auto"  # the decode graph's attention core: auto, kernel, ops (portable)
@@ -167,10 +167,11 @@ class ExportOptions:
             return None
         if self.quantize not in QUANTIZE_BITS:
             raise ExportError(f"--quantize {self.quantize}: expected one of {', '.join(QUANTIZE_BITS)}")
-        if self.head_bits not in QUANTIZE_BITS.values():
-            raise ExportError(
-                f"--head-bits {self.head_bits}: expected one of {', '.join(map(str, QUANTIZE_BITS.values()))}"
-            )
+        if self.head_bits not in HEAD_BITS:
+            raise ExportError(f"--head-bits {self.head_bits}: expected one of {', '.join(map(str, HEAD_BITS))}")
+        if self.head_bits == 6 and self.quantized_ops == "onnxruntime":
+            raise ExportError("--head-bits 6: onnxruntime's MatMulNBits and GatherBlockQuantized take 4 or 8 bits; "
+                              "a 6-bit head runs on mla-deploy's kernels (--quantized-ops auto or kernel)")
         try:
             return Quantization(QUANTIZE_BITS[self.quantize], self.block_size, self.accuracy_level, self.head_bits)
         except ValueError as e:

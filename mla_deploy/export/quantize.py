@@ -7,7 +7,9 @@ values per output column n. Block j of column n gets one scale
 
 and codes q = round(W / s) in [-qmax, qmax] (ties to even), stored unsigned as q + 2^(bits-1), MatMulNBits'
 default zero point, so no zero-point tensor is needed. Codes are packed along K low bits first: two int4
-codes per byte. A K that is not a multiple of the block is zero-padded (padding codes dequantize to 0).
+codes per byte; int6 codes (the head only, as llama.cpp's q6_K: mla-deploy's kernels read it, MatMulNBits does
+not) one per byte here, packed by export.layouts. A K that is not a multiple of the block is zero-padded (padding
+codes dequantize to 0).
 Dequantized: W'[k, n] = (code - 2^(bits-1)) · s[n, k // B]; every |W - W'| <= s / 2.
 
 Scales are float32, or float16 (as llama.cpp's q4_0 / q8_0 store them: 0.5625 / 1.0625 bytes per weight at block 32
@@ -27,7 +29,8 @@ from ..checkpoint import Checkpoint, expected_tensors, mtp_tensors
 from ..config import MLAConfig
 from . import absorb
 
-BITS = (4, 8)
+BITS = (4, 8)  # an export's weights, and the per-head matrices
+HEAD_BITS = (4, 6, 8)  # the embedding and the output layer
 BLOCKS = (16, 32, 64, 128)
 SCALE_DTYPES = ("float32", "float16")
 ACCURACY_LEVELS = (0, 4)  # 0: float activations (exact against the dequantized weights); 4: int8 activations
@@ -57,10 +60,12 @@ class Quantization:
     per_head_bits: int | None = None
 
     def __post_init__(self):
-        if self.head_bits not in BITS:
-            raise ValueError(f"head_bits={self.head_bits}: expected one of {BITS}")
+        if self.head_bits not in HEAD_BITS:
+            raise ValueError(f"head_bits={self.head_bits}: expected one of {HEAD_BITS}")
         if self.per_head_bits not in (None, *BITS):
             raise ValueError(f"per_head_bits={self.per_head_bits}: expected None or one of {BITS}")
+        if self.bits not in BITS:
+            raise ValueError(f"bits={self.bits}: expected one of {BITS}")
         _check(self.bits, self.block, self.scale_dtype)
         if self.accuracy_level not in ACCURACY_LEVELS:
             raise ValueError(f"accuracy_level={self.accuracy_level}: expected one of {ACCURACY_LEVELS}")
@@ -166,7 +171,7 @@ class PerHeadRounded:
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    codes: np.ndarray  # uint8 [N, k_blocks, block·bits/8]: MatMulNBits' B
+    codes: np.ndarray  # uint8 [N, k_blocks, code_bytes(bits, block)]: MatMulNBits' B (int6: one code a byte)
     scales: np.ndarray  # float32 or float16 [N, k_blocks]
     bits: int
     block: int
@@ -177,6 +182,11 @@ class QuantizedWeight:
         return self.codes.shape[0]
 
 
+def code_bytes(bits: int, block: int) -> int:
+    """Bytes of one block's codes in a QuantizedWeight: packed for int4 and int8, one a byte for int6."""
+    return block * bits // 8 if bits != 6 else block
+
+
 def quantize(w: np.ndarray, bits: int, block: int, chunk_bytes: int = 1 << 26,
              scale_dtype: str = "float32") -> QuantizedWeight:
     """W [K, N] (float) -> codes and scales; the arithmetic in float64, scales stored as `scale_dtype`. Columns are
@@ -185,7 +195,7 @@ def quantize(w: np.ndarray, bits: int, block: int, chunk_bytes: int = 1 << 26,
     _check(bits, block, scale_dtype)
     k, n = w.shape
     k_blocks = -(-k // block)
-    codes = np.empty((n, k_blocks, block * bits // 8), np.uint8)
+    codes = np.empty((n, k_blocks, code_bytes(bits, block)), np.uint8)
     scales = np.empty((n, k_blocks), scale_dtype)
     step = max(1, chunk_bytes // (8 * k_blocks * block))
     for start in range(0, n, step):
@@ -195,8 +205,8 @@ def quantize(w: np.ndarray, bits: int, block: int, chunk_bytes: int = 1 << 26,
 
 
 def _check(bits: int, block: int, scale_dtype: str = "float32") -> None:
-    if bits not in BITS:
-        raise ValueError(f"bits={bits}: expected one of {BITS}")
+    if bits not in HEAD_BITS:
+        raise ValueError(f"bits={bits}: expected one of {HEAD_BITS}")
     if block not in BLOCKS:
         raise ValueError(f"block={block}: expected one of {BLOCKS}")
     if scale_dtype not in SCALE_DTYPES:

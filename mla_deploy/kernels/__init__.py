@@ -16,7 +16,8 @@ call once the expert has two tokens, and multiplies float32 only; this op reads 
 absorbed decode attention's core, softmax(q_latent · latent + q_rope · rope + bias) @ latent, reading the caches as
 stored and only the slots each row sees (export.plan chooses it).
 
-`mla_deploy.QMatMul4` / `QMatMul8` (qmatmul.c): Y [..., N] = A [..., K] @ W for an int4 / int8 block-quantized W
+`mla_deploy.QMatMul4` / `QMatMul6` / `QMatMul8` (qmatmul.c): Y [..., N] = A [..., K] @ W for an int4 / int6 / int8
+block-quantized W (int6: a head at llama.cpp's q6_K size)
 read where it lies in the mapped weights.bin: inputs A (float32), codes (uint8 [G, KB, 2·B·bits]) and scales
 (float16 [G, KB, 16]) in export.layouts' layout (16-column groups, per group and block one contiguous run), attributes
 K, N, block_size (16, 32, 64, 128) and accuracy_level (0: float activations, exact against the dequantized weight up to
@@ -24,10 +25,11 @@ float32 rounding; 4: A's rows quantized to int8 per block on the fly, integer do
 MatMulNBits' meaning). onnxruntime's MatMulNBits prepacks a private copy of its weight in every session; these ops
 read the file's one copy from every session that maps it. `QRoutedExperts4` / `QRoutedExperts8` (qexperts.c): a MoE
 layer's routed experts over such weights (export.layouts.routed_experts_layout), each expert reading only its own
-tokens' rows; `QGather4` / `QGather8` (qgather.c): columns of such a W dequantized, so that a tied embedding is read
-from its head's codes, and a separate table stored as Eᵀ costs no second layout.
+tokens' rows; `QGather4` / `QGather6` / `QGather8` (qgather.c): columns of such a W dequantized, so that a tied
+embedding is read from its head's codes, and a separate table stored as Eᵀ costs no second layout.
 Their function bodies (export.linear, export.moe over export.dequantize) are stock ONNX over the same initializers: Cast
-the codes, split int4 nibbles as floor(x / 16) and x - 16 floor(x / 16), Reshape to [G, KB, B/4, 16, 4], subtract the
+the codes, split int4 nibbles as floor(x / 16) and x - 16 floor(x / 16) (int6: plus 16 times the high part's 2-bit
+fields floor(x / 4^i) mod 4), Reshape to [G, KB, B/4, 16, 4], subtract the
 zero point 2^(bits-1), multiply by the scales reshaped [G, KB, 1, 16, 1], Transpose to [KB, B/4, 4, G, 16] and Reshape
 to [KB·B, 16 G] (W zero-padded), Slice N columns and MatMul by A zero-padded to KB·B (at accuracy_level 4 quantized and
 dequantized per block first, as the kernels quantize it), so they run on plain onnxruntime and on CUDA.
@@ -83,10 +85,10 @@ LATENT_ATTENTION_CHUNK_Q8 = {
 }
 GATE_UP = 32  # RoutedExperts' fc1 strip: 32 gate columns, then the same 32 columns of up
 # the quantized ops, by their weights' bits (their layout: export.layouts)
-QMATMUL = {4: "QMatMul4", 8: "QMatMul8"}
+QMATMUL = {4: "QMatMul4", 6: "QMatMul6", 8: "QMatMul8"}
 QBATCH_MATMUL = {4: "QBatchMatMul4", 8: "QBatchMatMul8"}  # one weight per head: A [H, M, K] -> [H, M, N]
 QROUTED_EXPERTS = {4: "QRoutedExperts4", 8: "QRoutedExperts8"}
-QGATHER = {4: "QGather4", 8: "QGather8"}
+QGATHER = {4: "QGather4", 6: "QGather6", 8: "QGather8"}
 ISA_LEVELS = ("scalar", "avx2", "avx512")  # MLA_DEPLOY_ISA's values, each level including the ones before it
 
 

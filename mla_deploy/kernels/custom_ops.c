@@ -14,14 +14,15 @@
  *                      rope float32 [b, cap, d_r], bias) -> float32 [b, h, d_c]   (latent_attention_q8.h;
  *                      Q8F16 / Q8BF16 with the rope cache in half precision; LatentAttentionLongQ8* likewise;
  *                      LatentAttentionChunkQ8*: the queries [b, T, h, ·] of a prefill chunk, bias [b, 1, T, cap])
- *   QMatMul4, QMatMul8 (A float32 [..., K], codes uint8 [G, KB, 2·B·bits], scales float16 [G, KB, 16]; attributes
- *                       K, N, block_size, accuracy_level) -> Y float32 [..., N]   (qmatmul.h: int4 / int8 weights)
+ *   QMatMul4, QMatMul6, QMatMul8 (A float32 [..., K], codes uint8 [G, KB, 2·B·bits], scales float16 [G, KB, 16];
+ *                       attributes K, N, block_size, accuracy_level) -> Y float32 [..., N]   (qmatmul.h: int4 / int6 /
+ *                       int8 weights)
  *   QBatchMatMul4, QBatchMatMul8 (A float32 [M, H, K], codes [H, G, KB, 2·B·bits], scales [H, G, KB, 16]; the same
  *                       attributes) -> Y float32 [M, H, N]: row m's head h times weight h (the per-head W^UK, W^UV)
  *   QRoutedExperts4, QRoutedExperts8 (X float32 [T, d], dispatch float32 [T, E], fc1 codes and scales, fc2 codes and
  *                       scales, each [E, ...] of qmatmul.h's layout; attributes block_size, accuracy_level) -> Y [T, d]
  *                       (qexperts.h)
- *   QGather4, QGather8 (ids int64 [...], codes, scales; attributes K, N, block_size) -> rows float32 [..., K]
+ *   QGather4, QGather6, QGather8 (ids int64 [...], codes, scales; attributes K, N, block_size) -> rows float32 [..., K]
  *                       (qgather.h: columns of W [K, N], a tied head's embedding rows)
  * registered by RegisterCustomOps, which onnxruntime calls on SessionOptions.register_custom_ops_library. The
  * arithmetic is strip_matmul.c's, routed_experts.c's, latent_attention.c's, qmatmul.c's, qexperts.c's and qgather.c's;
@@ -305,7 +306,7 @@ Q8_FUNCTIONS(chunk_q8_f32, STRIP_F32, "LatentAttentionChunkQ8")
 Q8_FUNCTIONS(chunk_q8_f16, STRIP_F16, "LatentAttentionChunkQ8F16")
 Q8_FUNCTIONS(chunk_q8_bf16, STRIP_BF16, "LatentAttentionChunkQ8BF16")
 
-/* ---------- the quantized ops: QMatMul4/8, QRoutedExperts4/8, QGather4/8 (qmatmul.h's layout) ---------- */
+/* ---------- the quantized ops: QMatMul4/6/8, QRoutedExperts4/8, QGather4/6/8 (qmatmul.h's layout) ---------- */
 
 /* a quantized op's node: its attributes and the instruction-set level, both read when onnxruntime creates it */
 typedef struct {
@@ -674,12 +675,14 @@ static size_t one(const OrtCustomOp *op) { (void)op; return 1; }
 static size_t three(const OrtCustomOp *op) { (void)op; return 3; }
 static size_t six(const OrtCustomOp *op) { (void)op; return 6; }
 static const char *name_qmatmul4(const OrtCustomOp *op) { (void)op; return "QMatMul4"; }
+static const char *name_qmatmul6(const OrtCustomOp *op) { (void)op; return "QMatMul6"; }
 static const char *name_qmatmul8(const OrtCustomOp *op) { (void)op; return "QMatMul8"; }
 static const char *name_qbatchmatmul4(const OrtCustomOp *op) { (void)op; return "QBatchMatMul4"; }
 static const char *name_qbatchmatmul8(const OrtCustomOp *op) { (void)op; return "QBatchMatMul8"; }
 static const char *name_qexperts4(const OrtCustomOp *op) { (void)op; return "QRoutedExperts4"; }
 static const char *name_qexperts8(const OrtCustomOp *op) { (void)op; return "QRoutedExperts8"; }
 static const char *name_qgather4(const OrtCustomOp *op) { (void)op; return "QGather4"; }
+static const char *name_qgather6(const OrtCustomOp *op) { (void)op; return "QGather6"; }
 static const char *name_qgather8(const OrtCustomOp *op) { (void)op; return "QGather8"; }
 static OrtCustomOpInputOutputCharacteristic required(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return INPUT_OUTPUT_REQUIRED; }
 static OrtMemType default_memory(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return OrtMemTypeDefault; }
@@ -723,12 +726,14 @@ static OrtCustomOp ops[] = {CPU_OP(name_f16, input_f16, two, compute_f16), CPU_O
                             CPU_OP(name_chunk_bf16, attention_bf16, five, compute_chunk_bf16)};
 static OrtCustomOp quantized_ops[] = {
     KERNEL_OP(name_qmatmul4, qmatmul_input, three, create_quantized, compute_qmatmul, destroy_quantized),
+    KERNEL_OP(name_qmatmul6, qmatmul_input, three, create_quantized, compute_qmatmul, destroy_quantized),
     KERNEL_OP(name_qmatmul8, qmatmul_input, three, create_quantized, compute_qmatmul, destroy_quantized),
     KERNEL_OP(name_qbatchmatmul4, qmatmul_input, three, create_quantized, compute_qbatchmatmul, destroy_quantized),
     KERNEL_OP(name_qbatchmatmul8, qmatmul_input, three, create_quantized, compute_qbatchmatmul, destroy_quantized),
     KERNEL_OP(name_qexperts4, qexperts_input, six, create_quantized, compute_qexperts, destroy_quantized),
     KERNEL_OP(name_qexperts8, qexperts_input, six, create_quantized, compute_qexperts, destroy_quantized),
     KERNEL_OP(name_qgather4, qgather_input, three, create_quantized, compute_qgather, destroy_quantized),
+    KERNEL_OP(name_qgather6, qgather_input, three, create_quantized, compute_qgather, destroy_quantized),
     KERNEL_OP(name_qgather8, qgather_input, three, create_quantized, compute_qgather, destroy_quantized),
     KERNEL_OP(name_q8_f32, q8_f32, six, create, compute_q8_f32, destroy),
     KERNEL_OP(name_q8_f16, q8_f16, six, create, compute_q8_f16, destroy),

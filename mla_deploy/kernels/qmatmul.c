@@ -4,8 +4,10 @@
  *   them), so vpdpbusd against 4 activation bytes broadcast to every lane adds one k-quad to 16 column sums;
  *   int4 runs become two such registers by a mask and a shift;
  * - AVX2: the same on 256-bit halves of a group (8 columns), vpmaddubsw + vpmaddwd instead of vpdpbusd: int4
- *   codes (0..15) times activations stay below 2^15 in 16-bit lanes for 8 quads, int8 codes go through
- *   vpsignb (|w| times a with w's sign) so that no 16-bit lane saturates.
+ *   codes (0..15) times activations stay below 2^15 in 16-bit lanes for 8 quads, int6 codes (0..63) for one,
+ *   int8 codes go through vpsignb (|w| times a with w's sign) so that no 16-bit lane saturates.
+ * int6 runs are an int4 run of the codes' low nibbles followed by their high 2 bits, four quads to a 64-byte piece
+ * (qmatmul.h): a mask, a shift and an or per quad on top of int4's unpacking.
  * The unsigned weight codes are the multiplicand vpdpbusd and vpmaddubsw want; each block's sum starts at the zero
  * point's share -z · sum(a), which qmatmul_quantize_row stores beside the codes (a load, not a multiply, per block).
  *
@@ -54,10 +56,13 @@ float qmatmul_half_to_float(uint16_t h) {
 /* ---------- plain C: the reference every path equals ---------- */
 
 /* the unsigned code of column c at k = kk of a block's run */
-static int code_at(const uint8_t *run, int bits, int kk, int c) {
+static int code_at(const uint8_t *run, int bits, int block, int kk, int c) {
     if (bits == 8) return run[kk / 4 * 64 + 4 * c + kk % 4];
     uint8_t byte = run[kk / 8 * 64 + 4 * c + kk % 4];
-    return kk % 8 < 4 ? byte & 0x0F : byte >> 4;
+    int nibble = kk % 8 < 4 ? byte & 0x0F : byte >> 4;
+    if (bits == 4) return nibble;
+    int quad = kk / 4; /* int6: its high 2 bits at bits 2 (quad % 4) of the high part's piece quad / 4 */
+    return nibble | ((run[8 * block + quad / 4 * 64 + 4 * c + kk % 4] >> (2 * (quad % 4))) & 3) << 4;
 }
 
 static void scalar_product(const QWeight *w, const QActs *a, int64_t r0, int64_t r1, int64_t g0, int64_t g1, float *y,
@@ -76,13 +81,13 @@ static void scalar_product(const QWeight *w, const QActs *a, int64_t r0, int64_t
                     if (a->level == 4) {
                         const int8_t *q = a->q + row * a->lda + j * block;
                         int32_t sum = 0;
-                        for (int kk = 0; kk < block; kk++) sum += (code_at(codes, w->bits, kk, c) - z) * q[kk];
+                        for (int kk = 0; kk < block; kk++) sum += (code_at(codes, w->bits, block, kk, c) - z) * q[kk];
                         acc[c] = fmaf((float)sum, ws * a->scale[row * w->kb + j], acc[c]);
                     } else {
                         const float *f = a->f + row * a->lda + j * block;
                         float sum = 0.0f;
                         for (int kk = 0; kk < block; kk++)
-                            sum = fmaf(f[kk], (float)(code_at(codes, w->bits, kk, c) - z), sum);
+                            sum = fmaf(f[kk], (float)(code_at(codes, w->bits, block, kk, c) - z), sum);
                         acc[c] = fmaf(sum, ws, acc[c]);
                     }
                 }
@@ -134,6 +139,24 @@ INLINE_AVX2 __m256 half_scales(const Tile *t, int i, int64_t j) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales_at(t, i / 2, j) + 8 * (i % 2))));
 }
 
+/* int6: the high 2 bits of int4 piece p's two quads (2p in the low nibbles, 2p + 1 in the high ones) from the high
+ * part's piece p / 2 (bits 2 (quad % 4)), moved to bits 4-5 of lo and hi; the masks keep every byte's bits its own */
+INLINE_AVX2 void high_bits_avx2(__m256i piece, int p, __m256i *lo, __m256i *hi) {
+    const __m256i bits45 = _mm256_set1_epi8(0x30);
+    __m256i l = p % 2 ? piece : _mm256_slli_epi16(piece, 4), h = p % 2 ? _mm256_srli_epi16(piece, 2) : _mm256_slli_epi16(piece, 2);
+    *lo = _mm256_or_si256(*lo, _mm256_and_si256(l, bits45));
+    *hi = _mm256_or_si256(*hi, _mm256_and_si256(h, bits45));
+}
+
+/* int6 quad qd of a level-0 tile as signed codes: its low nibbles (int4 piece qd / 2) and high 2 bits */
+INLINE_AVX2 __m256i int6_quad_avx2(const uint8_t *runs, int64_t stride, int i, int qd, int block) {
+    const __m256i low = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
+    __m256i v = load_half(runs, stride, i, 64 * (qd / 2)), piece = load_half(runs, stride, i, 8 * block + 64 * (qd / 4));
+    __m256i nibble = _mm256_and_si256(qd % 2 ? _mm256_srli_epi16(v, 4) : v, low);
+    __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(piece, 2 * (qd % 4)), three), 4);
+    return _mm256_sub_epi8(_mm256_or_si256(nibble, high), _mm256_set1_epi8(32));
+}
+
 INLINE_AVX2 void store_half(float *dst, __m256 v, int cols) { /* cols of 8 */
     if (cols >= 8) {
         _mm256_storeu_ps(dst, v);
@@ -156,7 +179,7 @@ INLINE_AVX2 void int_tile_avx2(const Tile *t, const int R, const int G, const in
         const uint8_t *wp = w->codes + (t->g * w->kb + j) * run;
         __m256i acc[MAX_TILE * 2];
         for (int r = 0; r < R; r++)
-            for (int i = 0; i < G * 2; i++) acc[r * G * 2 + i] = _mm256_set1_epi32(bits == 4 ? t->offset[r][j] : 0);
+            for (int i = 0; i < G * 2; i++) acc[r * G * 2 + i] = _mm256_set1_epi32(bits != 8 ? t->offset[r][j] : 0);
         if (bits == 4) { /* 16-bit partial sums, at most 8 quads (|sum| <= 8 · 2 · 15 · 127) before widening */
             for (int p0 = 0; p0 < block / 8; p0 += 4) {
                 __m256i part[MAX_TILE * 2];
@@ -177,6 +200,26 @@ INLINE_AVX2 void int_tile_avx2(const Tile *t, const int R, const int G, const in
                     }
                 }
                 for (int i = 0; i < R * G * 2; i++) acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(part[i], ones));
+            }
+        } else if (bits == 6) { /* widened every quad pair: 2 · 63 · 127 twice fills a 16-bit lane */
+            for (int p = 0; p < block / 8; p++) {
+                __m256i lo[4], hi[4];
+                for (int i = 0; i < G * 2; i += 2) {
+                    prefetch_ahead(wp + i / 2 * stride + 64 * p);
+                    if (p % 2 == 0) prefetch_ahead(wp + i / 2 * stride + 8 * block + 64 * (p / 2));
+                }
+                for (int i = 0; i < G * 2; i++) {
+                    __m256i v = load_half(wp, stride, i, 64 * p);
+                    lo[i] = _mm256_and_si256(v, low), hi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                    high_bits_avx2(load_half(wp, stride, i, 8 * block + 64 * (p / 2)), p, &lo[i], &hi[i]);
+                }
+                for (int r = 0; r < R; r++) {
+                    const int8_t *q = t->q[r] + j * block + 8 * p;
+                    __m256i a0 = _mm256_set1_epi32(load4(q)), a1 = _mm256_set1_epi32(load4(q + 4));
+                    for (int i = 0; i < G * 2; i++)
+                        acc[r * G * 2 + i] = _mm256_add_epi32(acc[r * G * 2 + i], _mm256_madd_epi16(_mm256_add_epi16(
+                            _mm256_maddubs_epi16(lo[i], a0), _mm256_maddubs_epi16(hi[i], a1)), ones));
+                }
             }
         } else { /* signed codes: |w| times a with w's sign, each product pair below 2^15 */
             for (int qd = 0; qd < block / 4; qd++) {
@@ -224,6 +267,8 @@ INLINE_AVX2 void float_tile_avx2(const Tile *t, const int R, const int G, const 
             for (int i = 0; i < G * 2; i++) {
                 if (bits == 8) {
                     quad[i] = _mm256_xor_si256(load_half(wp, stride, i, 64 * qd), flip);
+                } else if (bits == 6) {
+                    quad[i] = int6_quad_avx2(wp, stride, i, qd, block);
                 } else {
                     __m256i v = load_half(wp, stride, i, 64 * (qd / 2));
                     v = qd % 2 ? _mm256_srli_epi16(v, 4) : v;
@@ -255,6 +300,22 @@ INLINE_AVX2 void float_tile_avx2(const Tile *t, const int R, const int G, const 
 
 INLINE_AVX512 __m512 group_scales(const Tile *t, int g, int64_t j) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales_at(t, g, j)));
+}
+
+/* high_bits_avx2 and int6_quad_avx2 on whole groups */
+INLINE_AVX512 void high_bits_avx512(__m512i piece, int p, __m512i *lo, __m512i *hi) {
+    const __m512i bits45 = _mm512_set1_epi8(0x30);
+    __m512i l = p % 2 ? piece : _mm512_slli_epi16(piece, 4), h = p % 2 ? _mm512_srli_epi16(piece, 2) : _mm512_slli_epi16(piece, 2);
+    *lo = _mm512_or_si512(*lo, _mm512_and_si512(l, bits45));
+    *hi = _mm512_or_si512(*hi, _mm512_and_si512(h, bits45));
+}
+
+INLINE_AVX512 __m512i int6_quad_avx512(const uint8_t *run, int qd, int block) {
+    const __m512i low = _mm512_set1_epi8(0x0F), three = _mm512_set1_epi8(3);
+    __m512i v = _mm512_loadu_si512(run + 64 * (qd / 2)), piece = _mm512_loadu_si512(run + 8 * block + 64 * (qd / 4));
+    __m512i nibble = _mm512_and_si512(qd % 2 ? _mm512_srli_epi16(v, 4) : v, low);
+    __m512i high = _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(piece, 2 * (qd % 4)), three), 4);
+    return _mm512_sub_epi8(_mm512_or_si512(nibble, high), _mm512_set1_epi8(32));
 }
 
 INLINE_AVX512 void store_group(float *dst, __m512 v, int cols) {
@@ -294,6 +355,11 @@ INLINE_AVX512 void int_tile_avx512(const Tile *t, const int R, const int G, cons
                     prefetch_ahead(wp + g * stride + 64 * p);
                     __m512i v = _mm512_loadu_si512(wp + g * stride + 64 * p);
                     lo[g] = _mm512_and_si512(v, low), hi[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                    if (bits == 6) { /* the high 2 bits: the run's high part, a piece per two of int4's */
+                        const uint8_t *piece = wp + g * stride + 8 * block + 64 * (p / 2);
+                        if (p % 2 == 0) prefetch_ahead(piece);
+                        high_bits_avx512(_mm512_loadu_si512(piece), p, &lo[g], &hi[g]);
+                    }
                 }
                 for (int r = 0; r < R; r++) {
                     const int8_t *q = t->q[r] + j * block + 8 * p;
@@ -333,6 +399,8 @@ INLINE_AVX512 void float_tile_avx512(const Tile *t, const int R, const int G, co
             for (int g = 0; g < G; g++) {
                 if (bits == 8) {
                     quad[g] = _mm512_xor_si512(_mm512_loadu_si512(wp + g * stride + 64 * qd), flip);
+                } else if (bits == 6) {
+                    quad[g] = int6_quad_avx512(wp + g * stride, qd, block);
                 } else {
                     __m512i v = _mm512_loadu_si512(wp + g * stride + 64 * (qd / 2));
                     v = qd % 2 ? _mm512_srli_epi16(v, 4) : v;
@@ -384,20 +452,24 @@ typedef void (*TileFn)(const Tile *);
     X(avx2, TARGET_AVX2, 4, 1, BITS)
 
 SHAPES_AVX512(DEFINE_TILE, 4)
+SHAPES_AVX512(DEFINE_TILE, 6)
 SHAPES_AVX512(DEFINE_TILE, 8)
 SHAPES_AVX2(DEFINE_TILE, 4)
+SHAPES_AVX2(DEFINE_TILE, 6)
 SHAPES_AVX2(DEFINE_TILE, 8)
 
 static TileFn tile_fn(Isa isa, int level, int bits, int rows, int groups) {
     if (isa == ISA_AVX512) {
         switch (bits * 10000 + groups * 100 + rows) {
             SHAPES_AVX512(CASE_TILE, 4)
+            SHAPES_AVX512(CASE_TILE, 6)
             SHAPES_AVX512(CASE_TILE, 8)
             default: break;
         }
     } else {
         switch (bits * 10000 + groups * 100 + rows) {
             SHAPES_AVX2(CASE_TILE, 4)
+            SHAPES_AVX2(CASE_TILE, 6)
             SHAPES_AVX2(CASE_TILE, 8)
             default: break;
         }
@@ -415,7 +487,7 @@ static TileFn tile_fn(Isa isa, int level, int bits, int rows, int groups) {
 static void tile_shape(Isa isa, int bits, int64_t rows, int *r, int *g) {
     if (isa == ISA_AVX2) {
         *r = rows < 4 ? (int)rows : 4, *g = 1;
-    } else if (bits == 4 && rows <= 2) {
+    } else if (bits != 8 && rows <= 2) { /* int6's runs too */
         *r = (int)rows, *g = 1;
     } else if (rows <= 8) {
         *r = rows < 3 ? (int)rows : 3, *g = 4;

@@ -1,10 +1,12 @@
-/* Y = A @ W for float32 A and Y and a block-quantized W read as stored (export/layouts.py): int4 or int8 codes,
- * unsigned with zero point z = 2^(bits-1), one float16 scale per block of B values along K per output column,
- * columns in groups of 16, per group and block one contiguous run of 2·B·bits bytes:
+/* Y = A @ W for float32 A and Y and a block-quantized W read as stored (export/layouts.py): int4, int6 or int8
+ * codes, unsigned with zero point z = 2^(bits-1), one float16 scale per block of B values along K per output
+ * column, columns in groups of 16, per group and block one contiguous run of 2·B·bits bytes:
  *   codes  [G, KB, 2·B·bits]   G = ceil(N / 16), KB = ceil(K / B)
  *   scales [G, KB, 16]         float16
  * int8 run byte 64 q + 4 c + t: column c of the group at k = 4 q + t of the block; int4 run byte 64 p + 4 c + t:
- * low nibble k = 8 p + t, high nibble k = 8 p + 4 + t.
+ * low nibble k = 8 p + t, high nibble k = 8 p + 4 + t. int6 (the head, as llama.cpp's q6_K): the first 8·B bytes an
+ * int4 run of the codes' low nibbles, then byte 8 B + 64 h + 4 c + t holds in bits 2 i, 2 i + 1 the high 2 bits of
+ * the code at k = 4 (4 h + i) + t.
  *
  * Two numeric modes (onnxruntime MatMulNBits' accuracy_level):
  *   0: float activations; per block and column the sum of a · (code - z) in float32 (k ascending, one fused
@@ -27,7 +29,7 @@
 #define QMAX_BLOCK 128
 
 typedef struct {
-    int bits, block;         /* 4 or 8; 16, 32, 64 or 128 */
+    int bits, block;         /* 4, 6 or 8; 16, 32, 64 or 128 */
     int64_t k, n;            /* W [k, n] */
     int64_t kb, groups;      /* ceil(k / block), ceil(n / 16) */
     const uint8_t *codes;    /* [groups, kb, 2 * block * bits] */
