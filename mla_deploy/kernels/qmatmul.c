@@ -481,13 +481,15 @@ static TileFn tile_fn(Isa isa, int level, int bits, int rows, int groups) {
  * int4, block 32): up to 8 rows (batched decode, the weights streamed from memory) 3 x 4 tiles keep 4 streams of
  * runs in flight and ran 10 % faster than 6 x 2 or 8 x 1; more rows (prefill, the column tile's runs in L1/L2 for
  * every row tile) 6 x 2 ran at 73 % of one vpdpbusd per cycle against 68 % for 12 x 1 and 64 % for 8 x 1. One or
- * two rows of int4 (decode) read one group at a time instead, a single stream through the weight: on one Zen 5
- * core from memory (benchmarks/qmatmul_core.c, K 2048 and 1408, 64 MiB) 28-32 GB/s against 20-28 GB/s for 4
- * groups; int8's runs, twice as long, stream as well in 4 groups (30-33 against 26-29 GB/s for 1). */
-static void tile_shape(Isa isa, int bits, int64_t rows, int *r, int *g) {
+ * two rows (decode, and most routed experts' rows) read one group at a time instead, a single stream through the
+ * weight that prefetch_ahead runs ahead of: on one Zen 5 core from memory (benchmarks/qmatmul_core.c, K 2048 and
+ * 1408, 64-400 MB) int4 28-32 GB/s against 20-28 GB/s for 4 groups (before the prefetch; 38 GB/s with it), int8
+ * 32-38 against 30-35 GB/s with the prefetch (6 of 6 runs; without it 4 groups had been ahead); the int4 v2lite-2L
+ * decode step, whose head is int8, 0.75-0.97x the time at batch 1 (6 of 6 alternating pairs). */
+static void tile_shape(Isa isa, int64_t rows, int *r, int *g) {
     if (isa == ISA_AVX2) {
         *r = rows < 4 ? (int)rows : 4, *g = 1;
-    } else if (bits != 8 && rows <= 2) { /* int6's runs too */
+    } else if (rows <= 2) {
         *r = (int)rows, *g = 1;
     } else if (rows <= 8) {
         *r = rows < 3 ? (int)rows : 3, *g = 4;
@@ -504,7 +506,7 @@ void qmatmul_rows_groups(Isa isa, const QWeight *w, const QActs *a, int64_t r0, 
         return;
     }
     int main_rows, main_groups;
-    tile_shape(isa, w->bits, r1 - r0, &main_rows, &main_groups);
+    tile_shape(isa, r1 - r0, &main_rows, &main_groups);
     Tile t = {.w = w, .level = a->level};
     for (int64_t g = g0; g < g1;) {
         int groups = main_groups;
