@@ -279,7 +279,9 @@ def main() -> int:
 
     from mla_deploy.bench.bandwidth import matmul_read_gbs
 
-    results = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "cpu": cpu_model(), "threads": args.threads,
+    # "time" (UTC, the measurement's start) orders two runs of one day: the README shows the later
+    results = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "time": time.strftime("%H:%M", time.gmtime()),
+               "cpu": cpu_model(), "threads": args.threads,
                "bandwidth_gbs": matmul_read_gbs(args.threads), "checkpoint": str(checkpoint),
                "command": " ".join(sys.argv), **({"note": args.note} if args.note else {}), "pairs": []}
     for kind, precision in pairs:  # interleaved: each pair back to back

@@ -1,14 +1,20 @@
 /* How fast this machine's cores can stream memory at all: a plain read loop (512-bit loads, four independent
- * chains, nothing computed) over 256 MiB split between THREADS threads, five runs. The ceiling a bandwidth-bound
- * decode step is held to; onnxruntime's MatMul probe (mla_deploy.bench.bandwidth) measures a real product instead.
+ * chains, nothing computed, the lines asked for PREFETCH_BYTES ahead as the kernels do) over 256 MiB split between
+ * THREADS threads, five runs. The ceiling a bandwidth-bound decode step is held to; onnxruntime's MatMul probe
+ * (mla_deploy.bench.bandwidth) measures a real product instead.
  *
  *   gcc -O3 -pthread benchmarks/read_bandwidth.c -o /tmp/read_bandwidth && /tmp/read_bandwidth [THREADS]
+ *   (-DPREFETCH_BYTES=0: the hardware prefetchers alone)
  */
 #include <immintrin.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
+
+#ifndef PREFETCH_BYTES /* as the quantized kernels ask for their weights (qmatmul.c); -DPREFETCH_BYTES=0: none */
+#define PREFETCH_BYTES 2048
+#endif
 
 typedef struct {
     const char *p;
@@ -26,6 +32,7 @@ __attribute__((target("avx512f"))) static void *read_slice(void *arg) {
     Slice *s = arg;
     __m512i a = _mm512_setzero_si512(), b = a;
     for (long i = 0; i < s->n; i += 256) {
+        for (int line = 0; line < 256; line += 64) _mm_prefetch(s->p + i + PREFETCH_BYTES + line, _MM_HINT_T0);
         a = _mm512_xor_si512(a, _mm512_xor_si512(_mm512_load_si512(s->p + i), _mm512_load_si512(s->p + i + 128)));
         b = _mm512_xor_si512(b, _mm512_xor_si512(_mm512_load_si512(s->p + i + 64), _mm512_load_si512(s->p + i + 192)));
     }

@@ -92,7 +92,8 @@ def test_summary_table_names_date_and_machine_of_each_row():
     table = _figures_module().llamacpp_summary()
     rows = [line for line in table.splitlines()[2:] if line.startswith("|")]
     assert [row.split("|")[1].strip() for row in rows] == [
-        "int8 vs q8_0", "int4 vs q4_0", "int4 `--head-bits 4` vs q4_0", "float16 vs f16"]
+        "int8 vs q8_0", "int4 vs q4_0", "int4 `--head-bits 6` vs q4_0", "int4 `--head-bits 4` vs q4_0",
+        "float16 vs f16"]
     for row in rows:
         assert re.search(r"\| \d{4}-\d{2}-\d{2}, [^|]*\d+ threads", row), row
 
@@ -115,6 +116,12 @@ def test_summary_picks_the_latest_file_for_each_precision(tmp_path):
     (tmp_path / "llamacpp.json").write_text(
         f'{{"date": "2026-01-02", "cpu": "A", "threads": 2, "pairs": [{_json(pair)}]}}')
     assert figures.llamacpp_pairs(tmp_path)["int8"]["date"] == "2026-01-02"
+    # two runs of one day: the later by its start time, however many pairs each holds
+    (tmp_path / "llamacpp.json").write_text(f'{{"date": "2026-01-02", "time": "09:30", "cpu": "A", "threads": 2, '
+                                            f'"pairs": [{_json(pair)}, {_json({**pair, "mla_deploy": "x"})}]}}')
+    (tmp_path / "llamacpp-q8_0.json").write_text(
+        f'{{"date": "2026-01-02", "time": "08:00", "cpu": "B", "threads": 4, "pairs": [{_json(later)}]}}')
+    assert figures.llamacpp_pairs(tmp_path)["int8"]["machine"] == "A, 2 threads"
 
 
 def test_gpu_row_counts_failed_verifies_and_says_what_was_not_measured(tmp_path):
