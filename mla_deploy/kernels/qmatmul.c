@@ -143,7 +143,8 @@ INLINE_AVX2 __m256 half_scales(const Tile *t, int i, int64_t j) {
  * part's piece p / 2 (bits 2 (quad % 4)), moved to bits 4-5 of lo and hi; the masks keep every byte's bits its own */
 INLINE_AVX2 void high_bits_avx2(__m256i piece, int p, __m256i *lo, __m256i *hi) {
     const __m256i bits45 = _mm256_set1_epi8(0x30);
-    __m256i l = p % 2 ? piece : _mm256_slli_epi16(piece, 4), h = p % 2 ? _mm256_srli_epi16(piece, 2) : _mm256_slli_epi16(piece, 2);
+    __m256i l = p % 2 ? piece : _mm256_slli_epi16(piece, 4);
+    __m256i h = p % 2 ? _mm256_srli_epi16(piece, 2) : _mm256_slli_epi16(piece, 2);
     *lo = _mm256_or_si256(*lo, _mm256_and_si256(l, bits45));
     *hi = _mm256_or_si256(*hi, _mm256_and_si256(h, bits45));
 }
@@ -151,7 +152,8 @@ INLINE_AVX2 void high_bits_avx2(__m256i piece, int p, __m256i *lo, __m256i *hi) 
 /* int6 quad qd of a level-0 tile as signed codes: its low nibbles (int4 piece qd / 2) and high 2 bits */
 INLINE_AVX2 __m256i int6_quad_avx2(const uint8_t *runs, int64_t stride, int i, int qd, int block) {
     const __m256i low = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
-    __m256i v = load_half(runs, stride, i, 64 * (qd / 2)), piece = load_half(runs, stride, i, 8 * block + 64 * (qd / 4));
+    __m256i v = load_half(runs, stride, i, 64 * (qd / 2));
+    __m256i piece = load_half(runs, stride, i, 8 * block + 64 * (qd / 4));
     __m256i nibble = _mm256_and_si256(qd % 2 ? _mm256_srli_epi16(v, 4) : v, low);
     __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(piece, 2 * (qd % 4)), three), 4);
     return _mm256_sub_epi8(_mm256_or_si256(nibble, high), _mm256_set1_epi8(32));
@@ -305,7 +307,8 @@ INLINE_AVX512 __m512 group_scales(const Tile *t, int g, int64_t j) {
 /* high_bits_avx2 and int6_quad_avx2 on whole groups */
 INLINE_AVX512 void high_bits_avx512(__m512i piece, int p, __m512i *lo, __m512i *hi) {
     const __m512i bits45 = _mm512_set1_epi8(0x30);
-    __m512i l = p % 2 ? piece : _mm512_slli_epi16(piece, 4), h = p % 2 ? _mm512_srli_epi16(piece, 2) : _mm512_slli_epi16(piece, 2);
+    __m512i l = p % 2 ? piece : _mm512_slli_epi16(piece, 4);
+    __m512i h = p % 2 ? _mm512_srli_epi16(piece, 2) : _mm512_slli_epi16(piece, 2);
     *lo = _mm512_or_si512(*lo, _mm512_and_si512(l, bits45));
     *hi = _mm512_or_si512(*hi, _mm512_and_si512(h, bits45));
 }
