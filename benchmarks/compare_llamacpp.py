@@ -19,7 +19,7 @@ benchmarks/work/llamacpp) by this script, step by step, each step skipped when i
 
 Then, per precision pair (f32 / float32, q8_0 / int8, q4_0 / int4, int4-head6, int4-head4, f16 / float16), llama-bench
 (`-p 512` and `-n 32 -d CTX`, flash attention on, batch 1) and our runtime run one after the other with the
-same thread count: prefill of 512 tokens, and decode tokens/s at contexts 128 / 4096 / 16384; at batch 8,
+same thread count, each engine's weights file read once right before its timings (page_in): prefill of 512 tokens, and decode tokens/s at contexts 128 / 4096 / 16384; at batch 8,
 llama-batched-bench's generation speed beside our batch-8 decode step. Printed as one table with the ratios
 (ours / llama.cpp), the file sizes, the CPU model and a bandwidth probe; results.json and a chart in WORK. A second
 table gives, for our exports, the weight and cache bytes one decode token reads at each context (`inspect`'s count)
@@ -286,11 +286,13 @@ def main() -> int:
                "command": " ".join(sys.argv), **({"note": args.note} if args.note else {}), "pairs": []}
     for kind, precision in pairs:  # interleaved: each pair back to back
         log(f"llama.cpp {kind}")
+        page_in(ggufs[kind])
         theirs = llama_bench(bins, ggufs[kind], args.threads, contexts)
         theirs["batch8_128"] = llama_batched(bins, ggufs[kind], args.threads)
         pair = {"llama.cpp": kind, "theirs": theirs, "gguf_gb": ggufs[kind].stat().st_size / 1e9}
         if precision is not None:
             log(f"mla-deploy {precision}")
+            page_in(exports[precision] / "weights.bin")
             pair.update(ours=ours_bench(exports[precision], args.threads, contexts), mla_deploy=precision,
                         weights_gb=(exports[precision] / "weights.bin").stat().st_size / 1e9,
                         read_bytes={ctx: read_bytes_per_token(exports[precision], ctx) for ctx in contexts})
@@ -299,6 +301,20 @@ def main() -> int:
     print_table(results, contexts)
     chart(results, contexts, models / "results.png")
     return 0
+
+
+def page_in(path: Path) -> None:
+    """Read `path` once, so that the engine about to be timed finds its weights in the page cache: the full-size
+    V2-Lite's GGUF and export (18.4 GB together) do not both fit beside each other in 23 GB, and whichever ran last
+    would otherwise start with the other's pages resident and pay major faults inside its timings."""
+    start = time.time()
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(PAGE_IN_BUFFER):
+            pass
+    log(f"paged in {path.name} ({path.stat().st_size / 1e9:.2f} GB) in {time.time() - start:.1f} s")
+
+
+PAGE_IN_BUFFER = bytearray(1 << 24)
 
 
 def chart(results: dict, contexts: list[int], path: Path) -> None:
