@@ -17,13 +17,14 @@ benchmarks/work/llamacpp) by this script, step by step, each step skipped when i
      whose file is about q4_0's size: llama.cpp keeps q4_0's output layer at q6_K) and float16 exports of the
      same checkpoint.
 
-Then, per precision pair (f32 / float32, q8_0 / int8, q4_0 / int4, int4-head6, int4-head4, f16 / float16), llama-bench
-(`-p 512` and `-n 32 -d CTX`, flash attention on, batch 1) and our runtime run one after the other with the
-same thread count, each engine's weights file read once right before its timings (page_in): prefill of 512 tokens, and decode tokens/s at contexts 128 / 4096 / 16384; at batch 8,
-llama-batched-bench's generation speed beside our batch-8 decode step. Printed as one table with the ratios
-(ours / llama.cpp), the file sizes, the CPU model and a bandwidth probe; results.json and a chart in WORK. A second
-table gives, for our exports, the weight and cache bytes one decode token reads at each context (`inspect`'s count)
-and the fraction of the probed bandwidth that tokens/s x bytes reaches.
+Then, per precision pair (f32 / float32, q8_0 / int8, q4_0 / int4, int4-head6, int4-head4, f16 / float16),
+llama-bench (`-p 512` and `-n 32 -d CTX`, flash attention on, batch 1) and our runtime run one after the other with
+the same thread count, each engine's weights file read once right before its timings (page_in): prefill of 512
+tokens, and decode tokens/s at contexts 128 / 4096 / 16384; at batch 8, llama-batched-bench's generation speed
+beside our batch-8 decode step. Printed as one table with the ratios (ours / llama.cpp), the file sizes, the CPU
+model and a bandwidth probe; results.json and a chart in WORK. A second table gives, for our exports, the weight
+and cache bytes one decode token reads at each context (`inspect`'s count) and the fraction of the probed bandwidth
+that tokens/s x bytes reaches.
 
     .venv/bin/python benchmarks/compare_llamacpp.py [--checkpoint DIR | --preset v2lite-2L] [--threads 2]
         [--contexts 128,4096,16384] [--workdir benchmarks/work/llamacpp] [--models DIR] [--convert f32|q8_0]
