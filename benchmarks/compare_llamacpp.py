@@ -12,10 +12,9 @@ benchmarks/work/llamacpp) by this script, step by step, each step skipped when i
      the vocabulary to vocab_size), and that tokenizer's pre-tokenizer hash is unknown to the converter, so it is
      mapped to "gpt-2" (the same byte-level pre-tokenization); `q_lora_rank: null` is written as 0;
   4. quantize: the f32 GGUF to q8_0, q4_0 and f16 with llama-quantize;
-  5. ours: float32, int8 and int4 (block 32; the embedding and output layer at 8 bits, at 6 in int4-head6 (as q4_0's
-     q6_K output layer), or at 4 in int4-head4,
-     whose file is about q4_0's size: llama.cpp keeps q4_0's output layer at q6_K) and float16 exports of the
-     same checkpoint.
+  5. ours: float32, int8 and int4 (block 32; the embedding and output layer at 8 bits, at 6 in int4-head6, the
+     bytes of q4_0's q6_K output layer, or at 4 in int4-head4, whose file is about q4_0's size) and float16 exports
+     of the same checkpoint.
 
 Then, per precision pair (f32 / float32, q8_0 / int8, q4_0 / int4, int4-head6, int4-head4, f16 / float16),
 llama-bench (`-p 512` and `-n 32 -d CTX`, flash attention on, batch 1) and our runtime run one after the other with
