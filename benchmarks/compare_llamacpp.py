@@ -307,14 +307,11 @@ def page_in(path: Path) -> None:
     """Read `path` once, so that the engine about to be timed finds its weights in the page cache: the full-size
     V2-Lite's GGUF and export (18.4 GB together) do not both fit beside each other in 23 GB, and whichever ran last
     would otherwise start with the other's pages resident and pay major faults inside its timings."""
-    start = time.time()
+    start, buffer = time.time(), bytearray(1 << 24)
     with open(path, "rb", buffering=0) as f:
-        while f.readinto(PAGE_IN_BUFFER):
+        while f.readinto(buffer):
             pass
     log(f"paged in {path.name} ({path.stat().st_size / 1e9:.2f} GB) in {time.time() - start:.1f} s")
-
-
-PAGE_IN_BUFFER = bytearray(1 << 24)
 
 
 def chart(results: dict, contexts: list[int], path: Path) -> None:

@@ -184,7 +184,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     if args.text_itself:
-        texts = iter(text_itself(args.export, args.prompt, args.runs, args.max_new_tokens))
+        texts = text_itself(args.export, args.prompt, args.runs, args.max_new_tokens)
     else:
         from mla_deploy.runtime import ExportedModel
         from mla_deploy.runtime.complete import complete

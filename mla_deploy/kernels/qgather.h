@@ -1,8 +1,7 @@
 /* Rows of a quantized embedding read where they lie: out[i] = column ids[i] of W [K, N] in qmatmul.h's layout,
  * dequantized. A tied embedding is the head's W = Eᵀ [d, V] (column v is token v's row), so the embedding and the
- * head share one copy of the codes; a separate embedding table is stored the same way. Plain C: each id reads K / 4
- * (int8) or K / 8 (int4) 4-byte pieces of its group's runs, a few KiB per token. custom_ops.c wires it to
- * onnxruntime as QGather. */
+ * head share one copy of the codes; a separate embedding table is stored the same way. Plain C: each id reads its
+ * column's bytes of its group's runs, a few KiB per token. custom_ops.c wires it to onnxruntime as QGather. */
 #ifndef MLA_DEPLOY_QGATHER_H
 #define MLA_DEPLOY_QGATHER_H
 

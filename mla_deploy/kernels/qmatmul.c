@@ -55,16 +55,6 @@ float qmatmul_half_to_float(uint16_t h) {
 
 /* ---------- plain C: the reference every path equals ---------- */
 
-/* the unsigned code of column c at k = kk of a block's run */
-static int code_at(const uint8_t *run, int bits, int block, int kk, int c) {
-    if (bits == 8) return run[kk / 4 * 64 + 4 * c + kk % 4];
-    uint8_t byte = run[kk / 8 * 64 + 4 * c + kk % 4];
-    int nibble = kk % 8 < 4 ? byte & 0x0F : byte >> 4;
-    if (bits == 4) return nibble;
-    int quad = kk / 4; /* int6: its high 2 bits at bits 2 (quad % 4) of the high part's piece quad / 4 */
-    return nibble | ((run[8 * block + quad / 4 * 64 + 4 * c + kk % 4] >> (2 * (quad % 4))) & 3) << 4;
-}
-
 static void scalar_product(const QWeight *w, const QActs *a, int64_t r0, int64_t r1, int64_t g0, int64_t g1, float *y,
                            int64_t ldy) {
     const int64_t run = qweight_run_bytes(w);
@@ -81,13 +71,13 @@ static void scalar_product(const QWeight *w, const QActs *a, int64_t r0, int64_t
                     if (a->level == 4) {
                         const int8_t *q = a->q + row * a->lda + j * block;
                         int32_t sum = 0;
-                        for (int kk = 0; kk < block; kk++) sum += (code_at(codes, w->bits, block, kk, c) - z) * q[kk];
+                        for (int kk = 0; kk < block; kk++) sum += (qweight_code(codes, w->bits, block, kk, c) - z) * q[kk];
                         acc[c] = fmaf((float)sum, ws * a->scale[row * w->kb + j], acc[c]);
                     } else {
                         const float *f = a->f + row * a->lda + j * block;
                         float sum = 0.0f;
                         for (int kk = 0; kk < block; kk++)
-                            sum = fmaf(f[kk], (float)(code_at(codes, w->bits, block, kk, c) - z), sum);
+                            sum = fmaf(f[kk], (float)(qweight_code(codes, w->bits, block, kk, c) - z), sum);
                         acc[c] = fmaf(sum, ws, acc[c]);
                     }
                 }

@@ -50,6 +50,17 @@ typedef struct {
 /* bytes of one group's run of one block */
 static inline int64_t qweight_run_bytes(const QWeight *w) { return 2 * (int64_t)w->block * w->bits; }
 
+/* the unsigned code of column c (of 16) at k = kk of one block's run: the layout above, one value at a time (the
+ * plain C product and QGather read it so) */
+static inline int qweight_code(const uint8_t *run, int bits, int block, int kk, int c) {
+    if (bits == 8) return run[kk / 4 * 64 + 4 * c + kk % 4];
+    uint8_t byte = run[kk / 8 * 64 + 4 * c + kk % 4];
+    int nibble = kk % 8 < 4 ? byte & 0x0F : byte >> 4;
+    if (bits == 4) return nibble;
+    int quad = kk / 4; /* int6: its high 2 bits at bits 2 (quad % 4) of the high part's piece quad / 4 */
+    return nibble | ((run[8 * block + quad / 4 * 64 + 4 * c + kk % 4] >> (2 * (quad % 4))) & 3) << 4;
+}
+
 /* Level 4: row a[0 .. k) quantized into q [kb * block] (zero past k), scale [kb] and offset [kb] (for weights whose
  * zero point is `zero`). */
 void qmatmul_quantize_row(Isa isa, const float *a, int64_t k, int block, int zero, int8_t *q, float *scale,
