@@ -12,11 +12,11 @@ benchmarks/work/llamacpp) by this script, step by step, each step skipped when i
      the vocabulary to vocab_size), and that tokenizer's pre-tokenizer hash is unknown to the converter, so it is
      mapped to "gpt-2" (the same byte-level pre-tokenization); `q_lora_rank: null` is written as 0;
   4. quantize: the f32 GGUF to q8_0, q4_0 and f16 with llama-quantize;
-  5. ours: float32, int8 and int4 (block 32; the embedding and output layer at 8 bits, at 6 in int4-head6, the
-     bytes of q4_0's q6_K output layer, or at 4 in int4-head4, whose file is about q4_0's size) and float16 exports
-     of the same checkpoint.
+  5. ours: float32, int8 and int4 (block 32; the embedding and output layer at the export's default bits: 8 in
+     int8, 6 in int4, the bytes of q4_0's q6_K output layer; at 8 in int4-head8, or at 4 in int4-head4, whose file
+     is about q4_0's size) and float16 exports of the same checkpoint.
 
-Then, per precision pair (f32 / float32, q8_0 / int8, q4_0 / int4, int4-head6, int4-head4, f16 / float16),
+Then, per precision pair (f32 / float32, q8_0 / int8, q4_0 / int4, int4-head8, int4-head4, f16 / float16),
 llama-bench (`-p 512` and `-n 32 -d CTX`, flash attention on, batch 1) and our runtime run one after the other with
 the same thread count, each engine's weights file read once right before its timings (page_in): prefill of 512
 tokens, and decode tokens/s at contexts 128 / 4096 / 16384; at batch 8, llama-batched-bench's generation speed
@@ -30,7 +30,8 @@ that tokens/s x bytes reaches.
         [--pairs f32,q8_0,q4_0,f16] [--ours int4,int4-head4,...] [--note TEXT]
 
 --pairs runs a subset (by llama.cpp's name of the precision); its results.json and chart then hold only those;
---ours keeps only those of our exports in them (q4_0 pairs with int4, int4-head6 and int4-head4).
+--ours keeps only those of our exports in them (q4_0 pairs with int4, int4-head8 and int4-head4).
+--prepare-only makes everything the timings need and stops (run it outside the timing lock).
 --models puts the checkpoint, GGUF files, exports and results in DIR instead of WORK (the build stays in WORK).
 --convert q8_0 has the converter write q8_0 directly and requantizes the other kinds from it (llama-quantize
 --allow-requantize; f32 and f16 are then refused): the full-size V2-Lite's f32 GGUF would take 63 GB of disk,
@@ -58,11 +59,11 @@ sys.path.insert(0, str(ROOT))
 
 SDIST = "llama-cpp-python==0.3.36"
 TARGETS = ("llama-bench", "llama-quantize", "llama-batched-bench")
-PAIRS = (("f32", "float32"), ("q8_0", "int8"), ("q4_0", "int4"), ("q4_0", "int4-head6"), ("q4_0", "int4-head4"),
+PAIRS = (("f32", "float32"), ("q8_0", "int8"), ("q4_0", "int4"), ("q4_0", "int4-head8"), ("q4_0", "int4-head4"),
          ("f16", "float16"))
 EXPORTS = {  # our exports, by name: ExportOptions beyond block 32
     "float32": {}, "int8": {"quantize": "int8"}, "int4": {"quantize": "int4"},
-    "int4-head6": {"quantize": "int4", "head_bits": 6},  # embedding and head at 6 bits: q4_0's q6_K output layer
+    "int4-head8": {"quantize": "int4", "head_bits": 8},  # embedding and head at 8 bits: the least quality lost
     "int4-head4": {"quantize": "int4", "head_bits": 4},  # embedding and head at 4 bits too: about q4_0's file size
     "float16": {"dtype": "float16"},
 }
@@ -254,6 +255,8 @@ def main() -> int:
     ap.add_argument("--ours", default=None, help="our exports to run in those pairs (default: every one): for "
                     "example int4 alone where the disk holds one full-size export")
     ap.add_argument("--note", default="", help="what the results file should say about the run (the machine's load)")
+    ap.add_argument("--prepare-only", action="store_true", help="build, convert and export, then stop: the steps "
+                    "that need no quiet machine, outside the timing lock")
     args = ap.parse_args()
     pairs = [(kind, ours) for kind, ours in PAIRS if kind in args.pairs.split(",")
              and (args.ours is None or ours in args.ours.split(","))]
@@ -276,6 +279,8 @@ def main() -> int:
     ggufs = gguf_files(models, tree, bins, converter_python(work), checkpoint, tuple(kind for kind, _ in pairs),
                        args.convert)
     exports = our_exports(models, checkpoint, tuple(ours for _, ours in pairs))
+    if args.prepare_only:
+        return 0
 
     from mla_deploy.bench.bandwidth import matmul_read_gbs
 
@@ -293,7 +298,9 @@ def main() -> int:
         if precision is not None:
             log(f"mla-deploy {precision}")
             page_in(exports[precision] / "weights.bin")
+            quantization = json.loads((exports[precision] / "manifest.json").read_text())["quantization"]
             pair.update(ours=ours_bench(exports[precision], args.threads, contexts), mla_deploy=precision,
+                        head_bits=quantization["head_bits"] if quantization else None,
                         weights_gb=(exports[precision] / "weights.bin").stat().st_size / 1e9,
                         read_bytes={ctx: read_bytes_per_token(exports[precision], ctx) for ctx in contexts})
         results["pairs"].append(pair)

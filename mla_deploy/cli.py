@@ -115,10 +115,10 @@ def main(ctx, debug):
                    "reading the weights where they lie (one copy for both graphs; stock-ONNX bodies elsewhere); "
                    "onnxruntime is its MatMulNBits / GatherBlockQuantized / QMoE, prepacked per session (CPU and "
                    "CUDA kernels of its own; docs/precision.md).")
-@click.option("--head-bits", type=click.Choice(["4", "6", "8"]), default="8", show_default=True,
-              help="A quantized export's embedding and output layer: 8 loses least quality, 6 reads as many bytes as "
-                   "llama.cpp's q6_K output layer, 4 makes the smallest file and the fastest decode "
-                   "(docs/precision.md).")
+@click.option("--head-bits", type=click.Choice(["auto", "4", "6", "8"]), default="auto", show_default=True,
+              help="A quantized export's embedding and output layer: auto is 6 for int4 (as many bytes as llama.cpp's "
+                   "q6_K output layer) and 8 for int8 or --quantized-ops onnxruntime; 8 loses least quality, 4 makes "
+                   "the smallest file and the fastest decode (docs/precision.md).")
 @click.option("--experts", type=click.Choice(["auto", "kernel", "qmoe", "moe", "branches"]), default="auto",
               show_default=True,
               help="How MoE layers run their routed experts: auto picks mla-deploy's kernel (QRoutedExperts for "
@@ -155,7 +155,8 @@ def export(checkpoint, out, absorb, dtype, compute, cache_dtype, max_seq_len, no
             raise MLADeployError(f"verification failed ({report.lines[-1]}); nothing was written")
 
     options = ExportOptions(absorb=absorb, dtype=dtype, max_seq_len=max_seq_len, force=force, quantize=quantize,
-                            block_size=int(block_size), accuracy_level=int(accuracy_level), head_bits=int(head_bits),
+                            block_size=int(block_size), accuracy_level=int(accuracy_level),
+                            head_bits=None if head_bits == "auto" else int(head_bits),
                             quantized_ops=quantized_ops, experts=experts, decode_attention=decode_attention,
                             cache_dtype=cache_dtype, draft=not no_draft, stages=stages, compute=compute)
     run_export(checkpoint, out, options, progress=progress, verify=None if no_verify else verify)

@@ -38,10 +38,13 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
 
-SUMMARY_ORDER = ("int8", "int4", "int4-head6", "int4-head4", "float16")  # our precisions' names, as in the JSON
+SUMMARY_ORDER = ("int8", "int4", "int4-head8", "int4-head4", "float16")  # our precisions' names, as in the JSON
+# A pair that records no "head_bits" names its int4 exports by their heads as its file's command made them: "int4"
+# with the embedding and head at 8 bits, "int4-head6" at 6 (int4's default head).
+NAMES_WITHOUT_HEAD_BITS = {"int4": "int4-head8", "int4-head6": "int4"}
 COLUMNS = (("prefill_512", "prefill 512"), ("decode_128", "decode, ctx 128"), ("decode_4096", "ctx 4096"),
            ("decode_16384", "ctx 16384"), ("batch8_128", "batch 8, ctx 128"))
-LABELS = {"int4-head6": "int4 `--head-bits 6`", "int4-head4": "int4 `--head-bits 4`"}
+LABELS = {"int4-head8": "int4 `--head-bits 8`", "int4-head4": "int4 `--head-bits 4`"}
 BLOCK = re.compile(r"(<!-- figures: (?P<name>[\w-]+)[^>]*-->\n)(?P<body>.*?)(<!-- /figures -->)", re.S)
 
 
@@ -77,9 +80,13 @@ def llamacpp_pairs(results: Path = RESULTS, pattern: str = "llamacpp*.json") -> 
         data = json.loads(path.read_text())
         day = measured_on(path, data)
         for pair in data["pairs"]:
+            if "mla_deploy" not in pair:
+                continue
+            name = pair["mla_deploy"] if "head_bits" in pair else NAMES_WITHOUT_HEAD_BITS.get(pair["mla_deploy"],
+                                                                                          pair["mla_deploy"])
             key = (day, data.get("time", ""), -len(data["pairs"]))  # the later run of a day, else the narrower
-            if pair["mla_deploy"] not in best or key > best[pair["mla_deploy"]][0]:
-                best[pair["mla_deploy"]] = (key, {**pair, "date": day, "machine": machine(data), "source": path.name})
+            if name not in best or key > best[name][0]:
+                best[name] = (key, {**pair, "date": day, "machine": machine(data), "source": path.name})
     return {name: entry for name, (_, entry) in best.items()}
 
 

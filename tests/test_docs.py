@@ -92,7 +92,7 @@ def test_summary_table_names_date_and_machine_of_each_row():
     table = _figures_module().llamacpp_summary()
     rows = [line for line in table.splitlines()[2:] if line.startswith("|")]
     assert [row.split("|")[1].strip() for row in rows] == [
-        "int8 vs q8_0", "int4 vs q4_0", "int4 `--head-bits 6` vs q4_0", "int4 `--head-bits 4` vs q4_0",
+        "int8 vs q8_0", "int4 vs q4_0", "int4 `--head-bits 8` vs q4_0", "int4 `--head-bits 4` vs q4_0",
         "float16 vs f16"]
     for row in rows:
         assert re.search(r"\| \d{4}-\d{2}-\d{2}, [^|]*\d+ threads", row), row
@@ -122,6 +122,22 @@ def test_summary_picks_the_latest_file_for_each_precision(tmp_path):
     (tmp_path / "llamacpp-q8_0.json").write_text(
         f'{{"date": "2026-01-02", "time": "08:00", "cpu": "B", "threads": 4, "pairs": [{_json(later)}]}}')
     assert figures.llamacpp_pairs(tmp_path)["int8"]["machine"] == "A, 2 threads"
+
+
+def test_int4_pairs_are_named_by_their_heads_bits(tmp_path):
+    """A pair that records its head's bits keeps its name; one that does not was named by its file's command, where
+    "int4" held the 8-bit head and "int4-head6" the 6-bit one (int4's default)."""
+    figures = _figures_module()
+    pair = {"llama.cpp": "q4_0", "ours": {"decode_128": 2.0}, "theirs": {"decode_128": 1.0}}
+    (tmp_path / "llamacpp-a.json").write_text(_json({"date": "2026-01-01", "pairs": [
+        {**pair, "mla_deploy": "int4"}, {**pair, "mla_deploy": "int4-head6", "ours": {"decode_128": 3.0}}]}))
+    chosen = figures.llamacpp_pairs(tmp_path)
+    assert chosen["int4-head8"]["ours"] == {"decode_128": 2.0} and chosen["int4"]["ours"] == {"decode_128": 3.0}
+    (tmp_path / "llamacpp-b.json").write_text(_json({"date": "2026-01-02", "pairs": [
+        {**pair, "mla_deploy": "int4", "head_bits": 6, "ours": {"decode_128": 4.0}},
+        {**pair, "mla_deploy": "int4-head8", "head_bits": 8, "ours": {"decode_128": 5.0}}]}))
+    chosen = figures.llamacpp_pairs(tmp_path)
+    assert chosen["int4"]["ours"] == {"decode_128": 4.0} and chosen["int4-head8"]["ours"] == {"decode_128": 5.0}
 
 
 def test_gpu_row_counts_failed_verifies_and_says_what_was_not_measured(tmp_path):

@@ -22,7 +22,8 @@ from mla_deploy.runtime import ExportedModel, Generator, RuntimeOptions, Samplin
 from mla_deploy.runtime.feeds import prefill_feed
 from mla_deploy.verify import verify_export
 
-KERNEL_OPS = {"mla_deploy::QMatMul4", "mla_deploy::QMatMul8", "mla_deploy::QGather4", "mla_deploy::QGather8",
+KERNEL_OPS = {"mla_deploy::QMatMul4", "mla_deploy::QMatMul6", "mla_deploy::QMatMul8", "mla_deploy::QGather4",
+              "mla_deploy::QGather6", "mla_deploy::QGather8",
               "mla_deploy::QRoutedExperts4", "mla_deploy::QRoutedExperts8"}
 ONNXRUNTIME_OPS = {"com.microsoft::MatMulNBits", "com.microsoft::GatherBlockQuantized", "com.microsoft::QMoE"}
 
@@ -120,6 +121,8 @@ def test_every_quantizable_weight_runs_through_the_plans_quantized_ops(checkpoin
     q = manifest["quantization"]
     assert q["bits"] == int(bits[3:]) and q["block"] == block and manifest["quantized_ops"] == quantized_ops
     assert q["scale_dtype"] == {"kernel": "float16", "onnxruntime": "float32"}[quantized_ops]
+    # the head's bits left to the plan: 6 for int4 on the kernels (llama.cpp's q6_K output layer), 8 otherwise
+    assert q["head_bits"] == (6 if bits == "int4" and quantized_ops == "kernel" else 8)
     assert set(q["layouts"]) == {f"int{b}" for b in (q["bits"], q["head_bits"])}
     assert all(layout["layout"] == ("mla_deploy.q16" if quantized_ops == "kernel" else "com.microsoft MatMulNBits")
                for layout in q["layouts"].values())
@@ -132,7 +135,7 @@ def test_every_quantizable_weight_runs_through_the_plans_quantized_ops(checkpoin
         counts = manifest["graphs"][kind]["op_counts"]
         assert set(counts) & ours and not set(counts) & theirs, counts
         nodes = graph_nodes(out / f"{kind}.onnx")
-        linears = [n for n in nodes if n.op_type in ("MatMulNBits", "QMatMul4", "QMatMul8")]
+        linears = [n for n in nodes if n.op_type in ("MatMulNBits", "QMatMul4", "QMatMul6", "QMatMul8")]
         float_weights = {i for n in nodes if n.op_type == "MatMul" for i in n.input[1:]}
         initializers = {i.name for i in onnx.load(str(out / f"{kind}.onnx"),
                                                   load_external_data=False).graph.initializer}
@@ -144,9 +147,11 @@ def test_every_quantizable_weight_runs_through_the_plans_quantized_ops(checkpoin
         layers = cfg.num_hidden_layers if kind == "decode" and quantized_ops == "kernel" else 0
         assert sorted(n.input[1].split(".")[-2] for n in per_head) == ["uk"] * layers + ["uv"] * layers, kind
         assert q["per_head_bits"] == (8 if quantized_ops == "kernel" else None)
-        gathers = [n for n in nodes if n.op_type in ("Gather", "GatherBlockQuantized", "QGather4", "QGather8")
+        gathers = [n for n in nodes if n.op_type in ("Gather", "GatherBlockQuantized", "QGather4", "QGather6",
+                                                     "QGather8")
                    and n.input[int(n.op_type.startswith("QGather"))].startswith("embed")]
-        assert [n.op_type for n in gathers] == ["QGather8" if quantized_ops == "kernel" else "GatherBlockQuantized"]
+        assert [n.op_type for n in gathers] == [f"QGather{q['head_bits']}" if quantized_ops == "kernel"
+                                                else "GatherBlockQuantized"]
         head = [n for n in linears if n.input[1] in ("embed.codes", "lm_head.codes")]
         assert len(head) == 1 and (head[0].input[1] == "embed.codes") == cfg.tie_word_embeddings  # tied: one copy
         experts = [n for n in nodes if n.op_type.startswith(("QRoutedExperts", "QMoE"))]
@@ -280,7 +285,8 @@ def test_any_matrix_width_exports_verifies_and_generates(tmp_path, variant, bits
     assert report.passed, report.lines
     assert all(len(row) == 12 for row in greedy(tmp_path / "out"))
     widths = {int(a.i) for n in graph_nodes(tmp_path / "out" / "decode.onnx")
-              if n.op_type in ("QMatMul4", "QMatMul8", "QGather4", "QGather8", "MatMulNBits") for a in n.attribute
+              if n.op_type in ("QMatMul4", "QMatMul6", "QMatMul8", "QGather4", "QGather6", "QGather8", "MatMulNBits")
+              for a in n.attribute
               if a.name == "K"}
     assert {k % block for k in widths} - {0}, widths  # some K is not whole blocks
     assert result.plan.quantization.block == block
@@ -295,13 +301,13 @@ def test_refusals_name_the_option(checkpoint_dir, tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("head_bits", [4, 6])
+@pytest.mark.parametrize("head_bits", [4, 8])
 @pytest.mark.parametrize("variant", ["v3_dense_tied", "v2_nolora_greedy_yarn"])  # a tied head, an untied one
 def test_head_bits_put_the_embedding_and_head_at_those_bits_exactly(checkpoint_dir, quantized, tmp_path, variant,
                                                                     head_bits):
-    """--head-bits 4 / 6: the embedding's QGather and the head's QMatMul read 4- / 6-bit codes, the export equals
-    its dequantized source (which dequantizes those two at those bits too: verify runs every quantized op at
-    accuracy level 0, the 6-bit ones included), and the file is smaller."""
+    """--head-bits 4 / 8 (int4's default is 6): the embedding's QGather and the head's QMatMul read 4- / 8-bit codes,
+    the export equals its dequantized source (which dequantizes those two at those bits too: verify runs every
+    quantized op at accuracy level 0), and the file is smaller / larger than the default's."""
     src = checkpoint_dir(variant)[0]
     out = tmp_path / f"h{head_bits}"
     export(src, out, ExportOptions(absorb="factored", quantize="int4", block_size=32, head_bits=head_bits))
@@ -312,7 +318,10 @@ def test_head_bits_put_the_embedding_and_head_at_those_bits_exactly(checkpoint_d
     head_ops = {f"QMatMul{head_bits}", f"QGather{head_bits}"}
     ops = {n.op_type for n in graph.node if n.domain == "mla_deploy" and n.op_type.startswith("Q")}
     assert ops & head_ops and ops <= {"QMatMul4", "QRoutedExperts4", "QBatchMatMul8", *head_ops}  # per-head: 8 bits
-    assert (out / "weights.bin").stat().st_size < (quantized(variant, "int4", 32) / "weights.bin").stat().st_size
+    default = quantized(variant, "int4", 32)  # the 6-bit head
+    assert json.loads((default / "manifest.json").read_text())["quantization"]["head_bits"] == 6
+    size, default_size = ((d / "weights.bin").stat().st_size for d in (out, default))
+    assert size < default_size if head_bits < 6 else size > default_size
 
 
 def test_head_bits_needs_a_quantized_export_and_4_6_or_8(checkpoint_dir, tmp_path):

@@ -23,6 +23,10 @@ The rules (each form measured against the others: docs/benchmarks.md):
   prepacks per session: its own fast kernels on CPU and CUDA, a second copy of the weights per graph. The factored
   form's per-head W^UK / W^UV are int8 in the kernel form (mla_deploy.QBatchMatMul, PER_HEAD_BITS), float32 in
   onnxruntime's.
+- head bits (a quantized export's embedding and output layer, --head-bits auto): 6 for int4 on mla-deploy's kernels,
+  the bytes of llama.cpp's q6_K output layer beside its q4_0 (the full DeepSeek-V2-Lite's head reads 170 MB a token
+  at 6 bits against 223 MB at 8; the demo's held-out text loses 0.0084 nats/token against the float source at 6,
+  0.0075 at 8 and 0.0155 at 4); 8 for int8, and for onnxruntime's ops, whose MatMulNBits takes 4 or 8 bits.
 - routed experts: "kernel" for quantized exports in the kernel form (mla_deploy.QRoutedExperts: each expert on the
   tokens that chose it, reading only those experts' codes) and for float exports of layers with few experts per
   chosen one (n_routed_experts <= DENSE_RATIO x num_experts_per_tok, the demo model's 8 and 2): one
@@ -84,6 +88,7 @@ SCALE_DTYPE = {"kernel": "float16", "onnxruntime": "float32"}
 # a quantized factored export's per-head W^UK / W^UV (mla_deploy.QBatchMatMul; MatMulNBits has no batched form, so
 # the onnxruntime form keeps them float32): 8 bits whatever --quantize, as the head
 PER_HEAD_BITS = 8
+HEAD_BITS_INT4 = 6  # an int4 export's embedding and output layer on mla-deploy's kernels (module docstring, head bits)
 DECODE_ATTENTION = ("auto", "kernel", "ops")
 CACHE_DTYPES = ("auto", *io_spec.FLOAT_CACHES, *io_spec.QUANTIZED_CACHES)
 DENSE_RATIO = 4
@@ -108,7 +113,7 @@ class ExportOptions:
     quantize: str | None = None  # "int4" or "int8": weight-only, block-wise (export.quantize)
     block_size: int = 32
     accuracy_level: int = 4  # 4 = int8 activations inside the kernel, 0 = float (exact)
-    head_bits: int = 8  # the embedding and the output layer of a quantized export: 8, 6 (llama.cpp's q6_K size), or 4
+    head_bits: int | None = None  # a quantized export's embedding and output layer: 4, 6 or 8; None: head_bits()
     quantized_ops: str = "auto"  # a quantized export's ops: auto (= kernel), kernel, onnxruntime
     experts: str = "auto"  # routed experts: auto, kernel, qmoe (quantized), moe (float), branches (portable)
     decode_attention: str = "auto"  # the decode graph's attention core: auto, kernel, ops (portable)
@@ -159,21 +164,28 @@ class ExportOptions:
             return io_spec.CacheFormat(self.dtype, self.dtype)
         return io_spec.CacheFormat(self.cache_dtype, self.dtype if self.cache_dtype == "int8" else self.cache_dtype)
 
+    def resolved_head_bits(self) -> int:
+        """The embedding's and output layer's bits in a quantized export (module docstring, head bits)."""
+        if self.head_bits is not None:
+            return self.head_bits
+        return HEAD_BITS_INT4 if self.quantize == "int4" and self.quantized_ops != "onnxruntime" else 8
+
     def quantization(self) -> Quantization | None:
         if self.quantize is None:
-            if self.head_bits != 8:
+            if self.head_bits is not None:
                 raise ExportError(f"--head-bits {self.head_bits}: the embedding and output layer keep the export's "
                                   f"--dtype unless it is quantized (add --quantize int4 or int8)")
             return None
         if self.quantize not in QUANTIZE_BITS:
             raise ExportError(f"--quantize {self.quantize}: expected one of {', '.join(QUANTIZE_BITS)}")
-        if self.head_bits not in HEAD_BITS:
-            raise ExportError(f"--head-bits {self.head_bits}: expected one of {', '.join(map(str, HEAD_BITS))}")
-        if self.head_bits == 6 and self.quantized_ops == "onnxruntime":
+        head_bits = self.resolved_head_bits()
+        if head_bits not in HEAD_BITS:
+            raise ExportError(f"--head-bits {head_bits}: expected one of {', '.join(map(str, HEAD_BITS))}")
+        if head_bits == 6 and self.quantized_ops == "onnxruntime":
             raise ExportError("--head-bits 6: onnxruntime's MatMulNBits and GatherBlockQuantized take 4 or 8 bits; "
                               "a 6-bit head runs on mla-deploy's kernels (--quantized-ops auto or kernel)")
         try:
-            return Quantization(QUANTIZE_BITS[self.quantize], self.block_size, self.accuracy_level, self.head_bits)
+            return Quantization(QUANTIZE_BITS[self.quantize], self.block_size, self.accuracy_level, head_bits)
         except ValueError as e:
             raise ExportError(f"--quantize {self.quantize}: {e}") from None
 

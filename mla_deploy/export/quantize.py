@@ -49,9 +49,7 @@ class Quantization:
     bits: int
     block: int = 32
     accuracy_level: int = 4
-    # The embedding and the head at 8 bits whatever `bits` is (llama.cpp's q4_0 keeps its output layer at 6): the
-    # demo model's int4 export lost 0.0105 nats/token with its tied 4096 x 256 table at 4 bits, 0.0032 at 8 bits
-    # (first 20k characters of its held-out text).
+    # The embedding and the head: 4, 6 or 8 bits whatever `bits` is (the plan picks: export.plan, head bits).
     head_bits: int = 8
     scale_dtype: str = "float32"  # float16: what mla_deploy's quantized kernels read (export/layouts.py)
     # The factored form's per-head W^UK [d_nope, d_c] and W^UV^T [d_c, d_v] (kv_b_proj split by head), multiplied by
