@@ -140,13 +140,14 @@ def test_every_quantizable_weight_runs_through_the_plans_quantized_ops(checkpoin
         initializers = {i.name for i in onnx.load(str(out / f"{kind}.onnx"),
                                                   load_external_data=False).graph.initializer}
         # the float MatMul weights left are exactly kv_b (prefill), the routers and, in onnxruntime's form, the
-        # per-head W^UK / W^UV (the kernel form multiplies their int8 codes: QBatchMatMul8, two a layer)
+        # per-head W^UK / W^UV (the kernel form multiplies their codes at the export's bits: QBatchMatMul4 / 8, two a
+        # layer)
         left = sorted(w.split(".")[-1] for w in float_weights & initializers)
         assert set(left) <= ({"kv_b", "router"} if quantized_ops == "kernel" else {"kv_b", "router", "uk", "uv"}), left
-        per_head = [n for n in nodes if n.op_type == "QBatchMatMul8"]
+        per_head = [n for n in nodes if n.op_type == f"QBatchMatMul{q['bits']}"]
         layers = cfg.num_hidden_layers if kind == "decode" and quantized_ops == "kernel" else 0
         assert sorted(n.input[1].split(".")[-2] for n in per_head) == ["uk"] * layers + ["uv"] * layers, kind
-        assert q["per_head_bits"] == (8 if quantized_ops == "kernel" else None)
+        assert q["per_head_bits"] == (q["bits"] if quantized_ops == "kernel" else None)
         gathers = [n for n in nodes if n.op_type in ("Gather", "GatherBlockQuantized", "QGather4", "QGather6",
                                                      "QGather8")
                    and n.input[int(n.op_type.startswith("QGather"))].startswith("embed")]
@@ -317,7 +318,7 @@ def test_head_bits_put_the_embedding_and_head_at_those_bits_exactly(checkpoint_d
     graph = onnx.load(str(out / "decode.onnx"), load_external_data=False).graph
     head_ops = {f"QMatMul{head_bits}", f"QGather{head_bits}"}
     ops = {n.op_type for n in graph.node if n.domain == "mla_deploy" and n.op_type.startswith("Q")}
-    assert ops & head_ops and ops <= {"QMatMul4", "QRoutedExperts4", "QBatchMatMul8", *head_ops}  # per-head: 8 bits
+    assert ops & head_ops and ops <= {"QMatMul4", "QRoutedExperts4", "QBatchMatMul4", *head_ops}  # per-head: 4 bits
     default = quantized(variant, "int4", 32)  # the 6-bit head
     assert json.loads((default / "manifest.json").read_text())["quantization"]["head_bits"] == 6
     size, default_size = ((d / "weights.bin").stat().st_size for d in (out, default))

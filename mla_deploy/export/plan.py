@@ -21,8 +21,10 @@ The rules (each form measured against the others: docs/benchmarks.md):
   included), at the price of float32 copies of the weights folded at load. "onnxruntime": com.microsoft
   MatMulNBits / GatherBlockQuantized (and QMoE where the experts fit it) over float32 scales, which onnxruntime
   prepacks per session: its own fast kernels on CPU and CUDA, a second copy of the weights per graph. The factored
-  form's per-head W^UK / W^UV are int8 in the kernel form (mla_deploy.QBatchMatMul, PER_HEAD_BITS), float32 in
-  onnxruntime's.
+  form's per-head W^UK / W^UV are at --quantize's bits in the kernel form (mla_deploy.QBatchMatMul; llama.cpp's
+  q4_0 stores its attn_k_b / attn_v_b in q4_0 too: at 4 bits the demo's held-out text loses 0.0091 nats/token
+  against the float source, at 8 bits 0.0084, and the full DeepSeek-V2-Lite reads 28 MB a token less), float32 in
+  onnxruntime's (MatMulNBits has no batched form).
 - head bits (a quantized export's embedding and output layer, --head-bits auto): 6 for int4 on mla-deploy's kernels,
   the bytes of llama.cpp's q6_K output layer beside its q4_0 (the full DeepSeek-V2-Lite's head reads 170 MB a token
   at 6 bits against 223 MB at 8; the demo's held-out text loses 0.0084 nats/token against the float source at 6,
@@ -85,9 +87,6 @@ QUANTIZED_OPS = ("auto", "kernel", "onnxruntime")
 # the scales each quantized form stores: the kernels read float16 (export.layouts), MatMulNBits and QMoE take their
 # activations' type (float32)
 SCALE_DTYPE = {"kernel": "float16", "onnxruntime": "float32"}
-# a quantized factored export's per-head W^UK / W^UV (mla_deploy.QBatchMatMul; MatMulNBits has no batched form, so
-# the onnxruntime form keeps them float32): 8 bits whatever --quantize, as the head
-PER_HEAD_BITS = 8
 HEAD_BITS_INT4 = 6  # an int4 export's embedding and output layer on mla-deploy's kernels (module docstring, head bits)
 DECODE_ATTENTION = ("auto", "kernel", "ops")
 CACHE_DTYPES = ("auto", *io_spec.FLOAT_CACHES, *io_spec.QUANTIZED_CACHES)
@@ -222,8 +221,10 @@ class ExportPlan:
         quantized_ops = None
         if quantization is not None:
             quantized_ops = "kernel" if options.quantized_ops == "auto" else options.quantized_ops
-            # the factored form's per-head W^UK / W^UV at 8 bits where mla_deploy.QBatchMatMul multiplies them
-            per_head = PER_HEAD_BITS if absorb == AbsorbMode.FACTORED and quantized_ops == "kernel" else None
+            # the factored form's per-head W^UK / W^UV at the export's bits where mla_deploy.QBatchMatMul multiplies
+            # them (module docstring, quantized ops)
+            kernel_per_head = absorb == AbsorbMode.FACTORED and quantized_ops == "kernel"
+            per_head = quantization.bits if kernel_per_head else None
             quantization = replace(quantization, scale_dtype=SCALE_DTYPE[quantized_ops], per_head_bits=per_head)
         cache = options.cache_format()
         decode_attention = resolve_decode_attention(cfg, options.decode_attention, cache.latent)

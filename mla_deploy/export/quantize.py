@@ -53,8 +53,8 @@ class Quantization:
     head_bits: int = 8
     scale_dtype: str = "float32"  # float16: what mla_deploy's quantized kernels read (export/layouts.py)
     # The factored form's per-head W^UK [d_nope, d_c] and W^UV^T [d_c, d_v] (kv_b_proj split by head), multiplied by
-    # mla_deploy.QBatchMatMul: 8 bits, or None to keep them float32. 27 x 8.4 MB of float32 a token reads in the
-    # full DeepSeek-V2-Lite, 2.2 MB a layer at 8 bits (per_head_rounded_kv_b).
+    # mla_deploy.QBatchMatMul: 4 or 8 bits, or None to keep them float32. 27 x 8.4 MB of float32 a token reads in
+    # the full DeepSeek-V2-Lite, 2.2 MB a layer at 8 bits, 1.2 MB at 4 (per_head_rounded_kv_b).
     per_head_bits: int | None = None
 
     def __post_init__(self):
