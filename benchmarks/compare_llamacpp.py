@@ -27,10 +27,11 @@ that tokens/s x bytes reaches.
 
     .venv/bin/python benchmarks/compare_llamacpp.py [--checkpoint DIR | --preset v2lite-2L] [--threads 2]
         [--contexts 128,4096,16384] [--workdir benchmarks/work/llamacpp] [--models DIR] [--convert f32|q8_0]
-        [--pairs f32,q8_0,q4_0,f16] [--ours int4,int4-head4,...] [--note TEXT]
+        [--pairs f32,q8_0,q4_0,f16] [--ours int4,int4-head4,...] [--note TEXT] [--rounds N] [--prepare-only]
 
 --pairs runs a subset (by llama.cpp's name of the precision); its results.json and chart then hold only those;
 --ours keeps only those of our exports in them (q4_0 pairs with int4, int4-head8 and int4-head4).
+--rounds N measures decode at ctx 128 N times, llama.cpp and ours alternating, and keeps each engine's median.
 --prepare-only makes everything the timings need and stops (run it outside the timing lock).
 --models puts the checkpoint, GGUF files, exports and results in DIR instead of WORK (the build stays in WORK).
 --convert q8_0 has the converter write q8_0 directly and requantizes the other kinds from it (llama-quantize
@@ -48,6 +49,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -191,10 +193,15 @@ def llama_bench(bins: Path, gguf: Path, threads: int, contexts: list[int]) -> di
     out = run([bins / "llama-bench", *common, "-p", "512", "-n", "0"], capture_output=True, text=True).stdout
     result["prefill_512"] = json.loads(out)[0]["avg_ts"]
     for ctx in contexts:
-        out = run([bins / "llama-bench", *common, "-p", "0", "-n", "32", "-d", ctx], capture_output=True,
-                  text=True).stdout
-        result[f"decode_{ctx}"] = json.loads(out)[0]["avg_ts"]
+        result[f"decode_{ctx}"] = llama_decode(bins, gguf, threads, ctx)
     return result
+
+
+def llama_decode(bins: Path, gguf: Path, threads: int, ctx: int) -> float:
+    """Batch-1 decode tok/s after `ctx` tokens (llama-bench -n 32 -d ctx, 2 repetitions)."""
+    out = run([bins / "llama-bench", "-m", gguf, "-t", threads, "-fa", "1", "-r", "2", "-o", "json", "-p", "0",
+               "-n", "32", "-d", ctx], capture_output=True, text=True).stdout
+    return json.loads(out)[0]["avg_ts"]
 
 
 def llama_batched(bins: Path, gguf: Path, threads: int, batch: int = 8) -> float:
@@ -219,6 +226,33 @@ def ours_bench(export_dir: Path, threads: int, contexts: list[int], steps: int =
     finally:
         engine.close()
     return result
+
+
+def ours_decode(export_dir: Path, threads: int, ctx: int, steps: int = 16) -> float:
+    """Batch-1 decode tok/s at `ctx` (the median step of a freshly loaded engine)."""
+    from mla_deploy.bench.engines import OnnxEngine
+
+    engine = OnnxEngine(export_dir.name, export_dir, threads)
+    engine.load()
+    try:
+        return 1e3 / engine.decode_step_ms(ctx, 1, steps)
+    finally:
+        engine.close()
+
+
+def decode_rounds(pair: dict, rounds: int, bins: Path, gguf: Path, export_dir: Path, threads: int,
+                  ctx: int = 128) -> None:
+    """Batch-1 decode at `ctx` again, the two engines alternating, until `rounds` measurements of each: the pair's
+    figure becomes each engine's median, the rounds are kept ("decode_{ctx}_rounds": [ours, theirs] each). On a
+    shared VM the bandwidth moves from minute to minute; rounds side by side spread it over both engines."""
+    key = f"decode_{ctx}"
+    measured = [[pair["ours"][key], pair["theirs"][key]]]
+    for _ in range(rounds - 1):
+        theirs = llama_decode(bins, gguf, threads, ctx)
+        measured.append([ours_decode(export_dir, threads, ctx), theirs])
+    pair[f"{key}_rounds"] = measured
+    pair["ours"][key] = statistics.median(o for o, _ in measured)
+    pair["theirs"][key] = statistics.median(t for _, t in measured)
 
 
 def read_bytes_per_token(export_dir: Path, ctx: int) -> int:
@@ -255,6 +289,8 @@ def main() -> int:
     ap.add_argument("--ours", default=None, help="our exports to run in those pairs (default: every one): for "
                     "example int4 alone where the disk holds one full-size export")
     ap.add_argument("--note", default="", help="what the results file should say about the run (the machine's load)")
+    ap.add_argument("--rounds", type=int, default=1, help="measure decode at ctx 128 this many times, the engines "
+                    "alternating, and keep each engine's median (the noisiest figure on a shared machine)")
     ap.add_argument("--prepare-only", action="store_true", help="build, convert and export, then stop: the steps "
                     "that need no quiet machine, outside the timing lock")
     args = ap.parse_args()
@@ -303,6 +339,8 @@ def main() -> int:
                         head_bits=quantization["head_bits"] if quantization else None,
                         weights_gb=(exports[precision] / "weights.bin").stat().st_size / 1e9,
                         read_bytes={ctx: read_bytes_per_token(exports[precision], ctx) for ctx in contexts})
+            if args.rounds > 1 and 128 in contexts:
+                decode_rounds(pair, args.rounds, bins, ggufs[kind], exports[precision], args.threads)
         results["pairs"].append(pair)
     (models / "results.json").write_text(json.dumps(results, indent=1))
     print_table(results, contexts)

@@ -1,6 +1,7 @@
 """The benchmark code paths on a tiny preset: every engine runs and reports the right fields. No timing assertions."""
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -13,6 +14,8 @@ from mla_deploy.cli import main
 from mla_deploy.config import MLAConfig
 from mla_deploy.export.absorb import AbsorbMode, resolve_absorb
 from mla_deploy.presets import preset_config
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +141,22 @@ def test_warm_up_runs_until_two_calls_agree(monkeypatch):
     assert engines._warm_up(fn) == 5  # 1.0 -> 0.95 is the first change under 10 %
     slow = iter([10 * 0.7**i for i in range(20)])  # 30 % faster each call, never steady: stops at the cap
     assert engines._warm_up(lambda: clock.update(pending=next(slow))) == engines.WARMUP_MAX
+
+
+def test_compare_llamacpp_rounds_keep_each_engines_median(monkeypatch):
+    """--rounds: decode at ctx 128 measured again with the engines alternating; the pair's figures become each
+    engine's median over the rounds, which are kept beside them."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compare_llamacpp", ROOT / "benchmarks" / "compare_llamacpp.py")
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    order, theirs, ours = [], iter([30.0, 10.0]), iter([25.0, 40.0])
+    monkeypatch.setattr(compare, "llama_decode", lambda *a: order.append("theirs") or next(theirs))
+    monkeypatch.setattr(compare, "ours_decode", lambda *a: order.append("ours") or next(ours))
+    pair = {"ours": {"decode_128": 50.0, "prefill_512": 1.0}, "theirs": {"decode_128": 20.0, "prefill_512": 2.0}}
+    compare.decode_rounds(pair, 3, None, None, None, 2)
+    assert order == ["theirs", "ours", "theirs", "ours"]
+    assert pair["decode_128_rounds"] == [[50.0, 20.0], [25.0, 30.0], [40.0, 10.0]]
+    assert pair["ours"] == {"decode_128": 40.0, "prefill_512": 1.0}
+    assert pair["theirs"] == {"decode_128": 20.0, "prefill_512": 2.0}
