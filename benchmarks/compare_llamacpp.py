@@ -248,7 +248,9 @@ def decode_rounds(pair: dict, rounds: int, bins: Path, gguf: Path, export_dir: P
     key = f"decode_{ctx}"
     measured = [[pair["ours"][key], pair["theirs"][key]]]
     for _ in range(rounds - 1):
+        page_in(gguf)  # as before the pair's own measurements: the other engine's file has pushed this one out
         theirs = llama_decode(bins, gguf, threads, ctx)
+        page_in(export_dir / "weights.bin")
         measured.append([ours_decode(export_dir, threads, ctx), theirs])
     pair[f"{key}_rounds"] = measured
     pair["ours"][key] = statistics.median(o for o, _ in measured)

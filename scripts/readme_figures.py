@@ -108,7 +108,9 @@ def _pairs_table(pairs: dict[str, dict], names: list[str]) -> str:
         cells = [f"{LABELS.get(name, name)} vs {pair['llama.cpp']}"]
         cells += [_ratio(pair["ours"][key], pair["theirs"][key]) if key in pair["theirs"] else "not measured"
                   for key, _ in COLUMNS]
-        cells.append(f"{pair['date']}, {pair['machine']} (`{pair['source']}`)")
+        rounds = len(pair.get("decode_128_rounds", ()))  # compare_llamacpp --rounds: ctx 128 is their median
+        cells.append(f"{pair['date']}, {pair['machine']} (`{pair['source']}`"
+                     + (f"; ctx 128: median of {rounds} rounds)" if rounds else ")"))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -154,9 +154,11 @@ def test_compare_llamacpp_rounds_keep_each_engines_median(monkeypatch):
     order, theirs, ours = [], iter([30.0, 10.0]), iter([25.0, 40.0])
     monkeypatch.setattr(compare, "llama_decode", lambda *a: order.append("theirs") or next(theirs))
     monkeypatch.setattr(compare, "ours_decode", lambda *a: order.append("ours") or next(ours))
+    monkeypatch.setattr(compare, "page_in", lambda path: order.append(f"page_in {path.name}"))
     pair = {"ours": {"decode_128": 50.0, "prefill_512": 1.0}, "theirs": {"decode_128": 20.0, "prefill_512": 2.0}}
-    compare.decode_rounds(pair, 3, None, None, None, 2)
-    assert order == ["theirs", "ours", "theirs", "ours"]
+    compare.decode_rounds(pair, 3, None, Path("q4_0.gguf"), Path("export"), 2)
+    # each engine's file read right before its round: the other's has pushed it out of the page cache
+    assert order == ["page_in q4_0.gguf", "theirs", "page_in weights.bin", "ours"] * 2
     assert pair["decode_128_rounds"] == [[50.0, 20.0], [25.0, 30.0], [40.0, 10.0]]
     assert pair["ours"] == {"decode_128": 40.0, "prefill_512": 1.0}
     assert pair["theirs"] == {"decode_128": 20.0, "prefill_512": 2.0}
