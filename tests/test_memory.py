@@ -162,3 +162,66 @@ def test_quantized_exports_hold_one_copy_of_their_weights(quantized_exports, nam
           f"({weights / MiB:.0f} MiB of weights)")
     assert measured["prepack"] == (name == "int4 onnxruntime")
     assert bound[0] <= ratio <= bound[1]
+
+
+def _mapping_rss(start: int) -> int:
+    """Resident bytes of this process's mapping starting at `start` (/proc/self/smaps)."""
+    lines = open("/proc/self/smaps").read().splitlines()
+    for i, line in enumerate(lines):
+        if line.split("-", 1)[0] == f"{start:x}":
+            for field in lines[i + 1:]:
+                if field.startswith("Rss:"):
+                    return int(field.split()[1]) * 1024
+    raise AssertionError(f"no mapping at {start:x}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and madvise are Linux's")
+def test_populate_maps_every_page_of_the_files_mappings(tmp_path):
+    """runtime.populate: a fresh read-only mapping of a file has no page mapped until one is read; populate maps
+    them all, and leaves other files' mappings alone."""
+    import mmap
+
+    from mla_deploy.runtime.populate import mappings, populate
+
+    size = 8 * MiB
+    files = [tmp_path / "weights.bin", tmp_path / "other.bin"]
+    for f in files:
+        f.write_bytes(bytes(range(256)) * (size // 256))
+    handles = [open(f, "rb") for f in files]
+    maps = [mmap.mmap(h.fileno(), size, prot=mmap.PROT_READ) for h in handles]
+    try:
+        (start, end), = mappings(files[0])
+        (other, _), = mappings(files[1])
+        assert end - start == size
+        assert _mapping_rss(start) == 0 and _mapping_rss(other) == 0
+        assert populate(files[0]) == size
+        assert _mapping_rss(start) == size and _mapping_rss(other) == 0
+        assert populate(tmp_path / "not-mapped.bin") == 0
+    finally:
+        for m, h in zip(maps, handles):
+            m.close()
+            h.close()
+
+
+def test_fits_in_memory_reads_memavailable(tmp_path):
+    from mla_deploy.runtime.populate import fits_in_memory
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:    1000000 kB\n")
+    assert fits_in_memory(1000000 * 1024, str(meminfo)) and not fits_in_memory(1000000 * 1024 + 1, str(meminfo))
+    assert not fits_in_memory(1, str(tmp_path / "missing"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and madvise are Linux's")
+def test_a_loaded_export_has_its_weights_mapped_unless_asked_not_to(exports):
+    """By default (a file that fits in the memory available) both sessions' mappings of weights.bin are populated
+    at load; populate=False leaves them to be faulted in as steps read them."""
+    from mla_deploy.runtime import ExportedModel, RuntimeOptions
+    from mla_deploy.runtime.populate import mappings
+
+    out = exports[N][0]
+    model = ExportedModel(out)
+    spans = mappings(out / "weights.bin")
+    assert model.populated_bytes == sum(end - start for start, end in spans) > 0
+    assert all(_mapping_rss(start) == end - start for start, end in spans)
+    assert ExportedModel(out, RuntimeOptions(populate=False)).populated_bytes == 0

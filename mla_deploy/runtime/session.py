@@ -14,11 +14,12 @@ import onnxruntime as ort
 from .. import integrity, io_spec, kernels
 from ..config import MLAConfig
 from ..errors import ExportLoadError, InputError, ProviderError
-from ..manifest import cache_format, check_files, is_staged, read_manifest, stage_of
+from ..manifest import WEIGHTS_FILE, cache_format, check_files, is_staged, read_manifest, stage_of
 from .chat import GenerationDefaults
 from .dtypes import ort_value
 from .feeds import check_feed
 from .memory import ResidentMemory, resident_memory
+from .populate import fits_in_memory, populate
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
@@ -73,6 +74,9 @@ class RuntimeOptions:
     # None: on every device but the CPU, so a CUDA step moves no cache through the host. On the CPU it runs the very
     # code path a device takes, which is how CI tests it.
     resident_caches: bool | None = None
+    # every page of weights.bin mapped at load (runtime.populate: llama.cpp's MAP_POPULATE), so that steps do not take
+    # page faults on weights no step read before. None: on the CPU where the file fits in the memory available
+    populate: bool | None = None
 
 
 PREPACKED_OPS = ("com.microsoft::MatMulNBits", "com.microsoft::QMoE")  # slow unless onnxruntime prepacks them
@@ -131,6 +135,7 @@ class ExportedModel:
         self.prepack = needs_prepacking(self.manifest) if self.options.prepack is None else self.options.prepack
         started = time.perf_counter()
         self.sessions = {kind: self._session(kind) for kind in graphs}
+        self.populated_bytes = self._populate()
         self.load_seconds = time.perf_counter() - started
         self.load_memory: ResidentMemory | None = resident_memory()  # this process, just after the sessions loaded
 
@@ -152,6 +157,7 @@ class ExportedModel:
                         raise ExportLoadError(f"{self.directory}: this export has no {kind} graph; re-export the "
                                               "checkpoint with this mla-deploy")
                     self.sessions = {**self.sessions, kind: self._session(kind)}  # readers see the old or the new dict
+                    self.populated_bytes += self._populate()
 
     def run(self, kind: str, feed: dict) -> dict:
         """One checked call of a graph (prefill, decode, verify, draft); outputs by name (new arrays, the feed left
@@ -215,6 +221,14 @@ class ExportedModel:
         if self.options.kernels and self.device == "cpu" and (library := kernels.library()) is not None:
             so.register_custom_ops_library(str(library))
         return so
+
+    def _populate(self) -> int:
+        """Map the sessions' pages of weights.bin now (RuntimeOptions.populate); the bytes mapped."""
+        weights = self.directory / WEIGHTS_FILE
+        wanted = self.options.populate
+        if wanted is None:
+            wanted = self.device == "cpu" and weights.exists() and fits_in_memory(weights.stat().st_size)
+        return populate(weights) if wanted else 0
 
     def _session(self, kind: str) -> ort.InferenceSession:
         path = self.directory / self.manifest["graphs"][kind]["file"]
