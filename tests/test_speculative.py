@@ -214,6 +214,24 @@ def test_the_cost_model_is_affine_in_the_rows_between_its_two_measurements():
     assert CostModel(one, one, rows=1).at(4) == one
 
 
+def test_passes_are_measured_over_distinct_tokens(exported, monkeypatch):
+    """measure_costs times each pass width over distinct token ids in every row, as drafts are: a MoE pass reads the
+    experts its tokens route to, so t copies of one token would time one token's experts."""
+    from mla_deploy.runtime import speculative
+
+    model = ExportedModel(exported(VARIANT))
+    model.load(io_spec.VERIFY)
+    seen = []
+    real = speculative.verification_pass
+    monkeypatch.setattr(speculative, "verification_pass",
+                        lambda m, caches, ids, lengths: seen.append(ids.copy()) or real(m, caches, ids, lengths))
+    costs = speculative.measure_costs(model, 2, 3, False, repeats=1)
+    assert sorted(costs.verify) == [2, 3, 4]
+    assert {ids.shape for ids in seen} == {(2, 2), (2, 3), (2, 4)}
+    assert all(len(set(row.tolist())) == row.size for ids in seen for row in ids)
+    assert all(0 <= ids.min() and ids.max() < model.config.vocab_size for ids in seen)
+
+
 # ---- the verification pass over a real export ----
 def prefilled(model: ExportedModel, prompt: list[int], capacity: int) -> CacheBuffers:
     gen = Generator(model, SamplingParams())
@@ -338,6 +356,36 @@ def test_a_proposer_in_place_of_lookup_is_checked_like_any_draft(exported, alway
                                        stats.accepted < stats.proposed / 4)
     with pytest.raises(InputError, match="a proposer replaces prompt lookup: it needs speculative='lookup'"):
         Generator(model, SamplingParams(), speculation=Speculation("off"), proposer=replay)
+
+
+def test_a_row_whose_prior_does_not_pay_learns_from_its_unverified_proposals(exported, monkeypatch):
+    """Costs where a pass pays at full acceptance but not at the prior's: a row starts without drafts, and the
+    proposals it made but did not verify, held against the tokens it emitted (shadow_acceptance), raise its estimate
+    until it drafts; a row whose proposals are always wrong never does. Tokens are the plain run's either way."""
+    from mla_deploy.runtime import speculative
+
+    costs = Costs(decode=1.0, verify={t: 1.7 + 0.3 * (t - 2) for t in range(2, 6)})
+    policy = DraftPolicy(costs, mtp=False)
+    assert policy.length(PRIOR_ACCEPTANCE, 4) == 0 and policy.ever_pays(1, 4)
+    monkeypatch.setattr(generator_module, "measure_costs", lambda *a: costs)
+    model = ExportedModel(exported(VARIANT))
+    plain = Generator(model, SamplingParams(), stop_token_ids=()).generate(PROMPTS[:1], 40).token_ids
+
+    def replay(history, k):
+        done = len(history) - len(PROMPTS[0])
+        return plain[0][done : done + k]
+
+    def wrong(history, k):
+        return [(plain[0][0] + 1) % 50] * k if k else []
+
+    for proposer, drafts in ((replay, True), (wrong, False)):
+        spec = Generator(model, SamplingParams(), stop_token_ids=(), speculation=Speculation("lookup", 4),
+                         proposer=proposer).generate(PROMPTS[:1], 40)
+        assert spec.token_ids == plain
+        assert (spec.speculation.proposed > 0) == drafts, proposer.__name__
+    assert speculative.shadow_acceptance(0.6, [7, 8], 7) == updated_acceptance(0.6, 1, 1)
+    assert speculative.shadow_acceptance(0.6, [7, 8], 9) == updated_acceptance(0.6, 1, 0)
+    assert speculative.shadow_acceptance(0.3, [], 9) == updated_acceptance(0.3, 0, 0)
 
 
 def test_greedy_tokens_with_penalties_are_plain_decodings(exported, always_draft):

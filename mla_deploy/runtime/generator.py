@@ -22,7 +22,7 @@ from .sampling import SamplingParams, sample
 from .session import ExportedModel
 from .draft import MTPDrafter
 from .speculative import (PRIOR_ACCEPTANCE, DraftPolicy, Speculation, SpeculationStats, accept_row, lookup,
-                          measure_costs, updated_acceptance, verification_pass)
+                          measure_costs, shadow_acceptance, updated_acceptance, verification_pass)
 
 
 @dataclass
@@ -163,12 +163,13 @@ class Generator:
             rooms = [0 if out.finished[r] else max(0, min(spec.draft_tokens, out.remaining(r) - 1, end))
                      for r in range(b)]
             live = [None if out.finished[r] else acceptance[r] for r in range(b)]
+            proposals = None  # prompt lookup's, before the policy cuts them: free evidence (shadow_acceptance)
             if drafter is not None:
                 drafts = drafter.propose(range(b), policy.lengths(live, rooms))
             else:
-                drafts = [np.asarray(self.proposer(state.history[r], rooms[r]), np.int64)[: rooms[r]]
-                          for r in range(b)]
-                drafts = [d[:m] for d, m in zip(drafts, policy.lengths(live, [len(d) for d in drafts]))]
+                proposals = [np.asarray(self.proposer(state.history[r], rooms[r]), np.int64)[: rooms[r]]
+                             for r in range(b)]
+                drafts = [d[:m] for d, m in zip(proposals, policy.lengths(live, [len(d) for d in proposals]))]
             width = max(len(d) for d in drafts)
             starts = state.lengths.copy()
             if width == 0:
@@ -178,7 +179,10 @@ class Generator:
             else:
                 emitted, hidden = self._verify(state, out, pending, drafts, width)
             for r, tokens_r in enumerate(emitted):
-                acceptance[r] = updated_acceptance(acceptance[r], len(drafts[r]), len(tokens_r) - 1)
+                if proposals is not None and not len(drafts[r]):
+                    acceptance[r] = shadow_acceptance(acceptance[r], proposals[r], tokens_r[0])
+                else:
+                    acceptance[r] = updated_acceptance(acceptance[r], len(drafts[r]), len(tokens_r) - 1)
                 pending[r] = tokens_r[-1]
                 if (
                     drafter is not None
