@@ -185,6 +185,13 @@ def test_policy_drafts_only_what_pays_for_its_measured_costs():
     dear_drafts = Costs(decode=1.0, verify={t: 1.5 for t in range(2, 6)}, draft=1.0)
     assert not DraftPolicy(dear_drafts, mtp=True).ever_pays(1, 4)
     assert DraftPolicy(dear_drafts, mtp=False).ever_pays(1, 4)
+    # drafts that pay all accepted but not at the prior: lookup rows learn (shadow_acceptance), MTP rows never would
+    costly = Costs(decode=1.0, verify={t: 1.7 + 0.3 * (t - 2) for t in range(2, 6)}, draft=0.1)
+    mtp = DraftPolicy(costly, mtp=True)
+    assert mtp.ever_pays(1, 4) and mtp.length(PRIOR_ACCEPTANCE, 4) == 0
+    assert not DraftPolicy(costly, mtp=True).ever_drafts(1, 4) and DraftPolicy(costly, mtp=False).ever_drafts(1, 4)
+    cheap = Costs(decode=1.0, verify={t: 1.1 + 0.1 * (t - 2) for t in range(2, 6)}, draft=0.1)
+    assert DraftPolicy(cheap, mtp=True).ever_drafts(1, 4)
     assert updated_acceptance(0.6, 4, 4) > 0.6 > updated_acceptance(0.6, 4, 0)
     # a step without drafts: back toward the prior, so that a row whose drafts stopped paying tries again later
     assert updated_acceptance(0.1, 0, 0) == pytest.approx(0.1 + REVISIT * (PRIOR_ACCEPTANCE - 0.1))

@@ -145,7 +145,7 @@ class Generator:
         pending = tokens.copy()  # each row's last token, not yet in its cache
         b = len(pending)
         policy = DraftPolicy(measure_costs(self.model, b, spec.draft_tokens, drafter is not None), drafter is not None)
-        if not policy.ever_pays(b, spec.draft_tokens):  # a pass (and its drafts) costs more than it could give
+        if not policy.ever_drafts(b, spec.draft_tokens):  # a pass (and its drafts) would cost more than it gives
             yield from self._plain(state, out, pending)
             return
         acceptance = np.full(b, PRIOR_ACCEPTANCE)

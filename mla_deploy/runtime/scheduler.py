@@ -127,8 +127,9 @@ class Scheduler:
         self.drafter = MTPDrafter(model, max_batch) if self.speculation.mode == "mtp" else None
         self.costs = (measure_cost_model(model, max_batch, self.speculation.draft_tokens, self.drafter is not None)
                       if self.speculation.on else None)
-        # drafts that could not pay even all accepted (a draft call near a step's cost): no request speculates
-        self.drafts_pay = self.costs is not None and DraftPolicy(self.costs.one, self.drafter is not None).ever_pays(
+        # drafts that could not pay even all accepted (a draft call near a step's cost), or MTP drafts that would not
+        # pay at the prior (DraftPolicy.ever_drafts): no request speculates
+        self.drafts_pay = self.costs is not None and DraftPolicy(self.costs.one, self.drafter is not None).ever_drafts(
             1, self.speculation.draft_tokens)
 
     def _rows_and_queue(self, model, max_batch: int, max_queue: int, prefill_chunk: int) -> None:

@@ -143,6 +143,15 @@ class DraftPolicy:
         of them a row. Where not, speculating only adds its bookkeeping to every step."""
         return any(self.lengths([1.0] * rows, [k] * rows))
 
+    def ever_drafts(self, rows: int, k: int) -> bool:
+        """Whether a row can ever come to draft. Prompt lookup's rows learn from the proposals they do not verify
+        (shadow_acceptance), so wherever drafts could pay. An MTP row learns only from drafts it verifies and, with
+        none, drifts back to the prior it starts at (updated_acceptance): where the prior does not pay it never
+        drafts, and speculating would only add its bookkeeping (and the draft graph's catching up) to every step."""
+        if not self.ever_pays(rows, k):
+            return False
+        return not self.mtp or any(self.lengths([PRIOR_ACCEPTANCE] * rows, [k] * rows))
+
 
 def updated_acceptance(estimate: float, proposed: int, accepted: int) -> float:
     """A row's acceptance estimate after a step: accepted successes of accepted + (1 if one was rejected) trials,
