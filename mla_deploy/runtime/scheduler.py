@@ -47,7 +47,7 @@ from .draft import MTPDrafter
 from .sampling import SamplingParams, sample
 from .session import ExportedModel
 from .speculative import (PRIOR_ACCEPTANCE, DraftPolicy, Speculation, SpeculationStats, accept_row, lookup,
-                          measure_cost_model, shadow_acceptance, updated_acceptance, verification_pass)
+                          measure_cost_model, updated_acceptance, verification_pass)
 
 
 class QueueFull(MLADeployError):
@@ -88,7 +88,6 @@ class Request:
     choice: int = 0  # the i-th choice of one prompt: a seed draws its own stream for each (seed, choice)
     speculate: bool = True  # with the scheduler's speculation on: False opts this request out
     acceptance: float = PRIOR_ACCEPTANCE  # its draft tokens' acceptance, estimated (speculative.DraftPolicy)
-    proposal: np.ndarray | None = None  # prompt lookup's proposal this step, before the policy cut it
     id: int = field(default_factory=itertools.count().__next__)
     # scheduler state
     row: int | None = None
@@ -316,8 +315,8 @@ class Scheduler:
             self._sample_and_emit(r, d.logits[row : row + 1, 0], chosen[r.id])
             if self.drafter is not None and r.pending is not None and self._speculates(r):
                 self.drafter.commit(row, np.array([r.pending]), d.hidden[row, :1].copy(), start)
-            if r.pending is not None and self._speculates(r):  # a step without drafts: lookup's proposal as evidence
-                r.acceptance = shadow_acceptance(r.acceptance, _proposed(r), chosen[r.id])
+            if r.pending is not None and self._speculates(r):
+                r.acceptance = updated_acceptance(r.acceptance, 0, 0)  # a step without drafts
 
     def _choose(self, decoding: list[Request], logits: np.ndarray, first_row: int = 0) -> dict[int, int]:
         """Each decoding request's next token, by request id, from its row of `logits` [rows, vocab] (row r.row -
@@ -357,9 +356,6 @@ class Scheduler:
         if self.drafter is None:
             drafts = [np.zeros(0, np.int64) if r is None else lookup(r.history, room, spec.ngram, spec.min_ngram)
                       for r, room in zip(by_row, rooms)]
-            for r, d in zip(by_row, drafts):
-                if r is not None:
-                    r.proposal = d
             return [d[:m] for d, m in zip(drafts, policy.lengths(acceptances, [len(d) for d in drafts]))]
         return self.drafter.propose(range(hi), policy.lengths(acceptances, rooms))
 
@@ -386,11 +382,7 @@ class Scheduler:
                     int(sample(logits[row, :1], r.sampling, r.rng, [r.history], [r.counts], self._allowed([r]))[0])
                 ]
             self.stats.speculation.add(len(d), len(tokens) - 1)
-            proposal = _proposed(r)
-            if len(d):
-                r.acceptance = updated_acceptance(r.acceptance, len(d), len(tokens) - 1)
-            else:  # no drafts verified: lookup's proposal, if any, as evidence
-                r.acceptance = shadow_acceptance(r.acceptance, proposal, tokens[0])
+            r.acceptance = updated_acceptance(r.acceptance, len(d), len(tokens) - 1)
             self.lengths[row] += len(tokens)  # its pending token and the accepted drafts are in its cache now
             for j, token in enumerate(tokens):
                 self._sample_and_emit(r, logits[row, j : j + 1], token)
@@ -437,12 +429,6 @@ class Scheduler:
     def _allowed(self, rows: list[Request]) -> np.ndarray | None:
         """The grammar masks of these rows [rows, vocab], or None when none has a grammar."""
         return allowed_tokens([r.constraint for r in rows], self.model.config.vocab_size)
-
-
-def _proposed(request: Request) -> np.ndarray:
-    """The request's lookup proposal of this step, taken (evidence once); empty where it made none."""
-    proposal, request.proposal = request.proposal, None
-    return np.zeros(0, np.int64) if proposal is None else proposal
 
 
 def _plain_greedy(request: Request) -> bool:
