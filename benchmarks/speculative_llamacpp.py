@@ -20,7 +20,7 @@ decode tokens/s (-n 32 at depth CTX, flash attention on); the same threads for b
 
 Steps reuse benchmarks/compare_llamacpp.py: its llama.cpp build, its f32 GGUF (converted once) and llama-quantize
 for q4_0 only; the checkpoint is `mla-deploy preset v2lite -o WORK/v2lite-2L --layers 2`, our export
---quantize int4 (block 32, embedding and head at 8 bits), as compare_llamacpp's int4.
+--quantize int4 (block 32, the defaults: embedding and head at 6 bits), as compare_llamacpp's int4.
 """
 
 from __future__ import annotations
