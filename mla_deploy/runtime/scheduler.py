@@ -354,6 +354,8 @@ class Scheduler:
         spec = self.speculation
         policy = DraftPolicy(self.costs.at(hi), self.drafter is not None)
         if self.drafter is None:
+            if not any(policy.lengths(acceptances, rooms)):  # none would draft even with every room filled: no lookups
+                return [np.zeros(0, np.int64)] * hi
             drafts = [np.zeros(0, np.int64) if r is None else lookup(r.history, room, spec.ngram, spec.min_ngram)
                       for r, room in zip(by_row, rooms)]
             return [d[:m] for d, m in zip(drafts, policy.lengths(acceptances, [len(d) for d in drafts]))]
