@@ -191,7 +191,7 @@ def _decode_points(cfg, engines, result, progress) -> None:
                     "engine": engine.name,
                     "ctx": ctx,
                     "batch": batch,
-                    "step_ms": round(ms, 3),
+                    "step_ms": float(f"{ms:.4g}"),  # 4 digits: a tiny preset's step is tens of microseconds
                     "tokens_per_s": round(batch * 1e3 / ms, 2),
                     "cache_bytes_per_token": engine.cache_bytes_per_token(),
                     "rss_mb": round(
