@@ -194,6 +194,7 @@ def test_populate_maps_every_page_of_the_files_mappings(tmp_path):
         (other, _), = mappings(files[1])
         assert end - start == size
         assert _mapping_rss(start) == 0 and _mapping_rss(other) == 0
+        assert populate(files[0], skip=frozenset({(start, end)})) == 0 and _mapping_rss(start) == 0
         assert populate(files[0]) == size
         assert _mapping_rss(start) == size and _mapping_rss(other) == 0
         assert populate(tmp_path / "not-mapped.bin") == 0
@@ -224,4 +225,9 @@ def test_a_loaded_export_has_its_weights_mapped_unless_asked_not_to(exports):
     spans = mappings(out / "weights.bin")
     assert model.populated_bytes == sum(end - start for start, end in spans) > 0
     assert all(_mapping_rss(start) == end - start for start, end in spans)
+    loaded = model.populated_bytes
+    model.load("verify")  # a graph loaded later: its session's mappings alone, the others' not again
+    added = set(mappings(out / "weights.bin")) - set(spans)
+    assert added and model.populated_bytes - loaded == sum(end - start for start, end in added)
+    assert all(_mapping_rss(start) == end - start for start, end in added)
     assert ExportedModel(out, RuntimeOptions(populate=False)).populated_bytes == 0

@@ -48,15 +48,17 @@ def fits_in_memory(size: int, meminfo: str = "/proc/meminfo") -> bool:
     return False
 
 
-def populate(path: Path) -> int:
-    """Map every page of every mapping of `path` (madvise MADV_POPULATE_READ). Returns the bytes populated: 0 where
-    the platform cannot (not Linux, an older kernel)."""
+def populate(path: Path, skip: frozenset[tuple[int, int]] = frozenset()) -> int:
+    """Map every page of every mapping of `path` but those in `skip` (populated already) with madvise
+    MADV_POPULATE_READ. Returns the bytes populated: 0 where the platform cannot (not Linux, an older kernel)."""
     if not sys.platform.startswith("linux"):
         return 0
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     done = 0
     for start, end in mappings(path):
+        if (start, end) in skip:
+            continue
         if libc.madvise(start, end - start, MADV_POPULATE_READ) != 0:
             return done  # EINVAL: a kernel without it; anything else leaves the rest to be faulted in as read
         done += end - start

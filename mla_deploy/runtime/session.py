@@ -19,7 +19,7 @@ from .chat import GenerationDefaults
 from .dtypes import ort_value
 from .feeds import check_feed
 from .memory import ResidentMemory, resident_memory
-from .populate import fits_in_memory, populate
+from .populate import fits_in_memory, mappings, populate
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
@@ -156,8 +156,9 @@ class ExportedModel:
                     if not self.has_graph(kind):
                         raise ExportLoadError(f"{self.directory}: this export has no {kind} graph; re-export the "
                                               "checkpoint with this mla-deploy")
+                    mapped = frozenset(mappings(self.directory / WEIGHTS_FILE))  # the loaded sessions', populated
                     self.sessions = {**self.sessions, kind: self._session(kind)}  # readers see the old or the new dict
-                    self.populated_bytes += self._populate()
+                    self.populated_bytes += self._populate(skip=mapped)
 
     def run(self, kind: str, feed: dict) -> dict:
         """One checked call of a graph (prefill, decode, verify, draft); outputs by name (new arrays, the feed left
@@ -222,13 +223,14 @@ class ExportedModel:
             so.register_custom_ops_library(str(library))
         return so
 
-    def _populate(self) -> int:
-        """Map the sessions' pages of weights.bin now (RuntimeOptions.populate); the bytes mapped."""
+    def _populate(self, skip: frozenset[tuple[int, int]] = frozenset()) -> int:
+        """Map the sessions' pages of weights.bin now (RuntimeOptions.populate), but for the mappings in `skip`; the
+        bytes mapped."""
         weights = self.directory / WEIGHTS_FILE
         wanted = self.options.populate
         if wanted is None:
             wanted = self.device == "cpu" and weights.exists() and fits_in_memory(weights.stat().st_size)
-        return populate(weights) if wanted else 0
+        return populate(weights, skip) if wanted else 0
 
     def _session(self, kind: str) -> ort.InferenceSession:
         path = self.directory / self.manifest["graphs"][kind]["file"]
