@@ -229,10 +229,8 @@ def ours_bench(export_dir: Path, threads: int, contexts: list[int], steps: int =
 
 
 def ours_decode(export_dir: Path, threads: int, ctx: int, steps: int = 16) -> float:
-    """Batch-1 decode tok/s at `ctx`: the median step of a freshly loaded engine after a 512-token prefill, as in
-    ours_bench. The prefill touches every expert's weights through the engine's mapping of weights.bin, as a serving
-    process's first requests do (llama.cpp maps its GGUF with MAP_POPULATE); without it a full-size step that picks
-    experts no step picked before takes their page faults inside its timing."""
+    """Batch-1 decode tok/s at `ctx`: the median step of a freshly loaded engine after a 512-token prefill, measured
+    as ours_bench measures the pair's first figure."""
     from mla_deploy.bench.engines import OnnxEngine
 
     engine = OnnxEngine(export_dir.name, export_dir, threads)

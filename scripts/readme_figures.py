@@ -80,8 +80,6 @@ def llamacpp_pairs(results: Path = RESULTS, pattern: str = "llamacpp*.json") -> 
         data = json.loads(path.read_text())
         day = measured_on(path, data)
         for pair in data["pairs"]:
-            if "mla_deploy" not in pair:
-                continue
             name = pair["mla_deploy"] if "head_bits" in pair else NAMES_WITHOUT_HEAD_BITS.get(pair["mla_deploy"],
                                                                                           pair["mla_deploy"])
             key = (day, data.get("time", ""), -len(data["pairs"]))  # the later run of a day, else the narrower
