@@ -16,6 +16,7 @@ from mla_deploy.runtime.speculative import (
     MAX_DRAFT_TOKENS,
     PRIOR_ACCEPTANCE,
     REVISIT,
+    WALL_RATIO_RANGE,
     Costs,
     CostModel,
     DraftPolicy,
@@ -24,6 +25,7 @@ from mla_deploy.runtime.speculative import (
     lookup,
     updated_acceptance,
     verification_pass,
+    WallClock,
 )
 
 VARIANT = "v3_lora_group_yarn"
@@ -219,6 +221,30 @@ def test_the_cost_model_is_affine_in_the_rows_between_its_two_measurements():
     assert mid.decode == pytest.approx(2.0) and mid.verify == pytest.approx({2: 2.7, 3: 3.4})
     assert mid.draft == pytest.approx(0.7)
     assert CostModel(one, one, rows=1).at(4) == one
+
+
+def test_the_wall_clock_scales_each_form_by_what_its_steps_take():
+    clock = WallClock()
+    costs = Costs(decode=1.0, verify={2: 1.5, 3: 2.0}, draft=0.2)
+    assert clock.scaled(costs) == costs  # no step seen: the measured costs
+    for _ in range(100):
+        clock.observe("plain", 1.2, 1.0)  # plain steps run 1.2x their graph,
+    for _ in range(100):
+        clock.observe("verify", 3.0, 1.5)  # passes 2x
+    assert clock.plain == pytest.approx(1.2, rel=1e-3) and clock.verify == pytest.approx(2.0, rel=1e-3)
+    scaled = clock.scaled(costs)
+    assert scaled.decode == pytest.approx(clock.plain) and scaled.verify[3] == pytest.approx(2 * clock.verify)
+    assert scaled.draft == pytest.approx(0.2 * clock.verify)
+    dear = DraftPolicy(costs, mtp=False)
+    assert dear.length(0.9, 2) == 2 and DraftPolicy(scaled, mtp=False).length(0.9, 2) == 0  # drafts pay on paper only
+    stalled = WallClock()
+    stalled.observe("verify", 100.0, 1.0)  # one step stalled by another thread counts as WALL_RATIO_RANGE's top
+    assert stalled.verify == pytest.approx(0.9 + 0.1 * WALL_RATIO_RANGE[1])
+    for _ in range(200):  # plain steps alone: the pass's ratio comes back to 1, so the batch tries drafting again
+        stalled.observe("plain", 1.0, 1.0)
+    assert stalled.verify == pytest.approx(1.0, abs=1e-3)
+    stalled.observe("verify", 1.0, 0.0)  # no measured cost: nothing to learn
+    assert stalled.verify == pytest.approx(1.0, abs=1e-3)
 
 
 def test_passes_are_measured_over_distinct_tokens(exported, monkeypatch):

@@ -10,6 +10,7 @@ from click.testing import CliRunner
 from mla_deploy.cli import main
 from mla_deploy.runtime import ExportedModel, Generator, SamplingParams
 from mla_deploy.runtime import scheduler as scheduler_module
+from mla_deploy.runtime import speculative as speculative_module
 from mla_deploy.runtime.scheduler import Finished, Request, Scheduler, TokenEvent
 from mla_deploy.runtime.speculative import DraftPolicy, Speculation
 from tiny import add_mtp_layer, build_hf_model, save_hf_model
@@ -76,6 +77,27 @@ def test_speculating_rows_of_a_continuous_batch_equal_each_request_alone(mtp_exp
     assert all(o.finished.reason == "length" for o in outs)
     stats = scheduler.stats.speculation  # (the tiny model's MTP layer is random: its drafts are rarely accepted)
     assert stats.verify_steps > 0 and stats.proposed > 0 and (mode == "mtp" or stats.accepted > 0)
+
+
+def test_a_scheduler_whose_passes_run_slow_in_wall_time_drafts_less(mtp_export, monkeypatch):
+    """The policy weighs the costs scaled by the steps' wall time (WallClock): with passes that pay on the measured
+    costs, a batch drafts; with every pass observed slow, it decodes plainly, and its tokens are the same."""
+    model = ExportedModel(mtp_export)
+    cheap = speculative_module.Costs(decode=1.0, verify={t: 1.0 + 0.01 * t for t in range(2, 5)})
+    monkeypatch.setattr(scheduler_module, "measure_cost_model",
+                        lambda *a: speculative_module.CostModel(cheap, cheap, 1))
+    tokens, verified = [], []
+    for slow in (False, True):
+        scheduler = Scheduler(model, max_batch=2, speculation=Speculation("lookup", 3))
+        if slow:  # every observation: a pass takes WALL_RATIO_RANGE's top times its cost
+            monkeypatch.setattr(scheduler.clock, "observe", lambda *a: None)
+            scheduler.clock.verify = speculative_module.WALL_RATIO_RANGE[1]
+        outs = [Collect() for _ in PROMPTS[:2]]
+        run(scheduler, [Request(p, 24, out) for p, out in zip(PROMPTS[:2], outs)])
+        tokens.append([o.tokens for o in outs])
+        verified.append(scheduler.stats.speculation.verify_steps)
+    assert verified[0] > 0 and verified[1] == 0
+    assert tokens[0] == tokens[1]
 
 
 def test_the_mtp_drafts_cache_in_a_continuous_batch_holds_the_committed_pairs(mtp_export, always_draft, monkeypatch):

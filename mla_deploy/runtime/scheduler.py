@@ -47,7 +47,7 @@ from .draft import MTPDrafter
 from .sampling import SamplingParams, sample
 from .session import ExportedModel
 from .speculative import (PRIOR_ACCEPTANCE, DraftPolicy, Speculation, SpeculationStats, accept_row, lookup,
-                          measure_cost_model, updated_acceptance, verification_pass)
+                          measure_cost_model, updated_acceptance, verification_pass, WallClock)
 
 
 class QueueFull(MLADeployError):
@@ -130,6 +130,7 @@ class Scheduler:
         # pay at the prior (DraftPolicy.ever_drafts): no request speculates
         self.drafts_pay = self.costs is not None and DraftPolicy(self.costs.one, self.drafter is not None).ever_drafts(
             1, self.speculation.draft_tokens)
+        self.clock = WallClock()  # the steps' wall time against those costs: the policy weighs what steps take
 
     def _rows_and_queue(self, model, max_batch: int, max_queue: int, prefill_chunk: int) -> None:
         for name, value in (("max_batch", max_batch), ("max_queue", max_queue), ("prefill_chunk", prefill_chunk)):
@@ -295,6 +296,7 @@ class Scheduler:
             if any(len(d) for d in drafts):
                 self._verify_step(decoding, hi, drafts)
                 return
+        t0 = time.perf_counter()
         if self.caches.ensure(int(self.lengths[:hi].max()) + 1) or self._decode is None or self._decode.rows != hi:
             self._decode = DecodeBinding(self.model.sessions[io_spec.DECODE], self.caches, hi,
                                          self.model.config.vocab_size)
@@ -317,6 +319,8 @@ class Scheduler:
                 self.drafter.commit(row, np.array([r.pending]), d.hidden[row, :1].copy(), start)
             if r.pending is not None and self._speculates(r):
                 r.acceptance = updated_acceptance(r.acceptance, 0, 0)  # a step without drafts
+        if self.costs is not None:
+            self.clock.observe("plain", time.perf_counter() - t0, self.costs.at(hi).decode)
 
     def _choose(self, decoding: list[Request], logits: np.ndarray, first_row: int = 0) -> dict[int, int]:
         """Each decoding request's next token, by request id, from its row of `logits` [rows, vocab] (row r.row -
@@ -352,7 +356,7 @@ class Scheduler:
         rooms = [0 if r is None else max(0, min(self.speculation.draft_tokens, r.max_new_tokens - len(r.generated) - 1,
                                                 end)) for r in by_row]
         spec = self.speculation
-        policy = DraftPolicy(self.costs.at(hi), self.drafter is not None)
+        policy = DraftPolicy(self.clock.scaled(self.costs.at(hi)), self.drafter is not None)
         if self.drafter is None:
             if not any(policy.lengths(acceptances, rooms)):  # none would draft even with every room filled: no lookups
                 return [np.zeros(0, np.int64)] * hi
@@ -363,6 +367,7 @@ class Scheduler:
 
     def _verify_step(self, decoding: list[Request], hi: int, drafts: list[np.ndarray]) -> None:
         """One verification pass over rows [0, hi): each decoding row's pending token and drafts at its length."""
+        t0 = time.perf_counter()
         width = 1 + max(len(d) for d in drafts)
         if self.caches.ensure(int(self.lengths[:hi].max()) + width):
             self._decode = None
@@ -392,6 +397,7 @@ class Scheduler:
                     break
             if self.drafter is not None and r.row is not None and self._speculates(r):
                 self.drafter.commit(row, np.array(tokens), hidden[row, : len(tokens)].copy(), int(starts[row]))
+        self.clock.observe("verify", time.perf_counter() - t0, self.costs.at(hi).verify[width])
 
     def _sample_and_emit(self, request: Request, logits: np.ndarray, token: int | None = None) -> None:
         """logits [1, vocab]: sample this request's next token (unless already chosen), emit it, and finish the

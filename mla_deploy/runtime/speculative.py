@@ -34,6 +34,8 @@ MAX_DRAFT_TOKENS = 16
 PRIOR_ACCEPTANCE = 0.6  # a row's acceptance estimate before its first verification
 ACCEPTANCE_MEMORY = 0.7  # each verification moves the estimate 30 % of the way to what it saw
 REVISIT = 0.05  # each step a row drafts nothing moves its estimate 5 % of the way back to the prior
+WALL_MEMORY = 0.9  # each scheduler step moves its form's wall-time ratio 10 % of the way to what it measured
+WALL_RATIO_RANGE = (0.5, 4.0)  # a step's wall time / its graph's cost, as one observation counts it (WallClock)
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,35 @@ class DraftPolicy:
         if not self.ever_pays(rows, k):
             return False
         return not self.mtp or any(self.lengths([PRIOR_ACCEPTANCE] * rows, [k] * rows))
+
+
+@dataclass
+class WallClock:
+    """How a scheduler's steps run against the graph costs it measured at start: for plain decode steps and for
+    verification passes, an estimate of wall time / measured cost. The measured costs time the graphs alone; a step's
+    wall time adds the Python around them (sampling, emission, per row; a pass's acceptance, per row and accepted
+    token), which the two forms do not share alike. DraftPolicy weighs the costs scaled by these ratios, so drafts pay
+    in wall time. Each step moves its form's ratio (1 - WALL_MEMORY) of the way to what it measured (clipped to
+    WALL_RATIO_RANGE: a step stalled by another thread is not the form's cost); each plain step moves the pass's
+    ratio REVISIT of the way back to 1, so a batch that stopped drafting because passes ran slow tries again."""
+    plain: float = 1.0
+    verify: float = 1.0
+
+    def observe(self, form: str, seconds: float, cost: float) -> None:
+        """A step of `form` ("plain" or "verify") took `seconds` where the graph costs `cost`."""
+        if cost <= 0:
+            return
+        ratio = min(max(seconds / cost, WALL_RATIO_RANGE[0]), WALL_RATIO_RANGE[1])
+        if form == "plain":
+            self.plain = WALL_MEMORY * self.plain + (1 - WALL_MEMORY) * ratio
+            self.verify += REVISIT * (1.0 - self.verify)
+        else:
+            self.verify = WALL_MEMORY * self.verify + (1 - WALL_MEMORY) * ratio
+
+    def scaled(self, costs: Costs) -> Costs:
+        """`costs` as the steps run: a decode step by the plain ratio, a pass and its draft calls by the pass's."""
+        return Costs(costs.decode * self.plain, {t: v * self.verify for t, v in costs.verify.items()},
+                     costs.draft * self.verify)
 
 
 def updated_acceptance(estimate: float, proposed: int, accepted: int) -> float:
