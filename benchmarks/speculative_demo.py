@@ -4,7 +4,7 @@ the modes interleaved in each repeat (mla_deploy.bench.speculative); then prompt
 length over the same prompts.
 
     flock /tmp/mla-cpu.lock .venv/bin/python benchmarks/speculative_demo.py [--export out/demo] [--threads 2]
-        [--pieces 4] [--new-tokens 128] [--repeats 3] [--json benchmarks/results/speculative_demo.json]
+        [--pieces 4] [--new-tokens 128] [--repeats 3] [--draft-tokens K] [--json benchmarks/results/speculative_demo.json]
 
 Held-out prompts: --pieces windows of mla_deploy/models/demo/heldout.txt (files the model never trained on), 600
 characters each from evenly spaced places.
@@ -35,6 +35,7 @@ def main() -> int:
     ap.add_argument("--pieces", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--draft-tokens", type=int, default=None, help="the most drafted a step (default: the runtime's)")
     ap.add_argument("--grid", action="store_true", help="also time lookup's (ngram, min_ngram, draft tokens) grid")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -52,9 +53,11 @@ def main() -> int:
     text = (DEMO_CHECKPOINT / "heldout.txt").read_text()
     step = (len(text) - 600) // args.pieces
     texts = {f"held-out {i + 1}": text[i * step : i * step + 600] for i in range(args.pieces)}
-    rows = speculative_rows(args.export, ("off", "lookup", "mtp"), args.threads, args.new_tokens, 4, args.repeats,
-                            texts, progress=log)
+    draft_tokens = args.draft_tokens or Speculation().draft_tokens
+    rows = speculative_rows(args.export, ("off", "lookup", "mtp"), args.threads, args.new_tokens, draft_tokens,
+                            args.repeats, texts, progress=log)
     results = {"date": date.today().isoformat(), "cpu": cpu_model(), "threads": args.threads,
+               "draft_tokens": draft_tokens,
                "command": " ".join(sys.argv), "rows": rows}
     print("\n".join(table(rows)))
     held = [r for r in rows if r["prompt"].startswith("held-out")]
