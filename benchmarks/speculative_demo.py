@@ -4,7 +4,8 @@ the modes interleaved in each repeat (mla_deploy.bench.speculative); then prompt
 length over the same prompts.
 
     flock /tmp/mla-cpu.lock .venv/bin/python benchmarks/speculative_demo.py [--export out/demo] [--threads 2]
-        [--pieces 4] [--new-tokens 128] [--repeats 3] [--draft-tokens K] [--json benchmarks/results/speculative_demo.json]
+        [--pieces 4] [--new-tokens 128] [--repeats 3] [--draft-tokens K]
+        [--json benchmarks/results/speculative_demo.json]
 
 Held-out prompts: --pieces windows of mla_deploy/models/demo/heldout.txt (files the model never trained on), 600
 characters each from evenly spaced places.
