@@ -16,7 +16,7 @@ from mla_deploy.runtime.speculative import (
     MAX_DRAFT_TOKENS,
     PRIOR_ACCEPTANCE,
     REVISIT,
-    WALL_RATIO_RANGE,
+    WALL_EXCESS_CAP,
     Costs,
     CostModel,
     DraftPolicy,
@@ -223,28 +223,26 @@ def test_the_cost_model_is_affine_in_the_rows_between_its_two_measurements():
     assert CostModel(one, one, rows=1).at(4) == one
 
 
-def test_the_wall_clock_scales_each_form_by_what_its_steps_take():
+def test_the_wall_clock_learns_the_python_around_each_step_and_the_policy_weighs_it():
     clock = WallClock()
-    costs = Costs(decode=1.0, verify={2: 1.5, 3: 2.0}, draft=0.2)
-    assert clock.scaled(costs) == costs  # no step seen: the measured costs
     for _ in range(100):
-        clock.observe("plain", 1.2, 1.0)  # plain steps run 1.2x their graph,
-    for _ in range(100):
-        clock.observe("verify", 3.0, 1.5)  # passes 2x
-    assert clock.plain == pytest.approx(1.2, rel=1e-3) and clock.verify == pytest.approx(2.0, rel=1e-3)
-    scaled = clock.scaled(costs)
-    assert scaled.decode == pytest.approx(clock.plain) and scaled.verify[3] == pytest.approx(2 * clock.verify)
-    assert scaled.draft == pytest.approx(0.2 * clock.verify)
-    dear = DraftPolicy(costs, mtp=False)
-    assert dear.length(0.9, 2) == 2 and DraftPolicy(scaled, mtp=False).length(0.9, 2) == 0  # drafts pay on paper only
+        clock.observe("plain", 1.0 + 8 * 0.05, 1.0, tokens=8, rows=8)  # 50 ms of Python for each of 8 tokens
+    assert clock.per_token == pytest.approx(0.05, rel=1e-3) and clock.per_pass_row == 0.0
+    for _ in range(100):  # a pass of 8 rows emitting 20 tokens: their Python, and 0.1 a row on top
+        clock.observe("verify", 2.0 + 20 * 0.05 + 8 * 0.1, 2.0, tokens=20, rows=8)
+    assert clock.per_pass_row == pytest.approx(0.1, rel=1e-3) and clock.per_token == pytest.approx(0.05, rel=1e-3)
+    costs = Costs(decode=1.0, verify={t: 1.0 + 0.1 * (t - 1) for t in range(2, 6)})
+    assert DraftPolicy(costs, mtp=False).lengths([0.5] * 8, [4] * 8) == [2] * 8  # the graphs alone: drafts pay
+    # a token costs its Python in either step, and a pass 0.1 a row more: at this acceptance drafts no longer pay
+    assert DraftPolicy(costs, mtp=False, clock=clock).lengths([0.5] * 8, [4] * 8) == [0] * 8
+    assert DraftPolicy(costs, mtp=False, clock=clock).lengths([0.95] * 8, [4] * 8) == [4] * 8  # these still do
     stalled = WallClock()
-    stalled.observe("verify", 100.0, 1.0)  # one step stalled by another thread counts as WALL_RATIO_RANGE's top
-    assert stalled.verify == pytest.approx(0.9 + 0.1 * WALL_RATIO_RANGE[1])
-    for _ in range(200):  # plain steps alone: the pass's ratio comes back to 1, so the batch tries drafting again
-        stalled.observe("plain", 1.0, 1.0)
-    assert stalled.verify == pytest.approx(1.0, abs=1e-3)
-    stalled.observe("verify", 1.0, 0.0)  # no measured cost: nothing to learn
-    assert stalled.verify == pytest.approx(1.0, abs=1e-3)
+    stalled.observe("plain", 100.0, 1.0, tokens=1, rows=1)  # a step stalled by another thread counts as the cap
+    assert stalled.per_token == pytest.approx(0.1 * WALL_EXCESS_CAP)
+    before = (stalled.per_token, stalled.per_pass_row)
+    for empty in ((1.0, 0.0, 1, 1), (1.0, 1.0, 0, 1), (1.0, 1.0, 1, 0)):  # no cost, no token, no row: nothing learnt
+        stalled.observe("verify", *empty)
+    assert (stalled.per_token, stalled.per_pass_row) == before
 
 
 def test_passes_are_measured_over_distinct_tokens(exported, monkeypatch):

@@ -79,9 +79,10 @@ def test_speculating_rows_of_a_continuous_batch_equal_each_request_alone(mtp_exp
     assert stats.verify_steps > 0 and stats.proposed > 0 and (mode == "mtp" or stats.accepted > 0)
 
 
-def test_a_scheduler_whose_passes_run_slow_in_wall_time_drafts_less(mtp_export, monkeypatch):
-    """The policy weighs the costs scaled by the steps' wall time (WallClock): with passes that pay on the measured
-    costs, a batch drafts; with every pass observed slow, it decodes plainly, and its tokens are the same."""
+def test_a_scheduler_weighs_the_python_around_its_passes(mtp_export, monkeypatch):
+    """The policy weighs the graph costs plus the Python the scheduler's steps were timed to add (WallClock): with
+    passes that pay on the graph costs, a batch drafts; where each pass adds a step's time a row, it decodes plainly,
+    and its tokens are the same."""
     model = ExportedModel(mtp_export)
     cheap = speculative_module.Costs(decode=1.0, verify={t: 1.0 + 0.01 * t for t in range(2, 5)})
     monkeypatch.setattr(scheduler_module, "measure_cost_model",
@@ -89,15 +90,29 @@ def test_a_scheduler_whose_passes_run_slow_in_wall_time_drafts_less(mtp_export, 
     tokens, verified = [], []
     for slow in (False, True):
         scheduler = Scheduler(model, max_batch=2, speculation=Speculation("lookup", 3))
-        if slow:  # every observation: a pass takes WALL_RATIO_RANGE's top times its cost
-            monkeypatch.setattr(scheduler.clock, "observe", lambda *a: None)
-            scheduler.clock.verify = speculative_module.WALL_RATIO_RANGE[1]
+        assert scheduler.clock.per_token == scheduler.clock.per_pass_row == 0.0  # nothing timed yet
+        monkeypatch.setattr(scheduler.clock, "observe", lambda *a: None)  # the tiny model's real steps take ~0 s
+        if slow:
+            scheduler.clock.per_pass_row = 1.0
         outs = [Collect() for _ in PROMPTS[:2]]
         run(scheduler, [Request(p, 24, out) for p, out in zip(PROMPTS[:2], outs)])
         tokens.append([o.tokens for o in outs])
         verified.append(scheduler.stats.speculation.verify_steps)
     assert verified[0] > 0 and verified[1] == 0
     assert tokens[0] == tokens[1]
+
+
+def test_the_scheduler_times_its_steps_into_its_clock(mtp_export, monkeypatch):
+    model = ExportedModel(mtp_export)
+    scheduler = Scheduler(model, max_batch=2, speculation=Speculation("lookup", 3))
+    seen = []
+    real = scheduler.clock.observe
+    monkeypatch.setattr(scheduler.clock, "observe", lambda *a: (seen.append(a), real(*a)))
+    outs = [Collect() for _ in PROMPTS[:2]]
+    run(scheduler, [Request(p, 12, out) for p, out in zip(PROMPTS[:2], outs)])
+    plain = [a for a in seen if a[0] == "plain"]
+    assert plain and all(seconds > 0 and cost > 0 and 1 <= tokens == rows <= 2 for _, seconds, cost, tokens, rows in plain)
+    assert scheduler.clock.per_token > 0
 
 
 def test_the_mtp_drafts_cache_in_a_continuous_batch_holds_the_committed_pairs(mtp_export, always_draft, monkeypatch):

@@ -130,7 +130,7 @@ class Scheduler:
         # pay at the prior (DraftPolicy.ever_drafts): no request speculates
         self.drafts_pay = self.costs is not None and DraftPolicy(self.costs.one, self.drafter is not None).ever_drafts(
             1, self.speculation.draft_tokens)
-        self.clock = WallClock()  # the steps' wall time against those costs: the policy weighs what steps take
+        self.clock = WallClock()  # the Python around the steps, beyond those costs: the policy weighs it too
 
     def _rows_and_queue(self, model, max_batch: int, max_queue: int, prefill_chunk: int) -> None:
         for name, value in (("max_batch", max_batch), ("max_queue", max_queue), ("prefill_chunk", prefill_chunk)):
@@ -320,7 +320,8 @@ class Scheduler:
             if r.pending is not None and self._speculates(r):
                 r.acceptance = updated_acceptance(r.acceptance, 0, 0)  # a step without drafts
         if self.costs is not None:
-            self.clock.observe("plain", time.perf_counter() - t0, self.costs.at(hi).decode)
+            self.clock.observe("plain", time.perf_counter() - t0, self.costs.at(hi).decode, len(decoding),
+                               len(decoding))
 
     def _choose(self, decoding: list[Request], logits: np.ndarray, first_row: int = 0) -> dict[int, int]:
         """Each decoding request's next token, by request id, from its row of `logits` [rows, vocab] (row r.row -
@@ -356,7 +357,7 @@ class Scheduler:
         rooms = [0 if r is None else max(0, min(self.speculation.draft_tokens, r.max_new_tokens - len(r.generated) - 1,
                                                 end)) for r in by_row]
         spec = self.speculation
-        policy = DraftPolicy(self.clock.scaled(self.costs.at(hi)), self.drafter is not None)
+        policy = DraftPolicy(self.costs.at(hi), self.drafter is not None, self.clock)
         if self.drafter is None:
             if not any(policy.lengths(acceptances, rooms)):  # none would draft even with every room filled: no lookups
                 return [np.zeros(0, np.int64)] * hi
@@ -380,6 +381,7 @@ class Scheduler:
         self.stats.decode_steps += 1
         self.stats.decoded_rows += len(decoding)
         self.stats.speculation.verify_steps += 1
+        emitted = 0
         for r in decoding:
             row, d = r.row, drafts[r.row]
             if r.constraint is None:
@@ -391,13 +393,15 @@ class Scheduler:
             self.stats.speculation.add(len(d), len(tokens) - 1)
             r.acceptance = updated_acceptance(r.acceptance, len(d), len(tokens) - 1)
             self.lengths[row] += len(tokens)  # its pending token and the accepted drafts are in its cache now
+            emitted += len(tokens)
             for j, token in enumerate(tokens):
                 self._sample_and_emit(r, logits[row, j : j + 1], token)
                 if r.row is None:  # finished (a stop token, its budget): the rest is dropped
                     break
             if self.drafter is not None and r.row is not None and self._speculates(r):
                 self.drafter.commit(row, np.array(tokens), hidden[row, : len(tokens)].copy(), int(starts[row]))
-        self.clock.observe("verify", time.perf_counter() - t0, self.costs.at(hi).verify[width])
+        self.clock.observe("verify", time.perf_counter() - t0, self.costs.at(hi).verify[width], emitted,
+                           len(decoding))
 
     def _sample_and_emit(self, request: Request, logits: np.ndarray, token: int | None = None) -> None:
         """logits [1, vocab]: sample this request's next token (unless already chosen), emit it, and finish the

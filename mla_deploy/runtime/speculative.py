@@ -35,7 +35,7 @@ PRIOR_ACCEPTANCE = 0.6  # a row's acceptance estimate before its first verificat
 ACCEPTANCE_MEMORY = 0.7  # each verification moves the estimate 30 % of the way to what it saw
 REVISIT = 0.05  # each step a row drafts nothing moves its estimate 5 % of the way back to the prior
 WALL_MEMORY = 0.9  # each scheduler step moves its form's wall-time ratio 10 % of the way to what it measured
-WALL_RATIO_RANGE = (0.5, 4.0)  # a step's wall time / its graph's cost, as one observation counts it (WallClock)
+WALL_EXCESS_CAP = 4.0  # one step's time beyond its graph's cost counts at most this many times that cost (WallClock)
 
 
 @dataclass(frozen=True)
@@ -122,16 +122,18 @@ class DraftPolicy:
     are measured (measure_costs, CostModel)."""
     costs: Costs
     mtp: bool
+    clock: WallClock | None = None  # the Python around the steps (a scheduler's); None: the graphs alone
 
     def lengths(self, acceptances: Sequence[float | None], available: Sequence[int]) -> list[int]:
         """Each row's draft length given its acceptance estimate (None: a row that does not speculate, or no row at
         all) and the drafts it has or may make."""
         rows = [(min(max(a, 0.0), 0.999), n) for a, n in zip(acceptances, available) if a is not None]
         draft = self.costs.draft if self.mtp else 0.0
-        best, rate = 0, len(rows) / self.costs.decode
+        token, row = (self.clock.per_token, self.clock.per_pass_row) if self.clock else (0.0, 0.0)
+        best, rate = 0, len(rows) / (self.costs.decode + token * len(rows))
         for m in range(1, max((n for _, n in rows), default=0) + 1):
             tokens = sum((1 - a ** (min(m, n) + 1)) / (1 - a) for a, n in rows)
-            r = tokens / (self.costs.verify[m + 1] + m * draft)
+            r = tokens / (self.costs.verify[m + 1] + m * draft + token * tokens + row * len(rows))
             if r > rate:
                 best, rate = m, r
         return [0 if a is None else min(best, n) for a, n in zip(acceptances, available)]
@@ -157,31 +159,27 @@ class DraftPolicy:
 
 @dataclass
 class WallClock:
-    """How a scheduler's steps run against the graph costs it measured at start: for plain decode steps and for
-    verification passes, an estimate of wall time / measured cost. The measured costs time the graphs alone; a step's
-    wall time adds the Python around them (sampling, emission, per row; a pass's acceptance, per row and accepted
-    token), which the two forms do not share alike. DraftPolicy weighs the costs scaled by these ratios, so drafts pay
-    in wall time. Each step moves its form's ratio (1 - WALL_MEMORY) of the way to what it measured (clipped to
-    WALL_RATIO_RANGE: a step stalled by another thread is not the form's cost); each plain step moves the pass's
-    ratio REVISIT of the way back to 1, so a batch that stopped drafting because passes ran slow tries again."""
-    plain: float = 1.0
-    verify: float = 1.0
+    """The time a scheduler's steps take beyond the graph costs it measured at start (which time the graphs alone):
+    `per_token`, the Python of each token a step emits (sampling, stop checks, events), learned from plain steps; and
+    `per_pass_row`, what a verification pass adds for each of its rows on top of that (acceptance, bookkeeping),
+    learned from passes. A token costs the same to emit whichever step emits it, so it narrows what drafts gain:
+    DraftPolicy weighs each form as its graph cost plus these. Each step moves its estimate (1 - WALL_MEMORY) of the
+    way to what it measured, an observation capped at WALL_EXCESS_CAP times the graph's cost (a step stalled by
+    another thread is not the form's cost)."""
+    per_token: float = 0.0
+    per_pass_row: float = 0.0
 
-    def observe(self, form: str, seconds: float, cost: float) -> None:
-        """A step of `form` ("plain" or "verify") took `seconds` where the graph costs `cost`."""
-        if cost <= 0:
+    def observe(self, form: str, seconds: float, cost: float, tokens: int, rows: int) -> None:
+        """A step of `form` ("plain" or "verify") over `rows` rows took `seconds`, emitting `tokens`, where its graph
+        costs `cost`."""
+        if cost <= 0 or tokens <= 0 or rows <= 0:
             return
-        ratio = min(max(seconds / cost, WALL_RATIO_RANGE[0]), WALL_RATIO_RANGE[1])
+        excess = min(max(seconds - cost, 0.0), WALL_EXCESS_CAP * cost)
         if form == "plain":
-            self.plain = WALL_MEMORY * self.plain + (1 - WALL_MEMORY) * ratio
-            self.verify += REVISIT * (1.0 - self.verify)
+            self.per_token = WALL_MEMORY * self.per_token + (1 - WALL_MEMORY) * excess / tokens
         else:
-            self.verify = WALL_MEMORY * self.verify + (1 - WALL_MEMORY) * ratio
-
-    def scaled(self, costs: Costs) -> Costs:
-        """`costs` as the steps run: a decode step by the plain ratio, a pass and its draft calls by the pass's."""
-        return Costs(costs.decode * self.plain, {t: v * self.verify for t, v in costs.verify.items()},
-                     costs.draft * self.verify)
+            extra = max(excess - self.per_token * tokens, 0.0) / rows
+            self.per_pass_row = WALL_MEMORY * self.per_pass_row + (1 - WALL_MEMORY) * extra
 
 
 def updated_acceptance(estimate: float, proposed: int, accepted: int) -> float:
