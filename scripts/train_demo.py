@@ -24,22 +24,13 @@ training text puts almost only before aligned comments and tables. So each train
 SPACE_SPLIT_RATE share of its space-word tokens (`Ġname`, where `name` is a token too) into the space and the
 word, with no loss on predicting the inserted space: the model learns what follows a lone space without
 learning to emit one.
-
-Two changes to the data mix make the model write what a demo is asked for. Every multi-line docstring of the
-training files is cut to its summary line (`trimmed_docstrings`; the tokenizer still learns from the files as they
-are): the library's long docstrings otherwise fill most of a 64-token completion of `def ` with prose. And a
-COPY_RATE share of the windows restate code (`restated_window`): a span of the stream, one of FRAMES, and the same
-span again with what followed it, so the model learns to repeat code it was shown (what prompt lookup drafts from).
-The held-out files stay as they are, so their loss compares with a model trained on the plain files.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import math
-import re
 import random
 import sys
 import sysconfig
@@ -51,15 +42,16 @@ import torch.nn.functional as F
 
 HELDOUT_EVERY = 25  # every 25th file (sorted) is held out
 SPECIAL = ["<|pad|>", "<|bos|>", "<|eos|>"]
-HELDOUT_WINDOW = 256  # the training script's held-out figure: 64 windows of this many tokens
 IGNORE = -100  # cross_entropy's ignore_index: no loss on that target
 SPACE_SPLIT_RATE = 0.05
 MTP_WEIGHTS = (0.3, 0.1)  # DeepSeek-V3's lambda: the first two thirds of training, then the rest
-COPY_RATE = 0.2  # the share of training windows that restate a span of code
-MIN_COPY = 32  # tokens in the shortest restated span
-FRAMES = ("\n\n\n", "\n\n# The same code again:\n", "\n\n# Copied from above:\n", "\n\n# Once more:\n",
-          "\n\n\n# Repeated:\n")  # what comes between a span and its restatement
-OPENING = re.compile(r'[rRuU]?("""|\'\'\')')  # a docstring's prefix and triple quote
+
+# what the demo ships beside its weights: sampling defaults chosen from measured samples (docs/serving.md, "The demo's
+# sampling defaults") and a chat template that turns messages into comments and the reply into code
+GENERATION = dict(do_sample=True, temperature=0.7, top_p=0.9, repetition_penalty=1.1)
+CHAT_TEMPLATE = ("{% for message in messages %}{% if message['role'] == 'assistant' %}{{ message['content'] }}\n"
+                 "{% else %}{% for line in message['content'].split('\\n') %}# {{ line }}\n{% endfor %}{% endif %}"
+                 "{% endfor %}")
 
 MODEL = dict(
     vocab_size=4096, hidden_size=256, intermediate_size=640, moe_intermediate_size=160, num_hidden_layers=4,
@@ -94,42 +86,11 @@ def train_tokenizer(files: list[Path], vocab_size: int):
     return tok
 
 
-def encode_files(tok, files: list[Path], edit=lambda source: source) -> torch.Tensor:
+def encode_files(tok, files: list[Path]) -> torch.Tensor:
     ids = []
     for f in files:
-        ids += tok.encode(edit(f.read_text(errors="replace"))).ids + [2]  # <|bos|> file <|eos|>
+        ids += tok.encode(f.read_text(errors="replace")).ids + [2]  # <|bos|> file <|eos|>
     return torch.tensor(ids, dtype=torch.long)
-
-
-def trimmed_docstrings(source: str) -> str:
-    """`source` with each multi-line docstring (module, class, function) cut to its summary line, in its own quotes
-    and indentation. Source that does not parse, and docstrings whose first line cannot stand alone (not triple
-    quoted, a backslash at the end, code after the closing quotes), are left as they are."""
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return source
-    lines = source.splitlines(keepends=True)
-    docs = []
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
-            first = node.body[0]
-            if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
-                    and isinstance(first.value.value, str) and first.end_lineno > first.lineno):
-                docs.append(first)
-    for doc in sorted(docs, key=lambda d: d.lineno, reverse=True):
-        start, end = doc.lineno - 1, doc.end_lineno  # lines[start:end] hold it
-        indent, head = lines[start][: doc.col_offset], lines[start][doc.col_offset :]
-        opening = OPENING.match(head)
-        if opening is None or not indent.isspace() and indent or lines[end - 1].encode()[doc.end_col_offset :].strip():
-            continue
-        quote = opening.group(1)
-        summary = next((text.strip() for text in [head[opening.end() :], *lines[start + 1 : end - 1]] if text.strip()),
-                       "")
-        if not summary or quote[0] in summary or summary.endswith("\\"):
-            continue
-        lines[start:end] = [f"{indent}{head[: opening.end()]}{summary}{quote}\n"]
-    return "".join(lines)
 
 
 def space_splits(tok) -> tuple[int, torch.Tensor]:
@@ -144,34 +105,18 @@ def space_splits(tok) -> tuple[int, torch.Tensor]:
     return space, rest
 
 
-def restated_window(stream: torch.Tensor, seq: int, gen: torch.Generator, frames: list[torch.Tensor]) -> torch.Tensor:
-    """seq + 1 tokens: a span of the stream (MIN_COPY to about seq / 2 tokens), a frame, then the span again and
-    what followed it in the stream."""
-    frame = frames[int(torch.randint(len(frames), (1,), generator=gen))]
-    n = int(torch.randint(MIN_COPY, seq // 2 - len(frame), (1,), generator=gen))
-    s = int(torch.randint(0, len(stream) - seq - 1, (1,), generator=gen))
-    return torch.cat([stream[s : s + n], frame, stream[s : s + seq + 1 - n - len(frame)]])
-
-
-def batches(stream: torch.Tensor, seq: int, batch: int, gen: torch.Generator, space: int, rest: torch.Tensor,
-            frames: list[torch.Tensor]):
-    """(x, y) [batch, seq] windows of the stream, a COPY_RATE share of them restating code (`restated_window`); in
-    the others a SPACE_SPLIT_RATE share of their space-word tokens split in two, y IGNORE where it is an inserted
-    space (restated windows are left whole: their copy is exact)."""
+def batches(stream: torch.Tensor, seq: int, batch: int, gen: torch.Generator, space: int, rest: torch.Tensor):
+    """(x, y) [batch, seq] windows of the stream, a SPACE_SPLIT_RATE share of their space-word tokens split in two;
+    y is IGNORE where it is an inserted space."""
     while True:
+        starts = torch.randint(0, len(stream) - seq - 1, (batch,), generator=gen)
+        chunk = torch.stack([stream[s : s + seq + 1] for s in starts.tolist()])  # [batch, seq + 1]
+        split = (torch.rand(chunk.shape, generator=gen) < SPACE_SPLIT_RATE) & (rest[chunk] >= 0)
+        split[:, 0] = False  # the window's first token has no target before it to mask
         ids, targets = [], []
-        for _ in range(batch):
-            if torch.rand((), generator=gen) < COPY_RATE:
-                row = restated_window(stream, seq, gen, frames).tolist()
-                ids.append(row)
-                targets.append(row)
-                continue
-            s = int(torch.randint(0, len(stream) - seq - 1, (1,), generator=gen))
-            chunk = stream[s : s + seq + 1]
-            split = (torch.rand(chunk.shape, generator=gen) < SPACE_SPLIT_RATE) & (rest[chunk] >= 0)
-            split[0] = False  # the window's first token has no target before it to mask
+        for row, marks in zip(chunk.tolist(), split.tolist()):
             out, inserted = [], []
-            for token, cut in zip(chunk.tolist(), split.tolist()):
+            for token, cut in zip(row, marks):
                 if cut:
                     out += [space, int(rest[token])]
                     inserted += [True, False]
@@ -284,7 +229,7 @@ def main(argv=None):
     t_start = time.time()
     train_files, held_files = stdlib_files()
     tok = train_tokenizer(train_files, MODEL["vocab_size"])
-    train_ids, held_ids = encode_files(tok, train_files, trimmed_docstrings), encode_files(tok, held_files)
+    train_ids, held_ids = encode_files(tok, train_files), encode_files(tok, held_files)
     print(f"data: {len(train_files)} train files ({len(train_ids):,} tokens), {len(held_files)} held-out "
           f"({len(held_ids):,} tokens)", flush=True)
 
@@ -308,8 +253,7 @@ def main(argv=None):
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps))))
     gen = torch.Generator().manual_seed(args.seed)
-    frames = [torch.tensor(tok.encode(f, add_special_tokens=False).ids) for f in FRAMES]
-    data = batches(train_ids, args.seq, args.batch, gen, *space_splits(tok), frames)
+    data = batches(train_ids, args.seq, args.batch, gen, *space_splits(tok))
     model.train()
     mtp.train()
     t_train = time.time()
@@ -328,7 +272,7 @@ def main(argv=None):
             print(f"step {step:5d}  loss {main.item():.3f}  mtp {extra.item():.3f}  "
                   f"{(time.time() - t_train) / step:.2f} s/step", flush=True)
     train_minutes = (time.time() - t_train) / 60
-    held = heldout(model, mtp, held_ids, HELDOUT_WINDOW)
+    held = heldout(model, mtp, held_ids, args.seq)
     print(
         f"held-out loss {held['loss']:.4f} (perplexity {math.exp(held['loss']):.2f}), MTP loss {held['mtp_loss']:.4f}, "
         f"MTP top-1 = text {held['mtp_top1_text']:.3f}, = main's {held['mtp_top1_agrees_with_main']:.3f}; "
@@ -337,6 +281,7 @@ def main(argv=None):
     )
 
     args.out.mkdir(parents=True, exist_ok=True)
+    model.generation_config.update(**GENERATION)
     model.eval().save_pretrained(args.out)
     from safetensors.torch import load_file, save_file
 
@@ -346,7 +291,8 @@ def main(argv=None):
     tok.save(str(args.out / "tokenizer.json"))
     (args.out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|bos|>", "eos_token": "<|eos|>",
-        "pad_token": "<|pad|>", "add_bos_token": True, "model_max_length": MODEL["max_position_embeddings"]}, indent=2))
+        "pad_token": "<|pad|>", "add_bos_token": True, "model_max_length": MODEL["max_position_embeddings"],
+        "chat_template": CHAT_TEMPLATE}, indent=2))
     (args.out / "special_tokens_map.json").write_text(json.dumps(
         {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}, indent=2))
     heldout_text = "\n".join(f.read_text(errors="replace") for f in held_files[:4])
@@ -356,7 +302,6 @@ def main(argv=None):
         "python": sys.version.split()[0], "train_files": len(train_files), "heldout_files": len(held_files),
         "train_tokens": len(train_ids), "heldout_tokens": len(held_ids), "parameters": n_params,
         "mtp_parameters": n_mtp, "mtp_weights": list(MTP_WEIGHTS), "space_split_rate": SPACE_SPLIT_RATE,
-        "copy_rate": COPY_RATE, "docstrings": "multi-line ones cut to their summary line in the training files",
         "train_minutes": round(train_minutes, 1), "total_minutes": round((time.time() - t_start) / 60, 1),
         "heldout_loss_64x256": round(held["loss"], 4), "heldout_mtp_64x256": {k: round(v, 4) for k, v in held.items()},
         "heldout_sample_files": [f.name for f in held_files[:4]],

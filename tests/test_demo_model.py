@@ -141,76 +141,14 @@ def test_the_text_itself_is_the_held_out_files_own_continuation_of_the_prompt():
     assert texts == likeness.text_itself(demo, "def ", runs=6, max_new_tokens=64)  # the same places every time
 
 
-def _train_demo():
+
+def test_the_training_script_writes_the_shipped_sampling_defaults_and_chat_template():
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     import train_demo
 
-    return train_demo
-
-
-def test_training_text_keeps_each_docstrings_summary_line_and_all_code():
-    import ast
-
-    trimmed = _train_demo().trimmed_docstrings
-    source = '''"""A module.
-
-Its long description.
-"""
-import os
-
-
-class Buffers:
-    r"""
-    Raw, opening on the next line.
-
-    More.
-    """
-
-    def grow(self, n):
-        """Grow to n slots."""
-        return n
-
-    def close(self):
-        \'\'\'Close them.
-        Really.\'\'\'
-        os.close(3)
-'''
-    assert trimmed(source) == '''"""A module."""
-import os
-
-
-class Buffers:
-    r"""Raw, opening on the next line."""
-
-    def grow(self, n):
-        """Grow to n slots."""
-        return n
-
-    def close(self):
-        \'\'\'Close them.\'\'\'
-        os.close(3)
-'''
-    ast.parse(trimmed(source))
-    untouched = ['def f():\n    """Two\n    lines."""; x = 1\n', 'def f(:\n    """Does not parse.\n    """\n',
-                 'def f():\n    "one line"\n    return 1\n', 'def f():\n    """\n    """\n']
-    for text in untouched:  # code after the quotes, a syntax error, not multi-line, no summary to keep
-        assert trimmed(text) == text
-
-
-def test_restated_windows_repeat_a_span_of_the_stream_after_a_frame():
-    train_demo = _train_demo()
-    stream, seq = torch.arange(10_000), 128
-    frames = [torch.tensor([-1, -2]), torch.tensor([-3])]
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(20):
-        window = train_demo.restated_window(stream, seq, gen, frames)
-        assert len(window) == seq + 1
-        marks = torch.nonzero(window < 0).flatten()
-        n, frame = int(marks[0]), window[marks[0] : marks[-1] + 1]
-        assert any(torch.equal(frame, f) for f in frames) and train_demo.MIN_COPY <= n < seq // 2
-        span, again = window[:n], window[marks[-1] + 1 :]
-        assert torch.equal(again[:n], span)  # the span restated exactly
-        assert torch.equal(again, torch.arange(int(span[0]), int(span[0]) + len(again)))  # then what followed it
+    shipped = json.loads((DEMO / "generation_config.json").read_text())
+    assert {k: shipped[k] for k in train_demo.GENERATION} == train_demo.GENERATION
+    assert json.loads((DEMO / "tokenizer_config.json").read_text())["chat_template"] == train_demo.CHAT_TEMPLATE

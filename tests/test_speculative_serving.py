@@ -111,7 +111,8 @@ def test_the_scheduler_times_its_steps_into_its_clock(mtp_export, monkeypatch):
     outs = [Collect() for _ in PROMPTS[:2]]
     run(scheduler, [Request(p, 12, out) for p, out in zip(PROMPTS[:2], outs)])
     plain = [a for a in seen if a[0] == "plain"]
-    assert plain and all(seconds > 0 and cost > 0 and 1 <= tokens == rows <= 2 for _, seconds, cost, tokens, rows in plain)
+    assert plain and all(seconds > 0 and cost > 0 and 1 <= tokens == rows <= 2
+                         for _, seconds, cost, tokens, rows in plain)
     assert scheduler.clock.per_token > 0
 
 
