@@ -94,12 +94,17 @@ def test_a_scheduler_weighs_the_python_around_its_passes(mtp_export, monkeypatch
         monkeypatch.setattr(scheduler.clock, "observe", lambda *a: None)  # the tiny model's real steps take ~0 s
         if slow:
             scheduler.clock.per_pass_row = 1.0
+        proposals = []
+        real = scheduler._propose
+        monkeypatch.setattr(scheduler, "_propose", lambda *a: (proposals.append(1), real(*a))[1])
         outs = [Collect() for _ in PROMPTS[:2]]
         run(scheduler, [Request(p, 24, out) for p, out in zip(PROMPTS[:2], outs)])
         tokens.append([o.tokens for o in outs])
         verified.append(scheduler.stats.speculation.verify_steps)
     assert verified[0] > 0 and verified[1] == 0
     assert tokens[0] == tokens[1]
+    # no row would draft even with every room filled: lookups rest QUIET_STEPS steps after each such step
+    assert 0 < len(proposals) <= scheduler.stats.decode_steps // scheduler_module.QUIET_STEPS + 1
 
 
 def test_the_scheduler_times_its_steps_into_its_clock(mtp_export, monkeypatch):

@@ -94,12 +94,23 @@ class Request:
     prefilled: int = 0
     generated: list[int] = field(default_factory=list)
     pending: int | None = None  # the last sampled token, not yet in the cache
-    history: np.ndarray | None = None
+    history: np.ndarray | None = None  # prompt and output so far: a view of _tokens' first slots
+    _tokens: np.ndarray | None = None  # the history's buffer, grown by doubling (an append per token would copy it)
     counts: np.ndarray | None = None  # [vocab] generated-token counts (presence / frequency penalties)
     prompt_lp: list | None = None  # PromptLogprobs entries gathered chunk by chunk
     rng: np.random.Generator | None = None
     cancelled: bool = False
     submitted_at: float = field(default_factory=time.perf_counter)
+
+    def remember(self, token: int) -> None:
+        """Append `token` to the history."""
+        n = len(self.history)
+        if self._tokens is None or n == len(self._tokens):
+            grown = np.empty(max(2 * n, 64), np.int64)
+            grown[:n] = self.history
+            self._tokens = grown
+        self._tokens[n] = token
+        self.history = self._tokens[: n + 1]
 
 
 @dataclass
@@ -111,6 +122,9 @@ class SchedulerStats:
     generated_tokens: int = 0
     speculation: SpeculationStats = field(default_factory=SpeculationStats)
     finished: dict = field(default_factory=lambda: {"stop": 0, "length": 0, "cancelled": 0})
+
+
+QUIET_STEPS = 8  # after a step where no row would draft even with every room filled, lookups rest this many steps
 
 
 class Scheduler:
@@ -131,6 +145,7 @@ class Scheduler:
         self.drafts_pay = self.costs is not None and DraftPolicy(self.costs.one, self.drafter is not None).ever_drafts(
             1, self.speculation.draft_tokens)
         self.clock = WallClock()  # the Python around the steps, beyond those costs: the policy weighs it too
+        self._lookups_rest_until = 0  # the step from which prompt lookup proposes again (QUIET_STEPS)
 
     def _rows_and_queue(self, model, max_batch: int, max_queue: int, prefill_chunk: int) -> None:
         for name, value in (("max_batch", max_batch), ("max_queue", max_queue), ("prefill_chunk", prefill_chunk)):
@@ -291,7 +306,8 @@ class Scheduler:
 
     def _decode_step(self, decoding: list[Request]) -> None:
         hi = max(r.row for r in decoding) + 1
-        if self.speculation.on and any(self._speculates(r) for r in decoding):
+        if (self.speculation.on and self.stats.steps >= self._lookups_rest_until
+                and any(self._speculates(r) for r in decoding)):
             drafts = self._propose(decoding, hi)
             if any(len(d) for d in drafts):
                 self._verify_step(decoding, hi, drafts)
@@ -359,7 +375,8 @@ class Scheduler:
         spec = self.speculation
         policy = DraftPolicy(self.costs.at(hi), self.drafter is not None, self.clock)
         if self.drafter is None:
-            if not any(policy.lengths(acceptances, rooms)):  # none would draft even with every room filled: no lookups
+            if not any(policy.lengths(acceptances, rooms)):  # none would draft even with every room filled: no lookups,
+                self._lookups_rest_until = self.stats.steps + QUIET_STEPS  # nor for a few steps (estimates move slowly)
                 return [np.zeros(0, np.int64)] * hi
             drafts = [np.zeros(0, np.int64) if r is None else lookup(r.history, room, spec.ngram, spec.min_ngram)
                       for r, room in zip(by_row, rooms)]
@@ -411,7 +428,7 @@ class Scheduler:
                                self._allowed([request]))[0])
         request.generated.append(token)
         if request.sampling.repetition_penalty != 1.0 or self._speculates(request):  # the readers of the history
-            request.history = np.append(request.history, token)
+            request.remember(token)
         if request.counts is not None:
             request.counts[token] += 1
         if request.constraint is not None:
