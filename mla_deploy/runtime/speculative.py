@@ -34,7 +34,7 @@ MAX_DRAFT_TOKENS = 16
 PRIOR_ACCEPTANCE = 0.6  # a row's acceptance estimate before its first verification
 ACCEPTANCE_MEMORY = 0.7  # each verification moves the estimate 30 % of the way to what it saw
 REVISIT = 0.05  # each step a row drafts nothing moves its estimate 5 % of the way back to the prior
-WALL_MEMORY = 0.9  # each scheduler step moves its form's wall-time ratio 10 % of the way to what it measured
+WALL_MEMORY = 0.9  # each scheduler step moves the WallClock estimate it informs 10 % of the way to what it measured
 WALL_EXCESS_CAP = 4.0  # one step's time beyond its graph's cost counts at most this many times that cost (WallClock)
 
 
