@@ -131,13 +131,7 @@ class DraftPolicy:
         draft = self.costs.draft if self.mtp else 0.0
         token, row = (self.clock.per_token, self.clock.per_pass_row) if self.clock else (0.0, 0.0)
         best, rate = 0, len(rows) / (self.costs.decode + token * len(rows))
-        longest = max((n for _, n in rows), default=0)
-        if longest:  # a pass gives at most every row the most tokens any could and costs at least the narrowest's:
-            top = max(a for a, _ in rows)  # where even that does not pay, no m does (a scheduler's step, 16 rows)
-            most = len(rows) * (1 - top ** (longest + 1)) / (1 - top)
-            if most / (self.costs.verify[2] + draft + token * most + row * len(rows)) <= rate:
-                longest = 0
-        for m in range(1, longest + 1):
+        for m in range(1, max((n for _, n in rows), default=0) + 1):
             tokens = sum((1 - a ** (min(m, n) + 1)) / (1 - a) for a, n in rows)
             r = tokens / (self.costs.verify[m + 1] + m * draft + token * tokens + row * len(rows))
             if r > rate:
