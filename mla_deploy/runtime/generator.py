@@ -9,7 +9,7 @@ query can see them (causality is on slots). Decode writes row b's token at slot 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generator as Generator_
 from typing import Callable, Sequence
 
@@ -21,6 +21,7 @@ from .cache import CacheBuffers, DecodeBinding
 from .sampling import SamplingParams, sample
 from .session import ExportedModel
 from .draft import MTPDrafter
+from .history import appended
 from .speculative import (PRIOR_ACCEPTANCE, DraftPolicy, Speculation, SpeculationStats, accept_row, lookup,
                           measure_costs, shadow_acceptance, updated_acceptance, verification_pass)
 
@@ -49,8 +50,9 @@ class GenerationResult:
 class _State:
     caches: CacheBuffers
     lengths: np.ndarray  # [b] tokens held in each row's cache
-    history: list[np.ndarray]  # per row: prompt + generated ids (for the repetition penalty)
+    history: list[np.ndarray]  # per row: prompt + generated ids (penalties, prompt lookup, acceptance)
     rng: np.random.Generator
+    history_buffers: list[np.ndarray | None] = field(default_factory=list)  # what each row's history views
     decode_binding: DecodeBinding | None = None
     drafter: MTPDrafter | None = None  # speculation by the MTP draft graph
     prefill_ms: float = 0.0
@@ -222,7 +224,7 @@ class Generator:
                               self.model.max_seq_len, self.model.device, self.model.cache_format,
                               resident=self.model.resident_caches)
         lengths = np.array([len(h) for h in history] if context is None else [context] * len(history), np.int64)
-        return _State(caches, lengths, history, np.random.default_rng(self.sampling.seed))
+        return _State(caches, lengths, history, np.random.default_rng(self.sampling.seed), [None] * len(history))
 
     def check_prompts(self, prompts, max_new_tokens: int) -> list[list[int]]:
         """Token-id rows, each checked: non-empty, integer, in the vocabulary, within the export's length."""
@@ -333,7 +335,8 @@ class _Output:
                     break
                 self.generated[r].append(token)
                 self.decode_tokens += decoded
-                state.history[r] = np.append(state.history[r], token)
+                state.history[r], state.history_buffers[r] = appended(state.history[r], state.history_buffers[r],
+                                                                      token)
                 if self.counts is not None:
                     self.counts[r][token] += 1
                 if token in self.stop_ids:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generator as Generator_
 from typing import Sequence
 
@@ -20,6 +20,7 @@ import numpy as np
 from .. import io_spec
 from ..errors import InputError
 from .generator import GenerationResult, StepOutput, check_first_allowed, check_prompts, run_to_end
+from .history import appended
 from .sampling import SamplingParams, sample
 
 _keys = itertools.count()
@@ -37,6 +38,7 @@ class _MicroBatch:
     stopped_before: np.ndarray | None = None  # the rows that had finished before the latest step
     steps: int = 0  # tokens sampled so far per row
     handle: object = None  # the step in flight: its logits once resolved
+    history_buffers: list[np.ndarray | None] = field(default_factory=list)  # what each row's history views
 
 
 class PipelineGenerator:
@@ -113,7 +115,7 @@ class PipelineGenerator:
         group = _MicroBatch(f"{next(_keys)}", [int(i) for i in part], lengths,
                             [np.asarray(r, np.int64) for r in prompts], np.random.default_rng(self.sampling.seed),
                             [np.zeros(vocab, np.int32) for _ in prompts] if self.sampling.counts_tokens else None,
-                            np.zeros(b, bool))
+                            np.zeros(b, bool), history_buffers=[None] * b)
         positions = np.broadcast_to(np.arange(longest, dtype=np.int64), (b, longest)).copy()
         group.handle = self.model.forward(group.key, io_spec.PREFILL, ids, positions, np.zeros(b, np.int64),
                                           lengths - 1)
@@ -128,7 +130,7 @@ class PipelineGenerator:
                 continue
             token = int(tokens[r])
             generated[row].append(token)
-            group.history[r] = np.append(group.history[r], token)
+            group.history[r], group.history_buffers[r] = appended(group.history[r], group.history_buffers[r], token)
             if group.counts is not None:
                 group.counts[r][token] += 1
             if token in self.stop_token_ids:

@@ -44,6 +44,7 @@ from .cache import CacheBuffers, DecodeBinding
 from .generator import check_prompts
 from .grammar import Constraint, allowed_tokens
 from .draft import MTPDrafter
+from .history import appended
 from .sampling import SamplingParams, sample
 from .session import ExportedModel
 from .speculative import (PRIOR_ACCEPTANCE, DraftPolicy, Speculation, SpeculationStats, accept_row, lookup,
@@ -95,7 +96,7 @@ class Request:
     generated: list[int] = field(default_factory=list)
     pending: int | None = None  # the last sampled token, not yet in the cache
     history: np.ndarray | None = None  # prompt and output so far: a view of _tokens' first slots
-    _tokens: np.ndarray | None = None  # the history's buffer, grown by doubling (an append per token would copy it)
+    _tokens: np.ndarray | None = None  # the history's buffer (runtime.history)
     counts: np.ndarray | None = None  # [vocab] generated-token counts (presence / frequency penalties)
     prompt_lp: list | None = None  # PromptLogprobs entries gathered chunk by chunk
     rng: np.random.Generator | None = None
@@ -104,13 +105,7 @@ class Request:
 
     def remember(self, token: int) -> None:
         """Append `token` to the history."""
-        n = len(self.history)
-        if self._tokens is None or n == len(self._tokens):
-            grown = np.empty(max(2 * n, 64), np.int64)
-            grown[:n] = self.history
-            self._tokens = grown
-        self._tokens[n] = token
-        self.history = self._tokens[: n + 1]
+        self.history, self._tokens = appended(self.history, self._tokens, token)
 
 
 @dataclass
