@@ -9,7 +9,7 @@ query can see them (causality is on slots). Decode writes row b's token at slot 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Generator as Generator_
 from typing import Callable, Sequence
 
@@ -52,7 +52,7 @@ class _State:
     lengths: np.ndarray  # [b] tokens held in each row's cache
     history: list[np.ndarray]  # per row: prompt + generated ids (penalties, prompt lookup, acceptance)
     rng: np.random.Generator
-    history_buffers: list[np.ndarray | None] = field(default_factory=list)  # what each row's history views
+    history_buffers: list[np.ndarray | None]  # the buffer each row's history views (runtime.history)
     decode_binding: DecodeBinding | None = None
     drafter: MTPDrafter | None = None  # speculation by the MTP draft graph
     prefill_ms: float = 0.0

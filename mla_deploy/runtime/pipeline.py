@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Generator as Generator_
 from typing import Sequence
 
@@ -32,13 +32,13 @@ class _MicroBatch:
     rows: list[int]  # their indices among the prompts
     lengths: np.ndarray  # [b] tokens held in each row's caches
     history: list[np.ndarray]
+    history_buffers: list[np.ndarray | None]  # the buffer each row's history views (runtime.history)
     rng: np.random.Generator
     counts: list[np.ndarray] | None
     finished: np.ndarray
     stopped_before: np.ndarray | None = None  # the rows that had finished before the latest step
     steps: int = 0  # tokens sampled so far per row
     handle: object = None  # the step in flight: its logits once resolved
-    history_buffers: list[np.ndarray | None] = field(default_factory=list)  # what each row's history views
 
 
 class PipelineGenerator:
@@ -113,9 +113,10 @@ class PipelineGenerator:
         lengths = np.array([len(r) for r in prompts], np.int64)
         vocab = self.model.config.vocab_size
         group = _MicroBatch(f"{next(_keys)}", [int(i) for i in part], lengths,
-                            [np.asarray(r, np.int64) for r in prompts], np.random.default_rng(self.sampling.seed),
+                            [np.asarray(r, np.int64) for r in prompts], [None] * b,
+                            np.random.default_rng(self.sampling.seed),
                             [np.zeros(vocab, np.int32) for _ in prompts] if self.sampling.counts_tokens else None,
-                            np.zeros(b, bool), history_buffers=[None] * b)
+                            np.zeros(b, bool))
         positions = np.broadcast_to(np.arange(longest, dtype=np.int64), (b, longest)).copy()
         group.handle = self.model.forward(group.key, io_spec.PREFILL, ids, positions, np.zeros(b, np.int64),
                                           lengths - 1)
