@@ -293,3 +293,24 @@ def _safetensors_files(directory: Path) -> list[SafetensorsFile]:
             "and are refused. Convert them to safetensors in a trusted environment first"
         )
     raise CheckpointError(f"{directory}: no model.safetensors or model.safetensors.index.json")
+
+
+class CheckpointView:
+    """A checkpoint whose tensors read through a transformation (rounding, quantizing and dequantizing): the names
+    are the source's; a subclass gives `tensor`."""
+
+    def __init__(self, ckpt):
+        self.ckpt, self.config = ckpt, ckpt.config
+
+    def names(self) -> list[str]:
+        return self.ckpt.names()
+
+    def mtp_names(self) -> list[str]:
+        return self.ckpt.mtp_names()
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.ckpt.has_mtp
+
+    def tensor(self, name: str) -> np.ndarray:
+        raise NotImplementedError

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..checkpoint import CheckpointView
 from ..errors import ExportError
 from ..safetensors_io import bf16_to_float32, float32_to_bf16
 
@@ -49,22 +50,13 @@ def round_weight(w: np.ndarray, dtype: str, name: str = "weight") -> np.ndarray:
     raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
 
 
-class RoundedCheckpoint:
+class RoundedCheckpoint(CheckpointView):
     """A checkpoint whose weights read as rounded to `dtype` (round_weight): what a half-precision export stands for,
     and what it is verified against."""
 
     def __init__(self, ckpt, dtype: str):
-        self.ckpt, self.dtype, self.config = ckpt, dtype, ckpt.config
-
-    def names(self) -> list[str]:
-        return self.ckpt.names()
-
-    def mtp_names(self) -> list[str]:
-        return self.ckpt.mtp_names()
-
-    @property
-    def has_mtp(self) -> bool:
-        return self.ckpt.has_mtp
+        super().__init__(ckpt)
+        self.dtype = dtype
 
     def tensor(self, name: str) -> np.ndarray:
         return round_weight(self.ckpt.tensor(name), self.dtype, name)

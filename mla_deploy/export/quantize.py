@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ..checkpoint import Checkpoint, expected_tensors, mtp_tensors
+from ..checkpoint import Checkpoint, CheckpointView, expected_tensors, mtp_tensors
 from ..config import MLAConfig
 from . import absorb
 
@@ -97,7 +97,7 @@ def quantized_hf_names(cfg: MLAConfig, mtp: bool = False) -> list[str]:
     return [name for name, shape in tensors.items() if len(shape) == 2 and not name.endswith(FLOAT_LINEARS)]
 
 
-class DequantizedCheckpoint:
+class DequantizedCheckpoint(CheckpointView):
     """A checkpoint whose quantized weights read as their dequantized values: the source a quantized export is
     compared with exactly. Every graph weight made from an HF weight W [out, in] is a column subset or
     permutation of Wᵀ, and the blocks run along `in` per column, so quantizing W row by row is the same. A `fused`
@@ -105,18 +105,9 @@ class DequantizedCheckpoint:
     dequantized, for the source's absorbed attention to use in their place."""
 
     def __init__(self, ckpt: Checkpoint, quantization: Quantization, fused: bool = False):
-        self.ckpt, self.quantization, self.config, self.fused = ckpt, quantization, ckpt.config, fused
+        super().__init__(ckpt)
+        self.quantization, self.fused = quantization, fused
         self._quantized = set(quantized_hf_names(ckpt.config, mtp=True))
-
-    def names(self) -> list[str]:
-        return self.ckpt.names()
-
-    def mtp_names(self) -> list[str]:
-        return self.ckpt.mtp_names()
-
-    @property
-    def has_mtp(self) -> bool:
-        return self.ckpt.has_mtp
 
     def tensor(self, name: str) -> np.ndarray:
         w = self.ckpt.tensor(name)
