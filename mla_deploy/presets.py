@@ -15,8 +15,8 @@ the full model.
 from __future__ import annotations
 
 import json
-import os
 import shutil
+import warnings
 import zlib
 from pathlib import Path
 
@@ -29,6 +29,7 @@ from numpy.random import default_rng
 from .checkpoint import expected_tensors, parameter_count
 from .config import MLAConfig
 from .errors import ConfigError, InputError
+from .partial import partial_directory
 from .progress import progress_bar
 from .safetensors_io import SafetensorsWriter, float32_to_bf16
 
@@ -87,9 +88,7 @@ def write_random_checkpoint(raw: dict, out: str | Path, seed: int = 0, source: s
     shards = _shards(shapes, itemsize)
     std = raw.get("initializer_range", 0.02)
     total = checkpoint_bytes(cfg, itemsize)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = partial_directory(out, lambda text: warnings.warn(text, stacklevel=3))
     try:
         with progress_bar(total, source, "B") as advance:
             for file, names in shards.items():

@@ -4,6 +4,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -49,6 +50,27 @@ def pytest_sessionstart(session):
 
     one_thread.one_thread = True
     ort.InferenceSession.__init__ = one_thread
+
+
+def flushes_denormals() -> bool:
+    """Whether this thread's floating-point state flushes subnormals (FTZ) or reads them as zero (DAZ)."""
+    subnormal = np.float64(np.finfo(np.float64).smallest_subnormal)
+    return subnormal * np.float64(1.0) == 0.0 or np.float64(np.finfo(np.float64).tiny) / np.float64(2.0) == 0.0
+
+
+@pytest.fixture(autouse=True)
+def keeps_denormals():
+    """Fails a test that leaves the process flushing subnormals: the state is per thread and outlives the test, so
+    the tests after it (in pytest-randomly's order) would see other sampling and kernel results. Restored after the
+    failure so that one test is the only one to fail."""
+    assert not flushes_denormals(), "a test before this one left FTZ / DAZ set"
+    yield
+    if flushes_denormals():
+        import torch
+
+        torch.set_flush_denormal(False)
+        pytest.fail("this test left the thread flushing subnormals (FTZ / DAZ), e.g. through onnxruntime's "
+                    "session.set_denormal_as_zero in the test process: run it in a child process")
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,7 @@ import onnx_ir as ir
 from .. import __version__, integrity, io_spec
 from ..checkpoint import Checkpoint
 from ..errors import ExportError
+from ..partial import partial_directory, scratch_path
 from ..manifest import MANIFEST_FILE, MANIFEST_VERSION, TOKENIZER_FILES, WEIGHTS_FILE, file_sha256, not_an_export
 from ..progress import progress_bar
 from .absorb import AbsorbMode, absorbed_weight_bytes
@@ -67,9 +68,7 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
     source_hash = ckpt.content_hash()
     export_id = hashlib.sha256(plan.recipe(source_hash, __version__).encode()).hexdigest()[:32]
 
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = partial_directory(out, progress)
     try:
         if plan.stages:
             manifest = _top_manifest(cfg, plan, source_hash, export_id, ckpt)
@@ -232,7 +231,7 @@ def _check_output(out: Path, force: bool) -> None:
 def _move_into_place(tmp: Path, out: Path, force: bool) -> None:
     _check_output(out, force)  # still nothing, or an earlier export, after the build
     if out.exists():  # --force: swap, then remove the old export
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        old = scratch_path(out, "old")
         out.rename(old)
         tmp.rename(out)
         shutil.rmtree(old, ignore_errors=True)

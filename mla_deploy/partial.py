@@ -1,0 +1,77 @@
+"""Directories that appear whole or not at all: a build (an export, a preset's checkpoint) writes into a hidden
+partial directory beside its destination, `.NAME.partial-HOST-PID`, and renames it into place when complete; a build
+that fails or is interrupted removes it. A process killed outright (SIGKILL, the kernel's OOM killer) cannot, so
+the next build of the same destination removes what such a process left: the partials, and the `.NAME.old-HOST-PID`
+an export swapped out with --force, of processes on this host that no longer run. A process still running, or one
+on another host sharing the filesystem, keeps its own."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+KINDS = ("partial", "old")
+
+
+def partial_directory(out: Path, note: Callable[[str], None] | None = None) -> Path:
+    """A fresh, empty partial directory for building `out` (stale leftovers of `out` removed first, each named to
+    `note`)."""
+    for stale in stale_leftovers(out):
+        size = _size(stale)
+        shutil.rmtree(stale, ignore_errors=True)
+        if note is not None:
+            note(f"removed {stale.name} ({_human(size)}), left beside {out.name} by a process that no longer runs")
+    tmp = scratch_path(out, "partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def scratch_path(out: Path, kind: str) -> Path:
+    """This process's hidden sibling of `out` of one kind (`partial`: being built; `old`: being replaced)."""
+    return out.parent / f".{out.name}.{kind}-{_host()}-{os.getpid()}"
+
+
+def stale_leftovers(out: Path) -> list[Path]:
+    """The hidden siblings of `out` left by processes of this host that no longer run. A name without a host (as
+    older versions wrote them) counts as this host's."""
+    if not out.parent.is_dir():
+        return []
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.(?:{'|'.join(KINDS)})-(?:(?P<host>.+)-)?(?P<pid>\d+)")
+    found = []
+    for p in out.parent.iterdir():
+        m = pattern.fullmatch(p.name)
+        if not m or not p.is_dir() or p.is_symlink():
+            continue
+        if m["host"] not in (None, _host()) or _running(int(m["pid"])):
+            continue
+        found.append(p)
+    return sorted(found)
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
+
+
+def _running(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # another user's process (or a number no process has): not ours to judge
+    return True
+
+
+def _size(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def _human(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
