@@ -293,8 +293,21 @@ def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving(serve
     assert huge.status_code == 413 and "exceeds the limit" in huge.json()["error"]["message"]
     route = httpx.get(base + "/v1/nothing")
     assert route.status_code == 404 and route.json()["error"]["type"] == "not_found_error"
+    method = httpx.get(base + "/v1/completions")
+    assert method.status_code == 405 and method.json()["error"]["type"] == "invalid_request_error"
+    assert method.json()["error"]["message"] == "/v1/completions does not take GET; use POST"
+    assert method.headers["allow"] == "POST"
     with pytest.raises(openai.BadRequestError, match="maximum length of 1024"):
         client.completions.create(prompt="x", max_tokens=2000, **greedy())
+    long_chat = httpx.post(base + "/v1/chat/completions", json={  # chat's default max_tokens: the rest of the length
+        "model": MODEL, "messages": [{"role": "user", "content": " ".join(map(str, range(1200)))}]})
+    error = long_chat.json()["error"]
+    assert long_chat.status_code == 400 and error["param"] == "messages", error
+    assert "leaves no room for a reply" in error["message"] and "-" not in error["message"].split("tokens")[0], error
+    for field, value in (("tools", []), ("tool_choice", "none")):  # asking for no tools is served
+        chat = httpx.post(base + "/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, field: value})
+        assert chat.status_code == 200, (field, chat.text)
     assert client.completions.create(prompt="x", max_tokens=3, **greedy()).usage.completion_tokens == 3
 
 

@@ -103,9 +103,13 @@ class Service:
         prompts = self._prompt_ids(req)
         limit = self.engine.model.max_seq_len
         for i, ids in enumerate(prompts):
+            where = f"prompt {i}: " if len(prompts) > 1 else ""
+            if req.max_tokens is None and len(ids) >= limit:  # chat's default: the rest of the length
+                raise bad(f"{where}the prompt is {len(ids)} tokens, which leaves no room for a reply within this "
+                          f"model's maximum length of {limit} tokens; shorten it",
+                          "messages" if req.kind == "chat" else "prompt", "context_length_exceeded")
             max_tokens = req.max_tokens if req.max_tokens is not None else limit - len(ids)
             if len(ids) + max_tokens > limit or max_tokens < 1 and not req.echo:
-                where = f"prompt {i}: " if len(prompts) > 1 else ""
                 raise bad(f"{where}{len(ids)} prompt tokens + {max_tokens} max_tokens = {len(ids) + max_tokens} "
                           f"exceeds this model's maximum length of {limit} tokens", "max_tokens",
                           "context_length_exceeded")
@@ -247,7 +251,11 @@ def create_app(service: Service) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
-        message = f"no route {request.method} {request.url.path}" if e.status_code in (404, 405) else str(e.detail)
+        if e.status_code == 405:  # the route exists; the method is not one of its own
+            allowed = (e.headers or {}).get("Allow")
+            message = f"{request.url.path} does not take {request.method}" + (f"; use {allowed}" if allowed else "")
+            return _error(service, APIError(405, message, headers={"Allow": allowed} if allowed else None))
+        message = f"no route {request.method} {request.url.path}" if e.status_code == 404 else str(e.detail)
         return _error(service, APIError(e.status_code, message))
 
     @app.exception_handler(EngineFailed)
