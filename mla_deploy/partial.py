@@ -31,6 +31,18 @@ def partial_directory(out: Path, note: Callable[[str], None] | None = None) -> P
     return tmp
 
 
+def unwritable_parent(out: Path) -> str | None:
+    """Why `out` cannot be created, judged by its nearest existing ancestor (None: it can, as far as that shows)."""
+    ancestor = out.absolute().parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"{ancestor} is a file, not a directory"
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return f"{ancestor} is not writable"
+    return None
+
+
 def scratch_path(out: Path, kind: str) -> Path:
     """This process's hidden sibling of `out` of one kind (`partial`: being built; `old`: being replaced)."""
     return out.parent / f".{out.name}.{kind}-{_host()}-{os.getpid()}"

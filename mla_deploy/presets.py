@@ -29,7 +29,7 @@ from numpy.random import default_rng
 from .checkpoint import expected_tensors, parameter_count
 from .config import MLAConfig
 from .errors import ConfigError, InputError
-from .partial import partial_directory
+from .partial import partial_directory, unwritable_parent
 from .progress import progress_bar
 from .safetensors_io import SafetensorsWriter, float32_to_bf16
 
@@ -88,7 +88,10 @@ def write_random_checkpoint(raw: dict, out: str | Path, seed: int = 0, source: s
     shards = _shards(shapes, itemsize)
     std = raw.get("initializer_range", 0.02)
     total = checkpoint_bytes(cfg, itemsize)
-    tmp = partial_directory(out, lambda text: warnings.warn(text, stacklevel=3))
+    try:
+        tmp = partial_directory(out, lambda text: warnings.warn(text, stacklevel=3))
+    except OSError as e:
+        raise InputError(f"{out}: cannot be created ({e.strerror or e}); choose another output path") from None
     try:
         with progress_bar(total, source, "B") as advance:
             for file, names in shards.items():
@@ -114,6 +117,8 @@ def _check_replaceable(out: Path) -> None:
     """Only an empty directory or a random checkpoint this module wrote (its config.json records _random_weights)
     may be replaced at `out`: anything else there is the user's, and stays."""
     if not out.exists() and not out.is_symlink():
+        if (why := unwritable_parent(out)) is not None:
+            raise InputError(f"{out}: cannot be created ({why}); choose another output path (nothing was written)")
         return
     if out.is_symlink() or not out.is_dir():
         raise InputError(f"{out}: exists and is not a directory; choose another output path (nothing was written)")

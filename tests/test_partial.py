@@ -86,3 +86,17 @@ def test_an_export_clears_what_a_killed_export_of_the_same_destination_left(chec
     assert not stale.exists() and (out / "manifest.json").is_file()
     assert any(f"removed {stale.name}" in s for s in said), said
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exp"]
+
+
+def test_an_output_under_a_file_is_refused_before_any_work(tmp_path):
+    from click.testing import CliRunner
+
+    from mla_deploy.cli import main
+
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    for args in (["export", "-o", str(a_file / "exp")], ["preset", "tiny-v3", "-o", str(a_file / "sub" / "ckpt")]):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code != 0 and "internal error" not in result.output, result.output
+        assert f"{a_file} is a file, not a directory" in result.output, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"] and a_file.read_text() == "mine"

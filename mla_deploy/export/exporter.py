@@ -26,7 +26,7 @@ import onnx_ir as ir
 from .. import __version__, integrity, io_spec
 from ..checkpoint import Checkpoint
 from ..errors import ExportError
-from ..partial import partial_directory, scratch_path
+from ..partial import partial_directory, scratch_path, unwritable_parent
 from ..manifest import MANIFEST_FILE, MANIFEST_VERSION, TOKENIZER_FILES, WEIGHTS_FILE, file_sha256, not_an_export
 from ..progress import progress_bar
 from .absorb import AbsorbMode, absorbed_weight_bytes
@@ -68,7 +68,10 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
     source_hash = ckpt.content_hash()
     export_id = hashlib.sha256(plan.recipe(source_hash, __version__).encode()).hexdigest()[:32]
 
-    tmp = partial_directory(out, progress)
+    try:
+        tmp = partial_directory(out, progress)
+    except OSError as e:
+        raise ExportError(f"{out}: cannot be created ({e.strerror or e}); choose another output path") from None
     try:
         if plan.stages:
             manifest = _top_manifest(cfg, plan, source_hash, export_id, ckpt)
@@ -219,6 +222,8 @@ def _check_output(out: Path, force: bool) -> None:
     """Nothing at `out`, or an earlier export there and --force: the one thing --force replaces. Anything else is
     refused, nothing deleted."""
     if not (out.exists() or out.is_symlink()):
+        if (why := unwritable_parent(out)) is not None:
+            raise ExportError(f"{out}: cannot be created ({why}); choose another output path")
         return
     what = not_an_export(out)
     if what is None and not force:
