@@ -92,9 +92,14 @@ def evaluate(
     if tokenizer is None:
         raise InputError(f"{export_dir}: export has no tokenizer; eval needs one to read text")
     try:
-        text = Path(text_file).read_text()
+        text = Path(text_file).read_text(encoding="utf-8")
     except OSError as e:
         raise InputError(f"{text_file}: cannot read ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise InputError(f"{text_file}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); eval "
+                         "scores text files") from None
+    if not text.strip():
+        raise InputError(f"{text_file}: empty; eval needs text to score")
     batch = windows(tokenizer.encode(text), window)
     export_nll, export_top1 = export_scores(
         model, batch, on_run=_Progress(progress, "onnx export ", len(batch), window)

@@ -239,6 +239,16 @@ def test_eval_reports_progress_on_stderr(demo_export, tmp_path):
     assert "loss" in result.stdout and "tokens/s" not in result.stdout
 
 
+def test_eval_names_a_text_file_it_cannot_score(demo_export, tmp_path):
+    cases = {"latin1.txt": ("caf\xe9 au lait".encode("latin-1"), "not UTF-8 text (byte 0xe9 at offset 3)"),
+             "empty.txt": (b" \n", "empty; eval needs text to score")}
+    for name, (content, said) in cases.items():
+        (tmp_path / name).write_bytes(content)
+        result = CliRunner().invoke(main, ["eval", str(demo_export), "--text", str(tmp_path / name)])
+        assert result.exit_code == 1 and result.stderr.strip() == f"error: {tmp_path / name}: {said}" + (
+            "; eval scores text files" if name == "latin1.txt" else ""), result.output
+
+
 def test_bench_says_its_disk_use_and_refuses_without_room(tmp_path, monkeypatch):
     from mla_deploy.bench import run as bench_run
 
