@@ -347,6 +347,7 @@ def bench(quick, preset, checkpoint, contexts, batches, engines, steps, threads,
         contexts=_parse_ints(contexts, "--contexts"), batches=_parse_ints(batches, "--batches"),
         engines=tuple(engines.split(",")) if engines else None,
         speculative=_parse_modes(speculative_modes), draft_tokens=draft_tokens).items() if v is not None}
+    overrides["contexts_named"] = contexts is not None
     cfg = BenchConfig.quick(**overrides) if quick else BenchConfig(**overrides)
     result = run_bench(cfg, progress=_progress())
     click.echo(table(result))

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from mla_deploy.bench import BenchConfig, run_bench
 from mla_deploy.bench.report import save, table
-from mla_deploy.bench.run import ALL_ENGINES, expected_active_experts
+from mla_deploy.bench.run import ALL_ENGINES, expected_active_experts, fit_contexts
 from mla_deploy.footprint import decode_read_bytes, latent_cache_bytes_per_token, mha_cache_bytes_per_token
 from mla_deploy.cli import main
 from mla_deploy.config import MLAConfig
@@ -88,6 +88,20 @@ def test_bench_cli_quick_path(tmp_path):
                                     "--out", str(tmp_path / "r"), "--contexts", "8", "--steps", "1"])
     assert out.exit_code == 0, out.output
     assert (tmp_path / "r" / "quick.json").exists() and "onnx-fused" in out.output
+
+
+def test_contexts_beyond_the_models_length_are_fitted_or_refused(tmp_path):
+    """tiny-v3 holds 4096 positions: `bench --quick`'s default 4k point is measured at the longest that fits; a context
+    the user names beyond it is an error naming the limit, before anything is built."""
+    said = []
+    cfg = fit_contexts(BenchConfig.quick(preset="tiny-v3", workdir=tmp_path), said.append)
+    assert cfg.contexts == (128, 4096 - cfg.room) and cfg.max_len() == 4096, cfg.contexts
+    assert said == [f"context 4096 measured at {4096 - cfg.room}, the longest that fits the model's 4096 positions "
+                    f"(max_position_embeddings) less {cfg.room} for the timed steps"]
+    out = CliRunner().invoke(main, ["bench", "--preset", "tiny-v3", "--workdir", str(tmp_path / "w"),
+                                    "--contexts", "8,4090", "--steps", "1"])
+    assert out.exit_code == 1 and "--contexts 4090: beyond the model's 4096 positions" in out.output, out.output
+    assert "the longest that fits is 4087" in out.output and not (tmp_path / "w").exists()
 
 
 def test_decompressed_kv_baseline_computes_the_same_model(checkpoint_dir, tmp_path):

@@ -8,7 +8,7 @@ import os
 import platform
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -38,6 +38,16 @@ class BenchConfig:
     bandwidth_mb: int = 512  # size of the bandwidth probes (well beyond any cache)
     speculative: tuple[str, ...] = ()  # speculative decoding's modes to compare (bench.speculative): off, lookup, mtp
     draft_tokens: int = 4
+    contexts_named: bool = False  # the contexts are the user's: one beyond the model's length is an error, not left out
+
+    @property
+    def room(self) -> int:
+        """Positions a point needs past its context: the timed steps and warm-up."""
+        return self.steps + 8
+
+    def max_len(self) -> int:
+        """The exports' maximum length: the longest context or prefill, and the room after it."""
+        return max(*self.contexts, self.prefill_tokens) + self.room
 
     @classmethod
     def quick(cls, **kw) -> "BenchConfig":
@@ -81,13 +91,8 @@ def prepare(cfg: BenchConfig, progress: Callable[[str], None]) -> tuple[Path, di
     from .mha_baseline import export_mha_baseline
 
     cfg.workdir.mkdir(parents=True, exist_ok=True)
-    if cfg.checkpoint is not None:
-        checkpoint = Path(cfg.checkpoint)
-        model_cfg = MLAConfig.from_hf_json(checkpoint / "config.json")
-    else:
-        checkpoint = cfg.workdir / f"{cfg.preset}-checkpoint"
-        model_cfg = MLAConfig.from_hf_dict(preset_config(cfg.preset), source=f"preset {cfg.preset}")
-    max_len = max(*cfg.contexts, cfg.prefill_tokens) + cfg.steps + 8
+    checkpoint, model_cfg = model_config(cfg)
+    max_len = cfg.max_len()
     outputs = {mode: cfg.workdir / f"{checkpoint.name}-export-{mode}-{max_len}" for mode in ("fused", "factored")}
     check_disk(cfg, model_cfg, checkpoint, outputs, progress)
     if cfg.checkpoint is None:
@@ -105,6 +110,33 @@ def prepare(cfg: BenchConfig, progress: Callable[[str], None]) -> tuple[Path, di
             progress("exporting the decompressed-K/V baseline decode graph")
         export_mha_baseline(checkpoint, exports["fused"], max_len)
     return checkpoint, exports
+
+
+def model_config(cfg: BenchConfig) -> tuple[Path, MLAConfig]:
+    """The checkpoint the benchmark reads (given, or the preset's in the work directory) and its config."""
+    if cfg.checkpoint is not None:
+        return Path(cfg.checkpoint), MLAConfig.from_hf_json(Path(cfg.checkpoint) / "config.json")
+    source = f"preset {cfg.preset}"
+    return cfg.workdir / f"{cfg.preset}-checkpoint", MLAConfig.from_hf_dict(preset_config(cfg.preset), source=source)
+
+
+def fit_contexts(cfg: BenchConfig, progress: Callable[[str], None]) -> BenchConfig:
+    """`cfg` with contexts the model's length holds (max_position_embeddings, less the room each point needs): a
+    default context beyond it is measured at the longest that fits, saying so; a named one is an error."""
+    limit = model_config(cfg)[1].max_position_embeddings
+    longest = limit - cfg.room
+    why = f"the model's {limit} positions (max_position_embeddings) less {cfg.room} for the timed steps"
+    if cfg.prefill_tokens > longest:
+        raise MLADeployError(f"a {cfg.prefill_tokens}-token prefill does not fit {why}")
+    beyond = [c for c in cfg.contexts if c > longest]
+    if not beyond:
+        return cfg
+    if cfg.contexts_named:
+        raise MLADeployError(f"--contexts {', '.join(map(str, beyond))}: beyond {why}; the longest that fits is "
+                             f"{longest}")
+    named = f"context{'s' if len(beyond) > 1 else ''} {', '.join(map(str, beyond))}"
+    progress(f"{named} measured at {longest}, the longest that fits {why}")
+    return replace(cfg, contexts=tuple(sorted({min(c, longest) for c in cfg.contexts})))
 
 
 def check_disk(cfg: BenchConfig, model_cfg: MLAConfig, checkpoint: Path, outputs: dict, progress) -> None:
@@ -212,6 +244,7 @@ def _decode_points(cfg, engines, result, progress) -> None:
 
 def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda m: None) -> BenchResult:
     t0 = time.perf_counter()
+    cfg = fit_contexts(cfg, progress)
     checkpoint, exports = prepare(cfg, progress)
     progress("measuring memory bandwidth")
     bw = {"matmul_start": max(bandwidth.matmul_read_gbs(cfg.threads, cfg.bandwidth_mb, k=k) for k in (2048, 4096)),
