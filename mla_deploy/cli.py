@@ -404,14 +404,20 @@ def serve(export_dir, host, port, max_batch, max_queue, prefill_chunk, api_key, 
         serve_on_ray(export_dir, ray_replicas, host, port, max_batch, max_queue, api_key, model_name, options,
                      _speculation(speculative, draft_tokens))
         return
-    from .serve.server import build_service
+    from .serve.server import build_service, listening_socket
     from .serve.server import serve as run_server
 
-    service = build_service(export_dir, max_batch, max_queue, api_key, model_name, options, prefill_chunk,
-                            _speculation(speculative, draft_tokens), ray_address, micro_batches)
-    click.echo(f"serving {service.model_name!r} on http://{host}:{port}/v1 (max batch {max_batch}, "
-               f"max queue {max_queue}{', API key required' if api_key else ''})", err=True)
-    run_server(service, host, port)
+    sock = listening_socket(host, port)  # a port in use is said before the model loads
+    try:
+        service = build_service(export_dir, max_batch, max_queue, api_key, model_name, options, prefill_chunk,
+                                _speculation(speculative, draft_tokens), ray_address, micro_batches)
+    except BaseException:
+        sock.close()
+        raise
+    url_host = f"[{host}]" if ":" in host else host
+    click.echo(f"serving {service.model_name!r} on http://{url_host}:{sock.getsockname()[1]}/v1 (max batch "
+               f"{max_batch}, max queue {max_queue}{', API key required' if api_key else ''})", err=True)
+    run_server(service, sock)
 
 
 @main.command()

@@ -33,6 +33,10 @@ class ProviderError(MLADeployError):
     """An onnxruntime execution provider that was asked for but cannot be used."""
 
 
+class ServeError(MLADeployError):
+    """A server that cannot start where it was asked to: its address taken, or not one of this machine's."""
+
+
 class StageFailedError(MLADeployError):
     """A stage of a staged export that stopped answering (its Ray actor or node died): the rows it held are lost."""
 

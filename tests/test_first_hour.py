@@ -207,13 +207,35 @@ def test_session_config_options_reach_the_sessions_of_run_and_serve(demo_export,
         server, "build_service", lambda *args: served.append(args[5]) or SimpleNamespace(model_name="m")
     )
     monkeypatch.setattr(server, "serve", lambda *args: None)
-    result = CliRunner().invoke(main, ["serve", str(demo_export), "--session-config", f"{key}=1"])
+    result = CliRunner().invoke(main, ["serve", str(demo_export), "--port", "0", "--session-config", f"{key}=1"])
     assert result.exit_code == 0, result.output
     assert [options.session_config for options in served] == [((key, "1"),)]
     for bad in (key, f"{key}=", "=1"):
         for command in ("run", "serve"):
             result = CliRunner().invoke(main, [command, str(demo_export), "--session-config", bad])
             assert result.exit_code == 2 and f"{bad!r}: expected KEY=VALUE" in result.stderr
+
+
+def test_serve_on_a_port_in_use_says_so_in_one_line_before_loading(demo_export, monkeypatch):
+    import socket
+
+    from mla_deploy.serve import server
+
+    loaded = []
+    monkeypatch.setattr(server, "build_service", lambda *args: loaded.append(args))
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    try:
+        result = CliRunner().invoke(main, ["serve", str(demo_export), "--port", str(port)])
+    finally:
+        taken.close()
+    assert result.exit_code == 1 and loaded == [], result.output
+    assert result.stderr == f"error: 127.0.0.1:{port}: cannot listen there (in use by another process); choose " \
+                            "another --port or --host\n", result.stderr
+    result = CliRunner().invoke(main, ["serve", str(demo_export), "--host", "no.such.host.invalid"])
+    assert result.exit_code == 1 and "--host no.such.host.invalid: not an address of this machine" in result.stderr
 
 
 def test_help_documents_every_option():

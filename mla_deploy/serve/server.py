@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import errno
+import socket
 from pathlib import Path
 
 import uvicorn
 
-from ..errors import ExportLoadError
+from ..errors import ExportLoadError, ServeError
 from ..manifest import is_staged, read_manifest
 from ..runtime import ExportedModel, RuntimeOptions
 from ..runtime.chain import StagedExport
@@ -40,11 +42,34 @@ def build_service(export_dir: str | Path, max_batch: int = 16, max_queue: int = 
     return Service(engine, model_name or Path(export_dir).resolve().name, api_key)
 
 
-def serve(service: Service, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning") -> None:
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound and listening: taken first, so a port in use is said before the model loads (port
+    0: one the system picks; getsockname() gives it)."""
     try:
-        uvicorn.run(create_app(service), host=host, port=port, log_level=log_level, access_log=False,
-                    timeout_graceful_shutdown=5)
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise ServeError(f"--host {host}: not an address of this machine ({e.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a restart reuses the port
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        what = "in use by another process" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
+        raise ServeError(f"{host}:{port}: cannot listen there ({what}); choose another --port or --host") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(service: Service, sock: socket.socket, log_level: str = "warning") -> None:
+    """Run the app on `sock` (listening_socket) until interrupted; closes the engine, the model and the socket."""
+    config = uvicorn.Config(create_app(service), log_level=log_level, access_log=False, timeout_graceful_shutdown=5)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
     finally:
+        sock.close()
         service.engine.close()
         _shutdown(service.engine.model)
 
