@@ -39,7 +39,7 @@ import torch
 
 from . import io_spec, kernels
 from .checkpoint import Checkpoint
-from .errors import ExportError
+from .errors import ExportError, ProviderError
 from .export.precision import RoundedCheckpoint
 from .export.quantize import DequantizedCheckpoint, Quantization
 from .io_spec import CacheFormat
@@ -49,7 +49,7 @@ from .modeling.layerwise import layerwise_logits
 from .runtime import ExportedModel, Generator, RuntimeOptions, SamplingParams
 from .runtime.chain import StageChain
 from .runtime.feeds import empty_caches, prefill_feed
-from .runtime.session import provider_options
+from .runtime.session import provider_options, resolve_providers
 from .runtime.pipeline import PipelineGenerator
 
 DEFAULT_RTOL = 1e-4
@@ -100,6 +100,10 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
     """`rtol`: default by the export's dtype (RTOL), on every provider. `provider`: where the export runs ('cpu',
     'cuda': the runtime's generation over device-resident caches; the torch source runs on the CPU). A staged export
     (export --stages N) runs its stages chained."""
+    try:  # a PASS on the CPU must not read as one on the device asked for
+        resolve_providers(provider, fallback=False)
+    except ProviderError as e:
+        raise ProviderError(f"{e}; verify runs where it is asked to, never falling back to the CPU") from None
     # Unpacked, MatMulNBits dequantizes and multiplies in float whatever its accuracy_level; mla_deploy's quantized
     # ops are given accuracy_level 0: the check is exact; so is an int8 cache's attention through its function body
     manifest = read_manifest(export_dir)

@@ -575,6 +575,17 @@ def test_cli_provider_fallback_is_one_warning_line(exported):
     assert json.loads(result.output.strip().splitlines()[-1])["token_ids"]
 
 
+def test_verify_on_cuda_without_cuda_refuses_rather_than_passing_on_the_cpu(exported):
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("CUDA is available here")
+    result = CliRunner().invoke(main, ["verify", str(exported(VARIANT)), "--provider", "cuda"])
+    assert result.exit_code == 1 and "PASS" not in result.output, result.output
+    assert result.stderr.startswith("error: provider 'cuda' (CUDAExecutionProvider) is not available")
+    assert "never falling back to the CPU" in result.stderr and len(result.stderr.splitlines()) == 1
+
+
 @pytest.mark.parametrize("graphs", [("prefill", "decode"), ("decode",)])
 def test_timings_count_every_step_on_a_known_clock(exported, graphs, monkeypatch):
     """prefill_ms, decode_ms and decode tokens/s from the Generator's own clock reads: with a clock that advances

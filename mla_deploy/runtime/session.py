@@ -24,9 +24,9 @@ from .populate import fits_in_memory, mappings, populate
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
 
-def resolve_providers(provider: str) -> list[str]:
+def resolve_providers(provider: str, fallback: bool = True) -> list[str]:
     """'cpu' or 'cuda' -> onnxruntime provider list. Missing CUDA falls back to CPU with a warning (ExportedModel.device
-    names the one in use)."""
+    names the one in use), or with `fallback` False is a ProviderError."""
     if provider not in PROVIDERS:
         raise ProviderError(f"unknown provider {provider!r}; expected one of {', '.join(PROVIDERS)}")
     available = ort.get_available_providers()
@@ -35,6 +35,8 @@ def resolve_providers(provider: str) -> list[str]:
         return [wanted] + (["CPUExecutionProvider"] if wanted != "CPUExecutionProvider" else [])
     message = (f"provider {provider!r} ({wanted}) is not available in this onnxruntime build "
                f"(it has: {', '.join(available)}); install onnxruntime-gpu for CUDA")
+    if not fallback:
+        raise ProviderError(message)
     warnings.warn(message + "; falling back to CPU", RuntimeWarning, stacklevel=3)
     return ["CPUExecutionProvider"]
 
