@@ -85,7 +85,11 @@ def _utf8(text: str | None) -> str | None:
 
 
 def _parse_ids(text: str) -> list[int]:
+    parts = text.replace(" ", "").split(",")
+    if "" in parts:
+        raise MLADeployError(f"--prompt-ids {text!r}: an empty id at position {parts.index('') + 1}; expected "
+                             "comma-separated integers like 1,2,3")
     try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
+        return [int(t) for t in parts]
     except ValueError:
         raise MLADeployError(f"--prompt-ids {text!r}: expected comma-separated integers like 1,2,3") from None

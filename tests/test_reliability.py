@@ -546,6 +546,7 @@ def test_cli_errors_are_one_line(exported):
     cases = [
         (["run", out, "--prompt-ids", "1,2,999"], "token id 999 is outside the vocabulary"),
         (["run", out, "--prompt-ids", "1,x"], "expected comma-separated integers"),
+        (["run", out, "--prompt-ids", "1,,2"], "'1,,2': an empty id at position 2"),
         (["run", out, "--prompt-ids", "1,2", "--temperature", "-1"], "temperature=-1.0"),
         (["run", out, "--prompt", "hello"], "has no tokenizer; pass token ids"),
         (["run", "/nonexistent/export", "--prompt-ids", "1"], "export directory does not exist"),

@@ -304,6 +304,11 @@ def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving(serve
     error = long_chat.json()["error"]
     assert long_chat.status_code == 400 and error["param"] == "messages", error
     assert "leaves no room for a reply" in error["message"] and "-" not in error["message"].split("tokens")[0], error
+    for top_p in (0, 2):  # one range, said the same way from either side
+        said = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "x", "top_p": top_p}).json()
+        assert said["error"]["message"] == f"top_p: {top_p} is out of range; must be in (0, 1]", said
+    empty = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": []}).json()["error"]
+    assert empty["param"] == "prompt" and empty["message"].startswith("prompt: empty;"), empty
     for field, value in (("tools", []), ("tool_choice", "none")):  # asking for no tools is served
         chat = httpx.post(base + "/v1/chat/completions", json={
             "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, field: value})

@@ -131,9 +131,7 @@ def parse_request(body: dict, kind: str) -> GenerationRequest:
     if req.max_tokens is None and kind == "completion":
         req.max_tokens = 16  # OpenAI's default for completions; chat defaults to the rest of the export's length
     req.temperature = _number(body.get("temperature"), "temperature", 0.0, 2.0)
-    req.top_p = _number(body.get("top_p"), "top_p", 0.0, 1.0)
-    if req.top_p == 0.0:
-        raise bad("top_p: must be in (0, 1]", "top_p")
+    req.top_p = _number(body.get("top_p"), "top_p", 0.0, 1.0, open_low=True)
     req.top_k = _int(body.get("top_k"), "top_k", minimum=-1)
     if req.top_k == -1:
         req.top_k = 0  # vLLM's spelling of "off"
@@ -191,6 +189,8 @@ def _prompts(value) -> list[str | list[int]]:
         return [one(value, "prompt")]
     if isinstance(value, list) and value:
         return [one(p, f"prompt[{i}]") for i, p in enumerate(value)]
+    if value == []:
+        raise bad("prompt: empty; give a string, a list of token ids, or a list of either", "prompt")
     raise bad("prompt: required, a string, a list of token ids, or a list of either", "prompt")
 
 
@@ -291,13 +291,14 @@ def _int(value, name: str, minimum: int | None = None, maximum: int | None = Non
     return value
 
 
-def _number(value, name: str, lo: float, hi: float) -> float | None:
+def _number(value, name: str, lo: float, hi: float, open_low: bool = False) -> float | None:
+    """A finite number in [lo, hi] ((lo, hi] with `open_low`), or None where the field is absent."""
     if value is None:
         return None
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
         raise bad(f"{name}: expected a number, got {json.dumps(value)}", name)
-    if not lo <= value <= hi:
-        raise bad(f"{name}: {value} is out of range; must be in [{lo}, {hi}]", name)
+    if not (lo < value if open_low else lo <= value) or value > hi:
+        raise bad(f"{name}: {value} is out of range; must be in {'(' if open_low else '['}{lo:g}, {hi:g}]", name)
     return float(value)
 
 
