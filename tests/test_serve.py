@@ -115,6 +115,17 @@ def test_generation_config_defaults_apply_and_a_seed_reproduces(client):
     g = client.completions.create(prompt="def ", max_tokens=24, **greedy())
     assert a.choices[0].text == b.choices[0].text
     assert len({a.choices[0].text, c.choices[0].text, g.choices[0].text}) == 3  # demo default: sampling
+    negative = [client.completions.create(model=MODEL, prompt="def ", max_tokens=24, seed=-5).choices[0].text
+                for _ in range(2)]  # OpenAI's seed is any 64-bit integer
+    assert negative[0] == negative[1] and negative[0] != a.choices[0].text
+
+
+def test_max_completion_tokens_null_beside_max_tokens_leaves_max_tokens(client):
+    """Some wrappers send both fields, the newer one null: the limit is max_tokens, not the rest of the length."""
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                          temperature=0, logit_bias={"2": -100},  # no end of sequence: all 3 come
+                                          extra_body={"max_completion_tokens": None, "repetition_penalty": 1.0})
+    assert chat.usage.completion_tokens == 3 and chat.choices[0].finish_reason == "length", chat
 
 
 def test_stop_strings_cut_the_text_before_the_stop(client):
@@ -292,7 +303,7 @@ def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving(serve
     huge = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "x" * 100_000})
     assert huge.status_code == 413 and "exceeds the limit" in huge.json()["error"]["message"]
     route = httpx.get(base + "/v1/nothing")
-    assert route.status_code == 404 and route.json()["error"]["type"] == "not_found_error"
+    assert route.status_code == 404 and route.json()["error"]["type"] == "invalid_request_error"
     method = httpx.get(base + "/v1/completions")
     assert method.status_code == 405 and method.json()["error"]["type"] == "invalid_request_error"
     assert method.json()["error"]["message"] == "/v1/completions does not take GET; use POST"
@@ -322,6 +333,7 @@ def test_api_key_guards_every_route_but_health(demo_export):
         for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions")):
             r = httpx.request(method, base + path, json={"model": MODEL, "prompt": "x"})
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+            assert r.json()["error"]["type"] == "invalid_request_error", path  # as OpenAI types it
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0).models.list()
         good = openai.OpenAI(base_url=base + "/v1", api_key="sesame", max_retries=0)
@@ -352,6 +364,30 @@ def test_a_full_queue_answers_429_with_retry_after(demo_export):
         gate.set()
         waiter.join(30)
         assert first[0].status_code == 200 and first[0].json()["usage"]["completion_tokens"] == 4
+
+
+def test_an_engine_failing_mid_stream_ends_the_stream_with_an_openai_error(demo_export):
+    """The 200 and the first chunks are out when the scheduler fails: the stream ends with an error event and
+    [DONE], which OpenAI's SDK raises as an APIError (a dropped connection would read as a network fault)."""
+    with running_server(demo_export, max_batch=2) as (base, service):
+        scheduler, steps = service.engine.scheduler, []
+        step = scheduler.step
+
+        def failing(*args, **kwargs):
+            steps.append(1)
+            if len(steps) > 4:
+                raise RuntimeError("injected failure")
+            return step(*args, **kwargs)
+
+        scheduler.step = failing
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+        received = []
+        with pytest.raises(openai.APIError, match="the engine failed: the scheduler failed: RuntimeError"):
+            for chunk in client.completions.create(prompt="def ", max_tokens=64, stream=True, **greedy()):
+                received.append(chunk.choices[0].text)
+        assert received, "the failure came before any chunk: nothing mid-stream was tested"
+        health = httpx.get(base + "/health")
+        assert health.status_code == 503 and "injected failure" in health.json()["error"]["message"]
 
 
 def test_tokens_that_arrive_together_leave_as_one_chunk(server):

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -373,8 +374,10 @@ async def _sse(service: Service, req: GenerationRequest, rid: str, runs: list[Ru
     try:
         while finished < len(runs):
             item = await queue.get()
-            if isinstance(item, Exception):
-                raise item
+            if isinstance(item, Exception):  # the headers (200) are sent: say it in the stream, as OpenAI's SDK reads
+                yield _event(_stream_error(service, item).body)
+                yield "data: [DONE]\n\n"
+                return
             if isinstance(item, Piece):
                 finished += 1
                 completion_tokens += item.completion_tokens
@@ -387,6 +390,16 @@ async def _sse(service: Service, req: GenerationRequest, rid: str, runs: list[Ru
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _stream_error(service: Service, e: Exception) -> APIError:
+    """The error a stream ends with: the engine's failure (503, as every later request gets), or a bug (500)."""
+    error = APIError(503, f"the engine failed: {e}") if isinstance(e, EngineFailed) else APIError(
+        500, f"internal error: {type(e).__name__}: {e}")
+    _count(service, error.status)
+    logging.getLogger("uvicorn.error").error("a stream ended with %s", error.message,
+                                             exc_info=None if isinstance(e, EngineFailed) else e)
+    return error
 
 
 def _event(obj: dict) -> str:

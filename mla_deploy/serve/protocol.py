@@ -22,9 +22,10 @@ class APIError(Exception):
 
     @property
     def body(self) -> dict:
-        kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-                503: "service_unavailable"}.get(self.status, "server_error")
+        # OpenAI's types: a request the server will not take, whatever its status, is an invalid_request_error (the
+        # code says which: invalid_api_key, model_not_found, context_length_exceeded)
+        kind = "invalid_request_error" if self.status in (400, 401, 404, 405, 413) else {
+            429: "rate_limit_error", 503: "service_unavailable"}.get(self.status, "server_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
@@ -126,8 +127,9 @@ def parse_request(body: dict, kind: str) -> GenerationRequest:
         req.messages = _messages(body.get("messages"))
         if "prompt" in body:
             raise bad("prompt: not a chat field; use /v1/chat/completions with messages", "prompt")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) if kind == "chat" else body.get("max_tokens")
-    req.max_tokens = _int(max_tokens, "max_tokens", minimum=0 if req.echo else 1)
+    newer = kind == "chat" and body.get("max_completion_tokens") is not None  # a null one beside max_tokens: unset
+    limit = "max_completion_tokens" if newer else "max_tokens"
+    req.max_tokens = _int(body.get(limit), limit, minimum=0 if req.echo else 1)
     if req.max_tokens is None and kind == "completion":
         req.max_tokens = 16  # OpenAI's default for completions; chat defaults to the rest of the export's length
     req.temperature = _number(body.get("temperature"), "temperature", 0.0, 2.0)
@@ -141,7 +143,8 @@ def parse_request(body: dict, kind: str) -> GenerationRequest:
     req.presence_penalty = _number(body.get("presence_penalty"), "presence_penalty", -2.0, 2.0)
     req.frequency_penalty = _number(body.get("frequency_penalty"), "frequency_penalty", -2.0, 2.0)
     req.logit_bias = _logit_bias(body.get("logit_bias"))
-    req.seed = _int(body.get("seed"), "seed", minimum=0)
+    seed = _int(body.get("seed"), "seed", minimum=-(2**63), maximum=2**64 - 1)  # OpenAI's: any 64-bit integer
+    req.seed = None if seed is None else seed % 2**64  # one to one onto what numpy's generators take
     req.stop, req.stop_token_ids = _stops(body.get("stop"))
     req.stop_token_ids += _token_ids(body.get("stop_token_ids"), "stop_token_ids") or []
     req.n = _int(body.get("n"), "n", minimum=1, maximum=MAX_CHOICES) or 1
