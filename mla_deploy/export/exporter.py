@@ -24,10 +24,10 @@ import onnx
 import onnx_ir as ir
 
 from .. import __version__, integrity, io_spec
-from ..checkpoint import Checkpoint
+from ..checkpoint import Checkpoint, CheckpointView
 from ..errors import ExportError
-from ..partial import partial_directory, scratch_path, unwritable_parent
 from ..manifest import MANIFEST_FILE, MANIFEST_VERSION, TOKENIZER_FILES, WEIGHTS_FILE, file_sha256, not_an_export
+from ..partial import partial_directory, scratch_path, unwritable_parent
 from ..progress import progress_bar
 from .absorb import AbsorbMode, absorbed_weight_bytes
 from .graphs import build_graph, op_counts
@@ -106,7 +106,7 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
     return ExportResult(out, plan, manifest, list(ckpt.notes))
 
 
-def _write_graphs(directory: Path, cfg, plan: ExportPlan, source: RoundedCheckpoint | PerHeadRounded,
+def _write_graphs(directory: Path, cfg, plan: ExportPlan, source: CheckpointView,
                   progress: Progress, manifest: dict, stage: io_spec.Stage | None = None) -> dict:
     """The graphs (of one stage) and their one weights file into `directory`; returns `manifest` completed with the
     weights' digests and the graphs' hashes and operator counts."""

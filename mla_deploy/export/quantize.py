@@ -146,12 +146,13 @@ def per_head_rounded_kv_b(cfg: MLAConfig, kv_b: np.ndarray, q: Quantization) -> 
     return np.concatenate(heads).astype(kv_b.dtype)  # [h·(d_nope+d_v), d_c]
 
 
-class PerHeadRounded:
+class PerHeadRounded(CheckpointView):
     """A checkpoint whose kv_b_proj weights read as per_head_rounded_kv_b: what a factored export quantizing its
     per-head W^UK / W^UV writes from (the other weights as they are: the exporter quantizes them itself)."""
 
     def __init__(self, ckpt, quantization: Quantization):
-        self.ckpt, self.quantization, self.config = ckpt, quantization, ckpt.config
+        super().__init__(ckpt)
+        self.quantization = quantization
 
     def tensor(self, name: str) -> np.ndarray:
         w = self.ckpt.tensor(name)
