@@ -23,6 +23,10 @@ class _Cli(click.Group):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except click.UsageError as e:  # a bad option or argument: click's own three-line block, as one line
+            command = f"mla-deploy {ctx.invoked_subcommand}" if ctx.invoked_subcommand else "mla-deploy"
+            self._fail(ctx, f"error: {e.format_message().rstrip('.')}; `{command} --help` lists the options",
+                       e.exit_code)
         except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
             raise
         except MLADeployError as e:
@@ -432,7 +436,7 @@ def preset(name, out, seed, layers):
     and shards."""
     from .presets import build_preset
 
-    click.echo(build_preset(name, out, seed, layers))
+    click.echo(build_preset(name, out, seed, layers, note=lambda text: click.echo(text, err=True)))
 
 
 if __name__ == "__main__":

@@ -115,6 +115,14 @@ def _quantized_sizes(q: dict | None) -> dict[str, float]:
             **({"per_head_itemsize": spec.bytes_per_weight(spec.per_head_bits)} if spec.per_head_bits else {})}
 
 
+def _count(n: int) -> str:
+    """A parameter count as people write them: 5.37 M, 15.71 B."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return str(n)
+
+
 def _size(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
@@ -128,12 +136,13 @@ def format_report(r: dict) -> list[str]:
     lines = [f"{r['kind']} {r['path']}"]
     if r.get("damage"):
         lines.append(f"DAMAGED    {r['damage']} (mla-deploy check names every damaged block)")
+    layers = f"{m['layers']} layer{'' if m['layers'] == 1 else 's'}"
     lines += [
-        f"model      {m['model_type']}: {m['layers']} layers, hidden {m['hidden_size']}, {m['heads']} heads, latent "
+        f"model      {m['model_type']}: {layers}, hidden {m['hidden_size']}, {m['heads']} heads, latent "
         f"{m['kv_lora_rank']} + rope {m['qk_rope_head_dim']}, {m['routed_experts']} routed experts (top "
         f"{m['experts_per_token']}), vocab {m['vocab_size']}, context {m['max_position_embeddings']}",
-        f"parameters {p['total'] / 1e9:.3f} B total, {p['active_per_token'] / 1e9:.3f} B active per token "
-        f"(embedding {p['embedding'] / 1e9:.3f} B)",
+        f"parameters {_count(p['total'])} total, {_count(p['active_per_token'])} active per token "
+        f"(embedding {_count(p['embedding'])})",
         f"plan       {'' if r['kind'] == 'export' else '(what export picks by default) '}{_plan(r['plan'])}",
     ]
     precision = r.get("precision")

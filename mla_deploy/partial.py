@@ -31,11 +31,17 @@ def partial_directory(out: Path, note: Callable[[str], None] | None = None) -> P
     return tmp
 
 
+def nearest_existing(path: Path) -> Path:
+    """`path` or its nearest ancestor that exists: where a directory created at `path` would go."""
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def unwritable_parent(out: Path) -> str | None:
     """Why `out` cannot be created, judged by its nearest existing ancestor (None: it can, as far as that shows)."""
-    ancestor = out.absolute().parent
-    while not ancestor.exists() and ancestor != ancestor.parent:
-        ancestor = ancestor.parent
+    ancestor = nearest_existing(out.absolute().parent)
     if not ancestor.is_dir():
         return f"{ancestor} is a file, not a directory"
     if not os.access(ancestor, os.W_OK | os.X_OK):

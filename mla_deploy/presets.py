@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import json
 import shutil
-import warnings
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +29,7 @@ from numpy.random import default_rng
 from .checkpoint import expected_tensors, parameter_count
 from .config import MLAConfig
 from .errors import ConfigError, InputError
-from .partial import partial_directory, unwritable_parent
+from .partial import nearest_existing, partial_directory, unwritable_parent
 from .progress import progress_bar
 from .safetensors_io import SafetensorsWriter, float32_to_bf16
 
@@ -66,13 +66,21 @@ def checkpoint_bytes(cfg: MLAConfig, itemsize: int = 4) -> int:
     return parameter_count(cfg) * itemsize
 
 
-def build_preset(name: str, out: str | Path, seed: int = 0, layers: int | None = None) -> Path:
-    """Write a random-weight checkpoint for preset `name` to `out` (atomic); reused when `out` already holds it."""
+def build_preset(name: str, out: str | Path, seed: int = 0, layers: int | None = None,
+                 note: Callable[[str], None] = lambda text: None) -> Path:
+    """Write a random-weight checkpoint for preset `name` to `out` (atomic); reused when `out` already holds it.
+    `note` hears its size before the write, and any leftover of a killed build it removes."""
     raw = preset_config(name, layers)
-    return write_random_checkpoint(raw, out, seed, source=f"preset {name}")
+    return write_random_checkpoint(raw, out, seed, source=f"preset {name}", note=note)
 
 
-def write_random_checkpoint(raw: dict, out: str | Path, seed: int = 0, source: str = "config") -> Path:
+def random_checkpoint_bytes(raw: dict, source: str = "config") -> int:
+    """The bytes of the random checkpoint `raw` describes, in its torch_dtype."""
+    return checkpoint_bytes(MLAConfig.from_hf_dict(raw, source=source), _stored(raw, source)[1])
+
+
+def write_random_checkpoint(raw: dict, out: str | Path, seed: int = 0, source: str = "config",
+                            note: Callable[[str], None] = lambda text: None) -> Path:
     """A random-weight checkpoint for the HF config dict `raw`, in its `torch_dtype`, sharded and streamed."""
     out = Path(out)
     cfg = MLAConfig.from_hf_dict(raw, source=source)
@@ -80,16 +88,17 @@ def write_random_checkpoint(raw: dict, out: str | Path, seed: int = 0, source: s
     if (out / "config.json").is_file() and (out / "config.json").read_text() == config_text:
         return out  # the same config and seed (a directory appears only when complete)
     _check_replaceable(out)
+    stored, itemsize = _stored(raw, source)
     dtype = raw.get("torch_dtype", "float32")
-    if dtype not in _STORED:
-        raise ConfigError(f"{source}: torch_dtype {dtype!r} is not one of {', '.join(_STORED)}")
-    stored, itemsize = _STORED[dtype]
     shapes = expected_tensors(cfg)
     shards = _shards(shapes, itemsize)
     std = raw.get("initializer_range", 0.02)
     total = checkpoint_bytes(cfg, itemsize)
+    _check_room(out, total)
+    note(f"writing {total / 1e9:.2f} GB ({dtype}, {len(shards)} file"
+         f"{'s' if len(shards) > 1 else ''}) to {out}")
     try:
-        tmp = partial_directory(out, lambda text: warnings.warn(text, stacklevel=3))
+        tmp = partial_directory(out, note)
     except OSError as e:
         raise InputError(f"{out}: cannot be created ({e.strerror or e}); choose another output path") from None
     try:
@@ -111,6 +120,23 @@ def write_random_checkpoint(raw: dict, out: str | Path, seed: int = 0, source: s
         shutil.rmtree(out)
     tmp.rename(out)
     return out
+
+
+def _stored(raw: dict, source: str) -> tuple[str, int]:
+    """The safetensors dtype and item size of `raw`'s torch_dtype."""
+    dtype = raw.get("torch_dtype", "float32")
+    if dtype not in _STORED:
+        raise ConfigError(f"{source}: torch_dtype {dtype!r} is not one of {', '.join(_STORED)}")
+    return _STORED[dtype]
+
+
+def _check_room(out: Path, total: int) -> None:
+    """Refuse before writing when the filesystem `out` goes to has less than `total` bytes free (an earlier
+    checkpoint at `out`, replaced once the new one is complete, still counts as taken)."""
+    free = shutil.disk_usage(nearest_existing(out)).free
+    if total > free:
+        raise InputError(f"{out}: the checkpoint takes {total / 1e9:.2f} GB and {free / 1e9:.2f} GB are free there; "
+                         "choose another output path (nothing was written)")
 
 
 def _check_replaceable(out: Path) -> None:

@@ -279,9 +279,28 @@ def test_bench_says_its_disk_use_and_refuses_without_room(tmp_path, monkeypatch)
     result = CliRunner().invoke(main, ["bench", "--quick", "--workdir", str(tmp_path / "work"), "--out",
                                        str(tmp_path / "results")])
     assert result.exit_code == 1
-    assert "GB to build in" in result.stderr and "1 GB free" in result.stderr
+    assert "GB to build in" in result.stderr and "(reused on later runs; 1.0 GB free)" in result.stderr
     assert "needs about" in result.stderr and "pass --workdir on a larger disk" in result.stderr
     assert [p.name for p in (tmp_path / "work").iterdir()] == [] and not (tmp_path / "results").exists()
+
+
+def test_preset_says_its_size_and_refuses_without_room(tmp_path, monkeypatch):
+    from mla_deploy import presets
+    from mla_deploy.presets import preset_config, random_checkpoint_bytes
+
+    size = random_checkpoint_bytes(preset_config("v2lite", 1))
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(presets.shutil, "disk_usage", lambda p: usage._replace(free=size - 1))
+    result = CliRunner().invoke(main, ["preset", "v2lite", "--layers", "1", "-o", str(tmp_path / "ckpt")])
+    assert result.exit_code == 1 and list(tmp_path.iterdir()) == [], result.output
+    assert result.stderr == (f"error: {tmp_path / 'ckpt'}: the checkpoint takes {size / 1e9:.2f} GB and "
+                             f"{(size - 1) / 1e9:.2f} GB are free there; choose another output path (nothing was "
+                             "written)\n")
+    monkeypatch.setattr(presets.shutil, "disk_usage", lambda p: usage._replace(free=size))
+    result = CliRunner().invoke(main, ["preset", "tiny-v3", "-o", str(tmp_path / "tiny")])
+    tiny = random_checkpoint_bytes(preset_config("tiny-v3"))
+    assert result.exit_code == 0 and result.stderr.startswith(f"writing {tiny / 1e9:.2f} GB (")
+    assert sum(f.stat().st_size for f in (tmp_path / "tiny").glob("*.safetensors")) >= tiny
 
 
 def test_bench_results_default_beside_the_committed_ones():

@@ -551,6 +551,10 @@ def test_cli_errors_are_one_line(exported):
         (["run", out, "--prompt", "hello"], "has no tokenizer; pass token ids"),
         (["run", "/nonexistent/export", "--prompt-ids", "1"], "export directory does not exist"),
         (["export", "/nonexistent/ckpt", "-o", "/tmp/never-written"], "checkpoint directory does not exist"),
+        (["export", "-o", "/tmp/never-written", "--compute", "float8"],  # click's usage errors too
+         "Invalid value for '--compute': 'float8' is not one of 'auto', 'float32', 'float16'; `mla-deploy export "
+         "--help` lists the options"),
+        (["run"], "Missing argument 'EXPORT_DIR'"),
     ]
     for args, message in cases:
         result = runner.invoke(main, args)
@@ -558,6 +562,7 @@ def test_cli_errors_are_one_line(exported):
         errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
         assert len(errors) == 1 and message in errors[0], (args, result.output)
         assert "Traceback" not in result.output and result.output.strip().splitlines()[-1] == errors[0]
+        assert "Usage:" not in result.output and "Try 'mla-deploy" not in result.output, (args, result.output)
     debug = runner.invoke(main, ["--debug", "run", "/nonexistent/export", "--prompt-ids", "1"])
     assert debug.exit_code != 0 and isinstance(debug.exception, ExportLoadError)
 

@@ -17,7 +17,7 @@ import psutil
 from .. import __version__
 from ..config import MLAConfig
 from ..errors import MLADeployError
-from ..presets import DEMO_CHECKPOINT, build_preset, checkpoint_bytes, preset_config
+from ..presets import DEMO_CHECKPOINT, build_preset, checkpoint_bytes, preset_config, random_checkpoint_bytes
 from . import bandwidth
 from .engines import MhaOnnxEngine, OnnxEngine, TorchEngine, TransformersEngine
 
@@ -141,14 +141,14 @@ def fit_contexts(cfg: BenchConfig, progress: Callable[[str], None]) -> BenchConf
 
 def check_disk(cfg: BenchConfig, model_cfg: MLAConfig, checkpoint: Path, outputs: dict, progress) -> None:
     """Say how much disk the checkpoint and exports still to be built take, and refuse when it is not free."""
-    unit = checkpoint_bytes(model_cfg)  # one float32 copy of the weights: the checkpoint, or one export
+    unit = checkpoint_bytes(model_cfg)  # one float32 copy of the weights: one export
     need = sum(unit for out in outputs.values() if not (out / "manifest.json").exists())
-    if cfg.checkpoint is None and not checkpoint.exists():
-        need += unit
+    if cfg.checkpoint is None and not checkpoint.exists():  # the preset's checkpoint, in its own dtype
+        need += random_checkpoint_bytes(preset_config(cfg.preset), f"preset {cfg.preset}")
     if "onnx-mha-baseline" in cfg.engines and not (outputs["fused"] / "decode_mha.onnx").exists():
         need += unit
     free = shutil.disk_usage(cfg.workdir).free
-    progress(f"disk: {need / 1e9:.1f} GB to build in {cfg.workdir} (reused on later runs; {free / 1e9:.0f} GB free)")
+    progress(f"disk: {need / 1e9:.1f} GB to build in {cfg.workdir} (reused on later runs; {free / 1e9:.1f} GB free)")
     if need > free:
         raise MLADeployError(f"{cfg.workdir}: the benchmark needs about {need / 1e9:.1f} GB of disk for its checkpoint "
                              f"and exports, {free / 1e9:.1f} GB are free; pass --workdir on a larger disk")
