@@ -178,6 +178,18 @@ def test_chat_n_logprobs_and_seed(client):
             [t.token for t in a.choices[i].logprobs.content]
 
 
+def test_chat_logprobs_leave_out_the_end_of_sequence_the_message_leaves_out(client):
+    """The demo's end-of-sequence id (2) forced first: the message is empty and so are its logprobs; a completion
+    keeps the generated token's entry (lm-eval's echo scoring takes the last entry as the generated token)."""
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          logprobs=True, logit_bias={"2": 100}, temperature=0)
+    choice = chat.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content == "" and choice.logprobs.content == []
+    completion = client.completions.create(model=MODEL, prompt="hi", max_tokens=4, logprobs=1,
+                                           logit_bias={"2": 100}, temperature=0)
+    assert completion.choices[0].finish_reason == "stop" and len(completion.choices[0].logprobs.tokens) == 1
+
+
 def test_models_retrieve(client):
     model = client.models.retrieve(MODEL)
     assert model.id == MODEL and model.object == "model"

@@ -202,7 +202,10 @@ class Service:
     async def pieces(self, req: GenerationRequest, run: Run) -> AsyncIterator[Piece]:
         """A choice's pieces, stop strings applied, the last carrying finish_reason: one piece per batch of events
         (Engine.submit_batches), so a stream that fell behind catches up in one chunk."""
-        choice = ChoiceText(self.tokenizer, req.stop, set(req.stop_token_ids))
+        # chat's logprobs join to the message, which the model's end-of-sequence token is not part of; a completion's
+        # keep it (lm-eval's echo scoring counts on the generated token being the last entry)
+        ends = set(req.stop_token_ids) | (self.stop_ids if req.kind == "chat" else set())
+        choice = ChoiceText(self.tokenizer, req.stop, ends)
         if req.echo and req.logprobs is None:
             choice.echo(run.prompt_ids, None)
         generated, cumulative = 0, 0.0
