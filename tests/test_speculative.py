@@ -2,6 +2,8 @@
 against single decode steps, rollback by length, rows accepting different counts, greedy output identical to plain
 decoding, and the bad inputs refused by name."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from scipy import stats
@@ -473,3 +475,7 @@ def test_bad_speculation_settings_are_refused_by_name(exported):
     with pytest.raises(InputError, match="does not fit the export's maximum length 8"):
         Speculation("lookup", 8).validate(max_seq_len=8)
     assert Speculation("auto").resolve(model).mode == "lookup"  # no draft graph here
+    short = SimpleNamespace(max_seq_len=4, has_draft=True, has_graph=lambda kind: True)  # no 5-token pass fits
+    assert Speculation("auto", 4).resolve(short).mode == "off" and Speculation("auto", 3).resolve(short).mode == "mtp"
+    with pytest.raises(InputError, match="does not fit the export's maximum length 4"):
+        Speculation("lookup", 4).resolve(short)  # a mode the user named is still refused

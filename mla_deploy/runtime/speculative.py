@@ -52,8 +52,10 @@ class Speculation:
     def resolve(self, model) -> "Speculation":
         """auto made concrete for `model` (an ExportedModel), validated."""
         mode = self.mode
-        if mode == "auto":
-            mode = "mtp" if model.has_draft else "lookup" if model.has_graph(io_spec.VERIFY) else "off"
+        if mode == "auto":  # off where no verification pass fits: an export shorter than draft_tokens + 1
+            fits = isinstance(self.draft_tokens, int) and self.draft_tokens < model.max_seq_len
+            mode = ("off" if not fits else "mtp" if model.has_draft
+                    else "lookup" if model.has_graph(io_spec.VERIFY) else "off")
         return replace(self, mode=mode).validate(model.max_seq_len, model.has_draft)
 
     def validate(self, max_seq_len: int | None = None, has_draft: bool | None = None) -> "Speculation":
