@@ -158,6 +158,10 @@ def export(checkpoint, out, absorb, dtype, compute, cache_dtype, max_seq_len, no
         if not report.passed:
             raise MLADeployError(f"verification failed ({report.lines[-1]}); nothing was written")
 
+    if not no_verify and max_seq_len is not None and steps > max_seq_len - 2:  # a prompt token, then the steps
+        raise click.UsageError(f"--steps {steps}: verification decodes after a prompt within --max-seq-len "
+                               f"{max_seq_len}, so at most {max(max_seq_len - 2, 0)} steps; lower --steps, or pass "
+                               "--no-verify")
     options = ExportOptions(absorb=absorb, dtype=dtype, max_seq_len=max_seq_len, force=force, quantize=quantize,
                             block_size=int(block_size), accuracy_level=int(accuracy_level),
                             head_bits=None if head_bits == "auto" else int(head_bits),
@@ -217,6 +221,9 @@ def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_
     options = RuntimeOptions(provider=provider, threads=threads, check_weights="full" if check_weights else "sampled",
                              prepack=prepack, session_config=session_config)
     if is_staged(read_manifest(export_dir)):
+        if speculative in ("lookup", "mtp"):  # auto means: where the export can
+            raise click.UsageError(f"--speculative {speculative}: a staged export (export --stages N) decodes without "
+                                   "speculation; leave the option out, or export without --stages")
         from .runtime.stages import StagedModel
 
         with StagedModel(export_dir, options, address=ray_address) as model:
@@ -282,8 +289,9 @@ def check(export_dir):
 @click.option(
     "--checkpoint", type=click.Path(path_type=Path), default=None, help="Source checkpoint (default: the one exported)."
 )
-@click.option("--steps", type=click.IntRange(min=1), default=8, show_default=True,
-              help="Teacher-forced decode steps to compare (after the prefill).")
+@click.option("--steps", type=click.IntRange(min=1), default=None,
+              help="Teacher-forced decode steps to compare (after the prefill); default 8, fewer on an export too "
+                   "short for 8.")
 @click.option("--provider", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="Where the export runs (the torch source runs on the CPU).")
 def verify(export_dir, checkpoint, steps, provider):

@@ -60,6 +60,7 @@ RTOL = {"float32": DEFAULT_RTOL, "float16": 1e-3, "bfloat16": 1e-3, "int8": 1e-3
 # which the rounded source (computing in float32) does not: the worst measured over the test configurations, both
 # absorb forms, was 2.5e-3 (docs/precision.md)
 COMPUTE_RTOL = {"float16": 5e-3}
+DEFAULT_STEPS = 8  # teacher-forced decode steps; steps=None: this many, or fewer where the export is shorter
 
 
 @dataclass
@@ -94,7 +95,7 @@ class VerifyReport:
         return self.worst <= self.tolerance and self.token_agreement == 1.0
 
 
-def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = None, steps: int = 8,
+def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = None, steps: int | None = DEFAULT_STEPS,
                   rtol: float | None = None, lengths: tuple[int, ...] = (13, 7, 3), seed: int = 0,
                   provider: str = "cpu") -> VerifyReport:
     """`rtol`: default by the export's dtype (RTOL), on every provider. `provider`: where the export runs ('cpu',
@@ -129,6 +130,7 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
         reference = DequantizedCheckpoint(
             reference, Quantization.from_dict(quantization), fused=manifest["absorb"] == "fused"
         )
+    steps = min(DEFAULT_STEPS, max(model.max_seq_len - 2, 1)) if steps is None else steps
     lengths = tuple(min(n, model.max_seq_len - steps - 1) for n in lengths)
     if min(lengths) < 1:
         raise ExportError(f"--steps {steps}: too many for the export's maximum length {model.max_seq_len}")

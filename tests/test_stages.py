@@ -198,6 +198,10 @@ def test_serve_refuses_replicas_of_a_staged_export_and_micro_batches_of_a_whole_
     assert result.exit_code == 2 and "already runs as one Ray actor per stage" in result.stderr
     result = CliRunner().invoke(main, ["serve", str(exports["whole"]), "--micro-batches", "2"])
     assert result.exit_code == 2 and "only a staged export" in result.stderr
+    for mode in ("lookup", "mtp"):  # run refuses the modes serve refuses, before loading (Ray or not)
+        result = CliRunner().invoke(main, ["run", str(exports["2"]), "--prompt-ids", "5,6", "--speculative", mode])
+        assert result.exit_code == 2 and "a staged export (export --stages N) decodes without speculation" in \
+            result.stderr, result.output
 
 
 def test_a_first_token_mask_applies_over_stages_as_in_the_whole_export(exports):
