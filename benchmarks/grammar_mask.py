@@ -5,7 +5,7 @@ before each token it computes the allowed-token mask (the timed part), checks th
 it. Prints compile time and mask time per token (mean, median, 99th percentile) per library, side by side.
 Libraries not installed are skipped: llguidance (the serve extra's), outlines-core, xgrammar (needs torch).
 
-    flock /tmp/mla-cpu.lock python benchmarks/grammar_mask.py [--tokenizer models/demo/tokenizer.json] [--repeat 5]
+    flock /tmp/mla-cpu.lock python benchmarks/grammar_mask.py [--tokenizer mla_deploy/models/demo/tokenizer.json] [--repeat 5]
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def measure(lib, tokenizer, repeat: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokenizer", type=Path, default=ROOT / "models/demo/tokenizer.json")
+    parser.add_argument("--tokenizer", type=Path, default=ROOT / "mla_deploy/models/demo/tokenizer.json")
     parser.add_argument("--eos", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")

@@ -8,7 +8,7 @@ through lm-eval's own `hf` backend (transformers' DeepseekV3ForCausalLM, offline
 Both run with --batch_size 4 and a BOS token before each context (the demo's tokenizer adds one; lm-eval's hf
 backend follows the tokenizer, local-completions needs add_bos_token=True). Run from the repository root:
 
-    flock /tmp/mla-cpu.lock .venv/bin/python benchmarks/lm_eval_compare.py out/demo [--checkpoint models/demo]
+    flock /tmp/mla-cpu.lock .venv/bin/python benchmarks/lm_eval_compare.py out/demo [--checkpoint mla_deploy/models/demo]
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def lm_eval(model: str, model_args: str, task: str, out: Path, extra: list[str] 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("export_dir")
-    parser.add_argument("--checkpoint", default=str(ROOT / "models/demo"))
+    parser.add_argument("--checkpoint", default=str(ROOT / "mla_deploy/models/demo"))
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="lm-eval-compare-"))

@@ -1,4 +1,4 @@
-"""Writes the local lm-evaluation-harness tasks over the demo model's held-out code (models/demo/heldout.txt):
+"""Writes the local lm-evaluation-harness tasks over the demo model's held-out code (mla_deploy/models/demo/heldout.txt):
 
 - demo_next_line (multiple choice): six lines of held-out Python, then which of four lines comes next (the true
   one and three others of similar length from the same files); accuracy by loglikelihood, as lm-eval's
@@ -45,7 +45,7 @@ def write(path: Path, rows: list[dict]) -> None:
 
 
 def main() -> None:
-    text = (ROOT / "models/demo/heldout.txt").read_text()
+    text = (ROOT / "mla_deploy/models/demo/heldout.txt").read_text()
     write(ROOT / "benchmarks/lm_eval/next_line.jsonl", items(text, 200, seed=0))
     write(ROOT / "benchmarks/lm_eval/complete_line.jsonl", items(text, 40, seed=1))
     write(ROOT / "tests/lm_eval/next_line.jsonl", items(text, 8, seed=2))
