@@ -176,3 +176,16 @@ def test_compare_llamacpp_rounds_keep_each_engines_median(monkeypatch):
     assert pair["decode_128_rounds"] == [[50.0, 20.0], [25.0, 30.0], [40.0, 10.0]]
     assert pair["ours"] == {"decode_128": 40.0, "prefill_512": 1.0}
     assert pair["theirs"] == {"decode_128": 20.0, "prefill_512": 2.0}
+
+
+def test_speculative_rows_say_when_mtp_is_left_out(exported):
+    """An export without a draft graph has no mtp rows, and the benchmark says why instead of dropping them quietly."""
+    from mla_deploy.bench.speculative import speculative_rows
+    from mla_deploy.runtime import ExportedModel
+
+    export_dir = exported("v3_lora_group_yarn")
+    assert not ExportedModel(export_dir).has_draft
+    said = []
+    rows = speculative_rows(export_dir, ("off", "mtp"), 1, new_tokens=4, repeats=1, progress=said.append)
+    assert {r["mode"] for r in rows} == {"off"}
+    assert any("mtp left out: the export has no draft graph" in s for s in said), said

@@ -45,7 +45,9 @@ def speculative_rows(export_dir: Path, modes: tuple[str, ...], threads: int, new
 
     model = ExportedModel(export_dir, RuntimeOptions(threads=threads, prepack=True))
     new_tokens = min(new_tokens, model.max_seq_len // 2)  # a short export: half for the prompt, half for the output
-    modes = tuple(m for m in modes if m != "mtp" or model.has_draft)
+    if "mtp" in modes and not model.has_draft:
+        progress(f"{export_dir.name}: mtp left out: the export has no draft graph (its checkpoint has no MTP layer)")
+        modes = tuple(m for m in modes if m != "mtp")
     generators = {m: Generator(model, SamplingParams(), stop_token_ids=(), speculation=Speculation(m, draft_tokens))
                   for m in modes}
     rows = []

@@ -48,7 +48,11 @@ class StagedModel(StagedExport):
         super().__init__(directory)
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
-            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+            try:
+                ray.init(address=address, include_dashboard=False, log_to_driver=False)
+            except ConnectionError as e:  # --ray-address auto with no cluster here, or one that does not answer
+                raise StageFailedError(f"--ray-address {address}: no Ray cluster answered ({e}); start one (ray start "
+                                       "--head) or leave the option out to run a local one") from None
         resources = ray.cluster_resources()
         count = len(self.stage_dirs)
         options = options or RuntimeOptions()
