@@ -5,7 +5,8 @@ before each token it computes the allowed-token mask (the timed part), checks th
 it. Prints compile time and mask time per token (mean, median, 99th percentile) per library, side by side.
 Libraries not installed are skipped: llguidance (the serve extra's), outlines-core, xgrammar (needs torch).
 
-    flock /tmp/mla-cpu.lock python benchmarks/grammar_mask.py [--tokenizer mla_deploy/models/demo/tokenizer.json] [--repeat 5]
+    flock /tmp/mla-cpu.lock python benchmarks/grammar_mask.py \
+        [--tokenizer mla_deploy/models/demo/tokenizer.json] [--repeat 5]
 """
 
 from __future__ import annotations

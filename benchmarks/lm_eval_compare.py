@@ -8,7 +8,8 @@ through lm-eval's own `hf` backend (transformers' DeepseekV3ForCausalLM, offline
 Both run with --batch_size 4 and a BOS token before each context (the demo's tokenizer adds one; lm-eval's hf
 backend follows the tokenizer, local-completions needs add_bos_token=True). Run from the repository root:
 
-    flock /tmp/mla-cpu.lock .venv/bin/python benchmarks/lm_eval_compare.py out/demo [--checkpoint mla_deploy/models/demo]
+    flock /tmp/mla-cpu.lock .venv/bin/python benchmarks/lm_eval_compare.py out/demo \
+        [--checkpoint mla_deploy/models/demo]
 """
 
 from __future__ import annotations

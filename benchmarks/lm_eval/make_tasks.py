@@ -1,4 +1,5 @@
-"""Writes the local lm-evaluation-harness tasks over the demo model's held-out code (mla_deploy/models/demo/heldout.txt):
+"""Writes the local lm-evaluation-harness tasks over the demo model's held-out code
+(mla_deploy/models/demo/heldout.txt):
 
 - demo_next_line (multiple choice): six lines of held-out Python, then which of four lines comes next (the true
   one and three others of similar length from the same files); accuracy by loglikelihood, as lm-eval's
