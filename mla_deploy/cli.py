@@ -146,7 +146,7 @@ def export(checkpoint, out, absorb, dtype, compute, cache_dtype, max_seq_len, no
     draft.onnx from a checkpoint with an MTP layer); with --stages N, N stage directories."""
     from .export import ExportOptions
     from .export import export as run_export
-    from .verify import verify_export
+    from .verify import most_steps, verify_export
 
     checkpoint = checkpoint or DEMO_CHECKPOINT
     progress = _progress()
@@ -158,10 +158,10 @@ def export(checkpoint, out, absorb, dtype, compute, cache_dtype, max_seq_len, no
         if not report.passed:
             raise MLADeployError(f"verification failed ({report.lines[-1]}); nothing was written")
 
-    if not no_verify and max_seq_len is not None and steps > max_seq_len - 2:  # a prompt token, then the steps
+    if not no_verify and max_seq_len is not None and steps > most_steps(max_seq_len):
         raise click.UsageError(f"--steps {steps}: verification decodes after a prompt within --max-seq-len "
-                               f"{max_seq_len}, so at most {max(max_seq_len - 2, 0)} steps; lower --steps, or pass "
-                               "--no-verify")
+                               f"{max_seq_len}, so at most {max(most_steps(max_seq_len), 0)} steps; lower --steps, "
+                               "or pass --no-verify")
     options = ExportOptions(absorb=absorb, dtype=dtype, max_seq_len=max_seq_len, force=force, quantize=quantize,
                             block_size=int(block_size), accuracy_level=int(accuracy_level),
                             head_bits=None if head_bits == "auto" else int(head_bits),

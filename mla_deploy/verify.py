@@ -63,6 +63,11 @@ COMPUTE_RTOL = {"float16": 5e-3}
 DEFAULT_STEPS = 8  # teacher-forced decode steps; steps=None: this many, or fewer where the export is shorter
 
 
+def most_steps(max_seq_len: int) -> int:
+    """The most teacher-forced decode steps an export of `max_seq_len` verifies: each prompt keeps one token."""
+    return max_seq_len - 2
+
+
 @dataclass
 class VerifyReport:
     prefill_max_abs: float
@@ -130,9 +135,9 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
         reference = DequantizedCheckpoint(
             reference, Quantization.from_dict(quantization), fused=manifest["absorb"] == "fused"
         )
-    steps = min(DEFAULT_STEPS, max(model.max_seq_len - 2, 1)) if steps is None else steps
+    steps = min(DEFAULT_STEPS, max(most_steps(model.max_seq_len), 1)) if steps is None else steps
     lengths = tuple(min(n, model.max_seq_len - steps - 1) for n in lengths)
-    if min(lengths) < 1:
+    if min(lengths) < 1:  # steps past most_steps
         raise ExportError(f"--steps {steps}: too many for the export's maximum length {model.max_seq_len}")
     rng = np.random.default_rng(seed)
     rows = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lengths]
