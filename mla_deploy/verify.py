@@ -195,7 +195,7 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
     if verify_logits is not None:
         diff = float(np.abs(verify_logits - ref_steps).max())
         report.checks.append(diff)
-        report.lines.append(f"verify   {steps} tokens in one pass: max |Δlogit| {diff:.3e}")
+        report.lines.append(f"verify   {steps} token{'s' * (steps != 1)} in one pass: max |Δlogit| {diff:.3e}")
     if model.has_draft:
         report.lines += check_draft(model, reference, ids, lens, tokens, prefill_hidden, report)
 
@@ -296,7 +296,8 @@ def check_draft(model: ExportedModel, reference, ids: np.ndarray, lens: np.ndarr
                 hidden: np.ndarray, report: VerifyReport) -> list[str]:
     """The draft graph against the torch MTP module (modeling.mtp) on the same inputs: each prompt's pairs (the
     export's own prefill hidden state at i, token i + 1, the first generated token after the last) in one chunk, then
-    one chained step on the draft's own hidden state and the second generated token."""
+    one chained step on the draft's own hidden state and the second generated token (when there is one: `--steps 1`
+    generates a single token)."""
     from .modeling import load_mtp
     from .modeling.cache import LayerCache
 
@@ -328,6 +329,11 @@ def check_draft(model: ExportedModel, reference, ids: np.ndarray, lens: np.ndarr
     ref, ref_hidden = draft(t(pairs), t(hidden), t(positions), cache, torch.zeros(b, dtype=torch.long), t(mask))
     valid = np.arange(longest)[None, :] < lens[:, None]
     first = float(np.abs(out[io_spec.LOGITS] - ref.numpy())[valid].max())
+    line = (f"draft    MTP layer {io_spec.draft_layers(cfg)[0]}, {int(lens.sum())} pairs in one chunk: max |Δlogit| "
+            f"{first:.3e}")
+    if tokens.shape[1] < 2:
+        report.checks.append(first)
+        return [line]
     # chained: the draft's own state at each row's last position, the second generated token, one position on
     last = lens - 1
     chained = {**feed, io_spec.INPUT_IDS: tokens[:, 1:2], io_spec.POSITION_IDS: lens[:, None],
@@ -339,8 +345,7 @@ def check_draft(model: ExportedModel, reference, ids: np.ndarray, lens: np.ndarr
                     t(mask))
     second = float(np.abs(out2[io_spec.LOGITS] - ref2.numpy()).max())
     report.checks += [first, second]
-    return [f"draft    MTP layer {io_spec.draft_layers(cfg)[0]}, {int(lens.sum())} pairs in one chunk: max |Δlogit| "
-            f"{first:.3e}; chained one more token: {second:.3e}"]
+    return [f"{line}; chained one more token: {second:.3e}"]
 
 
 def greedy_agreement(before: np.ndarray, tokens: np.ndarray, tolerance: float) -> tuple[int, int]:

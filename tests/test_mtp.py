@@ -123,6 +123,15 @@ def test_verify_checks_the_draft_graph_against_the_torch_module(mtp_export, mtp_
     assert any(x.startswith("verify   4 tokens in one pass") for x in report.lines)
 
 
+def test_verify_of_a_single_step_checks_the_draft_without_a_chained_token(mtp_export, mtp_checkpoint):
+    """`--steps 1` generates one token: the draft's chunk is checked, and there is no second token to chain."""
+    report = verify_export(mtp_export(), mtp_checkpoint(VARIANTS[0])[0], steps=1)
+    assert report.passed, report.lines
+    (line,) = [x for x in report.lines if x.startswith("draft")]
+    assert "pairs in one chunk" in line and "chained" not in line
+    assert any(x.startswith("verify   1 token in one pass") for x in report.lines)
+
+
 def test_a_broken_draft_graph_fails_verification(mtp_export, mtp_checkpoint, tmp_path):
     """The draft check can fail: the same export verified against a checkpoint whose MTP enorm differs (the graph's
     weights no longer the source's) fails on the draft line alone."""
