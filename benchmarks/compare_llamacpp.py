@@ -180,7 +180,7 @@ def our_exports(work: Path, checkpoint: Path, precisions: tuple[str, ...] = tupl
         out[precision] = work / f"export-{precision}"
         if not (out[precision] / "manifest.json").exists():
             log(f"exporting {precision}")
-            export(checkpoint, out[precision], ExportOptions(block_size=32, force=True, **options),
+            export(checkpoint, out[precision], ExportOptions(force=True, **options),
                    progress=lambda m: None)
     return out
 

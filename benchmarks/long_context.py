@@ -74,7 +74,7 @@ def exports(work: Path, checkpoint: Path) -> dict[str, Path]:
         out[name] = work / f"export-{name}"
         if not (out[name] / "manifest.json").exists():
             log(f"exporting {name}")
-            export(checkpoint, out[name], ExportOptions(block_size=32, force=True, **options), progress=lambda m: None)
+            export(checkpoint, out[name], ExportOptions(force=True, **options), progress=lambda m: None)
     return out
 
 

@@ -80,7 +80,7 @@ def main() -> int:
     ours = work / "export-int4"
     if not (ours / "manifest.json").exists():
         log("exporting int4")
-        export(checkpoint, ours, ExportOptions(quantize="int4", block_size=32, force=True))
+        export(checkpoint, ours, ExportOptions(quantize="int4", force=True))
     if args.prepare_only:
         return 0
     model = ExportedModel(ours, RuntimeOptions(threads=args.threads, prepack=True))

@@ -104,14 +104,14 @@ def main(ctx, debug):
               help="Teacher-forced decode steps the verification compares (after the prefill).")
 @click.option("--quantize", type=click.Choice(["int4", "int8"]), default=None,
               help="Weight-only block-wise quantization of the MatMul weights, the embedding and the routed experts.")
-@click.option("--block-size", type=click.Choice(["16", "32", "64", "128"]), default="32", show_default=True,
-              help="Weights per quantization block (one scale each: float16 for mla-deploy's kernels).")
+@click.option("--block-size", type=click.Choice(["16", "32", "64", "128"]), default=None,
+              help="Weights per quantization block (one scale each: float16 for mla-deploy's kernels). Default: 32.")
 @click.option(
     "--accuracy-level",
     type=click.Choice(["0", "4"]),
-    default="4",
-    show_default=True,
-    help="Quantized compute: 4 quantizes activations to int8 inside the kernel (fast), 0 multiplies in float.",
+    default=None,
+    help="Quantized compute: 4 quantizes activations to int8 inside the kernel (fast), 0 multiplies in float. "
+         "Default: 4.",
 )
 @click.option("--quantized-ops", type=click.Choice(["auto", "kernel", "onnxruntime"]), default="auto",
               show_default=True,
@@ -163,7 +163,8 @@ def export(checkpoint, out, absorb, dtype, compute, cache_dtype, max_seq_len, no
                                f"{max_seq_len}, so at most {max(most_steps(max_seq_len), 0)} steps; lower --steps, "
                                "or pass --no-verify")
     options = ExportOptions(absorb=absorb, dtype=dtype, max_seq_len=max_seq_len, force=force, quantize=quantize,
-                            block_size=int(block_size), accuracy_level=int(accuracy_level),
+                            block_size=block_size and int(block_size),
+                            accuracy_level=accuracy_level and int(accuracy_level),
                             head_bits=None if head_bits == "auto" else int(head_bits),
                             quantized_ops=quantized_ops, experts=experts, decode_attention=decode_attention,
                             cache_dtype=cache_dtype, draft=not no_draft, stages=stages, compute=compute)

@@ -112,6 +112,10 @@ def test_a_manifest_without_the_long_cache_field_reads_back_by_the_rule(tiny, tm
         (ExportOptions(quantize="int3"), "--quantize int3: expected one of int4, int8"),
         (ExportOptions(head_bits=4), "--head-bits 4: the embedding and output layer keep"),
         (ExportOptions(quantized_ops="kernel"), "--quantized-ops kernel: chooses the ops of quantized weights"),
+        (ExportOptions(block_size=64), "--block-size 64: applies to quantized weights (add --quantize int4 or int8)"),
+        (ExportOptions(accuracy_level=0), "--accuracy-level 0: applies to quantized weights"),
+        (ExportOptions(quantize="int4", block_size=48), "--block-size 48: expected one of 16, 32, 64, 128"),
+        (ExportOptions(quantize="int8", accuracy_level=1), "--accuracy-level 1: expected one of 0, 4"),
         (
             ExportOptions(quantize="int4", quantized_ops="ort"),
             "--quantized-ops ort: expected one of auto, kernel, onnxruntime",

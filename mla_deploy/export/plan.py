@@ -79,7 +79,7 @@ from ..manifest import cache_format as manifest_cache_format
 from .absorb import AbsorbMode, absorbed_weight_bytes, resolve_absorb
 from .precision import DTYPES
 from . import layouts
-from .quantize import HEAD_BITS, Quantization, quantized_hf_names
+from .quantize import ACCURACY_LEVELS, BLOCKS, HEAD_BITS, Quantization, quantized_hf_names
 
 QUANTIZE_BITS = {"int4": 4, "int8": 8}
 EXPERTS = ("auto", "qmoe", "kernel", "moe", "branches")
@@ -87,6 +87,8 @@ QUANTIZED_OPS = ("auto", "kernel", "onnxruntime")
 # the scales each quantized form stores: the kernels read float16 (export.layouts), MatMulNBits and QMoE take their
 # activations' type (float32)
 SCALE_DTYPE = {"kernel": "float16", "onnxruntime": "float32"}
+BLOCK_SIZE = 32  # weights per quantization block (one scale each), unless --block-size says otherwise
+ACCURACY_LEVEL = 4  # a quantized export's MatMuls quantize their activations to int8 (0: float, exact)
 HEAD_BITS_INT4 = 6  # an int4 export's embedding and output layer on mla-deploy's kernels (module docstring, head bits)
 DECODE_ATTENTION = ("auto", "kernel", "ops")
 CACHE_DTYPES = ("auto", *io_spec.FLOAT_CACHES, *io_spec.QUANTIZED_CACHES)
@@ -110,8 +112,8 @@ class ExportOptions:
     max_seq_len: int | None = None  # default: the config's max_position_embeddings
     force: bool = False
     quantize: str | None = None  # "int4" or "int8": weight-only, block-wise (export.quantize)
-    block_size: int = 32
-    accuracy_level: int = 4  # 4 = int8 activations inside the kernel, 0 = float (exact)
+    block_size: int | None = None  # weights per quantization block; None: BLOCK_SIZE
+    accuracy_level: int | None = None  # 4 = int8 activations inside the kernel, 0 = float (exact); None: 4
     head_bits: int | None = None  # a quantized export's embedding and output layer: 4, 6 or 8; None: head_bits()
     quantized_ops: str = "auto"  # a quantized export's ops: auto (= kernel), kernel, onnxruntime
     experts: str = "auto"  # routed experts: auto, kernel, qmoe (quantized), moe (float), branches (portable)
@@ -174,9 +176,19 @@ class ExportOptions:
             if self.head_bits is not None:
                 raise ExportError(f"--head-bits {self.head_bits}: the embedding and output layer keep the export's "
                                   f"--dtype unless it is quantized (add --quantize int4 or int8)")
+            for option, value in (("--block-size", self.block_size), ("--accuracy-level", self.accuracy_level)):
+                if value is not None:
+                    raise ExportError(f"{option} {value}: applies to quantized weights (add --quantize int4 or int8)")
             return None
         if self.quantize not in QUANTIZE_BITS:
             raise ExportError(f"--quantize {self.quantize}: expected one of {', '.join(QUANTIZE_BITS)}")
+        block = BLOCK_SIZE if self.block_size is None else self.block_size
+        accuracy_level = ACCURACY_LEVEL if self.accuracy_level is None else self.accuracy_level
+        if block not in BLOCKS:
+            raise ExportError(f"--block-size {block}: expected one of {', '.join(map(str, BLOCKS))}")
+        if accuracy_level not in ACCURACY_LEVELS:
+            raise ExportError(f"--accuracy-level {accuracy_level}: expected one of "
+                              f"{', '.join(map(str, ACCURACY_LEVELS))}")
         head_bits = self.resolved_head_bits()
         if head_bits not in HEAD_BITS:
             raise ExportError(f"--head-bits {head_bits}: expected one of {', '.join(map(str, HEAD_BITS))}")
@@ -184,7 +196,7 @@ class ExportOptions:
             raise ExportError("--head-bits 6: onnxruntime's MatMulNBits and GatherBlockQuantized take 4 or 8 bits; "
                               "a 6-bit head runs on mla-deploy's kernels (--quantized-ops auto or kernel)")
         try:
-            return Quantization(QUANTIZE_BITS[self.quantize], self.block_size, self.accuracy_level, head_bits)
+            return Quantization(QUANTIZE_BITS[self.quantize], block, accuracy_level, head_bits)
         except ValueError as e:
             raise ExportError(f"--quantize {self.quantize}: {e}") from None
 
