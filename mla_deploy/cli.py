@@ -342,8 +342,9 @@ def eval_command(export_dir, text_file, window, checkpoint):
 @click.option("--steps", type=click.IntRange(min=1), default=None, help="Timed decode steps per point.")
 @click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--workdir", type=click.Path(path_type=Path), default=Path("benchmarks/work"), show_default=True)
-@click.option("--out", type=click.Path(path_type=Path), default=Path("benchmarks/work/results"), show_default=True,
-              help="Where results.json and results.png go (benchmarks/results holds the README's figures).")
+@click.option("--out", type=click.Path(path_type=Path), default=None,
+              help="Where results.json and results.png go (benchmarks/results holds the README's figures). "
+                   "Default: WORKDIR/results.")
 @click.option("--speculative", "speculative_modes", default=None, metavar="MODES",
               help="Also compare speculative decoding's modes, e.g. off,lookup,mtp: greedy generations per mode over "
                    "the same prompts, decode tokens/s and draft acceptance (README, Speculative decoding).")
@@ -364,7 +365,7 @@ def bench(quick, preset, checkpoint, contexts, batches, engines, steps, threads,
     cfg = BenchConfig.quick(**overrides) if quick else BenchConfig(**overrides)
     result = run_bench(cfg, progress=_progress())
     click.echo(table(result))
-    json_path, png = save(result, out, "quick" if quick else "results")
+    json_path, png = save(result, out or workdir / "results", "quick" if quick else "results")
     click.echo(f"saved {json_path}" + (f" and {png}" if png else ""))
 
 

@@ -84,10 +84,15 @@ def test_reference_preset_traffic_matches_the_issue_figures():
 
 
 def test_bench_cli_quick_path(tmp_path):
+    """Results go to --out, or by default beside the work directory's checkpoint and exports."""
     out = CliRunner().invoke(main, ["bench", "--quick", "--preset", "tiny-v3", "--workdir", str(tmp_path / "w"),
                                     "--out", str(tmp_path / "r"), "--contexts", "8", "--steps", "1"])
     assert out.exit_code == 0, out.output
     assert (tmp_path / "r" / "quick.json").exists() and "onnx-fused" in out.output
+    again = CliRunner().invoke(main, ["bench", "--quick", "--preset", "tiny-v3", "--workdir", str(tmp_path / "w"),
+                                      "--contexts", "8", "--steps", "1", "--engines", "onnx-fused"])
+    assert again.exit_code == 0, again.output
+    assert f"saved {tmp_path / 'w' / 'results' / 'quick.json'}" in again.output
 
 
 def test_contexts_beyond_the_models_length_are_fitted_or_refused(tmp_path):

@@ -303,11 +303,6 @@ def test_preset_says_its_size_and_refuses_without_room(tmp_path, monkeypatch):
     assert sum(f.stat().st_size for f in (tmp_path / "tiny").glob("*.safetensors")) >= tiny
 
 
-def test_bench_results_default_beside_the_committed_ones():
-    bench = next(p for p in main.commands["bench"].params if p.name == "out")
-    assert str(bench.default) == "benchmarks/work/results"
-
-
 def test_bench_does_not_import_the_command_line():
     done = subprocess.run(
         [sys.executable, "-c", "import sys, mla_deploy.bench.run; print('mla_deploy.cli' in sys.modules)"],
