@@ -221,7 +221,11 @@ def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_
         speculation = _speculation("off", draft_tokens)  # a decode-only model holds no verify graph
     options = RuntimeOptions(provider=provider, threads=threads, check_weights="full" if check_weights else "sampled",
                              prepack=prepack, session_config=session_config)
-    if is_staged(read_manifest(export_dir)):
+    staged = is_staged(read_manifest(export_dir))
+    if ray_address is not None and not staged:
+        raise click.UsageError("--ray-address: only a staged export (export --stages N) runs on Ray; this one runs "
+                               "in this process (leave the option out)")
+    if staged:
         if speculative in ("lookup", "mtp"):  # auto means: where the export can
             raise click.UsageError(f"--speculative {speculative}: a staged export (export --stages N) decodes without "
                                    "speculation; leave the option out, or export without --stages")
@@ -412,11 +416,14 @@ def serve(export_dir, host, port, max_batch, max_queue, prefill_chunk, api_key, 
                                "one Ray actor per stage (serve it without --ray-replicas)")
     if micro_batches is not None and not staged:
         raise click.UsageError("--micro-batches: only a staged export (export --stages N) has stages to pipeline")
+    if ray_address is not None and not (staged or ray_replicas):
+        raise click.UsageError("--ray-address: only a staged export (export --stages N) or --ray-replicas runs on "
+                               "Ray; this one is served from this process (leave the option out)")
     if ray_replicas is not None:
         from .serve.ray import serve_on_ray
 
         serve_on_ray(export_dir, ray_replicas, host, port, max_batch, max_queue, api_key, model_name, options,
-                     _speculation(speculative, draft_tokens))
+                     _speculation(speculative, draft_tokens), ray_address)
         return
     from .serve.server import build_service, listening_socket
     from .serve.server import serve as run_server

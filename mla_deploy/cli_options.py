@@ -40,8 +40,9 @@ def _speculation(mode: str, draft_tokens: int):
 
 _ray_address_option = click.option(  # run and serve
     "--ray-address", default=None,
-    help="A staged export (export --stages N): the Ray cluster its stages' actors join ('auto': the one started on "
-         "this host); default: a local Ray instance. Needs the 'ray' extra.")
+    help="The Ray cluster a staged export's stage actors (export --stages N), or serve's --ray-replicas, join "
+         "('auto': the one started on this host); default: RAY_ADDRESS, else a local Ray instance. Needs the 'ray' "
+         "extra.")
 
 _session_config_option = click.option(  # run and serve
     "--session-config", "session_config", multiple=True, metavar="KEY=VALUE", callback=_session_entries,

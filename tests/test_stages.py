@@ -189,7 +189,7 @@ def test_inspect_reports_every_stage(exports):
     assert "2 stages, layers 0-1, 2-3" in "\n".join(format_report(report))
 
 
-def test_serve_refuses_replicas_of_a_staged_export_and_micro_batches_of_a_whole_one(exports):
+def test_ray_options_are_refused_where_nothing_runs_on_ray(exports):
     from click.testing import CliRunner
 
     from mla_deploy.cli import main
@@ -198,6 +198,10 @@ def test_serve_refuses_replicas_of_a_staged_export_and_micro_batches_of_a_whole_
     assert result.exit_code == 2 and "already runs as one Ray actor per stage" in result.stderr
     result = CliRunner().invoke(main, ["serve", str(exports["whole"]), "--micro-batches", "2"])
     assert result.exit_code == 2 and "only a staged export" in result.stderr
+    for command in (["run", str(exports["whole"]), "--prompt-ids", "5,6"], ["serve", str(exports["whole"])]):
+        result = CliRunner().invoke(main, [*command, "--ray-address", "auto"])  # was ignored: it ran in process
+        assert result.exit_code == 2 and result.stderr.startswith("error: --ray-address: only a staged export"), \
+            result.output
     for mode in ("lookup", "mtp"):  # run refuses the modes serve refuses, before loading (Ray or not)
         result = CliRunner().invoke(main, ["run", str(exports["2"]), "--prompt-ids", "5,6", "--speculative", mode])
         assert result.exit_code == 2 and "a staged export (export --stages N) decodes without speculation" in \

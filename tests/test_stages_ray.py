@@ -22,7 +22,7 @@ from mla_deploy.export import ExportOptions, export  # noqa: E402
 from mla_deploy.presets import DEMO_CHECKPOINT  # noqa: E402
 from mla_deploy.runtime import ExportedModel, Generator, SamplingParams  # noqa: E402
 from mla_deploy.runtime.pipeline import PipelineGenerator  # noqa: E402
-from mla_deploy.runtime.stages import StagedModel, stage_resource  # noqa: E402
+from mla_deploy.runtime.stages import StagedModel, stage_resource, unreachable  # noqa: E402
 
 PROMPTS = [[5, 9, 200, 7, 31], [3] * 17, [44, 45, 46, 47, 48, 49, 50, 51, 52], [8], list(range(100, 130))]
 
@@ -56,6 +56,26 @@ def test_stage_actors_generate_the_whole_exports_tokens(exports, local_ray, name
             assert result.token_ids == exports["tokens"]
         sizes = ray.get([a.describe.remote() for a in model.actors])
         assert all(s["groups"] == 0 for s in sizes)  # every sequence's caches freed on every stage
+
+
+def test_a_cluster_address_where_nothing_answers_is_refused_at_once(exports, monkeypatch):
+    """Ray itself retries an address that does not answer for minutes; the address is tried first, named in the
+    error, whether it came from --ray-address or RAY_ADDRESS."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    started = time.monotonic()
+    with pytest.raises(StageFailedError, match=rf"--ray-address 127.0.0.1:{port}: no Ray cluster answered \("):
+        StagedModel(exports["2"], address=f"127.0.0.1:{port}")
+    monkeypatch.setenv("RAY_ADDRESS", f"ray://127.0.0.1:{port}")
+    with pytest.raises(StageFailedError, match=rf"RAY_ADDRESS ray://127.0.0.1:{port}: no Ray cluster answered"):
+        StagedModel(exports["2"])
+    assert time.monotonic() - started < 30 and not ray.is_initialized()
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        assert unreachable(f"127.0.0.1:{listening.getsockname()[1]}") is None
+    assert unreachable("auto") is None  # Ray resolves it: its own error, at once
 
 
 def test_a_killed_stage_is_a_clear_error_not_a_hang(exports, local_ray):

@@ -11,6 +11,7 @@ ref, never through the driver.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import replace
 from pathlib import Path
 from typing import Hashable
@@ -24,6 +25,34 @@ from .chain import StagedExport, StageWorker
 from .session import RuntimeOptions
 
 LOAD_TIMEOUT_S = 600.0  # a stage that is not placed and loaded by then: the cluster lacks what it asks for
+CONNECT_TIMEOUT_S = 5.0  # a cluster address that accepts no connection by then is refused (Ray itself retries minutes)
+
+
+def unreachable(address: str | None, timeout_s: float = CONNECT_TIMEOUT_S) -> str | None:
+    """Why no Ray cluster answers at `address` (else RAY_ADDRESS), of the form [ray://]HOST:PORT, as an error
+    message naming where the address came from; None when a connection opens, or the address is not of that form
+    ('auto', 'local': Ray resolves those itself)."""
+    source = "--ray-address" if address else "RAY_ADDRESS"
+    address = address or os.environ.get("RAY_ADDRESS")
+    host, sep, port = (address or "").removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+        return None
+    except socket.timeout:
+        why = f"no answer within {timeout_s:g} s"
+    except OSError as e:
+        why = e.strerror or str(e)
+    return (f"{source} {address}: no Ray cluster answered ({why}); start one (ray start --head) or leave "
+            f"{source} out to run a local one")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except socket.timeout:
+        return f"no answer within {timeout_s:g} s"
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
 
 
 def stage_resource(index: int) -> str:
@@ -48,6 +77,9 @@ class StagedModel(StagedExport):
         super().__init__(directory)
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
+            problem = unreachable(address)
+            if problem:
+                raise StageFailedError(problem)
             try:
                 ray.init(address=address, include_dashboard=False, log_to_driver=False)
             except ConnectionError as e:  # --ray-address auto with no cluster here, or one that does not answer

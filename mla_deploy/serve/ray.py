@@ -15,7 +15,9 @@ from pathlib import Path
 
 from ray import serve
 
+from ..errors import ServeError
 from ..runtime import RuntimeOptions
+from ..runtime.stages import unreachable
 from ..runtime.speculative import Speculation
 from .app import create_app
 from .server import build_service
@@ -58,11 +60,15 @@ def app(args: dict):
 
 def serve_on_ray(export_dir, replicas: int, host: str, port: int, max_batch: int, max_queue: int,
                  api_key: str | None, model_name: str | None, options: RuntimeOptions,
-                 speculation: Speculation | None = None) -> None:
-    """Start a local Ray instance (or join RAY_ADDRESS), run the replicas, and block until interrupted."""
+                 speculation: Speculation | None = None, address: str | None = None) -> None:
+    """Start a local Ray instance (or join `address`, else RAY_ADDRESS), run the replicas, and block until
+    interrupted."""
     import ray
 
-    ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
+    problem = unreachable(address)
+    if problem:
+        raise ServeError(problem)
+    ray.init(address=address or os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": host, "port": port})
         serve.run(deployment(export_dir, replicas, max_batch, max_queue, api_key, model_name, options, speculation),
