@@ -287,3 +287,25 @@ def test_serve_takes_a_per_request_opt_out_and_refuses_what_it_cannot_do(mtp_exp
         finally:
             service.engine.close()
     assert replies["on"] == replies["off"]
+
+
+def test_mtp_drafting_beside_rows_near_the_exports_length_stays_within_its_cache(mtp_export, always_draft, tmp_path):
+    """A row that drafts pads every other row of the batch (the draft graph writes each row's slots from its own
+    start): a row whose request ran to the export's length, or one still near it, rides along past the last slot.
+    That padding is within the draft's cache: the other rows' requests go on, and equal each one alone."""
+    from mla_deploy.export import ExportOptions, export
+    from mla_deploy.manifest import read_manifest
+
+    short = tmp_path / "short"
+    export(read_manifest(mtp_export)["source"]["path"], short, ExportOptions(experts="branches", max_seq_len=48))
+    model = ExportedModel(short)
+    long_prompt = list(range(3, 40))  # 37 tokens + 11 = 48, the export's length
+    requests = [(long_prompt, 11), ([5, 9, 3, 7, 5, 9, 3, 7, 5], 36)]  # the first row stays free once done
+    alone = [Generator(model, SamplingParams(), stop_token_ids=()).generate([p], n).token_ids[0] for p, n in requests]
+    for k in (2, 4):
+        scheduler = Scheduler(model, max_batch=2, speculation=Speculation("mtp", k))
+        outs = [Collect() for _ in requests]
+        run(scheduler, [Request(p, n, out) for (p, n), out in zip(requests, outs)])
+        assert [o.tokens for o in outs] == alone, k
+        assert [o.finished.reason for o in outs] == ["length"] * 2
+        assert scheduler.stats.speculation.proposed > 0

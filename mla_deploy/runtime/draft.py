@@ -18,6 +18,7 @@ import numpy as np
 
 from .. import io_spec
 from .cache import CacheBuffers
+from .speculative import MAX_DRAFT_TOKENS
 
 
 class MTPDrafter:
@@ -27,8 +28,12 @@ class MTPDrafter:
         model.load(io_spec.DRAFT)
         self.model, self.session = model, model.sessions[io_spec.DRAFT]
         cfg = model.config
-        self.caches = CacheBuffers(cfg, batch, 1, model.max_seq_len, model.device, model.cache_format,
-                                   layers=io_spec.draft_layers(cfg), resident=model.resident_caches)
+        # Room for padding past the export's length: a call writes every row's slots from its own start to the widest
+        # row's catch-up (and its chained drafts after it), so a row near the end, or one whose request ended there
+        # and that now rides along, pads beyond the last position, by at most a catch-up (<= max_seq_len) and the
+        # chained drafts (< MAX_DRAFT_TOKENS). No real query reaches those slots: each sees the slots up to its own.
+        self.caches = CacheBuffers(cfg, batch, 1, 2 * model.max_seq_len + MAX_DRAFT_TOKENS, model.device,
+                                   model.cache_format, layers=io_spec.draft_layers(cfg), resident=model.resident_caches)
         # per row, what the next catch-up feeds: tokens [n], the main hidden states before them [n, d], and the draft
         # position of the first
         self.catch: list[tuple[np.ndarray, np.ndarray, int] | None] = [None] * batch
