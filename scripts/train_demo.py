@@ -47,11 +47,12 @@ SPACE_SPLIT_RATE = 0.05
 MTP_WEIGHTS = (0.3, 0.1)  # DeepSeek-V3's lambda: the first two thirds of training, then the rest
 
 # what the demo ships beside its weights: sampling defaults chosen from measured samples (docs/serving.md, "The demo's
-# sampling defaults") and a chat template that turns messages into comments and the reply into code
+# sampling defaults") and a chat template that turns messages into comments and the reply into code, opening with the
+# BOS the model was trained after (a chat prompt is tokenized without the tokenizer's own: runtime/chat.py)
 GENERATION = dict(do_sample=True, temperature=0.7, top_p=0.9, repetition_penalty=1.1)
-CHAT_TEMPLATE = ("{% for message in messages %}{% if message['role'] == 'assistant' %}{{ message['content'] }}\n"
-                 "{% else %}{% for line in message['content'].split('\\n') %}# {{ line }}\n{% endfor %}{% endif %}"
-                 "{% endfor %}")
+CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'assistant' %}"
+                 "{{ message['content'] }}\n{% else %}{% for line in message['content'].split('\\n') %}# {{ line }}\n"
+                 "{% endfor %}{% endif %}{% endfor %}")
 
 MODEL = dict(
     vocab_size=4096, hidden_size=256, intermediate_size=640, moe_intermediate_size=160, num_hidden_layers=4,

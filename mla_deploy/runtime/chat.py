@@ -2,7 +2,10 @@
 
 - `tokenizer_config.json`'s `chat_template` (a Jinja template) is rendered in a sandboxed, immutable
   Jinja environment with `messages`, `add_generation_prompt`, `bos_token`, `eos_token`, and the
-  helpers transformers provides (`raise_exception`, `strftime_now`); `tojson` keeps non-ASCII text.
+  helpers transformers provides (`raise_exception`, `strftime_now`, `tojson` with its options, keeping
+  non-ASCII text by default). The rendered text is tokenized without the tokenizer's own special tokens
+  (`prompt_ids`): the template writes them (DeepSeek's opens with `{{ bos_token }}`), as transformers'
+  `apply_chat_template(tokenize=True)` and vLLM's chat route tokenize it.
 - `generation_config.json` gives the defaults of `run`, `serve` and the Python API: eos ids (stop ids),
   and when `do_sample` is true its temperature / top_p / top_k; repetition_penalty either way. A flag
   or a request field overrides them.
@@ -63,7 +66,7 @@ class ChatTemplate:
         env = ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
         )
-        env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+        env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
@@ -96,6 +99,16 @@ class ChatTemplate:
             raise InputError(f"chat template refused the messages: {e}") from None
         except TemplateError as e:
             raise InputError(f"chat template failed on these messages: {e}") from None
+        except Exception as e:  # a template calling a filter or method wrongly: its error, not the server's
+            raise InputError(f"chat template failed on these messages: {type(e).__name__}: {e}") from None
+
+    def prompt_ids(self, messages, tokenizer, add_generation_prompt: bool = True) -> list[int]:
+        """The messages rendered, then tokenized without the tokenizer's own special tokens (module docstring)."""
+        text = self.render(messages, add_generation_prompt)
+        ids = tokenizer.encode(text, add_special_tokens=False) if text else []
+        if not ids:
+            raise InputError("the chat template renders these messages to no tokens")
+        return ids
 
 
 def check_messages(messages) -> None:
@@ -116,6 +129,11 @@ class _TemplateRaised(Exception):
 
 def _raise_exception(message):
     raise _TemplateRaised(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """transformers' `tojson` filter: json.dumps, non-ASCII text kept unless asked."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _token_text(token) -> str:

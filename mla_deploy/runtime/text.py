@@ -33,11 +33,13 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`add_special_tokens`: the tokenizer's post-processor adds its own (DeepSeek's: the BOS), as transformers'
+        `tokenizer(text)` does; a rendered chat template carries them in its text instead (runtime.chat)."""
         if not isinstance(text, str) or not text:
             raise InputError("prompt text is empty")
         check_utf8(text, "prompt")
-        return self._tok.encode(text).ids
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)

@@ -176,12 +176,14 @@ class Service:
             if self.chat_template is None:
                 raise bad("this model has no chat template (tokenizer_config.json chat_template); "
                           "use /v1/completions", "messages")
+            if self.tokenizer is None:
+                raise bad("this export has no tokenizer (tokenizer.json) to encode the chat template's text; "
+                          "use /v1/completions with token ids", "messages")
             try:
-                texts = [self.chat_template.render(req.messages, add_generation_prompt=True)]
+                return [self.chat_template.prompt_ids(req.messages, self.tokenizer)]
             except InputError as e:
                 raise bad(str(e), "messages") from None
-        else:
-            texts = req.prompts
+        texts = req.prompts
         out = []
         for i, text in enumerate(texts):
             if isinstance(text, list):  # token ids: the engine checks them against the vocabulary
