@@ -177,10 +177,12 @@ def export(checkpoint, out, absorb, dtype, compute, cache_dtype, max_seq_len, no
               help="Prompt text (needs the export's tokenizer).")
 @click.option("--prompt-ids", default=None, help="Prompt as comma-separated token ids, e.g. 1,2,3.")
 @click.option("-n", "--max-new-tokens", type=int, default=64, show_default=True)
-@click.option("--temperature", type=float, default=None, help="0 is greedy. Default for this and the next three: the "
+@click.option("--temperature", type=float, default=None, help="0 is greedy. Default for this and the next four: the "
               "export's generation_config.json, else greedy with no filters.")
 @click.option("--top-k", type=int, default=None, help="Sample from the k likeliest tokens; 0 is off.")
 @click.option("--top-p", type=float, default=None, help="Nucleus sampling mass; 1 is off.")
+@click.option("--min-p", type=float, default=None,
+              help="Keep the tokens with at least this fraction of the likeliest one's probability; 0 is off.")
 @click.option("--repetition-penalty", type=float, default=None, help="1 is off; > 1 discourages repeats.")
 @click.option("--seed", type=int, default=None, help="Seed for sampling (reproducible runs).")
 @click.option("--provider", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
@@ -205,16 +207,17 @@ def export(checkpoint, out, absorb, dtype, compute, cache_dtype, max_seq_len, no
 @_ray_address_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text (with the "
               "draft tokens proposed and accepted).")
-def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, provider,
-        threads, check_weights, prepack, decode_only, token_healing, session_config, speculative, draft_tokens,
-        ray_address, as_json):
+def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed,
+        provider, threads, check_weights, prepack, decode_only, token_healing, session_config, speculative,
+        draft_tokens, ray_address, as_json):
     """Generate from EXPORT_DIR, streaming the text as it is produced."""
     from .manifest import is_staged, read_manifest
     from .runtime import ExportedModel, RuntimeOptions, SamplingParams
     from .runtime.complete import complete
 
     ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
-    given = dict(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty, seed=seed)
+    given = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+                 seed=seed)
     SamplingParams(**{k: v for k, v in given.items() if v is not None}).validate()  # bad flags fail before loading
     speculation = _speculation(speculative, draft_tokens)
     if decode_only and speculative == "auto":

@@ -54,3 +54,13 @@ def test_a_template_that_fails_or_renders_nothing_is_an_input_error(tokenizers):
         ChatTemplate("{{ raise_exception('no system role') }}").prompt_ids(MESSAGES, ours)
     with pytest.raises(InputError, match="the chat template renders these messages to no tokens"):
         ChatTemplate("{% for m in messages %}{% endfor %}").prompt_ids(MESSAGES, ours)
+
+
+def test_generation_config_sampling_defaults_include_min_p(tmp_path):
+    from mla_deploy.runtime.chat import GenerationDefaults
+
+    (tmp_path / "generation_config.json").write_text(
+        '{"do_sample": true, "temperature": 0.6, "top_p": 0.95, "min_p": 0.05, "eos_token_id": 2}')
+    defaults = GenerationDefaults.from_export(tmp_path)
+    assert (defaults.sampling.temperature, defaults.sampling.top_p, defaults.sampling.min_p) == (0.6, 0.95, 0.05)
+    assert defaults.override(min_p=0.0).min_p == 0.0 and defaults.eos_token_ids == (2,)

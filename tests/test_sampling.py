@@ -12,8 +12,8 @@ import sys
 import numpy as np
 import pytest
 import torch
-from transformers import (RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
-                          TopPLogitsWarper)
+from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                          TopKLogitsWarper, TopPLogitsWarper)
 
 from mla_deploy import io_spec
 from mla_deploy.errors import InputError
@@ -39,6 +39,8 @@ def reference_probs(logits: np.ndarray, history: np.ndarray, params: SamplingPar
         scores = TopKLogitsWarper(params.top_k)(ids, scores)
     if params.top_p < 1.0:
         scores = TopPLogitsWarper(params.top_p)(ids, scores)
+    if params.min_p > 0:
+        scores = MinPLogitsWarper(params.min_p)(ids, scores)
     return torch.softmax(scores, -1)[0].numpy()
 
 
@@ -68,6 +70,8 @@ CASES = {
     "repetition 1.8": SamplingParams(temperature=1.0, repetition_penalty=1.8, seed=8),
     "repetition 0.6": SamplingParams(temperature=1.0, repetition_penalty=0.6, seed=9),
     "all four": SamplingParams(temperature=0.7, top_k=7, top_p=0.9, repetition_penalty=1.3, seed=10),
+    "min-p 0.3": SamplingParams(temperature=1.0, min_p=0.3, seed=11),
+    "top-p 0.95, min-p 0.4": SamplingParams(temperature=1.2, top_p=0.95, min_p=0.4, seed=12),
 }
 
 
@@ -87,6 +91,12 @@ def test_the_reference_cases_really_filter():
     top_p = reference_probs(LOGITS, HISTORY, CASES["top-p 0.5"])
     assert 1 < (top_p > 0).sum() < len(LOGITS) - 1  # the token crossing 0.5 is kept, the rest dropped
     assert np.sort(plain)[::-1][: (top_p > 0).sum() - 1].sum() < 0.5
+    min_p = reference_probs(LOGITS, HISTORY, CASES["min-p 0.3"])
+    assert np.array_equal(min_p > 0, plain >= 0.3 * plain.max()) and 1 < (min_p > 0).sum() < len(LOGITS) - 1
+    both = CASES["top-p 0.95, min-p 0.4"]  # top-p first, then min-p (transformers' order)
+    first_p = reference_probs(LOGITS, HISTORY, both)
+    tempered = reference_probs(LOGITS, HISTORY, SamplingParams(temperature=both.temperature))
+    assert np.array_equal(first_p > 0, tempered >= 0.4 * tempered.max())
     penalised = reference_probs(LOGITS, HISTORY, CASES["repetition 1.8"])
     assert penalised[0] < plain[0] and penalised[1] > plain[1]  # a positive logit divided
     assert penalised[5] / penalised[1] < plain[5] / plain[1]  # a negative one multiplied

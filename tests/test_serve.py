@@ -327,6 +327,30 @@ def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving(serve
     assert client.completions.create(prompt="x", max_tokens=3, **greedy()).usage.completion_tokens == 3
 
 
+def test_vllms_extra_fields_are_served_or_refused_never_ignored(server, client):
+    """min_p and ignore_eos change the output as vLLM's do; its other sampling fields are a 400 naming the field,
+    unless at the value that asks for nothing (clients filling in every field send those)."""
+    base = server[0]
+    plain = client.completions.create(prompt="def read(path):\n", max_tokens=12, **greedy())
+    sure = client.completions.create(prompt="def read(path):\n", max_tokens=12, model=MODEL, temperature=1.0, seed=3,
+                                     extra_body={"min_p": 1.0, "repetition_penalty": 1.0})  # only the likeliest kept
+    assert sure.choices[0].text == plain.choices[0].text
+    eos = {"2": 100}  # the demo's end-of-sequence id, made certain
+    stopped = client.completions.create(prompt="x", max_tokens=4, logit_bias=eos, **greedy())
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 1
+    kept = client.completions.create(prompt="x", max_tokens=4, logit_bias=eos, model=MODEL, temperature=0,
+                                     extra_body={"repetition_penalty": 1.0, "ignore_eos": True})
+    assert kept.choices[0].finish_reason == "length" and kept.usage.completion_tokens == 4
+    for field, value in (("min_tokens", 4), ("include_stop_str_in_output", True), ("guided_json", {}),
+                         ("skip_special_tokens", False), ("min_tokens", False), ("min_p", 1.5)):
+        said = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "x", field: value})
+        assert said.status_code == 400 and said.json()["error"]["param"] == field, (field, said.text)
+    idle = {"min_tokens": 0, "include_stop_str_in_output": False, "skip_special_tokens": True, "length_penalty": 1.0,
+            "bad_words": [], "use_beam_search": False}
+    assert httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2, **idle}
+                      ).status_code == 200
+
+
 def test_api_key_guards_every_route_but_health(demo_export):
     with running_server(demo_export, max_batch=2, api_key="sesame") as (base, _):
         assert httpx.get(base + "/health").status_code == 200

@@ -111,6 +111,7 @@ def target_logits(context: list[int]) -> np.ndarray:
 SAMPLINGS = {
     "temperature 1": SamplingParams(temperature=1.0),
     "temperature, top-k, top-p": SamplingParams(temperature=0.8, top_k=4, top_p=0.9),
+    "min-p": SamplingParams(temperature=1.1, min_p=0.2),
     "penalties": SamplingParams(temperature=1.2, repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.4),
 }
 

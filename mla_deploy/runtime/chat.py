@@ -7,7 +7,7 @@
   (`prompt_ids`): the template writes them (DeepSeek's opens with `{{ bos_token }}`), as transformers'
   `apply_chat_template(tokenize=True)` and vLLM's chat route tokenize it.
 - `generation_config.json` gives the defaults of `run`, `serve` and the Python API: eos ids (stop ids),
-  and when `do_sample` is true its temperature / top_p / top_k; repetition_penalty either way. A flag
+  and when `do_sample` is true its temperature / top_p / top_k / min_p; repetition_penalty either way. A flag
   or a request field overrides them.
 """
 
@@ -39,7 +39,7 @@ class GenerationDefaults:
         eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
         params = {}
         if g.get("do_sample"):
-            params = {k: g[k] for k in ("temperature", "top_p", "top_k") if g.get(k) is not None}
+            params = {k: g[k] for k in ("temperature", "top_p", "top_k", "min_p") if g.get(k) is not None}
             params.setdefault("temperature", 1.0)  # transformers' default when sampling
         if g.get("repetition_penalty") is not None:
             params["repetition_penalty"] = g["repetition_penalty"]

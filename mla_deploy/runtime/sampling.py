@@ -24,6 +24,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI's: subtracted once from every token already generated
     frequency_penalty: float = 0.0  # OpenAI's: subtracted once per time a token was generated
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value added to its logit), ids ascending
+    min_p: float = 0.0  # 0: off; keeps the tokens with at least min_p x the likeliest one's probability
 
     PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's bounds on presence_penalty and frequency_penalty
     BIAS_RANGE = (-100.0, 100.0)  # and on logit_bias values
@@ -37,6 +38,8 @@ class SamplingParams:
             raise InputError(f"top_k={self.top_k!r}: must be an integer >= 0 (0 disables it)")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise InputError(f"top_p={self.top_p!r}: must be in (0, 1]")
+        if not (isinstance(self.min_p, (int, float)) and not isinstance(self.min_p, bool) and 0 <= self.min_p <= 1):
+            raise InputError(f"min_p={self.min_p!r}: must be in [0, 1] (0 is off)")
         if not (isinstance(self.repetition_penalty, (int, float)) and math.isfinite(self.repetition_penalty)
                 and self.repetition_penalty > 0):
             raise InputError(f"repetition_penalty={self.repetition_penalty!r}: must be a finite number > 0")
@@ -113,16 +116,16 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator 
     request's seed then draws the same tokens whichever rows share the call). In order: repetition penalty
     (`history`: each row's prompt and generated ids), presence and frequency penalties (`counts`: each row's
     generated-token counts [vocab]), logit_bias, the `allowed` mask [b, vocab] (a grammar's: the others get
-    probability 0), then temperature, top-k and top-p."""
+    probability 0), then temperature, top-k, top-p and min-p (transformers' order)."""
     logits = adjusted_logits(logits, params, history, counts, allowed)
     if params.greedy:
         return logits.argmax(-1).astype(np.int64)
     probs = _tempered(logits, params)
     u = uniform(rng, probs.shape[0])
-    if params.top_p < 1.0:  # draw among the nucleus's ids only (ascending: the same cumulative order as below)
+    if params.top_p < 1.0 or params.min_p > 0:  # draw among the kept ids only (ascending: the same cumulative order)
         tokens = []
         for row, draw in zip(probs, u[:, 0]):
-            ids = nucleus_ids(row, params.top_p)
+            ids = kept_ids(row, params)
             kept = row[ids]  # a copy
             kept /= kept.sum()
             tokens.append(ids[min(int((np.cumsum(kept) < draw).sum()), len(ids) - 1)])
@@ -133,7 +136,7 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator 
 def distribution(logits: np.ndarray, params: SamplingParams, history: list[np.ndarray],
                  counts: Sequence[np.ndarray] | None = None, allowed: np.ndarray | None = None) -> np.ndarray:
     """The probabilities [b, vocab] float64 that sample() draws from, whole: after the same penalties, bias, mask,
-    temperature, top-k and top-p (0 outside the nucleus, the nucleus renormalized as sample() renormalizes it);
+    temperature, top-k, top-p and min-p (0 outside the kept ids, those renormalized as sample() renormalizes them);
     greedy: 1 on the argmax. Speculative decoding's acceptance reads it (runtime.speculative)."""
     logits = adjusted_logits(logits, params, history, counts, allowed)
     if params.greedy:
@@ -141,9 +144,9 @@ def distribution(logits: np.ndarray, params: SamplingParams, history: list[np.nd
         probs[np.arange(len(logits)), logits.argmax(-1)] = 1.0
         return probs
     probs = _tempered(logits, params)
-    if params.top_p < 1.0:
+    if params.top_p < 1.0 or params.min_p > 0:
         for row in probs:
-            ids = nucleus_ids(row, params.top_p)
+            ids = kept_ids(row, params)
             kept = row[ids]
             kept /= kept.sum()
             row[:] = 0.0
@@ -196,6 +199,17 @@ def _tempered(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     probs = np.exp(logits)  # the max is exp(0) = 1: the sum is >= 1
     probs /= probs.sum(-1, keepdims=True)
     return probs
+
+
+def kept_ids(p: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """p [vocab] after temperature and top-k -> the ids top-p and then min-p keep, ascending. Min-p (transformers'
+    MinPLogitsWarper) keeps the ids with at least min_p x the likeliest one's probability, which the nucleus always
+    holds and renormalizing leaves as it is."""
+    ids = nucleus_ids(p, params.top_p) if params.top_p < 1.0 else None
+    if params.min_p > 0:
+        floor = params.min_p * p.max()
+        ids = np.flatnonzero(p >= floor) if ids is None else ids[p[ids] >= floor]
+    return ids
 
 
 def nucleus_ids(p: np.ndarray, top_p: float) -> np.ndarray:

@@ -119,6 +119,7 @@ class Service:
                 temperature=req.temperature,
                 top_k=req.top_k,
                 top_p=req.top_p,
+                min_p=req.min_p,
                 repetition_penalty=req.repetition_penalty,
                 seed=req.seed,
                 presence_penalty=req.presence_penalty,
@@ -133,7 +134,7 @@ class Service:
         ranked = req.best_of is not None and req.best_of > req.n  # best_of ranks by the cumulative logprob
         logprobs = req.logprobs if req.logprobs is not None else (0 if ranked else None)
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
-        stops = sorted(self.stop_ids | set(req.stop_token_ids))
+        stops = sorted((set() if req.ignore_eos else self.stop_ids) | set(req.stop_token_ids))
         runs, requests = [], []
         try:
             for i, ids in enumerate(prompts):
@@ -206,7 +207,7 @@ class Service:
         (Engine.submit_batches), so a stream that fell behind catches up in one chunk."""
         # chat's logprobs join to the message, which the model's end-of-sequence token is not part of; a completion's
         # keep it (lm-eval's echo scoring counts on the generated token being the last entry)
-        ends = set(req.stop_token_ids) | (self.stop_ids if req.kind == "chat" else set())
+        ends = set(req.stop_token_ids) | (self.stop_ids if req.kind == "chat" and not req.ignore_eos else set())
         choice = ChoiceText(self.tokenizer, req.stop, ends)
         if req.echo and req.logprobs is None:
             choice.echo(run.prompt_ids, None)

@@ -39,6 +39,26 @@ REFUSED = {  # fields this server does not implement: a 400 naming them, never s
     "functions": "function calling is not supported",
     "suffix": "suffix (insertion after the completion) is not supported",
 }
+# vLLM's extra sampling fields this server does not implement, with the values that ask for nothing (sent by
+# clients filling in every field): any other value is a 400 naming the field, never an output silently unlike vLLM's
+REFUSED_UNLESS = {
+    "min_tokens": (0,),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "use_beam_search": (False,),
+    "length_penalty": (1,),
+    "typical_p": (1,),
+    "bad_words": ([],),
+    "allowed_token_ids": ([],),
+    "prompt_logprobs": (),
+    "truncate_prompt_tokens": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "structured_outputs": (),
+}
 
 
 @dataclass
@@ -52,6 +72,7 @@ class GenerationRequest:
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    min_p: float | None = None  # vLLM's field (0: off)
     top_k: int | None = None
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
@@ -68,6 +89,7 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     speculative: bool | None = None  # False: this request opts out of the server's speculative decoding
+    ignore_eos: bool = False  # vLLM's field: the model's end-of-sequence ids do not stop it (stop ids still do)
 
     @property
     def candidates(self) -> int:
@@ -115,6 +137,11 @@ def parse_request(body: dict, kind: str) -> GenerationRequest:
     for name, why in REFUSED.items():
         if body.get(name) not in (None, [], ""):
             raise bad(f"{name}: {why} by this server", name)
+    for name, idle in REFUSED_UNLESS.items():
+        value = body.get(name)
+        if value is not None and not any(isinstance(value, bool) == isinstance(v, bool) and value == v for v in idle):
+            raise bad(f"{name}: {json.dumps(value)[:80]} is not supported by this server"
+                      + (f" (only {json.dumps(idle[0])})" if idle else "; leave the field out"), name)
     if body.get("tool_choice") not in (None, "none"):
         raise bad("tool_choice: tools / function calling is not supported by this server", "tool_choice")
     req = GenerationRequest(kind, model)
@@ -134,6 +161,8 @@ def parse_request(body: dict, kind: str) -> GenerationRequest:
         req.max_tokens = 16  # OpenAI's default for completions; chat defaults to the rest of the export's length
     req.temperature = _number(body.get("temperature"), "temperature", 0.0, 2.0)
     req.top_p = _number(body.get("top_p"), "top_p", 0.0, 1.0, open_low=True)
+    req.min_p = _number(body.get("min_p"), "min_p", 0.0, 1.0)
+    req.ignore_eos = _bool(body.get("ignore_eos"), "ignore_eos")
     req.top_k = _int(body.get("top_k"), "top_k", minimum=-1)
     if req.top_k == -1:
         req.top_k = 0  # vLLM's spelling of "off"
