@@ -362,6 +362,7 @@ def test_text_stream_pieces_add_up_to_the_whole_decode_for_arbitrary_ids():
         pieces = "".join(stream.push(t) for t in ids)
         whole = tokenizer.decode(ids)
         assert whole.startswith(pieces) and (pieces == whole or whole.endswith("\ufffd")), ids
+        assert pieces + stream.flush() == whole and stream.flush() == "", ids  # the end: what was held back
 
 
 def test_complete_streams_the_prompt_then_exactly_the_completion(tmp_path_factory):
@@ -372,3 +373,9 @@ def test_complete_streams_the_prompt_then_exactly_the_completion(tmp_path_factor
                       on_text=pieces.append)
     assert pieces[0] == "class Stack:\n"
     assert "".join(pieces[1:]) == result["text"] and len(result["token_ids"]) == 24
+    cut = []  # a budget ending part-way through a character: the streamed text ends as the returned one, U+FFFD
+    emoji = Tokenizer(DEMO_CHECKPOINT / "tokenizer.json").encode("🙂", add_special_tokens=False)
+    assert len(emoji) > 1
+    result = complete(ExportedModel(out), prompt_ids=[5, 6], max_new_tokens=1, on_text=cut.append,
+                      sampling=SamplingParams(logit_bias=((emoji[0], 100.0),)))
+    assert result["token_ids"] == emoji[:1] and result["text"] == "\ufffd" and "".join(cut) == result["text"]

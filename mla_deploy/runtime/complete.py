@@ -54,6 +54,8 @@ def complete(model: ExportedModel | StagedExport, prompt: str | None = None, pro
             break
         if stream is not None and on_text is not None and step.tokens[0] is not None:
             on_text(stream.push(step.tokens[0]))
+    if stream is not None and on_text is not None:
+        on_text(stream.flush())  # what a token cut off mid-character held back: the text below ends the same
     out = {
         "prompt_ids": list(prompt_ids), "token_ids": result.token_ids[0], "finish_reason": result.finish_reasons[0],
         "prefill_ms": round(result.prefill_ms, 3), "decode_tokens_per_s": round(result.decode_tokens_per_s, 2),

@@ -60,7 +60,12 @@ class HealedText:
         self.stream, self.pending = stream, healed
 
     def push(self, token: int) -> str:
-        piece = self.stream.push(token)
+        return self._healed(self.stream.push(token))
+
+    def flush(self) -> str:
+        return self._healed(self.stream.flush())
+
+    def _healed(self, piece: str) -> str:
         if self.pending and piece:
             cut = min(len(piece), len(self.pending))
             piece, self.pending = piece[cut:], self.pending[cut:]

@@ -124,3 +124,11 @@ class TextStream:
             return ""
         self.prefix, self.read = self.read, len(self.ids)
         return text[len(before):]
+
+    def flush(self) -> str:
+        """At the end of the generation: the text still held back, an incomplete UTF-8 sequence decoded as it is
+        (U+FFFD, as the whole sequence decodes), so the pieces join to decode(ids)."""
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        text = self.tokenizer.decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return text[len(before):]
