@@ -7,7 +7,8 @@
   (`prompt_ids`): the template writes them (DeepSeek's opens with `{{ bos_token }}`), as transformers'
   `apply_chat_template(tokenize=True)` and vLLM's chat route tokenize it.
 - `generation_config.json` gives the defaults of `run`, `serve` and the Python API: eos ids (stop ids),
-  and when `do_sample` is true its temperature / top_p / top_k / min_p; repetition_penalty either way. A flag
+  and when `do_sample` is true its temperature / top_p / top_k / min_p; repetition_penalty either way. A field
+  it leaves out is off, as vLLM reads it (transformers' generate() would add its own top_k of 50). A flag
   or a request field overrides them.
 """
 
