@@ -89,4 +89,8 @@ def main(mobius_path: str, export_dir: str, checkpoint: str, contexts=(128, 1024
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        sys.exit(print(__doc__))
+    if len(sys.argv) != 4:
+        sys.exit("usage: compare_mobius.py MOBIUS_ONNX EXPORT_DIR CHECKPOINT (--help says more)")
     main(*sys.argv[1:4])

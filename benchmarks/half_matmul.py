@@ -26,7 +26,7 @@ from onnx import TensorProto, helper, numpy_helper
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mla_deploy import kernels  # noqa: E402
-from mla_deploy.export.kernel_functions import half_matmul_function  # noqa: E402
+from mla_deploy.export.linear import half_matmul_function  # noqa: E402
 from mla_deploy.export.opset import OPSET  # noqa: E402
 from mla_deploy.safetensors_io import float32_to_bf16  # noqa: E402
 

@@ -20,6 +20,9 @@ from mla_deploy.runtime.memory import resident_memory
 
 def main() -> int:
     command = sys.argv[sys.argv.index("--") + 1:] if "--" in sys.argv else sys.argv[1:]
+    if not command or command[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if command else 2
     started = time.perf_counter()
     proc = subprocess.Popen(command)
     peak = {"pss": 0, "anonymous": 0}

@@ -58,4 +58,6 @@ Retrain from scratch (same seed, same files, same numbers up to floating-point r
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        sys.exit(print(__doc__))
     main(sys.argv[1] if len(sys.argv) > 1 else "mla_deploy/models/demo")

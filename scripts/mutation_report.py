@@ -30,6 +30,9 @@ def module_results(mutants: Path) -> dict[str, Counter]:
 
 
 def main() -> int:
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
     if len(sys.argv) > 1:
         mutants = Path(sys.argv[1])
     else:
