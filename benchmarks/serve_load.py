@@ -233,7 +233,8 @@ BAD = [
     ("too long", {"model": MODEL, "prompt": "x", "max_tokens": 99999}),
     ("bad temperature", {"model": MODEL, "prompt": "x", "temperature": -3}),
     ("bad top_p", {"model": MODEL, "prompt": "x", "top_p": 7}),
-    ("n = 3", {"model": MODEL, "prompt": "x", "n": 3}),
+    ("n = 0", {"model": MODEL, "prompt": "x", "n": 0}),
+    ("missing key", {"prompt": "x"}),
 ]
 
 
@@ -242,7 +243,8 @@ def malformed(base: str) -> str:
     for name, body in BAD:
         raw = body if isinstance(body, bytes) else json.dumps(body).encode()
         r = httpx.post(base + "/v1/completions", content=raw, headers={"content-type": "application/json"})
-        rows.append(f"{name} -> {r.status_code} {r.json()['error']['message'][:70]!r}")
+        said = r.json().get("error", {}).get("message", f"NOT REFUSED: {r.text[:60]}")
+        rows.append(f"{name} -> {r.status_code} {said[:70]!r}")
     ok = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}).status_code
     return "\n".join(rows + [f"a good request afterwards -> {ok}"])
 
