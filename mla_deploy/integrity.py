@@ -24,6 +24,7 @@ DIGEST = "sha256-128"  # sha256 cut to 16 bytes: 32 hex characters per MiB in th
 FULL_AT_LOAD_BYTES = 256 << 20  # weights files up to this size are checked whole at every load
 SAMPLED_BLOCKS = 64
 CHECKS = ("sampled", "full")
+SAID = 8  # damaged blocks an error names by their bytes (the count says the rest)
 
 
 def block_digest(data: bytes) -> str:
@@ -59,12 +60,16 @@ def check_weights(path: Path, entry: dict, check: str = "sampled", rng: random.R
             or len(digests) != -(-size // BLOCK_BYTES):
         raise ExportLoadError(f"{path}: the manifest has no valid block digests for it; re-export with this mla-deploy")
     blocks = blocks_to_check(len(digests), size, check, rng)
+    damaged = []
     with open(path, "rb") as f:
         for i in blocks:
             f.seek(i * BLOCK_BYTES)
             if block_digest(f.read(BLOCK_BYTES)) != digests[i]:
-                end = min(size, (i + 1) * BLOCK_BYTES)
-                raise ExportLoadError(
-                    f"{path}: corrupted: block {i} (bytes {i * BLOCK_BYTES}-{end - 1}) differs from the manifest's "
-                    "digest; re-export or restore the file")
+                damaged.append(i)
+    if damaged:  # every damaged block among those read (all of them for a full check), the first few by bytes
+        spans = [f"{i} (bytes {i * BLOCK_BYTES}-{min(size, (i + 1) * BLOCK_BYTES) - 1})" for i in damaged[:SAID]]
+        more = f" and {len(damaged) - SAID} more" if len(damaged) > SAID else ""
+        which = (f"block {spans[0]} differs from the manifest's digest" if len(damaged) == 1 else
+                 f"{len(damaged)} blocks differ from the manifest's digests: {', '.join(spans)}{more}")
+        raise ExportLoadError(f"{path}: corrupted: {which}; re-export or restore the file")
     return len(blocks)

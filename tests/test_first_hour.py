@@ -59,6 +59,12 @@ def test_run_and_check_exit_1_on_flipped_weights(damaged):
     assert run.exit_code == 1 and run.stdout == "" and "corrupted: block" in run.stderr
     check = runner.invoke(main, ["check", str(damaged)])
     assert check.exit_code == 1 and "corrupted: block" in check.stderr
+    flip_bytes(damaged / "weights.bin", 5)  # a second damaged block, before the first: both named, in file order
+    block = (damaged / "weights.bin").stat().st_size // 2 // integrity.BLOCK_BYTES
+    check = runner.invoke(main, ["check", str(damaged)])
+    assert check.exit_code == 1, check.output
+    assert f"corrupted: 2 blocks differ from the manifest's digests: 0 (bytes 0-1048575), {block} (bytes " \
+           f"{block << 20}-" in check.stderr, check.stderr
 
 
 def test_check_reads_every_block_of_an_intact_export(demo_export):
