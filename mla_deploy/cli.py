@@ -345,7 +345,8 @@ def eval_command(export_dir, text_file, window, checkpoint):
 )
 @click.option("--contexts", default=None, help="Comma-separated context lengths (default 128,1024,4096,16384).")
 @click.option("--batches", default=None, help="Comma-separated batch sizes (default 1,8).")
-@click.option("--engines", default=None, help="Comma-separated engines (default: all).")
+@click.option("--engines", default=None, help="Comma-separated engines (default: all): onnx-fused, onnx-factored, "
+              "onnx-mha-baseline, torch-absorbed, torch-naive, transformers.")
 @click.option("--steps", type=click.IntRange(min=1), default=None, help="Timed decode steps per point.")
 @click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--workdir", type=click.Path(path_type=Path), default=Path("benchmarks/work"), show_default=True)

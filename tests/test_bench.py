@@ -194,3 +194,15 @@ def test_speculative_rows_say_when_mtp_is_left_out(exported):
     rows = speculative_rows(export_dir, ("off", "mtp"), 1, new_tokens=4, repeats=1, progress=said.append)
     assert {r["mode"] for r in rows} == {"off"}
     assert any("mtp left out: the export has no draft graph" in s for s in said), said
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--engines", "onnx-fused,torch_naive"], "--engines onnx-fused,torch_naive: expected some of onnx-fused, "),
+    (["--batches", "0"], "--batches 0: expected integers >= 1"),
+    (["--contexts", "128,-5"], "--contexts 128,-5: expected integers >= 1"),
+])
+def test_bad_engines_contexts_and_batches_fail_before_anything_is_built(tmp_path, args, message):
+    out = CliRunner().invoke(main, ["bench", "--preset", "tiny-v3", "--workdir", str(tmp_path / "w"), *args])
+    assert out.exit_code == 1 and out.stderr.startswith(f"error: {message}") and out.stderr.count("\n") == 1, \
+        out.output
+    assert not (tmp_path / "w").exists()

@@ -40,6 +40,15 @@ class BenchConfig:
     draft_tokens: int = 4
     contexts_named: bool = False  # the contexts are the user's: one beyond the model's length is an error, not left out
 
+    def __post_init__(self):
+        """Bad choices fail here, before anything is built (an unknown engine was a KeyError after the builds)."""
+        unknown = [e for e in self.engines if e not in ALL_ENGINES]
+        if unknown or not self.engines:
+            raise MLADeployError(f"--engines {','.join(self.engines)}: expected some of {', '.join(ALL_ENGINES)}")
+        for flag, values in (("--contexts", self.contexts), ("--batches", self.batches)):
+            if not values or min(values) < 1:
+                raise MLADeployError(f"{flag} {','.join(map(str, values))}: expected integers >= 1")
+
     @property
     def room(self) -> int:
         """Positions a point needs past its context: the timed steps and warm-up."""
