@@ -35,6 +35,19 @@ def test_the_library_builds_on_x86_64_linux_with_a_compiler():
     assert BUILT, "setup.py should have built mla_deploy/kernels/_kernels*.so (pip install -e . shows why not)"
 
 
+@pytest.mark.parametrize("cap", ["AVX2", "sse", "avx-512"])
+def test_a_level_the_library_does_not_know_is_refused_not_ignored(cap, monkeypatch):
+    """The library would run the CPU's own level for a name it does not know: a mistyped forced level would test
+    another path than asked, unsaid."""
+    from mla_deploy.errors import MLADeployError
+
+    monkeypatch.setenv("MLA_DEPLOY_ISA", cap)
+    with pytest.raises(MLADeployError, match=f"MLA_DEPLOY_ISA={cap}: expected one of scalar, avx2, avx512"):
+        kernels.library()
+    monkeypatch.setenv("MLA_DEPLOY_ISA", "avx2")
+    assert (kernels.library() is not None) == BUILT
+
+
 def test_column_strips_lays_w_out_as_the_kernel_reads_it():
     w = np.arange(5 * 192, dtype=np.float32).reshape(5, 192)
     b = kernels.column_strips(w)

@@ -47,9 +47,12 @@ them.
 from __future__ import annotations
 
 import importlib.machinery
+import os
 from pathlib import Path
 
 import numpy as np
+
+from ..errors import MLADeployError
 
 DOMAIN = "mla_deploy"
 HALF_MATMUL = {"float16": "MatMulF16", "bfloat16": "MatMulBF16"}  # by the weight's dtype
@@ -93,7 +96,12 @@ ISA_LEVELS = ("scalar", "avx2", "avx512")  # MLA_DEPLOY_ISA's values, each level
 
 
 def library() -> Path | None:
-    """The built custom-op library, or None where the install could not build it."""
+    """The built custom-op library, or None where the install could not build it. A MLA_DEPLOY_ISA the library
+    would not know (it would run the CPU's own level, unsaid) is refused."""
+    cap = os.environ.get("MLA_DEPLOY_ISA")
+    if cap and cap not in ISA_LEVELS:
+        raise MLADeployError(f"MLA_DEPLOY_ISA={cap}: expected one of {', '.join(ISA_LEVELS)} (unset: the CPU's "
+                             "highest level)")
     here = Path(__file__).parent
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         path = here / f"_kernels{suffix}"

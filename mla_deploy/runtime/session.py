@@ -13,7 +13,7 @@ import onnxruntime as ort
 
 from .. import integrity, io_spec, kernels
 from ..config import MLAConfig
-from ..errors import ExportLoadError, InputError, ProviderError
+from ..errors import ExportLoadError, InputError, MLADeployError, ProviderError
 from ..manifest import WEIGHTS_FILE, cache_format, check_files, is_staged, read_manifest, stage_of
 from .chat import GenerationDefaults
 from .dtypes import ort_value
@@ -238,6 +238,8 @@ class ExportedModel:
         path = self.directory / self.manifest["graphs"][kind]["file"]
         try:
             session = self._open(path, self.session_options(kind))
+        except MLADeployError:  # a bad option (MLA_DEPLOY_ISA) is its own error, not the graph's
+            raise
         except Exception as e:  # onnxruntime raises its own exception types for corrupt models and data
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ExportLoadError(f"{path}: onnxruntime cannot load this graph ({first})") from None
