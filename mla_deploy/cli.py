@@ -51,6 +51,14 @@ def _interrupted(signum, frame):
     raise KeyboardInterrupt
 
 
+def _no_staged_speculation(speculative: str) -> None:
+    """run and serve refuse --speculative lookup / mtp on a staged export before anything loads (auto means: where
+    the export can)."""
+    if speculative in ("lookup", "mtp"):
+        raise click.UsageError(f"--speculative {speculative}: a staged export (export --stages N) decodes without "
+                               "speculation; leave the option out, or export without --stages")
+
+
 def _progress(start=[None]):  # noqa: B006 - one clock per process
     start[0] = start[0] or time.perf_counter()
     return lambda msg: click.echo(f"[{time.perf_counter() - start[0]:7.1f}s] {msg}", err=True)
@@ -176,15 +184,19 @@ def export(checkpoint, out, absorb, dtype, compute, cache_dtype, max_seq_len, no
 @click.option("--prompt", default=None, callback=lambda ctx, param, value: _utf8(value),
               help="Prompt text (needs the export's tokenizer).")
 @click.option("--prompt-ids", default=None, help="Prompt as comma-separated token ids, e.g. 1,2,3.")
-@click.option("-n", "--max-new-tokens", type=int, default=64, show_default=True)
-@click.option("--temperature", type=float, default=None, help="0 is greedy. Default for this and the next four: the "
-              "export's generation_config.json, else greedy with no filters.")
-@click.option("--top-k", type=int, default=None, help="Sample from the k likeliest tokens; 0 is off.")
-@click.option("--top-p", type=float, default=None, help="Nucleus sampling mass; 1 is off.")
-@click.option("--min-p", type=float, default=None,
+@click.option("-n", "--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0), default=None,
+              help="0 is greedy. Default for this and the next four: the export's generation_config.json, else "
+                   "greedy with no filters.")
+@click.option("--top-k", type=click.IntRange(min=0), default=None,
+              help="Sample from the k likeliest tokens; 0 is off.")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None,
+              help="Nucleus sampling mass; 1 is off.")
+@click.option("--min-p", type=click.FloatRange(0, 1), default=None,
               help="Keep the tokens with at least this fraction of the likeliest one's probability; 0 is off.")
-@click.option("--repetition-penalty", type=float, default=None, help="1 is off; > 1 discourages repeats.")
-@click.option("--seed", type=int, default=None, help="Seed for sampling (reproducible runs).")
+@click.option("--repetition-penalty", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="1 is off; > 1 discourages repeats.")
+@click.option("--seed", type=click.IntRange(min=0), default=None, help="Seed for sampling (reproducible runs).")
 @click.option("--provider", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--threads", type=click.IntRange(min=0), default=0, show_default=True,
               help="onnxruntime intra-op threads; 0 is one per physical core.")
@@ -229,9 +241,7 @@ def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_
         raise click.UsageError("--ray-address: only a staged export (export --stages N) runs on Ray; this one runs "
                                "in this process (leave the option out)")
     if staged:
-        if speculative in ("lookup", "mtp"):  # auto means: where the export can
-            raise click.UsageError(f"--speculative {speculative}: a staged export (export --stages N) decodes without "
-                                   "speculation; leave the option out, or export without --stages")
+        _no_staged_speculation(speculative)
         from .runtime.stages import StagedModel
 
         with StagedModel(export_dir, options, address=ray_address) as model:
@@ -418,6 +428,8 @@ def serve(export_dir, host, port, max_batch, max_queue, prefill_chunk, api_key, 
     if ray_replicas is not None and staged:
         raise click.UsageError("--ray-replicas copies a whole export per replica; a staged export already runs as "
                                "one Ray actor per stage (serve it without --ray-replicas)")
+    if staged:
+        _no_staged_speculation(speculative)
     if micro_batches is not None and not staged:
         raise click.UsageError("--micro-batches: only a staged export (export --stages N) has stages to pipeline")
     if ray_address is not None and not (staged or ray_replicas):

@@ -19,8 +19,16 @@ def _session_entries(ctx, param, values: tuple[str, ...]) -> tuple[tuple[str, st
     return tuple(entries)
 
 
+def _draft_tokens(ctx, param, value):
+    from .runtime.speculative import MAX_DRAFT_TOKENS  # the runtime's bound, imported when the option is given
+
+    if value > MAX_DRAFT_TOKENS:
+        raise click.BadParameter(f"{value} is above the most a step verifies, {MAX_DRAFT_TOKENS}")
+    return value
+
+
 def _speculation_options(f):  # run and serve
-    f = click.option("--draft-tokens", type=int, default=4, show_default=True,
+    f = click.option("--draft-tokens", type=click.IntRange(min=1), default=4, show_default=True, callback=_draft_tokens,
                      help="Most tokens proposed per step with --speculative (fewer where the measured step costs and "
                           "the drafts' acceptance in the generation say fewer pay).")(f)
     return click.option("--speculative", type=click.Choice(["auto", "off", "lookup", "mtp"]), default="auto",

@@ -107,8 +107,8 @@ def test_a_manifest_without_the_long_cache_field_reads_back_by_the_rule(tiny, tm
     "options,message",
     [
         (ExportOptions(dtype="float8"), "--dtype float8: dtype 'float8': expected one of float32, float16, bfloat16"),
-        (ExportOptions(experts="dense"), "experts='dense': expected one of auto, qmoe, kernel, moe, branches"),
-        (ExportOptions(decode_attention="fast"), "decode_attention='fast': expected one of auto, kernel, ops"),
+        (ExportOptions(experts="dense"), "--experts dense: expected one of auto, qmoe, kernel, moe, branches"),
+        (ExportOptions(decode_attention="fast"), "--decode-attention fast: expected one of auto, kernel, ops"),
         (ExportOptions(quantize="int3"), "--quantize int3: expected one of int4, int8"),
         (ExportOptions(head_bits=4), "--head-bits 4: the embedding and output layer keep"),
         (ExportOptions(quantized_ops="kernel"), "--quantized-ops kernel: chooses the ops of quantized weights"),
@@ -137,7 +137,7 @@ def test_choices_that_need_the_config_are_refused_by_name(tiny, tmp_path):
     cfg = Checkpoint(tiny).config
     with pytest.raises(ExportError, match="--max-seq-len 5000: must be between 1 and max_position_embeddings=4096"):
         ExportPlan.resolve(cfg, ExportOptions(max_seq_len=5000))
-    with pytest.raises(ExportError, match="experts='kernel' over quantized weights is mla_deploy.QRoutedExperts"):
+    with pytest.raises(ExportError, match="--experts kernel over quantized weights is mla_deploy.QRoutedExperts"):
         ExportPlan.resolve(cfg, ExportOptions(quantize="int8", experts="kernel", quantized_ops="onnxruntime"))
-    with pytest.raises(ExportError, match="experts='moe' multiplies by float experts; over quantized ones use 'qmoe'"):
+    with pytest.raises(ExportError, match="--experts moe multiplies by float experts; over quantized ones use qmoe"):
         ExportPlan.resolve(cfg, ExportOptions(quantize="int4", experts="moe"))

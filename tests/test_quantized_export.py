@@ -413,6 +413,6 @@ def test_expert_choices_are_checked_and_auto_follows_the_config():
             ("qmoe", None, None, "needs --quantize"),
             ("kernel", int4, "onnxruntime", "reads float16 scales; --quantized-ops onnxruntime stores float32 ones"),
             ("dense", None, None, "expected one of auto, qmoe, kernel, moe, branches"),
-            ("moe", int4, "kernel", "experts='moe' multiplies by float experts; over quantized ones use 'qmoe'")):
+            ("moe", int4, "kernel", "--experts moe multiplies by float experts; over quantized ones use qmoe")):
         with pytest.raises(ExportError, match=message):
             resolve_experts(demo, requested, quantization, ops)

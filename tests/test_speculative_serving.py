@@ -242,8 +242,8 @@ def test_run_reports_drafts_and_refuses_bad_speculation_by_name(mtp_export, tmp_
     off = json.loads(CliRunner().invoke(main, ["run", str(mtp_export), "--prompt-ids", "5,9", "-n", "3",
                                                "--speculative", "off", "--json"]).stdout)
     assert off["speculation"] is None
-    for args, message in ((["--draft-tokens", "0"], "draft_tokens=0: must be an integer in [1, 16]"),
-                          (["--draft-tokens", "17"], "draft_tokens=17: must be an integer in [1, 16]"),
+    for args, message in ((["--draft-tokens", "0"], "'--draft-tokens': 0 is not in the range x>=1"),
+                          (["--draft-tokens", "17"], "'--draft-tokens': 17 is above the most a step verifies, 16"),
                           (["--speculative", "beam"], "'beam' is not one of")):
         bad = CliRunner().invoke(main, ["run", str(mtp_export), "--prompt-ids", "5,9", *args])
         assert bad.exit_code != 0 and message in bad.output, bad.output

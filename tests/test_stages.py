@@ -202,10 +202,12 @@ def test_ray_options_are_refused_where_nothing_runs_on_ray(exports):
         result = CliRunner().invoke(main, [*command, "--ray-address", "auto"])  # was ignored: it ran in process
         assert result.exit_code == 2 and result.stderr.startswith("error: --ray-address: only a staged export"), \
             result.output
-    for mode in ("lookup", "mtp"):  # run refuses the modes serve refuses, before loading (Ray or not)
-        result = CliRunner().invoke(main, ["run", str(exports["2"]), "--prompt-ids", "5,6", "--speculative", mode])
-        assert result.exit_code == 2 and "a staged export (export --stages N) decodes without speculation" in \
-            result.stderr, result.output
+    for mode in ("lookup", "mtp"):  # run and serve refuse them alike, before loading (Ray or not)
+        for command in (["run", str(exports["2"]), "--prompt-ids", "5,6"], ["serve", str(exports["2"])]):
+            result = CliRunner().invoke(main, [*command, "--speculative", mode])
+            assert result.exit_code == 2 and result.stderr.startswith(
+                f"error: --speculative {mode}: a staged export (export --stages N) decodes without speculation"), \
+                result.output
 
 
 def test_a_first_token_mask_applies_over_stages_as_in_the_whole_export(exports):

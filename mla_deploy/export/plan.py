@@ -136,10 +136,10 @@ class ExportOptions:
             raise ExportError(f"--quantized-ops {self.quantized_ops}: chooses the ops of quantized weights (add "
                               "--quantize int4 or int8)")
         if self.experts not in EXPERTS:
-            raise ExportError(f"experts={self.experts!r}: expected one of {', '.join(EXPERTS)}")
+            raise ExportError(f"--experts {self.experts}: expected one of {', '.join(EXPERTS)}")
         if self.decode_attention not in DECODE_ATTENTION:
             raise ExportError(
-                f"decode_attention={self.decode_attention!r}: expected one of {', '.join(DECODE_ATTENTION)}"
+                f"--decode-attention {self.decode_attention}: expected one of {', '.join(DECODE_ATTENTION)}"
             )
         if not isinstance(self.stages, int) or isinstance(self.stages, bool) or self.stages < 1:
             raise ExportError(f"--stages {self.stages!r}: expected a positive integer")
@@ -384,14 +384,14 @@ def resolve_experts(cfg: MLAConfig, requested: str, quantization: Quantization |
     """How the routed experts run (module docstring). QMoE needs both expert matrices' K in whole quantization
     blocks; where they are not, the experts run in branches even if QMoE was asked for."""
     if requested not in EXPERTS:
-        raise ExportError(f"experts={requested!r}: expected one of {', '.join(EXPERTS)}")
+        raise ExportError(f"--experts {requested}: expected one of {', '.join(EXPERTS)}")
     if requested == "kernel" and quantization is not None and quantized_ops != "kernel":
-        raise ExportError("experts='kernel' over quantized weights is mla_deploy.QRoutedExperts, which reads float16 "
-                          "scales; --quantized-ops onnxruntime stores float32 ones: use 'qmoe' or 'branches'")
+        raise ExportError("--experts kernel over quantized weights is mla_deploy.QRoutedExperts, which reads float16 "
+                          "scales; --quantized-ops onnxruntime stores float32 ones: use qmoe or branches")
     if requested == "qmoe" and quantization is None:
-        raise ExportError("experts='qmoe' needs --quantize (QMoE multiplies by quantized experts)")
+        raise ExportError("--experts qmoe needs --quantize (QMoE multiplies by quantized experts)")
     if requested == "moe" and quantization is not None:
-        raise ExportError("experts='moe' multiplies by float experts; over quantized ones use 'qmoe'")
+        raise ExportError("--experts moe multiplies by float experts; over quantized ones use qmoe")
     if requested == "auto" and quantization is not None and quantized_ops == "kernel":
         return "kernel"
     if requested in ("auto", "qmoe") and quantization is not None:
@@ -412,9 +412,9 @@ def kernel_fits(cfg: MLAConfig) -> bool:
 def resolve_decode_attention(cfg: MLAConfig, requested: str, cache_dtype: str = "float32") -> str:
     """The decode attention core (module docstring), for a latent cache stored in `cache_dtype`."""
     if requested not in DECODE_ATTENTION:
-        raise ExportError(f"decode_attention={requested!r}: expected one of {', '.join(DECODE_ATTENTION)}")
+        raise ExportError(f"--decode-attention {requested}: expected one of {', '.join(DECODE_ATTENTION)}")
     if requested == "kernel" and not kernel_fits(cfg):
-        raise ExportError(f"decode_attention='kernel' needs kv_lora_rank a multiple of 16 and qk_rope_head_dim of 8 "
+        raise ExportError(f"--decode-attention kernel needs kv_lora_rank a multiple of 16 and qk_rope_head_dim of 8 "
                           f"(this config: {cfg.kv_lora_rank} and {cfg.qk_rope_head_dim}); use 'ops'")
     if requested != "auto":
         return requested
