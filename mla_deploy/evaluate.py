@@ -100,14 +100,14 @@ def evaluate(
                          "scores text files") from None
     if not text.strip():
         raise InputError(f"{text_file}: empty; eval needs text to score")
+    source = Path(checkpoint_dir or model.manifest["source"]["path"])
+    ckpt = Checkpoint(source)  # the source checked before any scoring, as verify checks it
+    if ckpt.content_hash() != model.manifest["source"]["sha256"]:
+        raise ExportError(f"{source}: checkpoint differs from the one {export_dir} was exported from (sha256 mismatch)")
     batch = windows(tokenizer.encode(text), window)
     export_nll, export_top1 = export_scores(
         model, batch, on_run=_Progress(progress, "onnx export ", len(batch), window)
     )
-    source = Path(checkpoint_dir or model.manifest["source"]["path"])
-    ckpt = Checkpoint(source)
-    if ckpt.content_hash() != model.manifest["source"]["sha256"]:
-        raise ExportError(f"{source}: checkpoint differs from the one {export_dir} was exported from (sha256 mismatch)")
     torch_model = load_model(ckpt)
     nll, top1 = [], []
     torch_progress = _Progress(progress, "torch source", len(batch), window)

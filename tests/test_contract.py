@@ -332,6 +332,16 @@ def test_verify_refuses_another_checkpoint_and_a_short_generation(exported, chec
         verify_export(exported(VARIANT))
 
 
+def test_eval_refuses_another_checkpoint_before_scoring(wrong_demo_export, tmp_path, monkeypatch):
+    from mla_deploy import evaluate
+    from mla_deploy.presets import preset_config, write_random_checkpoint
+
+    other = write_random_checkpoint(preset_config("tiny-v3"), tmp_path / "other", seed=0)
+    monkeypatch.setattr(evaluate, "export_scores", lambda *a, **k: pytest.fail("scored before checking the source"))
+    with pytest.raises(ExportError, match="checkpoint differs from the one .* was exported from"):
+        evaluate.evaluate(wrong_demo_export, DEMO_CHECKPOINT / "heldout.txt", checkpoint_dir=other)
+
+
 def test_eval_exits_1_on_a_wrong_export(wrong_demo_export, tmp_path):
     text = tmp_path / "text.txt"
     text.write_text((DEMO_CHECKPOINT / "heldout.txt").read_text()[:3000])
