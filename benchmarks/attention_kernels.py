@@ -78,7 +78,7 @@ def feeds(rows: int, heads: int, ctx: int, rng) -> tuple[dict, dict]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--contexts", default="4096,16384")

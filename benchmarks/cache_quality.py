@@ -135,7 +135,7 @@ def formats(args, batch: list[np.ndarray]) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", type=Path, default=DEMO_CHECKPOINT)
     ap.add_argument("--text", type=Path, default=DEMO_CHECKPOINT / "heldout.txt")
     ap.add_argument("--window", type=int, default=256)

@@ -16,7 +16,7 @@ import side_by_side
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("baseline")
     parser.add_argument("candidate")
     parser.add_argument(

@@ -281,7 +281,7 @@ def cpu_model() -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", type=Path, default=None)
     ap.add_argument("--preset", default="v2lite-2L")
     ap.add_argument("--threads", type=int, default=2)

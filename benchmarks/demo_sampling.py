@@ -70,7 +70,7 @@ def _nll(model, prompt: list[int], generated: list[int]) -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("export_dir")
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--seeds", type=int, default=4)

@@ -97,7 +97,7 @@ def seconds(sess: ort.InferenceSession, a: np.ndarray, budget: float = 0.3) -> f
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", default="float16", choices=sorted(TYPES))

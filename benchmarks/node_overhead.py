@@ -50,7 +50,7 @@ def median_ms(nodes: int, width: int, runs: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=1434)
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--runs", type=int, default=200)

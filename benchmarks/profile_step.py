@@ -94,7 +94,7 @@ def _timed_prefills(model, tokens: int, runs: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("export")
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--context", type=int, default=128)

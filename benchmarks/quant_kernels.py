@@ -258,7 +258,7 @@ _anonymous: dict[tuple, tuple] = {}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bits", type=int, default=4, choices=(4, 8))
     parser.add_argument("--block", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
@@ -267,6 +267,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    unknown = [c for c in args.cases.split(",") if c not in (*LINEAR, "moe")]
+    if unknown:
+        parser.error(f"--cases {args.cases}: {', '.join(unknown)} unknown; the cases are {', '.join([*LINEAR, 'moe'])}")
     rows = [int(r) for r in args.rows.split(",")]
     rng = np.random.default_rng(0)
     bandwidth = matmul_read_gbs(args.threads)

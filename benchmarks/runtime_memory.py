@@ -57,13 +57,30 @@ def speed(
                                for name, fields in options.items()}, contexts=contexts)
 
 
+def fitted_contexts(parser: argparse.ArgumentParser, named: str | None, directory: str) -> tuple[int, ...]:
+    """The speed table's contexts: each leaves room for side_by_side's timed steps within the export's length; a
+    default one past it is measured at the longest that fits, a named one is refused."""
+    from mla_deploy.manifest import read_manifest
+
+    longest = read_manifest(directory)["max_seq_len"] - side_by_side.steps_room()
+    try:
+        contexts = tuple(int(c) for c in (named or "128,4096").split(","))
+    except ValueError:
+        parser.error(f"--contexts {named}: expected comma-separated integers")
+    if named and (min(contexts) < 1 or max(contexts) > longest):
+        parser.error(f"--contexts {named}: each must be in [1, {longest}] (the export's length less the timed steps)")
+    return tuple(dict.fromkeys(min(c, longest) for c in contexts))
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("export_dir")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--kernels-off", action="store_true", help="prepack also with mla-deploy's kernels off")
-    parser.add_argument("--contexts", default="128,4096", help="decode contexts of the speed table")
+    parser.add_argument("--contexts", default=None, help="decode contexts of the speed table (default 128,4096; "
+                        "past the export's length: the longest that fits)")
     args = parser.parse_args()
+    contexts = fitted_contexts(parser, args.contexts, args.export_dir)
     options = dict(OPTIONS)
     if args.kernels_off:
         options["prepack, kernels off"] = {**OPTIONS["prepack"], "kernels": False}
@@ -91,7 +108,6 @@ def main() -> None:
         + " |"
     )
     print("|---" * (1 + len(options) + len(others)) + "|")
-    contexts = tuple(int(c) for c in args.contexts.split(","))
     for point, by in speed(args.export_dir, options, args.threads, contexts).items():
         print(f"| {point} | " + " | ".join(f"{by[n]:.1f}" for n in options) + " | "
               + " | ".join(f"{by[n] / by['prepack']:.2f}" for n in others) + " |")

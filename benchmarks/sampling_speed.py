@@ -43,7 +43,7 @@ def per_row_ms(logits: np.ndarray, params: SamplingParams, history: list[np.ndar
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     rng = np.random.default_rng(0)

@@ -68,7 +68,7 @@ async def measure(base: str, vocab: int, eos: list[int], args) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("export", type=Path)
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--streams", type=int, default=4)

@@ -267,7 +267,7 @@ async def main_async(args, base: str, pid: int) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("export_dir")
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=4)

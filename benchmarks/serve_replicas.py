@@ -60,7 +60,7 @@ async def load(base: str, clients: int, tokens: int = 48, rounds: int = 2) -> tu
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("export_dir")
     ap.add_argument("--ray-python", default=None, help="A python with mla-deploy and the ray extra installed.")
     ap.add_argument("--clients", default="8,32")

@@ -60,7 +60,7 @@ async def measure(base: str, prompts: list[str], tokens: int, repeats: int) -> d
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("export_dir")
     ap.add_argument("--speculative", default="auto")
     ap.add_argument("--streams", type=int, default=16)

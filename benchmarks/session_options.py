@@ -59,7 +59,7 @@ def levers(threads: int) -> dict[str, dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("export")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--contexts", default="128,4096,16384", help="decode points: comma-separated contexts")

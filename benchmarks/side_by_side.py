@@ -13,6 +13,11 @@ import numpy as np
 CONTEXTS = (128, 4096)
 
 
+def steps_room(rounds: int = 5, warmup: int = 3) -> int:
+    """Positions a decode point takes past its context: every timed and warm-up step."""
+    return 4 * (rounds + warmup) + 2
+
+
 def speed(
     models: dict, rounds: int = 5, warmup: int = 3, contexts: tuple[int, ...] = CONTEXTS
 ) -> dict[str, dict[str, float]]:
@@ -28,7 +33,7 @@ def speed(
     states = {}
     for label, gen in gens.items():
         for ctx in contexts:
-            states[label, ctx] = random_decode_state(gen, 1, ctx, 4 * (rounds + warmup) + 2, rng)
+            states[label, ctx] = random_decode_state(gen, 1, ctx, steps_room(rounds, warmup), rng)
     runs = {}
     for label, gen in gens.items():
         runs[label, points[0]] = lambda gen=gen: gen.prefill(gen.new_state([np.asarray(prompt)]), [prompt])

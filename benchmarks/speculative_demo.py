@@ -30,7 +30,7 @@ GRID = [(ngram, low, k) for ngram in (2, 3, 4) for low in (1, 2) if low <= ngram
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--export", type=Path, default=ROOT / "benchmarks" / "work" / "demo-speculative")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--pieces", type=int, default=4)

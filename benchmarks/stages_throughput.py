@@ -18,7 +18,7 @@ import numpy as np
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("whole")
     parser.add_argument("staged")
     parser.add_argument("--streams", type=int, default=16)

@@ -32,7 +32,7 @@ def main() -> int:
     from mla_deploy.runtime.cache import CacheBuffers, DecodeBinding
     from mla_deploy.runtime.speculative import verification_pass
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("export", type=Path)
     ap.add_argument("--contexts", default="100,400,900")
     ap.add_argument("--tokens", default="1,2,3,5,9")

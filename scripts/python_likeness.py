@@ -171,7 +171,7 @@ def text_itself(export: Path, prompt: str, runs: int, max_new_tokens: int, seed:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("export", type=Path)
     p.add_argument("--prompt", default="def ")
     p.add_argument("--runs", type=int, default=10)

@@ -182,7 +182,7 @@ def render(text: str, results: Path = RESULTS) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--write", action="store_true", help="write the rendered blocks into README.md")
     mode.add_argument("--check", action="store_true", help="exit 1 where README.md differs from the rendering")
