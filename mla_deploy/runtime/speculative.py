@@ -53,7 +53,7 @@ class Speculation:
         """auto made concrete for `model` (an ExportedModel), validated."""
         mode = self.mode
         if mode == "auto":  # off where no verification pass fits: an export shorter than draft_tokens + 1
-            fits = isinstance(self.draft_tokens, int) and self.draft_tokens < model.max_seq_len
+            fits = isinstance(self.draft_tokens, int) and pass_fits(self.draft_tokens, model.max_seq_len)
             mode = ("off" if not fits else "mtp" if model.has_draft
                     else "lookup" if model.has_graph(io_spec.VERIFY) else "off")
         return replace(self, mode=mode).validate(model.max_seq_len, model.has_draft)
@@ -65,7 +65,7 @@ class Speculation:
         k = self.draft_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_DRAFT_TOKENS:
             raise InputError(f"draft_tokens={k!r}: must be an integer in [1, {MAX_DRAFT_TOKENS}]")
-        if max_seq_len is not None and self.mode != "off" and k >= max_seq_len:
+        if max_seq_len is not None and self.mode != "off" and not pass_fits(k, max_seq_len):
             raise InputError(f"draft_tokens={k}: a verification pass of {k + 1} tokens does not fit the export's "
                              f"maximum length {max_seq_len}")
         if not (isinstance(self.ngram, int) and isinstance(self.min_ngram, int) and 1 <= self.min_ngram <= self.ngram):
@@ -78,6 +78,12 @@ class Speculation:
     @property
     def on(self) -> bool:
         return self.mode != "off"
+
+
+def pass_fits(draft_tokens: int, max_seq_len: int) -> bool:
+    """A verification pass (the pending token and `draft_tokens` drafts: draft_tokens + 1 positions) fits an export
+    of `max_seq_len` after one token of prompt."""
+    return draft_tokens < max_seq_len
 
 
 @dataclass
