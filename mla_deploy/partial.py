@@ -14,20 +14,26 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 
+from .errors import MLADeployError
+
 KINDS = ("partial", "old")
 
 
-def partial_directory(out: Path, note: Callable[[str], None] | None = None) -> Path:
+def partial_directory(out: Path, note: Callable[[str], None] | None = None,
+                      error: type[MLADeployError] = MLADeployError) -> Path:
     """A fresh, empty partial directory for building `out` (stale leftovers of `out` removed first, each named to
-    `note`)."""
+    `note`); `error` (the caller's kind) where it cannot be created."""
     for stale in stale_leftovers(out):
         size = _size(stale)
         shutil.rmtree(stale, ignore_errors=True)
         if note is not None:
             note(f"removed {stale.name} ({_human(size)}), left beside {out.name} by a process that no longer runs")
     tmp = scratch_path(out, "partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise error(f"{out}: cannot be created ({e.strerror or e}); choose another output path") from None
     return tmp
 
 

@@ -97,10 +97,7 @@ def write_random_checkpoint(raw: dict, out: str | Path, seed: int = 0, source: s
     _check_room(out, total)
     note(f"writing {total / 1e9:.2f} GB ({dtype}, {len(shards)} file"
          f"{'s' if len(shards) > 1 else ''}) to {out}")
-    try:
-        tmp = partial_directory(out, note)
-    except OSError as e:
-        raise InputError(f"{out}: cannot be created ({e.strerror or e}); choose another output path") from None
+    tmp = partial_directory(out, note, InputError)
     try:
         with progress_bar(total, source, "B") as advance:
             for file, names in shards.items():

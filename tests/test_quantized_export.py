@@ -295,7 +295,7 @@ def test_any_matrix_width_exports_verifies_and_generates(tmp_path, variant, bits
 
 def test_refusals_name_the_option(checkpoint_dir, tmp_path):
     src = checkpoint_dir("v3_lora_group_yarn")[0]
-    with pytest.raises(ExportError, match="block=24"):
+    with pytest.raises(ExportError, match="--block-size 24: expected one of 16, 32, 64, 128"):
         export(src, tmp_path / "b", ExportOptions(absorb="factored", quantize="int4", block_size=24))
     result = CliRunner().invoke(main, ["export", str(src), "-o", str(tmp_path / "c"), "--quantize", "int3"])
     assert result.exit_code == 2 and "int3" in result.stderr

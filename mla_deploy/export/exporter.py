@@ -68,10 +68,7 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
     source_hash = ckpt.content_hash()
     export_id = hashlib.sha256(plan.recipe(source_hash, __version__).encode()).hexdigest()[:32]
 
-    try:
-        tmp = partial_directory(out, progress)
-    except OSError as e:
-        raise ExportError(f"{out}: cannot be created ({e.strerror or e}); choose another output path") from None
+    tmp = partial_directory(out, progress, ExportError)
     try:
         if plan.stages:
             manifest = _top_manifest(cfg, plan, source_hash, export_id, ckpt)
