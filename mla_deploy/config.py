@@ -98,6 +98,12 @@ class MLAConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
+    def latent_norm_eps(self) -> float:
+        """The eps of q_a_layernorm and kv_a_layernorm: transformers and DeepSeek's code build those two with
+        RMSNorm's default, 1e-6, whatever rms_norm_eps says (which only the decoder layers' and final norms read)."""
+        return 1e-6
+
+    @property
     def latent_cache_width(self) -> int:
         """Elements cached per token per layer: d_c + d_r."""
         return self.kv_lora_rank + self.qk_rope_head_dim

@@ -200,3 +200,28 @@ def test_layer_by_layer_source_equals_the_whole_model(checkpoint_dir, variant):
         slot = lens + s
         ref = model(tokens[:, s : s + 1], slot[:, None], caches, slot, mask, form=AttentionForm.ABSORBED)
         assert (steps[:, s] - ref[:, 0]).abs().max().item() < 1e-5, s
+
+
+@pytest.mark.parametrize("variant", ["v3_lora_group_yarn", "v2_nolora_greedy_yarn"])
+def test_latent_norms_keep_their_own_eps_whatever_rms_norm_eps_says(tmp_path, variant):
+    """transformers (and DeepSeek's code) build q_a_layernorm and kv_a_layernorm with RMSNorm's default eps; only the
+    layers' and the final norm read rms_norm_eps. A large one shows it in the logits, of the source and the export."""
+    from mla_deploy.export import export
+    from mla_deploy.runtime import ExportedModel
+    from mla_deploy.runtime.feeds import prefill_feed
+    from mla_deploy import io_spec
+    from tiny import build_hf_model, save_hf_model
+
+    hf = build_hf_model(variant, rms_norm_eps=1e-2)
+    save_hf_model(hf, tmp_path / "ckpt")
+    model = load_model(tmp_path / "ckpt")
+    ids = torch.randint(3, model.cfg.vocab_size, (1, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    for form in FORMS:
+        ours, _ = run_ours(model, ids, form)
+        assert (ours - ref).abs().max().item() < TOL, form
+    export(tmp_path / "ckpt", tmp_path / "out")
+    exported = ExportedModel(tmp_path / "out", graphs=(io_spec.PREFILL,))
+    logits = exported.run(io_spec.PREFILL, prefill_feed(exported.config, ids.numpy()))[io_spec.LOGITS]
+    assert np.abs(logits - ref.numpy()).max() < TOL

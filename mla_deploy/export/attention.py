@@ -232,7 +232,7 @@ class MLAttention:
         if cfg.q_lora_rank is None:
             return x, self._hf("q_proj.weight")
         c_q = linear(self.g, op, x, f"{self.name}.q_a", lambda: self.t(self.hf + "q_a_proj.weight").T)
-        c_q = RMSNorm(self.g, f"{self.name}.q_a_norm", self.hf + "q_a_layernorm.weight", self.t, cfg.rms_norm_eps)(
+        c_q = RMSNorm(self.g, f"{self.name}.q_a_norm", self.hf + "q_a_layernorm.weight", self.t, cfg.latent_norm_eps)(
             op, c_q
         )
         return c_q, self._hf("q_b_proj.weight")
@@ -244,7 +244,7 @@ class MLAttention:
         kv = linear(g, op, x, f"{self.name}.kv_a",
                     lambda: absorb.kv_a_weight(cfg, self.t(self.hf + "kv_a_proj_with_mqa.weight")))
         latent, k_pe = op.Split(kv, [cfg.kv_lora_rank, cfg.qk_rope_head_dim], axis=-1, _outputs=2)
-        latent = RMSNorm(g, f"{self.name}.kv_norm", self.hf + "kv_a_layernorm.weight", self.t, cfg.rms_norm_eps)(
+        latent = RMSNorm(g, f"{self.name}.kv_norm", self.hf + "kv_a_layernorm.weight", self.t, cfg.latent_norm_eps)(
             op, latent
         )
         k_pe = cast(op, rope(op, g.to_float(op, k_pe), cos, sin, heads=1), FLOAT, g.rope_type)  # one shared key
