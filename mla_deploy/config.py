@@ -205,6 +205,10 @@ class MLAConfig:
         if self.scoring_func != routers[self.topk_method]:
             bad(f"scoring_func {self.scoring_func!r} is not supported with topk_method {self.topk_method!r} "
                 f"(expected {routers[self.topk_method]!r})")
+        if self.scoring_func == "softmax" and self.norm_topk_prob:
+            bad("norm_topk_prob: true with softmax routing is read two ways (transformers scales the top-k weights by "
+                "routed_scaling_factor regardless; DeepSeek's own V2 code normalizes them instead): every released V2 "
+                "checkpoint has false, and this one is refused rather than read one way unsaid")
         if not self.num_experts_per_tok or self.num_experts_per_tok > self.n_routed_experts:
             bad(
                 f"num_experts_per_tok={self.num_experts_per_tok!r} must be between 1 and "

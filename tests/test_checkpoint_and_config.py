@@ -75,6 +75,8 @@ def test_missing_field_is_named(checkpoint_dir, tmp_path):
         ({"n_group": 3}, "n_routed_experts=8 is not divisible by n_group=3"),
         ({"model_type": "llama"}, "model_type 'llama' is not an MLA model"),
         ({"attention_bias": True}, "attention_bias=true is not supported"),
+        ({"model_type": "deepseek_v2", "topk_method": "greedy", "scoring_func": "softmax", "norm_topk_prob": True},
+         "norm_topk_prob: true with softmax routing is read two ways"),
     ],
 )
 def test_invalid_config_refused_with_specific_message(checkpoint_dir, tmp_path, changes, message):
