@@ -58,7 +58,7 @@ def exports(checkpoint_dir, tmp_path_factory):
             quantize = "int4" if dtype == "int4" else None
             stored, form = dtype.split("-") if "-" in dtype else (dtype, "")
             options = ExportOptions(absorb=absorb, dtype="float32" if quantize else stored, quantize=quantize,
-                                    block_size=16, experts="moe" if form else "branches",
+                                    block_size=16 if quantize else None, experts="moe" if form else "branches",
                                     compute="float16" if form == "f16" else "auto")
             export(checkpoint_dir(VARIANT)[0], out, options)
             built[dtype, absorb] = out

@@ -39,7 +39,7 @@ def half(checkpoint_dir, tmp_path_factory):
         if key not in built:
             out = tmp_path_factory.mktemp(f"{dtype}-{variant}") / "out"
             export(checkpoint_dir(variant)[0], out, ExportOptions(absorb=absorb, dtype=dtype, quantize=quantize,
-                                                                  block_size=16, experts="branches"))
+                                                                  block_size=quantize and 16, experts="branches"))
             built[key] = out
         return built[key]
 

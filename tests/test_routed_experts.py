@@ -255,7 +255,7 @@ def test_onnxruntime_moe_experts_verify_against_the_source(checkpoint_dir, tmp_p
     (V2's softmax with group-limited greedy choice, V3's sigmoid with its selection-only bias and normalised top-k):
     verify passes at the dtype's tolerance, and the graph has no If left."""
     out = tmp_path / "out"
-    export(checkpoint_dir(variant)[0], out, ExportOptions(dtype=dtype, experts="moe", block_size=16),
+    export(checkpoint_dir(variant)[0], out, ExportOptions(dtype=dtype, experts="moe"),
            progress=lambda m: None)
     model = ExportedModel(out)
     assert model.manifest["experts"] == "moe"
