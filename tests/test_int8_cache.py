@@ -40,7 +40,8 @@ def int8(checkpoint_dir, tmp_path_factory):
                 checkpoint_dir(variant)[0],
                 out,
                 ExportOptions(
-                    absorb=absorb, dtype=dtype, quantize=quantize, block_size=16, experts="branches", cache_dtype="int8"
+                    absorb=absorb, dtype=dtype, quantize=quantize, block_size=quantize and 16, experts="branches",
+                    cache_dtype="int8"
                 ),
             )
             built[key] = out
