@@ -9,7 +9,7 @@ from mla_deploy.errors import InputError
 from mla_deploy.presets import DEMO_CHECKPOINT
 from mla_deploy.runtime import ExportedModel, Generator, SamplingParams
 from mla_deploy.runtime.cache import BLOCK
-from mla_deploy.runtime.engine import Engine
+from mla_deploy.runtime.engine import Engine, EngineStopped
 from mla_deploy.runtime.scheduler import Finished, QueueFull, Request, Scheduler, TokenEvent
 
 
@@ -239,6 +239,93 @@ def test_engine_streams_to_asyncio_and_leaving_early_cancels(model):
         assert engine.scheduler.running == [] and engine.scheduler.stats.finished["cancelled"] == 1
     finally:
         engine.close()
+
+
+def test_stopping_ends_the_queued_requests_then_the_running_ones_and_closing_answers_everyone(model):
+    """A server's shutdown: stop() refuses new requests and ends the queued ones at once, the running ones go on
+    until stop(running=True) ends them too; close() ends whatever is left. Every consumer is answered (EngineStopped),
+    none left waiting."""
+    import time
+
+    engine = Engine(model, max_batch=1)
+    step = engine.scheduler.step
+    engine.scheduler.step = lambda *a, **k: (time.sleep(0.01), step(*a, **k))[1]  # a step long enough to watch
+
+    budget = model.max_seq_len - 2
+
+    async def tokens(prompt):
+        got = []
+        try:
+            async for e in engine.submit(prompt, budget, SamplingParams(), stop_token_ids=()):
+                got.append(e)
+        except EngineStopped as e:
+            return len(got), str(e)
+        return len(got), "finished"
+
+    async def main():
+        running, queued = asyncio.create_task(tokens([5, 6])), asyncio.create_task(tokens([7, 8]))
+        while not engine.scheduler.running:
+            assert not running.done(), running.result()
+            await asyncio.sleep(0.005)
+        engine.stop("shutting down")
+        assert await asyncio.wait_for(queued, 5) == (0, "shutting down") and not running.done()
+        with pytest.raises(EngineStopped, match="shutting down"):
+            engine.submit([9], 2)
+        await asyncio.sleep(0.1)
+        engine.stop("shutting down", running=True)
+        n, said = await asyncio.wait_for(running, 5)
+        assert said == "shutting down" and 0 < n < budget
+        return n
+
+    try:
+        asyncio.run(main())
+        assert engine.stopping == "shutting down"
+    finally:
+        engine.close()
+    closing = Engine(model, max_batch=1)
+    closing.scheduler.step = lambda *a, **k: time.sleep(0.01)  # never finishes anything
+
+    async def closed():
+        task = asyncio.create_task(_drain(closing))
+        await asyncio.sleep(0.05)
+        await asyncio.get_running_loop().run_in_executor(None, closing.close)
+        return await asyncio.wait_for(task, 5)
+
+    assert asyncio.run(closed()) == "the engine is closed"
+
+
+def test_a_request_larger_than_the_queue_is_taken_by_an_empty_one(model):
+    """One HTTP request of more generations than max_queue (a long prompt list, a large n) could never be queued
+    if it had to fit beside others: an empty queue takes it whole; beside a waiting one it is QueueFull, retryable."""
+    import time
+
+    engine = Engine(model, max_batch=1, max_queue=3)
+    step = engine.scheduler.step
+    engine.scheduler.step = lambda *a, **k: (time.sleep(0.01), step(*a, **k))[1]
+
+    async def main():
+        big = engine.submit_all([engine.request([5, i], 4, SamplingParams(), ()) for i in range(5)])
+        with pytest.raises(QueueFull, match="max_queue 3"):
+            engine.submit_all([engine.request([6], 4, SamplingParams(), ())])
+        done = []
+        for events in big:
+            done.append([e async for batch in events for e in batch])
+        return done
+
+    try:
+        done = asyncio.run(main())
+        assert [sum(isinstance(e, TokenEvent) for e in events) for events in done] == [4] * 5
+    finally:
+        engine.close()
+
+
+async def _drain(engine):
+    try:
+        async for _ in engine.submit([5, 6], 10, SamplingParams(), stop_token_ids=()):
+            pass
+    except EngineStopped as e:
+        return str(e)
+    return "finished"
 
 
 def test_an_engine_outlives_the_event_loops_of_its_callers(model):

@@ -442,3 +442,64 @@ def test_tokens_that_arrive_together_leave_as_one_chunk(server):
     cut = run(["return"], [events])
     assert len(cut) == 1 and cut[0].finish_reason == "stop" and cut[0].text == "def add(a, b):\n    "
     assert "".join(o.text for o in cut[0].tokens) == cut[0].text
+
+
+def test_a_shutdown_answers_every_client(demo_export, monkeypatch):
+    """SIGTERM (uvicorn's handle_exit): queued requests are answered at once with a 503, the running ones get the
+    grace period less a second and then end with an OpenAI error (a stream: its error event and [DONE]); the
+    server then exits. (uvicorn alone let the grace period run out and cancelled: plain-text 500s, cut streams.)"""
+    import signal
+
+    import uvicorn
+
+    from mla_deploy.serve import server as server_module
+
+    monkeypatch.setattr(server_module, "GRACE_S", 2.0)
+    monkeypatch.setattr(server_module, "ANSWER_S", 1.0)
+    service = Service(Engine(ExportedModel(demo_export), max_batch=1), MODEL, None)
+    step = service.engine.scheduler.step
+    service.engine.scheduler.step = lambda *a, **k: (time.sleep(0.01), step(*a, **k))[1]
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(create_app(service), log_level="warning", access_log=False, timeout_graceful_shutdown=2)
+    server = server_module._Server(config, service.engine)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    long = dict(model=MODEL, prompt="def ", max_tokens=1000, temperature=0, ignore_eos=True)
+    results = {}
+
+    def stream():
+        with httpx.stream("POST", base + "/v1/completions", json={**long, "stream": True}, timeout=30) as r:
+            results["stream"] = [line for line in r.iter_lines() if line]
+        results["stream ended"] = time.monotonic()
+
+    def plain(i):
+        r = httpx.post(base + "/v1/completions", json=long, timeout=30)
+        results[i] = (r.status_code, r.json()["error"]["message"], time.monotonic())
+
+    threads = [threading.Thread(target=stream)] + [threading.Thread(target=plain, args=(i,)) for i in range(2)]
+    threads[0].start()
+    while not service.engine.scheduler.running:
+        time.sleep(0.01)
+    for t in threads[1:]:
+        t.start()
+    while service.engine.queue_depth < 2:
+        time.sleep(0.01)
+    signalled = time.monotonic()
+    server.handle_exit(signal.SIGTERM, None)
+    for t in threads:
+        t.join(15)
+    thread.join(15)
+    service.engine.close()
+    sock.close()
+    assert not thread.is_alive(), "the server did not exit"
+    for i in range(2):  # queued: a 503 at once, before the running stream's grace is out
+        status, message, answered = results[i]
+        assert status == 503 and message == "the server is shutting down", results[i]
+        assert answered < results["stream ended"]
+    lines = results["stream"]
+    assert lines[-1] == "data: [DONE]" and '"the server is shutting down"' in lines[-2], lines[-3:]
+    assert len(lines) > 3 and results["stream ended"] - signalled < 10

@@ -24,13 +24,18 @@ from .sampling import SamplingParams
 from .session import ExportedModel
 from .speculative import Speculation
 
-__all__ = ["Engine", "EngineFailed", "EngineStats", "Finished", "Histogram", "PromptLogprobs", "QueueFull",
-           "TokenEvent"]
+__all__ = ["Engine", "EngineFailed", "EngineStats", "EngineStopped", "Finished", "Histogram", "PromptLogprobs",
+           "QueueFull", "TokenEvent"]
 
 
 class EngineFailed(RuntimeError):
     """The scheduler thread died (a stage of a staged export lost, an onnxruntime failure): every request it held
     ends with this, and the engine takes no more."""
+
+
+class EngineStopped(EngineFailed):
+    """The engine is closing (`stop`, `close`: a server shutting down): the requests it ends, and every later one,
+    end with this."""
 
 
 class Histogram:
@@ -77,6 +82,8 @@ class Engine:
         self._inbox: list[Request] = []
         self._outbox: dict[asyncio.AbstractEventLoop, list] = {}  # events of the current phase, by event loop
         self._closed = False
+        self._stopping: str | None = None  # why new requests are refused (stop), once the engine is closing
+        self._ending: tuple[str, bool] | None = None  # (why, running too): requests the loop is to end, once
         self.error: BaseException | None = None  # set if the scheduler thread died: the engine is unusable
         self._thread = threading.Thread(target=self._loop, name="mla-deploy-scheduler", daemon=True)
         self._thread.start()
@@ -110,7 +117,9 @@ class Engine:
 
     def submit_all(self, requests: Sequence[Request]) -> list[AsyncIterator[list[TokenEvent | Finished]]]:
         """Queue several requests at once (one HTTP request's prompts and choices): the scheduler takes them in the
-        same step, so they prefill and decode together; all are queued or, past max_queue, none (QueueFull)."""
+        same step, so they prefill and decode together; all are queued or none: QueueFull where they would take the
+        queue past max_queue (an empty queue takes any number: they could never fit otherwise), EngineStopped once
+        the engine is closing."""
         loop = asyncio.get_running_loop()
         queues = []
         for request in requests:
@@ -118,9 +127,12 @@ class Engine:
             request.emit = self._emitter(loop, request, queue)
             queues.append(queue)
         with self._lock:
-            if self.error is not None or self._closed:
-                raise RuntimeError("the engine is stopped" + (f" ({self.error!r})" if self.error else ""))
-            if len(self._inbox) + len(self.scheduler.waiting) + len(requests) > self.scheduler.max_queue:
+            if self.stopping is not None:
+                raise EngineStopped(self.stopping)
+            if self.error is not None:
+                raise RuntimeError(f"the engine is stopped ({self.error!r})")
+            waiting = len(self._inbox) + len(self.scheduler.waiting)
+            if waiting and waiting + len(requests) > self.scheduler.max_queue:
                 self.stats.rejected += len(requests)
                 raise QueueFull(f"{self.queue_depth} requests are waiting (max_queue {self.scheduler.max_queue})")
             self._inbox.extend(requests)
@@ -144,10 +156,25 @@ class Engine:
                     request.cancelled = True
 
     @property
+    def stopping(self) -> str | None:
+        """Why the engine refuses new requests (stop, close), or None while it takes them."""
+        return self._stopping or ("the engine is closed" if self._closed else None)
+
+    @property
     def queue_depth(self) -> int:
         return len(self._inbox) + len(self.scheduler.waiting)
 
+    def stop(self, why: str, running: bool = False) -> None:
+        """Refuse new requests from now on (EngineStopped(why)) and end the queued ones with it; with `running`,
+        those being generated too, freeing their rows. The engine keeps stepping whatever is left (a server's
+        graceful shutdown: the running requests get a while to finish, then `stop(why, running=True)`)."""
+        with self._lock:
+            self._stopping = why
+            self._ending = (why, running or bool(self._ending and self._ending[1]))
+            self._lock.notify()
+
     def close(self) -> None:
+        """Stop the scheduler thread; whatever it still held ends with EngineStopped."""
         with self._lock:
             self._closed = True
             self._lock.notify()
@@ -166,6 +193,8 @@ class Engine:
                 now = time.perf_counter()
                 for event in events:
                     if isinstance(event, _Failed):
+                        if isinstance(event.error, EngineStopped):
+                            raise EngineStopped(str(event.error))
                         raise EngineFailed(f"the scheduler failed: {event.error!r}")
                     if isinstance(event, TokenEvent):  # (PromptLogprobs is not a token)
                         if last is None:
@@ -191,19 +220,33 @@ class Engine:
         try:
             while True:
                 with self._lock:
-                    while not self._closed and not self._inbox and not scheduler.has_work():
+                    while not self._closed and not self._inbox and not self._ending and not scheduler.has_work():
                         self._lock.wait()
                     if self._closed:
+                        self._end(EngineStopped("the engine is closed"), running=True)
                         return
                     for request in self._inbox:  # checked in submit(), the queue bounded there
                         scheduler.enqueue(request)
                     self._inbox.clear()
+                    if self._ending is not None:
+                        self._end(EngineStopped(self._ending[0]), running=self._ending[1])
+                        self._ending = None
                 scheduler.step(after_phase=self._hand_over)
         except BaseException as e:  # a bug or onnxruntime failure: fail every request instead of hanging them
             self.error = e
-            for request in list(scheduler.waiting) + scheduler.running + self._inbox:
-                request.emit(_Failed(e))
+            with self._lock:
+                for request in list(scheduler.waiting) + scheduler.running + self._inbox:
+                    request.emit(_Failed(e))
             self._hand_over()
+
+    def _end(self, error: EngineStopped, running: bool) -> None:
+        """On the scheduler thread, holding the lock: the queued requests (and with `running` the running ones)
+        end with `error`; marked cancelled, the next step frees their rows."""
+        ended = list(self._inbox) + list(self.scheduler.waiting) + (self.scheduler.running if running else [])
+        for request in ended:
+            request.emit(_Failed(error))
+            request.cancelled = True
+        self._hand_over()
 
 
 def _unsent(event) -> None:

@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import InputError
 from ..runtime.chat import ChatTemplate, GenerationDefaults
-from ..runtime.engine import Engine, EngineFailed, Finished, PromptLogprobs, QueueFull, TokenEvent
+from ..runtime.engine import Engine, EngineFailed, EngineStopped, Finished, PromptLogprobs, QueueFull, TokenEvent
 from ..runtime.grammar import Constraint, Grammars
 from ..runtime.text import Tokenizer
 from . import protocol
@@ -153,6 +153,8 @@ class Service:
                 run.events = events
         except QueueFull as e:
             raise APIError(429, f"server busy: {e}; retry shortly", code="queue_full", headers={"Retry-After": "1"})
+        except EngineStopped as e:
+            raise APIError(503, str(e), headers={"Retry-After": "5"}) from None
         except RuntimeError as e:
             raise APIError(503, f"the engine is not running ({e})", headers={"Retry-After": "5"}) from None
         return runs
@@ -267,7 +269,7 @@ def create_app(service: Service) -> FastAPI:
 
     @app.exception_handler(EngineFailed)
     async def engine_failed(request: Request, e: EngineFailed):  # /health says the same from now on
-        return _error(service, APIError(503, f"the engine failed: {e}"))
+        return _error(service, _engine_error(e))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception):
@@ -277,6 +279,8 @@ def create_app(service: Service) -> FastAPI:
     async def health():
         if service.engine.error is not None:
             return _error(service, APIError(503, f"engine failed: {service.engine.error!r}"))
+        if service.engine.stopping is not None:
+            return _error(service, APIError(503, service.engine.stopping))
         placement = getattr(service.engine.model, "placement", None)  # a staged export's stages on Ray
         return {"status": "ok"} if placement is None else {"status": "ok", "stages": placement}
 
@@ -398,13 +402,20 @@ async def _sse(service: Service, req: GenerationRequest, rid: str, runs: list[Ru
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _engine_error(e: EngineFailed) -> APIError:
+    """503: the engine is shutting down (said as it is), or failed (as every later request is told)."""
+    return APIError(503, str(e) if isinstance(e, EngineStopped) else f"the engine failed: {e}",
+                    headers={"Retry-After": "5"} if isinstance(e, EngineStopped) else None)
+
+
 def _stream_error(service: Service, e: Exception) -> APIError:
-    """The error a stream ends with: the engine's failure (503, as every later request gets), or a bug (500)."""
-    error = APIError(503, f"the engine failed: {e}") if isinstance(e, EngineFailed) else APIError(
+    """The error a stream ends with: the engine's (503, as every later request gets), or a bug (500)."""
+    error = _engine_error(e) if isinstance(e, EngineFailed) else APIError(
         500, f"internal error: {type(e).__name__}: {e}")
     _count(service, error.status)
-    logging.getLogger("uvicorn.error").error("a stream ended with %s", error.message,
-                                             exc_info=None if isinstance(e, EngineFailed) else e)
+    if not isinstance(e, EngineStopped):
+        logging.getLogger("uvicorn.error").error("a stream ended with %s", error.message,
+                                                 exc_info=None if isinstance(e, EngineFailed) else e)
     return error
 
 

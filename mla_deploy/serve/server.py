@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import socket
+import threading
 from pathlib import Path
 
 import uvicorn
@@ -63,11 +64,35 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+GRACE_S = 5.0  # a shutdown gives running requests this long (uvicorn's graceful shutdown), less ANSWER_S
+ANSWER_S = 1.0  # what is left for the requests still running to be answered (a 503, a stream's error event)
+SHUTTING_DOWN = "the server is shutting down"
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling the engine when a shutdown (SIGTERM, Ctrl-C) starts: queued requests end at once
+    with a 503, running ones get GRACE_S - ANSWER_S to finish and then end with a 503 or a stream's error event, so
+    every client is answered before uvicorn cancels what is left."""
+
+    def __init__(self, config: uvicorn.Config, engine: Engine):
+        super().__init__(config)
+        self.engine = engine
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit:
+            self.engine.stop(SHUTTING_DOWN)
+            timer = threading.Timer(GRACE_S - ANSWER_S, self.engine.stop, (SHUTTING_DOWN, True))
+            timer.daemon = True
+            timer.start()
+        super().handle_exit(sig, frame)
+
+
 def serve(service: Service, sock: socket.socket, log_level: str = "warning") -> None:
     """Run the app on `sock` (listening_socket) until interrupted; closes the engine, the model and the socket."""
-    config = uvicorn.Config(create_app(service), log_level=log_level, access_log=False, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(create_app(service), log_level=log_level, access_log=False,
+                            timeout_graceful_shutdown=GRACE_S)
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        _Server(config, service.engine).run(sockets=[sock])
     finally:
         sock.close()
         service.engine.close()
