@@ -35,9 +35,10 @@ def running_server(export_dir, **engine_args):
     """A real uvicorn server on a free port, on a thread; yields (base_url, service)."""
     import uvicorn
 
-    api_key = engine_args.pop("api_key", None)
+    api_key, instance = engine_args.pop("api_key", None), engine_args.pop("instance", None)
     service = Service(Engine(ExportedModel(export_dir), **engine_args), MODEL, api_key,
                       max_body_bytes=engine_args.pop("max_body_bytes", 64 * 1024))
+    service.instance = instance  # a Ray Serve replica's id
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning", access_log=False))
@@ -442,6 +443,25 @@ def test_tokens_that_arrive_together_leave_as_one_chunk(server):
     cut = run(["return"], [events])
     assert len(cut) == 1 and cut[0].finish_reason == "stop" and cut[0].text == "def add(a, b):\n    "
     assert "".join(o.text for o in cut[0].tokens) == cut[0].text
+
+
+@pytest.mark.parametrize("instance", [None, "replica-7"], ids=["server", "ray-replica"])
+def test_a_client_leaving_a_plain_request_frees_its_rows(demo_export, instance):
+    """A non-streamed request whose client gives up: its rows are freed within the handler's next look (0.5 s), on a
+    Ray Serve replica too, whose X-MLA-Replica header must not hide the disconnect."""
+    with running_server(demo_export, max_batch=4, instance=instance) as (base, service):
+        step = service.engine.scheduler.step
+        service.engine.scheduler.step = lambda *a, **k: (time.sleep(0.01), step(*a, **k))[1]
+        quick = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1})
+        assert quick.status_code == 200 and quick.headers.get("x-mla-replica") == instance
+        body = {"model": MODEL, "prompt": "def ", "max_tokens": 900, "n": 2, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(base + "/v1/completions", json=body, timeout=0.5)
+        deadline = time.monotonic() + 10
+        while service.engine.scheduler.running:
+            assert time.monotonic() < deadline, "the rows of a request nobody waits for ran on"
+            time.sleep(0.02)
+        assert service.engine.scheduler.stats.finished["cancelled"] == 2
 
 
 def test_a_shutdown_answers_every_client(demo_export, monkeypatch):

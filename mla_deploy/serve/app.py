@@ -248,11 +248,7 @@ def create_app(service: Service) -> FastAPI:
     app = FastAPI(title="mla-deploy", docs_url=None, redoc_url=None, openapi_url=None)
 
     if service.instance is not None:  # a Ray Serve replica: say which one answered
-        @app.middleware("http")
-        async def replica_header(request: Request, call_next):
-            response = await call_next(request)
-            response.headers["X-MLA-Replica"] = service.instance
-            return response
+        app.add_middleware(_ReplicaHeader, instance=service.instance)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
@@ -400,6 +396,23 @@ async def _sse(service: Service, req: GenerationRequest, rid: str, runs: list[Ru
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _ReplicaHeader:
+    """X-MLA-Replica on every reply, added to the response's start message: plain ASGI, since Starlette's
+    BaseHTTPMiddleware (`@app.middleware`) wraps the request's receive channel, and a non-streamed reply's handler
+    then never sees its client disconnect (the rows ran on to max_tokens)."""
+
+    def __init__(self, app, instance: str):
+        self.app, self.header = app, (b"x-mla-replica", instance.encode())
+
+    async def __call__(self, scope, receive, send):
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, sending if scope["type"] == "http" else send)
 
 
 def _engine_error(e: EngineFailed) -> APIError:
