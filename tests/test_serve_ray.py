@@ -45,3 +45,18 @@ def test_two_replicas_behind_ray_serve_share_the_requests(tmp_path):
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def test_a_replica_whose_engine_died_reports_itself_unhealthy():
+    """Ray Serve's health check: a dead engine answers every request with a 503, so its replica asks to be replaced
+    rather than keep a share of the traffic."""
+    from types import SimpleNamespace
+
+    from mla_deploy.serve.ray import Replica
+
+    def replica(error):
+        return SimpleNamespace(service=SimpleNamespace(engine=SimpleNamespace(error=error)))
+
+    assert Replica.check_health(replica(None)) is None
+    with pytest.raises(RuntimeError, match="the engine failed: OSError"):
+        Replica.check_health(replica(OSError("stage lost")))

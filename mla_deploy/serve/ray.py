@@ -34,6 +34,12 @@ class Replica:
     def __serve_build_asgi_app__(self):
         return create_app(self.service)
 
+    def check_health(self) -> None:
+        """Ray Serve asks every few seconds: a replica whose engine died (it answers every request with a 503) is
+        reported unhealthy, so Ray replaces it instead of sending it a share of the traffic."""
+        if self.service.engine.error is not None:
+            raise RuntimeError(f"the engine failed: {self.service.engine.error!r}")
+
 
 def deployment(export_dir: str | Path, replicas: int, max_batch: int = 16, max_queue: int = 256,
                api_key: str | None = None, model_name: str | None = None, options: RuntimeOptions | None = None,
