@@ -464,6 +464,39 @@ def test_a_client_leaving_a_plain_request_frees_its_rows(demo_export, instance):
         assert service.engine.scheduler.stats.finished["cancelled"] == 2
 
 
+def test_metrics_count_a_stop_string_as_a_stop_and_a_refused_request_once(demo_export):
+    with running_server(demo_export, max_batch=1, max_queue=2) as (base, service):
+        finished = service.engine.scheduler.stats.finished
+        full = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "class Stack:\n",
+                                                            "max_tokens": 40, "temperature": 0}).json()
+        stop = full["choices"][0]["text"][5:8]
+        before = dict(finished)
+        cut = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "class Stack:\n", "max_tokens": 40,
+                                                           "temperature": 0, "stop": [stop], "n": 2}).json()
+        assert [c["finish_reason"] for c in cut["choices"]] == ["stop", "stop"]
+        deadline = time.monotonic() + 10
+        while finished["stop"] - before["stop"] < 2:
+            assert time.monotonic() < deadline, finished
+            time.sleep(0.02)
+        assert finished["cancelled"] == before["cancelled"]
+        step = service.engine.scheduler.step
+        service.engine.scheduler.step = lambda *a, **k: (time.sleep(0.01), step(*a, **k))[1]
+        slow = {"model": MODEL, "prompt": "x", "max_tokens": 300, "ignore_eos": True}
+        waiting = []
+        for until in (lambda: service.engine.scheduler.running, lambda: service.engine.scheduler.waiting):
+            waiting.append(threading.Thread(target=httpx.post, args=(base + "/v1/completions",),
+                                            kwargs={"json": slow, "timeout": 30}))
+            waiting[-1].start()  # one running, then one queued: the queue (max 2) has room for one more
+            deadline = time.monotonic() + 10
+            while not until():
+                assert time.monotonic() < deadline, "the request did not arrive"
+                time.sleep(0.01)
+        refused = httpx.post(base + "/v1/completions", json={**slow, "n": 3})
+        assert refused.status_code == 429 and service.engine.stats.rejected == 1  # one request, not its 3 choices
+        for t in waiting:
+            t.join(30)
+
+
 def test_a_shutdown_answers_every_client(demo_export, monkeypatch):
     """SIGTERM (uvicorn's handle_exit): queued requests are answered at once with a 503, the running ones get the
     grace period less a second and then end with an OpenAI error (a stream: its error event and [DONE]); the

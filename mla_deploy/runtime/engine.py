@@ -133,7 +133,7 @@ class Engine:
                 raise RuntimeError(f"the engine is stopped ({self.error!r})")
             waiting = len(self._inbox) + len(self.scheduler.waiting)
             if waiting and waiting + len(requests) > self.scheduler.max_queue:
-                self.stats.rejected += len(requests)
+                self.stats.rejected += 1  # one caller's request (an HTTP request's generations), refused whole
                 raise QueueFull(f"{self.queue_depth} requests are waiting (max_queue {self.scheduler.max_queue})")
             self._inbox.extend(requests)
             self.stats.requests += len(requests)
@@ -210,9 +210,11 @@ class Engine:
             if not finished:  # the consumer left early (a client gone): free the row
                 self.cancel(request)
 
-    def cancel(self, request: Request) -> None:
+    def cancel(self, request: Request, reason: str = "cancelled") -> None:
+        """End a request at the next step, counted under `reason` ("stop": the caller found a stop string)."""
         with self._lock:
-            request.cancelled = True
+            if not request.cancelled:
+                request.cancelled, request.ended_by = True, reason
             self._lock.notify()
 
     def _loop(self) -> None:

@@ -101,6 +101,7 @@ class Request:
     prompt_lp: list | None = None  # PromptLogprobs entries gathered chunk by chunk
     rng: np.random.Generator | None = None
     cancelled: bool = False
+    ended_by: str = "cancelled"  # the reason a cancelled request is finished with ("stop": a caller's stop string)
     submitted_at: float = field(default_factory=time.perf_counter)
 
     def remember(self, token: int) -> None:
@@ -214,10 +215,10 @@ class Scheduler:
     def _drop_cancelled(self) -> None:
         for request in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(request)
-            self._finish(request, "cancelled")
+            self._finish(request, request.ended_by)
         for request in self.running:
             if request.cancelled:
-                self._finish(request, "cancelled")
+                self._finish(request, request.ended_by)
 
     def _admit(self) -> None:
         while self.waiting and None in self.rows:

@@ -27,6 +27,7 @@ from ..errors import InputError
 from ..runtime.chat import ChatTemplate, GenerationDefaults
 from ..runtime.engine import Engine, EngineFailed, EngineStopped, Finished, PromptLogprobs, QueueFull, TokenEvent
 from ..runtime.grammar import Constraint, Grammars
+from ..runtime.scheduler import Request as EngineRequest
 from ..runtime.text import Tokenizer
 from . import protocol
 from .choices import ChoiceText, Out, chat_logprobs, completion_logprobs
@@ -54,6 +55,7 @@ class Run:
     candidate: int
     prompt_ids: list[int]
     events: AsyncIterator
+    request: EngineRequest | None = None  # the engine's, to end it as a stop string does
 
 
 class Service:
@@ -149,8 +151,8 @@ class Service:
             message = str(e)
             raise bad(message, "logit_bias" if message.startswith("logit_bias") else "prompt") from None
         try:
-            for run, events in zip(runs, self.engine.submit_all(requests)):
-                run.events = events
+            for run, request, events in zip(runs, requests, self.engine.submit_all(requests)):
+                run.events, run.request = events, request
         except QueueFull as e:
             raise APIError(429, f"server busy: {e}; retry shortly", code="queue_full", headers={"Retry-After": "1"})
         except EngineStopped as e:
@@ -225,6 +227,8 @@ class Service:
                         cumulative += event.logprob or 0.0
                         choice.push(event)
                         if choice.stopped:
+                            if run.request is not None:  # counted as a stop, not a client that left
+                                self.engine.cancel(run.request, "stop")
                             yield Piece(*choice.take(), "stop", generated, cumulative)
                             return
                     elif isinstance(event, Finished):
@@ -334,6 +338,7 @@ async def _generate(service: Service, request: Request, kind: str):
                 everything.cancel()  # nobody to answer: free the rows now (closing each choice cancels its request)
                 with contextlib.suppress(asyncio.CancelledError):
                     await everything
+                _count(service, 499)
                 return JSONResponse({}, status_code=499)
         results = everything.result()
     finally:
