@@ -497,6 +497,30 @@ def test_metrics_count_a_stop_string_as_a_stop_and_a_refused_request_once(demo_e
             t.join(30)
 
 
+def test_one_choice_failing_ends_the_others_too(demo_export):
+    """A bug in one choice's text handling is a 500; the request's other choices stop there and free their rows
+    (a finished gather cancels nothing: they ran on to max_tokens)."""
+    with running_server(demo_export, max_batch=4) as (base, service):
+        step = service.engine.scheduler.step
+        service.engine.scheduler.step = lambda *a, **k: (time.sleep(0.01), step(*a, **k))[1]
+        pieces = service.pieces
+
+        async def failing(req, run):
+            async for piece in pieces(req, run):
+                if run.candidate == 1:
+                    raise ValueError("injected")
+                yield piece
+
+        service.pieces = failing
+        r = httpx.post(base + "/v1/completions", timeout=30,
+                       json={"model": MODEL, "prompt": "def ", "max_tokens": 900, "n": 3, "ignore_eos": True})
+        assert r.status_code == 500 and "injected" in r.json()["error"]["message"]
+        deadline = time.monotonic() + 10
+        while service.engine.scheduler.running:
+            assert time.monotonic() < deadline, "the other choices ran on"
+            time.sleep(0.02)
+
+
 def test_a_shutdown_answers_every_client(demo_export, monkeypatch):
     """SIGTERM (uvicorn's handle_exit): queued requests are answered at once with a 503, the running ones get the
     grace period less a second and then end with an OpenAI error (a stream: its error event and [DONE]); the

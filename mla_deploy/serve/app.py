@@ -330,7 +330,8 @@ async def _generate(service: Service, request: Request, kind: str):
             if piece.finish_reason is not None:
                 return run, text, tokens, piece
 
-    everything = asyncio.gather(*(collect(run) for run in runs))
+    tasks = [asyncio.ensure_future(collect(run)) for run in runs]
+    everything = asyncio.gather(*tasks)
     try:
         while not everything.done():
             await asyncio.wait([everything], timeout=0.5)
@@ -341,9 +342,9 @@ async def _generate(service: Service, request: Request, kind: str):
                 _count(service, 499)
                 return JSONResponse({}, status_code=499)
         results = everything.result()
-    finally:
-        if not everything.done():
-            everything.cancel()
+    finally:  # one choice failing leaves the others running under a finished gather: cancel each (frees its row)
+        for task in tasks:
+            task.cancel()
     choices = []
     for i in range(len(req.prompts) if kind == "completion" else 1):
         candidates = [r for r in results if r[0].prompt_index == i]
