@@ -139,6 +139,15 @@ def test_stop_strings_cut_the_text_before_the_stop(client):
     chunks = list(streamed)
     assert "".join(c.choices[0].text for c in chunks) == cut.choices[0].text
     assert chunks[-1].choices[0].finish_reason == "stop"
+    kept = greedy(logprobs=0)  # vLLM's include_stop_str_in_output: the text ends with the stop string
+    kept["extra_body"] = {**kept["extra_body"], "include_stop_str_in_output": True}
+    for stream in (False, True):
+        got = client.completions.create(prompt="class Stack:\n", max_tokens=40, stop=[stop], stream=stream, **kept)
+        parts = list(got) if stream else [got]
+        text = "".join(c.choices[0].text for c in parts)
+        assert text == full[: full.index(stop) + len(stop)] and parts[-1].choices[0].finish_reason == "stop"
+        tokens = [t for c in parts if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+        assert "".join(tokens) == text  # the tokens join to the text, the stop string's last one cut there
 
 
 def test_a_stop_token_id_ends_the_text_without_its_own_text(server, client):
@@ -342,7 +351,7 @@ def test_vllms_extra_fields_are_served_or_refused_never_ignored(server, client):
     kept = client.completions.create(prompt="x", max_tokens=4, logit_bias=eos, model=MODEL, temperature=0,
                                      extra_body={"repetition_penalty": 1.0, "ignore_eos": True})
     assert kept.choices[0].finish_reason == "length" and kept.usage.completion_tokens == 4
-    for field, value in (("min_tokens", 4), ("include_stop_str_in_output", True), ("guided_json", {}),
+    for field, value in (("min_tokens", 4), ("include_stop_str_in_output", 1), ("guided_json", {}),
                          ("skip_special_tokens", False), ("min_tokens", False), ("min_p", 1.5)):
         said = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "x", field: value})
         assert said.status_code == 400 and said.json()["error"]["param"] == field, (field, said.text)

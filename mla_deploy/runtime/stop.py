@@ -1,4 +1,5 @@
-"""Stop strings over streamed text: the text up to (not including) the first stop string, never a partial one.
+"""Stop strings over streamed text: the text up to the first stop string (not including it, unless asked: vLLM's
+include_stop_str_in_output), never a partial one.
 
 A piece of text that could be the start of a stop string is held back until the next piece shows
 whether it is; when the stream ends without a stop, `flush()` releases what was held.
@@ -10,8 +11,9 @@ from typing import Sequence
 
 
 class StopStrings:
-    def __init__(self, stops: Sequence[str]):
+    def __init__(self, stops: Sequence[str], include: bool = False):
         self.stops = [s for s in stops if s]
+        self.include = include  # the text ends with the stop string found
         self.held = ""
         self.stopped = False
 
@@ -20,10 +22,11 @@ class StopStrings:
         if self.stopped:
             return ""
         self.held += text
-        found = [i for i in (self.held.find(s) for s in self.stops) if i >= 0]
-        if found:
+        found = [(i, -len(s)) for i, s in ((self.held.find(s), s) for s in self.stops) if i >= 0]
+        if found:  # the earliest stop string (of two starting there, the longer)
             self.stopped = True
-            out, self.held = self.held[: min(found)], ""
+            start, minus_length = min(found)
+            out, self.held = self.held[: start - minus_length if self.include else start], ""
             return out
         keep = max((_partial_suffix(self.held, s) for s in self.stops), default=0)
         out = self.held[: len(self.held) - keep]

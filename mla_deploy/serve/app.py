@@ -212,7 +212,7 @@ class Service:
         # chat's logprobs join to the message, which the model's end-of-sequence token is not part of; a completion's
         # keep it (lm-eval's echo scoring counts on the generated token being the last entry)
         ends = set(req.stop_token_ids) | (self.stop_ids if req.kind == "chat" and not req.ignore_eos else set())
-        choice = ChoiceText(self.tokenizer, req.stop, ends)
+        choice = ChoiceText(self.tokenizer, req.stop, ends, req.include_stop_str)
         if req.echo and req.logprobs is None:
             choice.echo(run.prompt_ids, None)
         generated, cumulative = 0, 0.0

@@ -29,10 +29,10 @@ class Out:
 
 
 class ChoiceText:
-    def __init__(self, tokenizer: Tokenizer | None, stops: list[str], stop_ids: set[int]):
+    def __init__(self, tokenizer: Tokenizer | None, stops: list[str], stop_ids: set[int], include_stop: bool = False):
         self.tokenizer = tokenizer
         self.stream = TextStream(tokenizer) if tokenizer is not None else None
-        self.stops = StopStrings(stops)
+        self.stops = StopStrings(stops, include_stop)
         self.stop_ids = stop_ids
         self.base = 0  # characters of echoed prompt before the generated text
         self.held: list[Out] = []  # generated tokens whose text is not all released yet

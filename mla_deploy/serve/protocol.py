@@ -43,7 +43,6 @@ REFUSED = {  # fields this server does not implement: a 400 naming them, never s
 # clients filling in every field): any other value is a 400 naming the field, never an output silently unlike vLLM's
 REFUSED_UNLESS = {
     "min_tokens": (0,),
-    "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
     "use_beam_search": (False,),
@@ -90,6 +89,7 @@ class GenerationRequest:
     include_usage: bool = False
     speculative: bool | None = None  # False: this request opts out of the server's speculative decoding
     ignore_eos: bool = False  # vLLM's field: the model's end-of-sequence ids do not stop it (stop ids still do)
+    include_stop_str: bool = False  # vLLM's include_stop_str_in_output: the text ends with the stop string it met
 
     @property
     def candidates(self) -> int:
@@ -163,6 +163,7 @@ def parse_request(body: dict, kind: str) -> GenerationRequest:
     req.top_p = _number(body.get("top_p"), "top_p", 0.0, 1.0, open_low=True)
     req.min_p = _number(body.get("min_p"), "min_p", 0.0, 1.0)
     req.ignore_eos = _bool(body.get("ignore_eos"), "ignore_eos")
+    req.include_stop_str = _bool(body.get("include_stop_str_in_output"), "include_stop_str_in_output")
     req.top_k = _int(body.get("top_k"), "top_k", minimum=-1)
     if req.top_k == -1:
         req.top_k = 0  # vLLM's spelling of "off"
