@@ -162,9 +162,13 @@ class Checkpoint:
 
     # ---- checking ----
     def _index_tensors(self) -> None:
-        skipped, shared = set(), []
+        skipped, shared, seen = set(), [], {}
         for file in self.files:
             for stored, (_, shape, _, _) in file.entries.items():
+                if stored in seen:  # which copy the model is would depend on the files' order
+                    raise CheckpointError(f"{stored}: stored in both {seen[stored].name} and {file.path.name}; a "
+                                          "checkpoint holds each tensor once")
+                seen[stored] = file.path
                 layer = _LAYER.match(stored)
                 if layer and int(layer.group(1)) > self.config.num_hidden_layers:
                     skipped.add(int(layer.group(1)))  # a second or later MTP layer: the draft chains the first

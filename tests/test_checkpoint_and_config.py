@@ -240,3 +240,20 @@ def test_writer_refuses_out_of_plan_tensors(tmp_path):
     with pytest.raises(ValueError, match="1 planned tensor"):
         with SafetensorsWriter(tmp_path / "x.safetensors", plan) as w:
             w.write("a", np.zeros((2, 3), np.float32))
+
+
+def test_a_tensor_stored_in_two_files_is_refused(checkpoint_dir, tmp_path):
+    """Which copy would be the model's depends on the order the files are read in: refused, naming both files."""
+    d = copy_checkpoint(checkpoint_dir, tmp_path)
+    f = SafetensorsFile(d / "model.safetensors")
+    name = "model.norm.weight"
+    extra = {name: np.array(f.raw(name)) + 1}
+    del f
+    write_safetensors(d / "model-extra.safetensors", extra)
+    (d / "model.safetensors").rename(d / "model-main.safetensors")
+    main = {n: "model-main.safetensors" for n in SafetensorsFile(d / "model-main.safetensors").entries}
+    index = {"weight_map": {**main, name: "model-extra.safetensors"}}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=f"{name}: stored in both model-extra.safetensors and "
+                                              "model-main.safetensors"):
+        Checkpoint(d)
