@@ -338,8 +338,8 @@ def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving(serve
 
 
 def test_vllms_extra_fields_are_served_or_refused_never_ignored(server, client):
-    """min_p and ignore_eos change the output as vLLM's do; its other sampling fields are a 400 naming the field,
-    unless at the value that asks for nothing (clients filling in every field send those)."""
+    """min_p, ignore_eos and min_tokens change the output as vLLM's do; its other sampling fields are a 400 naming the
+    field, unless at the value that asks for nothing (clients filling in every field send those)."""
     base = server[0]
     plain = client.completions.create(prompt="def read(path):\n", max_tokens=12, **greedy())
     sure = client.completions.create(prompt="def read(path):\n", max_tokens=12, model=MODEL, temperature=1.0, seed=3,
@@ -351,11 +351,22 @@ def test_vllms_extra_fields_are_served_or_refused_never_ignored(server, client):
     kept = client.completions.create(prompt="x", max_tokens=4, logit_bias=eos, model=MODEL, temperature=0,
                                      extra_body={"repetition_penalty": 1.0, "ignore_eos": True})
     assert kept.choices[0].finish_reason == "length" and kept.usage.completion_tokens == 4
-    for field, value in (("min_tokens", 4), ("include_stop_str_in_output", 1), ("guided_json", {}),
+    late = client.completions.create(prompt="x", max_tokens=6, logit_bias=eos, model=MODEL, temperature=0,
+                                     extra_body={"repetition_penalty": 1.0, "min_tokens": 3})
+    assert late.choices[0].finish_reason == "stop" and late.usage.completion_tokens == 4  # the end, once allowed
+    full = client.completions.create(prompt="class Stack:\n", max_tokens=12, **greedy()).choices[0].text
+    early = full[:2]  # a stop string met in the first tokens is not looked for before min_tokens
+    held = client.completions.create(prompt="class Stack:\n", max_tokens=12, stop=[early], model=MODEL,
+                                     temperature=0, extra_body={"repetition_penalty": 1.0, "min_tokens": 12})
+    assert held.choices[0].text == full and held.choices[0].finish_reason == "length"
+    too_many = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2,
+                                                           "min_tokens": 3}).json()["error"]
+    assert too_many["param"] == "min_tokens" and too_many["message"] == "min_tokens: 3 is more than max_tokens 2"
+    for field, value in (("min_tokens", -1), ("include_stop_str_in_output", 1), ("guided_json", {}),
                          ("skip_special_tokens", False), ("min_tokens", False), ("min_p", 1.5)):
         said = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "x", field: value})
         assert said.status_code == 400 and said.json()["error"]["param"] == field, (field, said.text)
-    idle = {"min_tokens": 0, "include_stop_str_in_output": False, "skip_special_tokens": True, "length_penalty": 1.0,
+    idle = {"include_stop_str_in_output": False, "skip_special_tokens": True, "length_penalty": 1.0,
             "bad_words": [], "use_beam_search": False}
     assert httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2, **idle}
                       ).status_code == 200

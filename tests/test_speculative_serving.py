@@ -309,3 +309,23 @@ def test_mtp_drafting_beside_rows_near_the_exports_length_stays_within_its_cache
         assert [o.tokens for o in outs] == alone, k
         assert [o.finished.reason for o in outs] == ["length"] * 2
         assert scheduler.stats.speculation.proposed > 0
+
+
+@pytest.mark.parametrize("mode", ["lookup", "mtp"])
+def test_min_tokens_holds_the_stop_ids_back_with_and_without_speculation(mtp_export, always_draft, mode):
+    """A request's stop ids cannot be sampled before min_tokens (vLLM's): its tokens until then are drawn under that
+    mask without drafts, then it speculates again; greedy tokens are the same as without speculation."""
+    model = ExportedModel(mtp_export)
+    prompt = [5, 9, 3, 7, 5, 9, 3, 7, 5]
+    free = Generator(model, SamplingParams(), stop_token_ids=()).generate([prompt], 12).token_ids[0]
+    stop = free[1]  # the second token it would generate: held back until 6 are out
+    outs = {}
+    for speculation in (None, Speculation(mode, 3)):
+        scheduler = Scheduler(model, max_batch=2, speculation=speculation)
+        out = outs[speculation is None] = Collect()
+        run(scheduler, [Request(prompt, 20, out, stop_token_ids=frozenset({stop}), min_tokens=6)])
+        assert stop not in out.tokens[:6], out.tokens
+        assert out.finished.reason == ("stop" if stop in out.tokens else "length")
+        if speculation is not None:
+            assert scheduler.stats.speculation.proposed > 0
+    assert outs[True].tokens == outs[False].tokens

@@ -88,6 +88,7 @@ class Request:
     constraint: Constraint | None = None  # a grammar the output must follow (response_format)
     choice: int = 0  # the i-th choice of one prompt: a seed draws its own stream for each (seed, choice)
     speculate: bool = True  # with the scheduler's speculation on: False opts this request out
+    min_tokens: int = 0  # its stop ids cannot be sampled before this many tokens (vLLM's min_tokens)
     acceptance: float = PRIOR_ACCEPTANCE  # its draft tokens' acceptance, estimated (speculative.DraftPolicy)
     id: int = field(default_factory=itertools.count().__next__)
     # scheduler state
@@ -103,6 +104,11 @@ class Request:
     cancelled: bool = False
     ended_by: str = "cancelled"  # the reason a cancelled request is finished with ("stop": a caller's stop string)
     submitted_at: float = field(default_factory=time.perf_counter)
+
+    @property
+    def stops_held(self) -> bool:
+        """Its next token may not be a stop id: fewer than min_tokens generated so far."""
+        return len(self.generated) < self.min_tokens and bool(self.stop_token_ids)
 
     def remember(self, token: int) -> None:
         """Append `token` to the history."""
@@ -170,6 +176,9 @@ class Scheduler:
             raise InputError(f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {vocab})")
         if request.max_new_tokens == 0 and request.prompt_logprobs is None:
             raise InputError("max_new_tokens=0: only a request for its prompt's logprobs may generate nothing")
+        if not isinstance(request.min_tokens, int) or not 0 <= request.min_tokens <= request.max_new_tokens:
+            raise InputError(f"min_tokens={request.min_tokens!r}: must be an integer in [0, max_new_tokens "
+                             f"{request.max_new_tokens}]")
 
     def add(self, request: Request) -> None:
         """Check a request and queue it; QueueFull beyond max_queue."""
@@ -363,7 +372,7 @@ class Scheduler:
         by_row: list[Request | None] = [None] * hi  # the speculating rows
         acceptances: list[float | None] = [None] * hi  # every decoding row's (0: one that does not speculate)
         for r in decoding:
-            speculates = self._speculates(r)
+            speculates = self._speculates(r) and not r.stops_held  # a held row's token is sampled under its mask
             by_row[r.row] = r if speculates else None
             acceptances[r.row] = r.acceptance if speculates else 0.0
         rooms = [0 if r is None else max(0, min(self.speculation.draft_tokens, r.max_new_tokens - len(r.generated) - 1,
@@ -397,9 +406,9 @@ class Scheduler:
         emitted = 0
         for r in decoding:
             row, d = r.row, drafts[r.row]
-            if r.constraint is None:
+            if r.constraint is None and not r.stops_held:
                 tokens = accept_row(logits[row, : len(d) + 1], d, r.sampling, r.history, r.counts, r.rng)
-            else:  # a grammar row does not speculate: its one token sampled under its mask
+            else:  # a row under a mask (a grammar's, min_tokens') does not speculate: one token sampled under it
                 tokens = [
                     int(sample(logits[row, :1], r.sampling, r.rng, [r.history], [r.counts], self._allowed([r]))[0])
                 ]
@@ -452,13 +461,20 @@ class Scheduler:
 
 
     def _allowed(self, rows: list[Request]) -> np.ndarray | None:
-        """The grammar masks of these rows [rows, vocab], or None when none has a grammar."""
-        return allowed_tokens([r.constraint for r in rows], self.model.config.vocab_size)
+        """These rows' masks [rows, vocab]: a grammar's next tokens, less the stop ids of a row short of its
+        min_tokens; None when no row has either."""
+        vocab = self.model.config.vocab_size
+        allowed = allowed_tokens([r.constraint for r in rows], vocab)
+        for i, r in enumerate(rows):
+            if r.stops_held:
+                allowed = np.ones((len(rows), vocab), bool) if allowed is None else allowed
+                allowed[i, [t for t in r.stop_token_ids if 0 <= t < vocab]] = False
+        return allowed
 
 
 def _plain_greedy(request: Request) -> bool:
-    """Greedy on the model's own logits (no penalty, bias or grammar): their argmax, the same for every such row."""
-    return request.sampling.greedy and request.sampling.plain and request.constraint is None
+    """Greedy on the model's own logits (no penalty, bias or mask): their argmax, the same for every such row."""
+    return request.sampling.greedy and request.sampling.plain and request.constraint is None and not request.stops_held
 
 
 def _token_logprobs(logits: np.ndarray, tokens: Sequence[int], k: int) -> list[tuple[float, list[tuple[int, float]]]]:

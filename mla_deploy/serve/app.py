@@ -145,7 +145,8 @@ class Service:
                     requests.append(self.engine.request(
                         ids, max_tokens, sampling, stops, logprobs=logprobs,
                         prompt_logprobs=0 if max_tokens == 0 and prompt_logprobs is None else prompt_logprobs,
-                        constraint=self._constraint(req), choice=j, speculate=req.speculative is not False))
+                        constraint=self._constraint(req), choice=j, speculate=req.speculative is not False,
+                        min_tokens=min(req.min_tokens, max_tokens)))
                     runs.append(Run(i, j, ids, None))
         except InputError as e:  # the length was checked above: what is left is the prompt's ids or logit_bias
             message = str(e)
@@ -212,7 +213,7 @@ class Service:
         # chat's logprobs join to the message, which the model's end-of-sequence token is not part of; a completion's
         # keep it (lm-eval's echo scoring counts on the generated token being the last entry)
         ends = set(req.stop_token_ids) | (self.stop_ids if req.kind == "chat" and not req.ignore_eos else set())
-        choice = ChoiceText(self.tokenizer, req.stop, ends, req.include_stop_str)
+        choice = ChoiceText(self.tokenizer, req.stop, ends, req.include_stop_str, req.min_tokens)
         if req.echo and req.logprobs is None:
             choice.echo(run.prompt_ids, None)
         generated, cumulative = 0, 0.0

@@ -29,10 +29,12 @@ class Out:
 
 
 class ChoiceText:
-    def __init__(self, tokenizer: Tokenizer | None, stops: list[str], stop_ids: set[int], include_stop: bool = False):
+    def __init__(self, tokenizer: Tokenizer | None, stops: list[str], stop_ids: set[int], include_stop: bool = False,
+                 min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.stream = TextStream(tokenizer) if tokenizer is not None else None
         self.stops = StopStrings(stops, include_stop)
+        self.unstoppable = min_tokens  # tokens whose text no stop string is looked for in (vLLM's min_tokens)
         self.stop_ids = stop_ids
         self.base = 0  # characters of echoed prompt before the generated text
         self.held: list[Out] = []  # generated tokens whose text is not all released yet
@@ -58,7 +60,11 @@ class ChoiceText:
         piece = self._piece(event.token)
         self.held.append(Out(event, piece, self.base + self.pushed))
         self.pushed += len(piece)
-        out = self.stops.push(piece)
+        if self.unstoppable:
+            self.unstoppable -= 1
+            out = piece
+        else:
+            out = self.stops.push(piece)
         self.released += len(out)
         self.ready_text.append(out)
         self._release()

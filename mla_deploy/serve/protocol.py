@@ -42,7 +42,6 @@ REFUSED = {  # fields this server does not implement: a 400 naming them, never s
 # vLLM's extra sampling fields this server does not implement, with the values that ask for nothing (sent by
 # clients filling in every field): any other value is a 400 naming the field, never an output silently unlike vLLM's
 REFUSED_UNLESS = {
-    "min_tokens": (0,),
     "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
     "use_beam_search": (False,),
@@ -90,6 +89,7 @@ class GenerationRequest:
     speculative: bool | None = None  # False: this request opts out of the server's speculative decoding
     ignore_eos: bool = False  # vLLM's field: the model's end-of-sequence ids do not stop it (stop ids still do)
     include_stop_str: bool = False  # vLLM's include_stop_str_in_output: the text ends with the stop string it met
+    min_tokens: int = 0  # vLLM's: no stop id or stop string ends the reply before this many tokens
 
     @property
     def candidates(self) -> int:
@@ -164,6 +164,9 @@ def parse_request(body: dict, kind: str) -> GenerationRequest:
     req.min_p = _number(body.get("min_p"), "min_p", 0.0, 1.0)
     req.ignore_eos = _bool(body.get("ignore_eos"), "ignore_eos")
     req.include_stop_str = _bool(body.get("include_stop_str_in_output"), "include_stop_str_in_output")
+    req.min_tokens = _int(body.get("min_tokens"), "min_tokens", minimum=0) or 0
+    if req.max_tokens is not None and req.min_tokens > req.max_tokens:
+        raise bad(f"min_tokens: {req.min_tokens} is more than {limit} {req.max_tokens}", "min_tokens")
     req.top_k = _int(body.get("top_k"), "top_k", minimum=-1)
     if req.top_k == -1:
         req.top_k = 0  # vLLM's spelling of "off"
