@@ -246,6 +246,9 @@ def _read_rope(raw: dict, model_type: str, source: str) -> dict:
     if rope_type == "yarn":
         if merged.get("factor") is None:
             raise ConfigError(f"{source}: yarn rope scaling needs 'factor'")
+        if merged.get("truncate", True) is not True:  # transformers' option; DeepSeek's YaRN always rounds
+            raise ConfigError(f"{source}: yarn 'truncate': {merged['truncate']!r} is not supported (the correction "
+                              "range is rounded to whole dimensions, as DeepSeek's YaRN rounds it)")
         out.update(
             rope_factor=float(merged["factor"]),
             original_max_position_embeddings=merged.get("original_max_position_embeddings"),

@@ -69,6 +69,8 @@ def test_missing_field_is_named(checkpoint_dir, tmp_path):
             "rope type 'dynamic' is not supported",
         ),
         ({"qk_rope_head_dim": 7}, "qk_rope_head_dim=7 must be even"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                              "rope_theta": 1e4, "truncate": False}}, "yarn 'truncate': False is not supported"),
         ({"q_lora_rank": "big"}, "q_lora_rank must be null"),
         ({"topk_method": "greedy"}, "topk_method 'greedy' is not supported for deepseek_v3"),
         ({"scoring_func": "softmax"}, "scoring_func 'softmax' is not supported"),
