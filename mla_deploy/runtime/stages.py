@@ -32,27 +32,23 @@ def unreachable(address: str | None, timeout_s: float = CONNECT_TIMEOUT_S) -> st
     """Why no Ray cluster answers at `address` (else RAY_ADDRESS), of the form [ray://]HOST:PORT, as an error
     message naming where the address came from; None when a connection opens, or the address is not of that form
     ('auto', 'local': Ray resolves those itself)."""
-    source = "--ray-address" if address else "RAY_ADDRESS"
-    address = address or os.environ.get("RAY_ADDRESS")
-    host, sep, port = (address or "").removeprefix("ray://").rpartition(":")
+    host, sep, port = (address or os.environ.get("RAY_ADDRESS") or "").removeprefix("ray://").rpartition(":")
     if not sep or not port.isdigit():
         return None
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
         return None
     except socket.timeout:
-        why = f"no answer within {timeout_s:g} s"
+        return no_cluster(address, f"no answer within {timeout_s:g} s")
     except OSError as e:
-        why = e.strerror or str(e)
-    return (f"{source} {address}: no Ray cluster answered ({why}); start one (ray start --head) or leave "
-            f"{source} out to run a local one")
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
-    except socket.timeout:
-        return f"no answer within {timeout_s:g} s"
-    except OSError as e:
-        return e.strerror or str(e)
-    return None
+        return no_cluster(address, e.strerror or str(e))
+
+
+def no_cluster(address: str | None, why: str) -> str:
+    """The error for a cluster that did not answer at `address` (else RAY_ADDRESS), naming where it came from."""
+    source = "--ray-address" if address else "RAY_ADDRESS"
+    return (f"{source} {address or os.environ.get('RAY_ADDRESS')}: no Ray cluster answered ({why}); start one (ray "
+            f"start --head) or leave {source} out to run a local one")
 
 
 def stage_resource(index: int) -> str:
@@ -83,8 +79,7 @@ class StagedModel(StagedExport):
             try:
                 ray.init(address=address, include_dashboard=False, log_to_driver=False)
             except ConnectionError as e:  # --ray-address auto with no cluster here, or one that does not answer
-                raise StageFailedError(f"--ray-address {address}: no Ray cluster answered ({e}); start one (ray start "
-                                       "--head) or leave the option out to run a local one") from None
+                raise StageFailedError(no_cluster(address, str(e))) from None
         resources = ray.cluster_resources()
         count = len(self.stage_dirs)
         options = options or RuntimeOptions()
