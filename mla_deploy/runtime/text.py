@@ -118,8 +118,7 @@ class TextStream:
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
-        text = self.tokenizer.decode(self.ids[self.prefix:])
+        before, text = self._window()
         if text.endswith("\ufffd") or len(text) <= len(before):  # an incomplete UTF-8 sequence: wait for the next token
             return ""
         self.prefix, self.read = self.read, len(self.ids)
@@ -128,7 +127,10 @@ class TextStream:
     def flush(self) -> str:
         """At the end of the generation: the text still held back, an incomplete UTF-8 sequence decoded as it is
         (U+FFFD, as the whole sequence decodes), so the pieces join to decode(ids)."""
-        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
-        text = self.tokenizer.decode(self.ids[self.prefix:])
+        before, text = self._window()
         self.prefix = self.read = len(self.ids)
         return text[len(before):]
+
+    def _window(self) -> tuple[str, str]:
+        """The text of ids[prefix:read] (out already) and of ids[prefix:] (the same and what followed)."""
+        return self.tokenizer.decode(self.ids[self.prefix:self.read]), self.tokenizer.decode(self.ids[self.prefix:])
