@@ -237,13 +237,11 @@ class Engine:
         except BaseException as e:  # a bug or onnxruntime failure: fail every request instead of hanging them
             self.error = e
             with self._lock:
-                for request in list(scheduler.waiting) + scheduler.running + self._inbox:
-                    request.emit(_Failed(e))
-            self._hand_over()
+                self._end(e, running=True)
 
-    def _end(self, error: EngineStopped, running: bool) -> None:
+    def _end(self, error: BaseException, running: bool) -> None:
         """On the scheduler thread, holding the lock: the queued requests (and with `running` the running ones)
-        end with `error`; marked cancelled, the next step frees their rows."""
+        end with `error` (EngineStopped, or the failure); marked cancelled, a next step frees their rows."""
         ended = list(self._inbox) + list(self.scheduler.waiting) + (self.scheduler.running if running else [])
         for request in ended:
             request.emit(_Failed(error))
