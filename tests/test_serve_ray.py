@@ -25,9 +25,9 @@ def test_two_replicas_behind_ray_serve_share_the_requests(tmp_path):
 
     out = tmp_path / "demo"
     export(DEMO_CHECKPOINT, out)
-    port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
+        port = free_port()  # after Ray's own processes took their ports: one of them took an earlier pick once
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(deployment(out, replicas=2, max_batch=4), name="mla-deploy", route_prefix="/")
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120)
