@@ -70,6 +70,14 @@ class CacheBuffers:
         resident one."""
         return self.arrays[name] if not self.resident else to_host(self.values[name], self.dtypes[name])
 
+    def copy_slots(self, source: int, row: int, slots: int) -> None:
+        """Row `row`'s first `slots` slots of every cache become row `source`'s (prefix caching,
+        runtime.prefix): host caches only, in place."""
+        if self.resident:
+            raise ValueError("copy_slots: resident caches are not copied between rows")
+        for array in self.arrays.values():
+            array[row, :slots] = array[source, :slots]
+
     def bind(self, binding: ort.IOBinding, rows: slice | None = None) -> list[ort.OrtValue]:
         """Bind every cache as both the past input and the present output: in-place update. `rows` binds only those
         rows (a scheduler's one row, or its occupied prefix): numpy views of host caches, the rows' address range of

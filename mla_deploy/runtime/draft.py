@@ -46,6 +46,14 @@ class MTPDrafter:
         self._prompt_end.pop(row, None)
         self.written[row] = 0
 
+    def reuse(self, row: int, source: int, slots: int) -> None:
+        """A new request in `row` that starts from the first `slots` committed pairs of row `source` (prefix caching,
+        runtime.prefix; copied when source is another row)."""
+        self.reset(row)
+        if source != row:
+            self.caches.copy_slots(source, row, slots)
+        self.written[row] = slots
+
     def run(self, ids: np.ndarray, hidden: np.ndarray, starts: np.ndarray, last: np.ndarray,
             first_row: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """ids [b, T] (tokens i + 1) and hidden [b, T, d] (states at i) for cache rows first_row .. first_row + b,

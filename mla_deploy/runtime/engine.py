@@ -67,16 +67,18 @@ class EngineStats:
 
 class Engine:
     def __init__(self, model: ExportedModel, max_batch: int = 16, max_queue: int = 256, prefill_chunk: int = 256,
-                 speculation: Speculation | None = None, micro_batches: int | None = None):
+                 speculation: Speculation | None = None, micro_batches: int | None = None,
+                 prefix_caching: bool = True):
         """`model`: an ExportedModel, or a staged export's stage chain (runtime.chain.StageChain,
-        runtime.stages.StagedModel: runtime.staged_scheduler, `micro_batches` groups of rows in flight);
-        `speculation`: the scheduler's (runtime.speculative); a request opts out with speculate=False."""
+        runtime.stages.StagedModel: runtime.staged_scheduler, `micro_batches` groups of rows in flight, every prompt
+        prefilled whole); `speculation`: the scheduler's (runtime.speculative); a request opts out with
+        speculate=False; `prefix_caching`: the Scheduler's (runtime.prefix)."""
         self.model = model
         if isinstance(model, StagedExport):  # a stage chain: its stages hold the caches
             self.scheduler: Scheduler = StagedScheduler(model, max_batch, max_queue, prefill_chunk, speculation,
                                                         micro_batches)
         else:
-            self.scheduler = Scheduler(model, max_batch, max_queue, prefill_chunk, speculation)
+            self.scheduler = Scheduler(model, max_batch, max_queue, prefill_chunk, speculation, prefix_caching)
         self.stats = EngineStats()
         self._lock = threading.Condition()
         self._inbox: list[Request] = []

@@ -3,16 +3,21 @@
 The scheduler owns `max_batch` cache rows (one CacheBuffers of [max_batch, capacity, width] per layer)
 and the two sessions. Each `step()`:
   1. drops cancelled requests (a client gone frees its row here, within one step);
-  2. admits queued requests into free rows (lowest row first, so the occupied rows stay a prefix);
+  2. admits queued requests into free rows (lowest row first, so the occupied rows stay a prefix), or, with
+     prefix caching (runtime.prefix, the default), into the row whose cache holds the longest start of the
+     prompt (a free row's slots reused in place; a running row's copied into the lowest free one, host caches
+     only), the reused slots not prefilled again;
   3. prefills admitted prompts chunk by chunk, chunks starting while fewer than `prefill_chunk` tokens were
      prefilled this step (so about one chunk's worth a step), so a long prompt is spread over several steps
      while the running streams keep decoding between them;
-     every chunk is a batch-1 prefill into that row's slice of the cache, `prefill_chunk` tokens from
-     a fixed boundary, so a prompt's numbers do not depend on what else is running;
+     every chunk is a batch-1 prefill into that row's slice of the cache, ending at a multiple of
+     `prefill_chunk` (or the prompt's end), so without prefix caching a prompt's numbers do not depend on what
+     else ran or is running;
   4. decodes one token for every running row in one decode call over rows [0, hi), where hi is one past
-     the highest occupied row. A row that is not decoding (free, or still prefilling) rides along with a
-     pad token written at its own length: its next prefill chunk or first decode overwrites that slot
-     before any query can see it (attention is causal on slots, as in the Generator).
+     the highest occupied row. A row that is not decoding rides along with a pad token written at its own
+     length: a prefilling row's next chunk or first decode overwrites that slot before any query can see it
+     (attention is causal on slots, as in the Generator); a free row's length is the end of the slots it
+     holds for prefix caching, pulled back (forgetting the last) where the pass would not fit the capacity.
 Rows share the cache capacity, which grows by CacheBuffers.BLOCK slots to the longest row's need and
 never past the export's maximum length; a request that could not fit is refused when submitted.
 
@@ -45,6 +50,7 @@ from .generator import check_prompts
 from .grammar import Constraint, allowed_tokens
 from .draft import MTPDrafter
 from .history import appended
+from .prefix import NONE, held_tokens, reusable_slots
 from .sampling import SamplingParams, sample
 from .session import ExportedModel
 from .speculative import (PRIOR_ACCEPTANCE, DraftPolicy, Speculation, SpeculationStats, accept_row, lookup,
@@ -74,6 +80,7 @@ class Finished:
     reason: str  # "stop" (a stop id), "length" (max_new_tokens), "cancelled"
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose cache entries a row already held (prefix caching), not prefilled
 
 
 @dataclass
@@ -94,6 +101,7 @@ class Request:
     # scheduler state
     row: int | None = None
     prefilled: int = 0
+    cached: int = 0  # its first prompt tokens found in a cache row (prefix caching), not prefilled
     generated: list[int] = field(default_factory=list)
     pending: int | None = None  # the last sampled token, not yet in the cache
     history: np.ndarray | None = None  # prompt and output so far: a view of _tokens' first slots
@@ -122,6 +130,7 @@ class SchedulerStats:
     decoded_rows: int = 0  # sum over decode steps of the rows that produced a token (batch occupancy)
     prefill_tokens: int = 0
     generated_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens reused from a cache row instead of prefilled (prefix caching)
     speculation: SpeculationStats = field(default_factory=SpeculationStats)
     finished: dict = field(default_factory=lambda: {"stop": 0, "length": 0, "cancelled": 0})
 
@@ -131,10 +140,13 @@ QUIET_STEPS = 8  # after a step where no row would draft even with every room fi
 
 class Scheduler:
     def __init__(self, model: ExportedModel, max_batch: int = 16, max_queue: int = 256, prefill_chunk: int = 256,
-                 speculation: Speculation | None = None):
+                 speculation: Speculation | None = None, prefix_caching: bool = True):
+        """`prefix_caching`: a prompt starts from the cache slots a row holds for its first tokens (runtime.prefix);
+        False: every prompt is prefilled whole, its numbers independent of what ran before."""
         if io_spec.PREFILL not in model.sessions:
             raise InputError("the scheduler prefills prompts with the prefill graph: load the model with both graphs")
         self._rows_and_queue(model, max_batch, max_queue, prefill_chunk)
+        self.prefix_caching = bool(prefix_caching)
         self.caches = CacheBuffers(model.config, max_batch, 1, model.max_seq_len, model.device, model.cache_format,
                                    resident=model.resident_caches)
         self._decode: DecodeBinding | None = None
@@ -156,6 +168,9 @@ class Scheduler:
         self.model, self.max_batch, self.max_queue, self.prefill_chunk = model, max_batch, max_queue, prefill_chunk
         self.lengths = np.zeros(max_batch, np.int64)  # tokens held in each row's cache
         self.rows: list[Request | None] = [None] * max_batch
+        self.prefix_caching = False
+        self.held: list[np.ndarray] = [NONE] * max_batch  # a free row's tokens in slots [0, lengths[row])
+        self.freed_at = np.zeros(max_batch, np.int64)  # when each row was last freed, in requests finished
         self.waiting: deque[Request] = deque()
         self.stats = SchedulerStats()
 
@@ -232,11 +247,53 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and None in self.rows:
             request = self.waiting.popleft()
-            row = self.rows.index(None)
+            row, source, slots = self._place(request)
             self.rows[row], request.row = request, row
-            self.lengths[row] = 0
+            self.held[row] = NONE
+            if source != row:
+                self.caches.copy_slots(source, row, slots)
+            self.lengths[row] = request.prefilled = request.cached = slots
+            self.stats.cached_tokens += slots
             if self.drafter is not None:
                 self.drafter.reset(row)
+                if slots and self._speculates(request):
+                    self.drafter.reuse(row, source, slots)
+
+    def _place(self, request: Request) -> tuple[int, int, int]:
+        """(the free row `request` goes to, the row whose slots it starts from, how many): with prefix caching the
+        longest reusable start among the free rows, then the running ones' (copied into a fresh row; host caches
+        only), else a fresh row from nothing: the lowest holding nothing, else the one freed longest ago. A request
+        for its prompt's logprobs needs every position's logits: prefilled whole."""
+        free = [r for r, q in enumerate(self.rows) if q is None]
+        empty = [r for r in free if not len(self.held[r])]
+        fresh = empty[0] if empty else min(free, key=lambda r: self.freed_at[r])
+        best = (fresh, fresh, 0)
+        if not self.prefix_caching or request.prompt_logprobs is not None:
+            return best
+        prompt = np.asarray(request.prompt_ids, np.int64)
+        running = [] if self.caches.resident else [r for r, q in enumerate(self.rows) if q is not None]
+        mtp = self.drafter is not None and self._speculates(request)
+        for source in free + running:
+            slots = reusable_slots(prompt, self._held(source), int(self.drafter.written[source]) if mtp else None)
+            if slots > best[2]:
+                best = (source if self.rows[source] is None else fresh, source, slots)
+        return best
+
+    def _held(self, row: int) -> np.ndarray:
+        """The tokens whose entries row `row` holds in slots [0, lengths[row])."""
+        request = self.rows[row]
+        if request is None:
+            return self.held[row]
+        return held_tokens(request.prompt_ids, request.generated, int(self.lengths[row]))
+
+    def _free_rows_fit(self, hi: int, width: int) -> None:
+        """Free rows below `hi` ride along in a pass writing `width` slots from their lengths: one holding slots too
+        close to the capacity forgets its last ones, so the pad fits."""
+        for row in range(hi):
+            end = self.caches.capacity - width
+            if self.rows[row] is None and self.lengths[row] > end:
+                self.lengths[row] = max(end, 0)
+                self.held[row] = self.held[row][: self.lengths[row]]
 
     def _prefill(self) -> None:
         for request, t in self._chunks(self.rows):
@@ -248,8 +305,10 @@ class Scheduler:
         budget = self.prefill_chunk
         for request in [r for r in rows if r is not None and r.pending is None]:
             while request.prefilled < len(request.prompt_ids) and budget > 0:
-                # a chunk always starts at a multiple of prefill_chunk: a prompt's chunks do not depend on the load
-                t = min(self.prefill_chunk, len(request.prompt_ids) - request.prefilled)
+                # a chunk always ends at a multiple of prefill_chunk (or the prompt's end): a prompt's chunks do not
+                # depend on the load
+                t = min(self.prefill_chunk - request.prefilled % self.prefill_chunk,
+                        len(request.prompt_ids) - request.prefilled)
                 yield request, t
                 budget -= t
             if budget <= 0:
@@ -318,7 +377,9 @@ class Scheduler:
                 self._verify_step(decoding, hi, drafts)
                 return
         t0 = time.perf_counter()
-        if self.caches.ensure(int(self.lengths[:hi].max()) + 1) or self._decode is None or self._decode.rows != hi:
+        grew = self.caches.ensure(self._longest(hi) + 1)
+        self._free_rows_fit(hi, 1)
+        if grew or self._decode is None or self._decode.rows != hi:
             self._decode = DecodeBinding(self.model.sessions[io_spec.DECODE], self.caches, hi,
                                          self.model.config.vocab_size)
         d = self._decode
@@ -368,7 +429,7 @@ class Scheduler:
         """Drafts for rows [0, hi): the speculating rows' proposals (the MTP draft catches every such row up first),
         none for the others. Every row writes the pass's width from its length, so no draft may take a row past the
         export's length; nor past its own token budget (the token drawn after the accepted drafts comes on top)."""
-        end = min(self.model.max_seq_len - 1 - int(self.lengths[r]) for r in range(hi))
+        end = self.model.max_seq_len - 1 - self._longest(hi)
         by_row: list[Request | None] = [None] * hi  # the speculating rows
         acceptances: list[float | None] = [None] * hi  # every decoding row's (0: one that does not speculate)
         for r in decoding:
@@ -392,8 +453,9 @@ class Scheduler:
         """One verification pass over rows [0, hi): each decoding row's pending token and drafts at its length."""
         t0 = time.perf_counter()
         width = 1 + max(len(d) for d in drafts)
-        if self.caches.ensure(int(self.lengths[:hi].max()) + width):
+        if self.caches.ensure(self._longest(hi) + width):
             self._decode = None
+        self._free_rows_fit(hi, width)
         ids = np.zeros((hi, width), np.int64)  # rows not decoding ride along with padding at their own length
         for r in decoding:
             ids[r.row, 0] = r.pending
@@ -452,12 +514,19 @@ class Scheduler:
 
     def _finish(self, request: Request, reason: str) -> None:
         if request.row is not None:
-            self.rows[request.row] = None
-            self.lengths[request.row] = 0
+            row = request.row
+            self.held[row] = self._held(row) if self.prefix_caching else NONE  # kept for a later prompt
+            self.rows[row] = None
+            self.lengths[row] = len(self.held[row])
+            self.freed_at[row] = sum(self.stats.finished.values())
             request.row = None
         request.pending = None
         self.stats.finished[reason] += 1
-        request.emit(Finished(reason, len(request.prompt_ids), len(request.generated)))
+        request.emit(Finished(reason, len(request.prompt_ids), len(request.generated), request.cached))
+
+    def _longest(self, hi: int) -> int:
+        """The most slots an occupied row below `hi` holds (0: none)."""
+        return max((int(self.lengths[r]) for r in range(hi) if self.rows[r] is not None), default=0)
 
 
     def _allowed(self, rows: list[Request]) -> np.ndarray | None:
