@@ -241,6 +241,43 @@ def test_engine_streams_to_asyncio_and_leaving_early_cancels(model):
         engine.close()
 
 
+def test_tokens_generated_before_a_failure_reach_a_consumer_that_fell_behind(model):
+    """The scheduler fails while the consumer has not read the tokens of the steps before: they come out first,
+    then EngineFailed (not the error alone, which would drop them)."""
+    from mla_deploy.runtime.engine import EngineFailed
+
+    engine = Engine(model, max_batch=1)
+    step, steps = engine.scheduler.step, []
+
+    def failing(*args, **kwargs):
+        steps.append(1)
+        if len(steps) > 3:
+            raise RuntimeError("injected failure")
+        return step(*args, **kwargs)
+
+    engine.scheduler.step = failing
+
+    async def behind():
+        got = []
+        stream = engine.submit([5, 6, 7], 50, SamplingParams(), stop_token_ids=())
+        first = await stream.__anext__()
+        while engine.error is None:  # the scheduler runs on and fails while nobody reads
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # its events handed over to this loop
+        got.append(first.token)
+        with pytest.raises(EngineFailed, match="injected failure"):
+            async for event in stream:
+                got.append(event.token)
+        return got
+
+    try:
+        got = asyncio.run(behind())
+        # the first step prefills and decodes (two tokens), the next two decode one each
+        assert got == Generator(model, SamplingParams(), stop_token_ids=()).generate([[5, 6, 7]], 4).token_ids[0]
+    finally:
+        engine.close()
+
+
 def test_stopping_ends_the_queued_requests_then_the_running_ones_and_closing_answers_everyone(model):
     """A server's shutdown: stop() refuses new requests and ends the queued ones at once, the running ones go on
     until stop(running=True) ends them too; close() ends whatever is left. Every consumer is answered (EngineStopped),

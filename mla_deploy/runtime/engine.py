@@ -193,8 +193,10 @@ class Engine:
                 while not queue.empty():
                     events.append(queue.get_nowait())
                 now = time.perf_counter()
-                for event in events:
+                for i, event in enumerate(events):
                     if isinstance(event, _Failed):
+                        if i:  # the tokens that came before the failure reach the consumer first
+                            yield events[:i]
                         if isinstance(event.error, EngineStopped):
                             raise EngineStopped(str(event.error))
                         raise EngineFailed(f"the scheduler failed: {event.error!r}")
