@@ -397,6 +397,10 @@ def bench(quick, preset, checkpoint, contexts, batches, engines, steps, threads,
               help="Requests waiting for a row before new ones get 429 with Retry-After.")
 @click.option("--prefill-chunk", type=click.IntRange(min=1), default=256, show_default=True,
               help="Prompt tokens prefilled per scheduler step, between decode steps of the running requests.")
+@click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
+              help="Start a prompt from the cache slots a row holds for its first tokens (a chat's earlier turns, a "
+                   "shared system prompt); off: every prompt prefilled whole, its numbers independent of what ran "
+                   "before. A staged export prefills every prompt whole.")
 @click.option("--api-key", default=None, envvar="MLA_DEPLOY_API_KEY",
               help="Require Authorization: Bearer KEY on every route but /health (or set MLA_DEPLOY_API_KEY).")
 @click.option("--model-name", default=None, help="The model id clients send (default: the export directory's name).")
@@ -415,8 +419,8 @@ def bench(quick, preset, checkpoint, contexts, batches, engines, steps, threads,
 @_ray_address_option
 @click.option("--micro-batches", type=click.IntRange(min=1), default=None,
               help="A staged export: groups of rows in flight through the stages together (default: one per stage).")
-def serve(export_dir, host, port, max_batch, max_queue, prefill_chunk, api_key, model_name, threads, prepack, spin,
-          ray_replicas, provider, session_config, speculative, draft_tokens, ray_address, micro_batches):
+def serve(export_dir, host, port, max_batch, max_queue, prefill_chunk, prefix_caching, api_key, model_name, threads,
+          prepack, spin, ray_replicas, provider, session_config, speculative, draft_tokens, ray_address, micro_batches):
     """Serve EXPORT_DIR over HTTP with OpenAI's completions and chat routes, batching requests continuously."""
     from .runtime import RuntimeOptions
 
@@ -439,7 +443,7 @@ def serve(export_dir, host, port, max_batch, max_queue, prefill_chunk, api_key, 
         from .serve.ray import serve_on_ray
 
         serve_on_ray(export_dir, ray_replicas, host, port, max_batch, max_queue, api_key, model_name, options,
-                     _speculation(speculative, draft_tokens), ray_address)
+                     _speculation(speculative, draft_tokens), ray_address, prefill_chunk, prefix_caching)
         return
     from .serve.server import build_service, listening_socket
     from .serve.server import serve as run_server
@@ -447,7 +451,7 @@ def serve(export_dir, host, port, max_batch, max_queue, prefill_chunk, api_key, 
     sock = listening_socket(host, port)  # a port in use is said before the model loads
     try:
         service = build_service(export_dir, max_batch, max_queue, api_key, model_name, options, prefill_chunk,
-                                _speculation(speculative, draft_tokens), ray_address, micro_batches)
+                                _speculation(speculative, draft_tokens), ray_address, micro_batches, prefix_caching)
     except BaseException:
         sock.close()
         raise

@@ -227,3 +227,28 @@ def test_with_the_mtp_draft_the_reused_slots_stop_one_short_and_the_drafts_pairs
         for name, array in cached.drafter.caches.arrays.items():
             np.testing.assert_allclose(array[row, :reused], whole.drafter.caches.arrays[name][0, :reused],
                                        rtol=1e-3, atol=1e-3, err_msg=name)
+
+
+def test_serve_hands_its_prefix_caching_and_prefill_chunk_to_the_scheduler_in_one_process_and_on_ray(
+        export_dir, monkeypatch):
+    from types import SimpleNamespace
+
+    from click.testing import CliRunner
+
+    from mla_deploy.cli import main
+
+    server = pytest.importorskip("mla_deploy.serve.server", reason="serve needs the 'serve' extra")
+    built = []
+    monkeypatch.setattr(server, "build_service", lambda *args: built.append(args) or SimpleNamespace(model_name="m"))
+    monkeypatch.setattr(server, "serve", lambda *args: None)
+    for flags, expected in (([], True), (["--no-prefix-caching"], False)):
+        result = CliRunner().invoke(main, ["serve", str(export_dir), "--port", "0", "--prefill-chunk", "64", *flags])
+        assert result.exit_code == 0, result.output
+        assert (built[-1][6], built[-1][10]) == (64, expected)  # build_service's prefill_chunk, prefix_caching
+    ray = pytest.importorskip("mla_deploy.serve.ray", reason="--ray-replicas needs the 'ray' extra")
+    on_ray = []
+    monkeypatch.setattr(ray, "serve_on_ray", lambda *args: on_ray.append(args))
+    result = CliRunner().invoke(main, ["serve", str(export_dir), "--ray-replicas", "2", "--prefill-chunk", "64",
+                                       "--no-prefix-caching"])
+    assert result.exit_code == 0, result.output
+    assert on_ray[-1][-2:] == (64, False)

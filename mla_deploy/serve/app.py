@@ -46,6 +46,7 @@ class Piece:
     finish_reason: str | None = None
     completion_tokens: int = 0
     cumulative_logprob: float = 0.0
+    cached_tokens: int = 0  # prompt tokens found in a cache row (prefix caching), not prefilled
 
 
 @dataclass
@@ -230,12 +231,14 @@ class Service:
                         if choice.stopped:
                             if run.request is not None:  # counted as a stop, not a client that left
                                 self.engine.cancel(run.request, "stop")
-                            yield Piece(*choice.take(), "stop", generated, cumulative)
+                            cached = 0 if run.request is None else run.request.cached
+                            yield Piece(*choice.take(), "stop", generated, cumulative, cached)
                             return
                     elif isinstance(event, Finished):
                         choice.finish()
                         reason = "length" if event.reason == "length" else "stop"
-                        yield Piece(*choice.take(), reason, event.completion_tokens, cumulative)
+                        yield Piece(*choice.take(), reason, event.completion_tokens, cumulative,
+                                    event.cached_tokens)
                         return
                 yield Piece(*choice.take())
         finally:
@@ -355,9 +358,19 @@ async def _generate(service: Service, request: Request, kind: str):
             make = protocol.completion_choice if kind == "completion" else protocol.chat_choice
             choices.append(make(i * req.n + j, "".join(text), last.finish_reason, service.logprobs(req, tokens)))
     use = protocol.usage(sum(len(ids) for ids in {r[0].prompt_index: r[0].prompt_ids for r in results}.values()),
-                         sum(r[3].completion_tokens for r in results))
+                         sum(r[3].completion_tokens for r in results),
+                         _cached(((r[0].prompt_index, r[3].cached_tokens) for r in results)))
     _count(service, 200)
     return protocol.response(req, rid, choices, use)
+
+
+def _cached(choices) -> int:
+    """Prompt tokens found in the cache, from (prompt index, a choice's cached tokens) pairs: each prompt counted
+    once, as usage counts its tokens (the least of its choices)."""
+    least: dict[int, int] = {}
+    for index, n in choices:
+        least[index] = min(n, least.get(index, n))
+    return sum(least.values())
 
 
 async def _sse(service: Service, req: GenerationRequest, rid: str, runs: list[Run]):
@@ -375,7 +388,7 @@ async def _sse(service: Service, req: GenerationRequest, rid: str, runs: list[Ru
                 if piece.text or logprobs or piece.finish_reason:
                     await queue.put(protocol.chunk(req, rid, index, piece.text, piece.finish_reason, logprobs))
                 if piece.finish_reason is not None:
-                    await queue.put(piece)
+                    await queue.put((run.prompt_index, piece))
         except Exception as e:  # the engine failed: end the whole stream with it, not hang the other choices
             await queue.put(e)
         finally:
@@ -383,7 +396,7 @@ async def _sse(service: Service, req: GenerationRequest, rid: str, runs: list[Ru
 
     tasks = [asyncio.create_task(pump(run)) for run in runs]
     prompt_tokens = sum(len(ids) for ids in {r.prompt_index: r.prompt_ids for r in runs}.values())
-    finished, completion_tokens = 0, 0
+    finished, completion_tokens, cached = 0, 0, []
     try:
         while finished < len(runs):
             item = await queue.get()
@@ -391,13 +404,15 @@ async def _sse(service: Service, req: GenerationRequest, rid: str, runs: list[Ru
                 yield _event(_stream_error(service, item).body)
                 yield "data: [DONE]\n\n"
                 return
-            if isinstance(item, Piece):
+            if isinstance(item, tuple):  # (prompt index, a choice's last piece)
                 finished += 1
-                completion_tokens += item.completion_tokens
+                completion_tokens += item[1].completion_tokens
+                cached.append((item[0], item[1].cached_tokens))
                 continue
             yield _event(item)
         if req.include_usage:
-            yield _event(protocol.usage_chunk(req, rid, protocol.usage(prompt_tokens, completion_tokens)))
+            yield _event(protocol.usage_chunk(req, rid, protocol.usage(prompt_tokens, completion_tokens,
+                                                                       _cached(cached))))
         yield "data: [DONE]\n\n"
     finally:
         for task in tasks:

@@ -22,6 +22,8 @@ def render_metrics(service) -> str:
     metric("requests_rejected_total", "counter", "Requests refused because the queue was full.",
            [("", engine.stats.rejected)])
     metric("prompt_tokens_total", "counter", "Prompt tokens prefilled.", [("", stats.prefill_tokens)])
+    metric("prompt_tokens_cached_total", "counter",
+           "Prompt tokens found in a cache row (prefix caching), not prefilled.", [("", stats.cached_tokens)])
     metric("generation_tokens_total", "counter", "Tokens generated.", [("", stats.generated_tokens)])
     metric("queue_depth", "gauge", "Requests waiting for a cache row.", [("", engine.queue_depth)])
     metric("running_requests", "gauge", "Requests holding a cache row.", [("", len(scheduler.running))])

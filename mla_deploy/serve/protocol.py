@@ -351,9 +351,12 @@ def new_id(kind: str) -> str:
     return ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; `cached_tokens`: prompt tokens whose cache entries a row already held (prefix caching),
+    OpenAI's prompt_tokens_details.cached_tokens."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def response(req: GenerationRequest, rid: str, choices: list[dict], use: dict) -> dict:

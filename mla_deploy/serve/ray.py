@@ -26,9 +26,10 @@ from .server import build_service
 @serve.ingress()
 class Replica:
     def __init__(self, export_dir: str, max_batch: int, max_queue: int, api_key: str | None, model_name: str | None,
-                 options: RuntimeOptions, speculation: Speculation | None = None):
-        self.service = build_service(export_dir, max_batch, max_queue, api_key, model_name, options,
-                                     speculation=speculation)
+                 options: RuntimeOptions, speculation: Speculation | None = None, prefill_chunk: int = 256,
+                 prefix_caching: bool = True):
+        self.service = build_service(export_dir, max_batch, max_queue, api_key, model_name, options, prefill_chunk,
+                                     speculation, prefix_caching=prefix_caching)
         self.service.instance = serve.get_replica_context().replica_id.unique_id
 
     def __serve_build_asgi_app__(self):
@@ -43,7 +44,7 @@ class Replica:
 
 def deployment(export_dir: str | Path, replicas: int, max_batch: int = 16, max_queue: int = 256,
                api_key: str | None = None, model_name: str | None = None, options: RuntimeOptions | None = None,
-               speculation: Speculation | None = None):
+               speculation: Speculation | None = None, prefill_chunk: int = 256, prefix_caching: bool = True):
     """The bound Ray Serve application. Each replica reserves an equal share of the CPUs and runs onnxruntime on
     that many threads (unless options.threads says otherwise), so replicas do not fight over cores."""
     cpus = max(1, (os.cpu_count() or 1) // replicas)
@@ -55,7 +56,8 @@ def deployment(export_dir: str | Path, replicas: int, max_batch: int = 16, max_q
     return serve.deployment(Replica, name="mla-deploy", num_replicas=replicas,
                             ray_actor_options={"num_cpus": cpus},
                             max_ongoing_requests=max_batch + max_queue,  # queueing is the Engine's job, not Ray's
-                            ).bind(export_dir, max_batch, max_queue, api_key, name, options, speculation)
+                            ).bind(export_dir, max_batch, max_queue, api_key, name, options, speculation,
+                                   prefill_chunk, prefix_caching)
 
 
 def app(args: dict):
@@ -66,7 +68,8 @@ def app(args: dict):
 
 def serve_on_ray(export_dir, replicas: int, host: str, port: int, max_batch: int, max_queue: int,
                  api_key: str | None, model_name: str | None, options: RuntimeOptions,
-                 speculation: Speculation | None = None, address: str | None = None) -> None:
+                 speculation: Speculation | None = None, address: str | None = None, prefill_chunk: int = 256,
+                 prefix_caching: bool = True) -> None:
     """Start a local Ray instance (or join `address`, else RAY_ADDRESS), run the replicas, and block until
     interrupted."""
     import ray
@@ -77,7 +80,8 @@ def serve_on_ray(export_dir, replicas: int, host: str, port: int, max_batch: int
     ray.init(address=address or os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": host, "port": port})
-        serve.run(deployment(export_dir, replicas, max_batch, max_queue, api_key, model_name, options, speculation),
+        serve.run(deployment(export_dir, replicas, max_batch, max_queue, api_key, model_name, options, speculation,
+                             prefill_chunk, prefix_caching),
                   name="mla-deploy", route_prefix="/", blocking=True)
     finally:  # Ctrl-C or SIGTERM: take the replicas and a Ray instance started here down with us
         serve.shutdown()

@@ -21,10 +21,11 @@ from .app import Service, create_app
 def build_service(export_dir: str | Path, max_batch: int = 16, max_queue: int = 256, api_key: str | None = None,
                   model_name: str | None = None, options: RuntimeOptions | None = None,
                   prefill_chunk: int = 256, speculation: Speculation | None = None, ray_address: str | None = None,
-                  micro_batches: int | None = None) -> Service:
-    """`speculation`: the engine's (runtime.speculative), which a request may opt out of. A staged export (export
-    --stages N) loads as one Ray actor per stage (runtime.stages, the 'ray' extra; `ray_address`: the cluster to
-    join, default a local Ray instance), `micro_batches` groups of rows in flight (default: one per stage)."""
+                  micro_batches: int | None = None, prefix_caching: bool = True) -> Service:
+    """`speculation`: the engine's (runtime.speculative), which a request may opt out of; `prefix_caching`: the
+    scheduler's (runtime.prefix). A staged export (export --stages N) loads as one Ray actor per stage
+    (runtime.stages, the 'ray' extra; `ray_address`: the cluster to join, default a local Ray instance),
+    `micro_batches` groups of rows in flight (default: one per stage), every prompt prefilled whole."""
     if is_staged(read_manifest(export_dir)):
         try:
             from ..runtime.stages import StagedModel
@@ -36,7 +37,7 @@ def build_service(export_dir: str | Path, max_batch: int = 16, max_queue: int = 
         model = ExportedModel(export_dir, options)
     try:
         engine = Engine(model, max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk,
-                        speculation=speculation, micro_batches=micro_batches)
+                        speculation=speculation, micro_batches=micro_batches, prefix_caching=prefix_caching)
     except BaseException:
         _shutdown(model)
         raise
