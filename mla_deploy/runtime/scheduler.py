@@ -10,9 +10,9 @@ and the two sessions. Each `step()`:
   3. prefills admitted prompts chunk by chunk, chunks starting while fewer than `prefill_chunk` tokens were
      prefilled this step (so about one chunk's worth a step), so a long prompt is spread over several steps
      while the running streams keep decoding between them;
-     every chunk is a batch-1 prefill into that row's slice of the cache, ending at a multiple of
-     `prefill_chunk` (or the prompt's end), so without prefix caching a prompt's numbers do not depend on what
-     else ran or is running;
+     every chunk is a batch-1 prefill into that row's slice of the cache, `prefill_chunk` tokens from where the
+     prompt starts (its first token, or the first past its cached slots), so a prompt's numbers do not depend on
+     what else is running (nor, without prefix caching, on what ran before);
   4. decodes one token for every running row in one decode call over rows [0, hi), where hi is one past
      the highest occupied row. A row that is not decoding rides along with a pad token written at its own
      length: a prefilling row's next chunk or first decode overwrites that slot before any query can see it
@@ -305,10 +305,9 @@ class Scheduler:
         budget = self.prefill_chunk
         for request in [r for r in rows if r is not None and r.pending is None]:
             while request.prefilled < len(request.prompt_ids) and budget > 0:
-                # a chunk always ends at a multiple of prefill_chunk (or the prompt's end): a prompt's chunks do not
+                # chunks of prefill_chunk from where the prompt starts (0, or past its cached slots): they do not
                 # depend on the load
-                t = min(self.prefill_chunk - request.prefilled % self.prefill_chunk,
-                        len(request.prompt_ids) - request.prefilled)
+                t = min(self.prefill_chunk, len(request.prompt_ids) - request.prefilled)
                 yield request, t
                 budget -= t
             if budget <= 0:
