@@ -125,6 +125,26 @@ def test_a_running_rows_prefix_is_copied_into_a_free_row(model):
     same_generation(first, alone(model, system + prompt_of(5, 7), 20))
 
 
+def test_choices_of_one_prompt_prefill_it_once(model):
+    """Requests arriving together with one prompt (n choices, clients sending one system prompt): the first prefills
+    it, the others wait in the queue for its slots and copy them; a request sharing less than half its prompt with
+    the row being prefilled does not wait."""
+    scheduler = Scheduler(model, max_batch=5, prefill_chunk=16)
+    prompt = prompt_of(15, 40)
+    outs = [submit(scheduler, prompt, 6) for _ in range(4)]
+    other = submit(scheduler, prompt[:10] + prompt_of(16, 30), 6)
+    scheduler.step()
+    assert scheduler.rows[1].prompt_ids == prompt[:10] + prompt_of(16, 30)  # admitted past the 3 choices waiting
+    assert [r is not None for r in scheduler.rows] == [True, True, False, False, False]
+    drain(scheduler)
+    assert [o.finished.cached_tokens for o in outs] == [0, 39, 39, 39]
+    assert other.finished.cached_tokens == 0
+    assert scheduler.stats.prefill_tokens == 40 + 3 + 40
+    expected = alone(model, prompt, 6)
+    for out in outs:
+        same_generation(out, expected)
+
+
 def test_resident_caches_reuse_a_free_row_in_place_and_copy_nothing(export_dir):
     model = ExportedModel(export_dir, RuntimeOptions(resident_caches=True))
     scheduler = Scheduler(model, max_batch=2, prefill_chunk=16)

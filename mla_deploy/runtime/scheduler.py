@@ -50,7 +50,7 @@ from .generator import check_prompts
 from .grammar import Constraint, allowed_tokens
 from .draft import MTPDrafter
 from .history import appended
-from .prefix import NONE, held_tokens, reusable_slots
+from .prefix import NONE, common_length, held_tokens, reusable_slots
 from .sampling import SamplingParams, sample
 from .session import ExportedModel
 from .speculative import (PRIOR_ACCEPTANCE, DraftPolicy, Speculation, SpeculationStats, accept_row, lookup,
@@ -245,8 +245,12 @@ class Scheduler:
                 self._finish(request, request.ended_by)
 
     def _admit(self) -> None:
+        later = []  # requests whose prompt a row is prefilling: they start from its slots once they are there
         while self.waiting and None in self.rows:
             request = self.waiting.popleft()
+            if self._awaits_a_prefill(request):
+                later.append(request)
+                continue
             row, source, slots = self._place(request)
             self.rows[row], request.row = request, row
             self.held[row] = NONE
@@ -258,6 +262,21 @@ class Scheduler:
                 self.drafter.reset(row)
                 if slots and self._speculates(request):
                     self.drafter.reuse(row, source, slots)
+        self.waiting.extendleft(reversed(later))
+
+    def _awaits_a_prefill(self, request: Request) -> bool:
+        """With prefix caching over host caches: a row still prefilling another prompt will hold at least half of
+        this one's and more than it holds now (the choices of one prompt, clients sending one system prompt
+        together), so this request waits for those slots instead of prefilling them too."""
+        if not self.prefix_caching or request.prompt_logprobs is not None or self.caches.resident:
+            return False
+        prompt = np.asarray(request.prompt_ids, np.int64)
+        for other in self.rows:
+            if other is not None and other.pending is None and other.prefilled < len(other.prompt_ids):
+                coming = min(common_length(prompt, np.asarray(other.prompt_ids, np.int64)), len(prompt) - 1)
+                if coming > other.prefilled and 2 * coming >= len(prompt):
+                    return True
+        return False
 
     def _place(self, request: Request) -> tuple[int, int, int]:
         """(the free row `request` goes to, the row whose slots it starts from, how many): with prefix caching the
