@@ -1,8 +1,8 @@
-"""Prefix caching served: time to first token of a chat's later turns and of clients sharing a system prompt, with
-`serve`'s prefix caching on and off side by side.
+"""Prefix caching served: time to first token of a chat's later turns and of clients sharing a system prompt, and
+the time to score multiple-choice questions as lm-eval does, with `serve`'s prefix caching on and off side by side.
 
     .venv/bin/python benchmarks/prefix_caching.py EXPORT_DIR [--system 512] [--message 64] [--reply 64] [--turns 4]
-        [--rounds 2] [--out benchmarks/results/prefix_caching.json] [--serve-option=ARG ...]
+        [--choices 4] [--rounds 2] [--out benchmarks/results/prefix_caching.json] [--serve-option=ARG ...]
 
 Starts two `mla-deploy serve EXPORT_DIR` children, one with prefix caching (the default) and one with
 --no-prefix-caching, and sends both the same requests, alternating request by request (one server idles while the
@@ -10,9 +10,12 @@ other works), every prompt of random token ids (fresh each round, so no round fi
 1. a chat: a `--system`-token system prompt and a `--message`-token message, then `--turns` - 1 more turns, each
    prompt the previous one, its `--reply`-token reply (the caching server's, read back as token ids: an export
    without a tokenizer, such as a preset's) and a new message;
-2. `--turns` clients one after another, each the system prompt of step 1's next round and a message of its own.
-For each request: the time to its first streamed token and the prompt's usage.prompt_tokens_details.cached_tokens.
-Prints medians over `--rounds` and their ratios (off / on), writes the JSON with the date, the CPU and the command.
+2. `--turns` clients one after another, each the system prompt of step 1's next round and a message of its own;
+3. `--turns` questions, each a `--system`-token question and `--choices` continuations of `--message` tokens scored
+   in one request as lm-eval's local-completions does (the prompts' logprobs: `echo`, `max_tokens` 0).
+For each request: the time to its first streamed token (the whole request's time for 3) and the prompts'
+usage.prompt_tokens_details.cached_tokens. Prints medians over `--rounds` and their ratios (off / on), writes the
+JSON with the date, the CPU and the command.
 """
 
 from __future__ import annotations
@@ -55,7 +58,19 @@ async def request(http, base: str, prompt: list[int], max_tokens: int, eos: list
                 reply += [int(t) for t in tokens]
     if first is None or usage is None:
         raise SystemExit("the server streamed no tokens or no usage")
-    return {"ttft_s": first, "reply": reply, "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+    return {"seconds": first, "reply": reply, "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+            "prompt_tokens": usage["prompt_tokens"]}
+
+
+async def score(http, base: str, prompts: list[list[int]]) -> dict:
+    """The prompts' logprobs in one request, as lm-eval scores a question's choices: the request's seconds."""
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 0, "echo": True, "logprobs": 1}
+    t0 = time.perf_counter()
+    r = await http.post(base + "/v1/completions", json=body)
+    if r.status_code != 200:
+        raise SystemExit(f"the server answered {r.status_code}: {r.text}")
+    usage = r.json()["usage"]
+    return {"seconds": time.perf_counter() - t0, "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
             "prompt_tokens": usage["prompt_tokens"]}
 
 
@@ -78,6 +93,11 @@ async def one_round(http, bases: dict[str, str], rng, vocab: int, eos: list[int]
     system = ids(args.system)
     for _ in range(args.turns):  # clients sharing a system prompt
         await both(system + ids(args.message), args.reply)
+    for _ in range(args.turns):  # multiple-choice questions
+        question = ids(args.system)
+        choices = [question + ids(args.message) for _ in range(args.choices)]
+        for name, base in bases.items():
+            out[name].append(await score(http, base, choices))
     return out
 
 
@@ -87,15 +107,17 @@ async def measure(bases: dict[str, str], vocab: int, eos: list[int], args) -> di
         for base in bases.values():  # warm-up: both graphs run once
             await request(http, base, rng.integers(1000, vocab, 16).tolist(), 2, eos)
         rounds = [await one_round(http, bases, rng, vocab, eos, args) for _ in range(args.rounds)]
-    names = [f"chat turn {i + 1}" for i in range(args.turns)] + [f"shared system, client {i + 1}"
-                                                                 for i in range(args.turns)]
+    names = ([f"chat turn {i + 1}" for i in range(args.turns)]
+             + [f"shared system, client {i + 1}" for i in range(args.turns)]
+             + [f"scoring, question {i + 1}" for i in range(args.turns)])
     rows = []
     for i, name in enumerate(names):
-        row = {"request": name, "prompt_tokens": rounds[0]["on"][i]["prompt_tokens"]}
+        row = {"request": name, "figure": "request time" if name.startswith("scoring") else "time to first token",
+               "prompt_tokens": rounds[0]["on"][i]["prompt_tokens"]}
         for server in bases:
-            row[f"ttft_{server}_s"] = statistics.median(r[server][i]["ttft_s"] for r in rounds)
+            row[f"{server}_s"] = statistics.median(r[server][i]["seconds"] for r in rounds)
             row[f"cached_{server}"] = [r[server][i]["cached_tokens"] for r in rounds]
-        row["ttft_off_over_on"] = row["ttft_off_s"] / row["ttft_on_s"]
+        row["off_over_on"] = row["off_s"] / row["on_s"]
         rows.append(row)
     return {"rows": rows, "rounds": args.rounds}
 
@@ -106,13 +128,14 @@ def main() -> int:
     ap.add_argument("--system", type=int, default=512, help="system prompt tokens")
     ap.add_argument("--message", type=int, default=64, help="tokens of each user message")
     ap.add_argument("--reply", type=int, default=64, help="tokens of each reply")
-    ap.add_argument("--turns", type=int, default=4, help="chat turns, and clients sharing a system prompt")
+    ap.add_argument("--turns", type=int, default=4, help="chat turns, clients sharing a system prompt, questions")
+    ap.add_argument("--choices", type=int, default=4, help="choices scored per question")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/prefix_caching.json"))
     ap.add_argument("--serve-option", action="append", default=[], metavar="ARG",
                     help="an argument passed on to both `mla-deploy serve` (repeatable)")
     args = ap.parse_args()
-    for name in ("system", "message", "reply", "turns", "rounds"):
+    for name in ("system", "message", "reply", "turns", "choices", "rounds"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be at least 1")
     manifest = json.loads((args.export / "manifest.json").read_text())
@@ -133,8 +156,8 @@ def main() -> int:
             proc.terminate()
             proc.wait(timeout=60)
     for row in result["rows"]:
-        print(f"{row['request']:<26} prompt {row['prompt_tokens']:>5}  ttft on {row['ttft_on_s']:6.2f} s  off "
-              f"{row['ttft_off_s']:6.2f} s  off/on {row['ttft_off_over_on']:5.2f}x  cached {row['cached_on']}")
+        print(f"{row['request']:<26} prompt {row['prompt_tokens']:>5}  {row['figure']}: on {row['on_s']:6.2f} s  "
+              f"off {row['off_s']:6.2f} s  off/on {row['off_over_on']:5.2f}x  cached {row['cached_on']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")

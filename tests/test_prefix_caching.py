@@ -181,16 +181,41 @@ def test_a_free_row_at_the_capacity_forgets_its_last_slot_to_ride_along(model):
     same_generation(again, alone(model, again_prompt, 4))
 
 
-def test_a_request_for_its_prompts_logprobs_is_prefilled_whole(model):
-    scheduler = Scheduler(model, max_batch=1, prefill_chunk=16)
-    prompt = prompt_of(10, 30)
-    submit(scheduler, prompt, 3)
+def same_scores(got, expected):
+    assert len(got) == len(expected)
+    for (lp, top), (want_lp, want_top) in zip(got, expected):
+        assert [t for t, _ in top] == [t for t, _ in want_top]
+        np.testing.assert_allclose([lp] + [v for _, v in top], [want_lp] + [v for _, v in want_top], atol=TOLERANCE)
+
+
+def test_scoring_prompts_that_share_a_context_reuses_the_contexts_slots_and_logprobs(model):
+    """lm-eval's multiple choice: each choice is the context and a continuation, scored by its prompt logprobs. A
+    row that kept its prompt's logprobs (as many alternatives each) gives the next choice the context's slots and
+    entries; the choices of one context sent together prefill it once; a row without them, or with fewer
+    alternatives, gives nothing."""
+    scheduler = Scheduler(model, max_batch=3, prefill_chunk=16)
+    context = prompt_of(17, 30)
+    plain = submit(scheduler, context + [4], 3)  # no prompt logprobs kept: nothing for a scored prompt
     drain(scheduler)
-    scored = submit(scheduler, prompt + [5], 0, prompt_logprobs=1)
+    first = submit(scheduler, context + [5, 6, 7], 0, prompt_logprobs=2)
     drain(scheduler)
-    assert scored.finished.cached_tokens == 0
-    expected = alone(model, prompt + [5], 0, prompt_logprobs=1)
-    assert [e[0] for e in scored.prompt_logprobs] == [e[0] for e in expected.prompt_logprobs]
+    assert plain.finished.cached_tokens == 0 and first.finished.cached_tokens == 0
+    second = submit(scheduler, context + [8, 9], 0, prompt_logprobs=1)
+    drain(scheduler)
+    assert second.finished.cached_tokens == len(context) - 1  # position 29 scores token 30, the choice's own
+    same_scores(second.prompt_logprobs, alone(model, context + [8, 9], 0, prompt_logprobs=1).prompt_logprobs)
+    fewer = submit(scheduler, context + [10], 0, prompt_logprobs=3)  # more alternatives than any row kept
+    drain(scheduler)
+    assert fewer.finished.cached_tokens == 0
+
+    together = Scheduler(model, max_batch=3, prefill_chunk=16)
+    choices = [context + [t, 20] for t in (11, 12, 13)]
+    outs = [submit(together, c, 0, prompt_logprobs=1) for c in choices]
+    drain(together)
+    assert [o.finished.cached_tokens for o in outs] == [0, len(context) - 1, len(context) - 1]
+    assert together.stats.prefill_tokens == len(choices[0]) + 2 * 3
+    for out, c in zip(outs, choices):
+        same_scores(out.prompt_logprobs, alone(model, c, 0, prompt_logprobs=1).prompt_logprobs)
 
 
 def test_without_prefix_caching_every_prompt_is_prefilled_whole(model):

@@ -170,6 +170,7 @@ class Scheduler:
         self.rows: list[Request | None] = [None] * max_batch
         self.prefix_caching = False
         self.held: list[np.ndarray] = [NONE] * max_batch  # a free row's tokens in slots [0, lengths[row])
+        self.held_scores: list[tuple[list, int] | None] = [None] * max_batch  # its prompt logprobs, and their k
         self.freed_at = np.zeros(max_batch, np.int64)  # when each row was last freed, in requests finished
         self.waiting: deque[Request] = deque()
         self.stats = SchedulerStats()
@@ -248,12 +249,15 @@ class Scheduler:
         later = []  # requests whose prompt a row is prefilling: they start from its slots once they are there
         while self.waiting and None in self.rows:
             request = self.waiting.popleft()
-            if self._awaits_a_prefill(request):
+            row, source, slots = self._place(request)
+            if self._awaits_a_prefill(request, slots):
                 later.append(request)
                 continue
-            row, source, slots = self._place(request)
+            if slots and request.prompt_logprobs is not None:  # the positions before the reused slots: the row's
+                k = request.prompt_logprobs
+                request.prompt_lp = [(lp, top[:k]) for lp, top in self._scores(source, k)[:slots]]
             self.rows[row], request.row = request, row
-            self.held[row] = NONE
+            self.held[row], self.held_scores[row] = NONE, None
             if source != row:
                 self.caches.copy_slots(source, row, slots)
             self.lengths[row] = request.prefilled = request.cached = slots
@@ -264,17 +268,20 @@ class Scheduler:
                     self.drafter.reuse(row, source, slots)
         self.waiting.extendleft(reversed(later))
 
-    def _awaits_a_prefill(self, request: Request) -> bool:
-        """With prefix caching over host caches: a row still prefilling another prompt will hold at least half of
-        this one's and more than it holds now (the choices of one prompt, clients sending one system prompt
-        together), so this request waits for those slots instead of prefilling them too."""
-        if not self.prefix_caching or request.prompt_logprobs is not None or self.caches.resident:
+    def _awaits_a_prefill(self, request: Request, slots: int) -> bool:
+        """With prefix caching over host caches: a row still prefilling another prompt will hold more of this one's
+        than the `slots` it could start from now, by at least half of what it would prefill (the choices of one
+        prompt, clients sending one system prompt together), so this request waits for those slots instead of
+        prefilling them too."""
+        if not self.prefix_caching or self.caches.resident:
             return False
-        prompt = np.asarray(request.prompt_ids, np.int64)
+        prompt, k = np.asarray(request.prompt_ids, np.int64), request.prompt_logprobs
         for other in self.rows:
+            if k is not None and (other is None or other.prompt_logprobs is None or other.prompt_logprobs < k):
+                continue  # a prompt's logprobs come only from a row that kept as many of its own
             if other is not None and other.pending is None and other.prefilled < len(other.prompt_ids):
                 coming = min(common_length(prompt, np.asarray(other.prompt_ids, np.int64)), len(prompt) - 1)
-                if coming > other.prefilled and 2 * coming >= len(prompt):
+                if coming > other.prefilled and 2 * (coming - slots) >= len(prompt) - slots:
                     return True
         return False
 
@@ -282,18 +289,22 @@ class Scheduler:
         """(the free row `request` goes to, the row whose slots it starts from, how many): with prefix caching the
         longest reusable start among the free rows, then the running ones' (copied into a fresh row; host caches
         only), else a fresh row from nothing: the lowest holding nothing, else the one freed longest ago. A request
-        for its prompt's logprobs needs every position's logits: prefilled whole."""
+        for its prompt's logprobs starts only from a row that kept its own prompt's, as many per position."""
         free = [r for r, q in enumerate(self.rows) if q is None]
         empty = [r for r in free if not len(self.held[r])]
         fresh = empty[0] if empty else min(free, key=lambda r: self.freed_at[r])
         best = (fresh, fresh, 0)
-        if not self.prefix_caching or request.prompt_logprobs is not None:
+        if not self.prefix_caching:
             return best
-        prompt = np.asarray(request.prompt_ids, np.int64)
+        prompt, k = np.asarray(request.prompt_ids, np.int64), request.prompt_logprobs
         running = [] if self.caches.resident else [r for r, q in enumerate(self.rows) if q is not None]
         mtp = self.drafter is not None and self._speculates(request)
         for source in free + running:
-            slots = reusable_slots(prompt, self._held(source), int(self.drafter.written[source]) if mtp else None)
+            scores = None if k is None else self._scores(source, k)
+            if k is not None and scores is None:
+                continue
+            slots = reusable_slots(prompt, self._held(source), int(self.drafter.written[source]) if mtp else None,
+                                   None if scores is None else len(scores))
             if slots > best[2]:
                 best = (source if self.rows[source] is None else fresh, source, slots)
         return best
@@ -304,6 +315,14 @@ class Scheduler:
         if request is None:
             return self.held[row]
         return held_tokens(request.prompt_ids, request.generated, int(self.lengths[row]))
+
+    def _scores(self, row: int, k: int) -> list | None:
+        """The prompt logprob entries row `row` holds (its request's, or the last one's), if they carry at least `k`
+        alternatives each; else None."""
+        request = self.rows[row]
+        entries, kept = (request.prompt_lp, request.prompt_logprobs) if request is not None else (
+            self.held_scores[row] or (None, None))
+        return entries if entries is not None and kept is not None and kept >= k else None
 
     def _free_rows_fit(self, hi: int, width: int) -> None:
         """Free rows below `hi` ride along in a pass writing `width` slots from their lengths: one holding slots too
@@ -379,8 +398,7 @@ class Scheduler:
                                                                             request.prompt_logprobs)
         if start + t == len(request.prompt_ids):
             if request.prompt_logprobs is not None:
-                request.emit(PromptLogprobs(request.prompt_lp))
-                request.prompt_lp = None
+                request.emit(PromptLogprobs(request.prompt_lp))  # kept: a later prompt may start from this row
             if request.max_new_tokens == 0:
                 self._finish(request, "length")
                 return
@@ -534,6 +552,8 @@ class Scheduler:
         if request.row is not None:
             row = request.row
             self.held[row] = self._held(row) if self.prefix_caching else NONE  # kept for a later prompt
+            scored = self.prefix_caching and request.prompt_logprobs is not None and request.prompt_lp is not None
+            self.held_scores[row] = (request.prompt_lp, request.prompt_logprobs) if scored else None
             self.rows[row] = None
             self.lengths[row] = len(self.held[row])
             self.freed_at[row] = sum(self.stats.finished.values())
