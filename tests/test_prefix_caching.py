@@ -167,11 +167,10 @@ def test_a_free_row_at_the_capacity_forgets_its_last_slot_to_ride_along(model):
     scheduler = Scheduler(model, max_batch=2, prefill_chunk=64)
     first_prompt = prompt_of(8, BLOCK - 20)
     first = submit(scheduler, first_prompt, 21)  # holds exactly BLOCK slots when it ends
-    drain(scheduler)
-    assert scheduler.caches.capacity == BLOCK and scheduler.lengths[0] == BLOCK
-    other = submit(scheduler, prompt_of(9, 5), 3)  # a different prompt: the lowest free row with nothing to reuse
-    scheduler.step()
-    assert other.finished is None and scheduler.rows[1] is not None  # row 1: row 0 holds a longer start of nothing
+    other = submit(scheduler, prompt_of(9, 5), 60)  # row 1, decoding on after the first ends
+    while first.finished is None:
+        scheduler.step()
+    assert scheduler.caches.capacity == BLOCK and scheduler.lengths[0] == BLOCK and other.finished is None
     drain(scheduler)
     assert scheduler.lengths[0] == BLOCK - 1 and scheduler.caches.capacity == BLOCK
     again_prompt = first_prompt + first.tokens + [17]
@@ -297,3 +296,42 @@ def test_serve_hands_its_prefix_caching_and_prefill_chunk_to_the_scheduler_in_on
                                        "--no-prefix-caching"])
     assert result.exit_code == 0, result.output
     assert on_ray[-1][-2:] == (64, False)
+
+
+def test_occupied_rows_stay_a_prefix_whatever_the_free_rows_hold(model):
+    """A request goes to the lowest free row, its reused slots copied there from a higher one, so a decode pass
+    covers only the rows up to the highest occupied one."""
+    scheduler = Scheduler(model, max_batch=3, prefill_chunk=64)
+    prompts = [prompt_of(20 + i, 20) for i in range(3)]
+    firsts = [submit(scheduler, p, 4) for p in prompts]
+    drain(scheduler)
+    turn = prompts[2] + firsts[2].tokens + [9]  # held by row 2
+    out = submit(scheduler, turn, 5)
+    rows = []
+    while out.finished is None:
+        scheduler.step()
+        rows.append([r is not None for r in scheduler.rows])
+    assert rows[0] == [True, False, False]
+    assert out.finished.cached_tokens == len(prompts[2]) + 3
+    same_generation(out, alone(model, turn, 5))
+    lone = submit(scheduler, prompt_of(30, 12), 3)  # nothing to reuse: row 0 as well
+    scheduler.step()
+    assert [r is not None for r in scheduler.rows] == [True, False, False] and lone.finished is None
+
+
+def test_a_request_that_does_not_draft_keeps_the_draft_pairs_of_the_slots_it_reuses(model, always_draft):
+    """With the MTP draft, a turn that opts out of speculation (or runs under a grammar) leaves the draft's pairs of
+    the slots it reused in its row, so the next turn, drafting again, starts from them."""
+    from mla_deploy.runtime.speculative import Speculation
+
+    scheduler = Scheduler(model, max_batch=1, prefill_chunk=16, speculation=Speculation("mtp", 2))
+    first_prompt = prompt_of(31, 30)
+    first = submit(scheduler, first_prompt, 8)
+    drain(scheduler)
+    second_prompt = first_prompt + first.tokens + [7, 8]
+    second = submit(scheduler, second_prompt, 6, speculate=False)
+    drain(scheduler)
+    third = submit(scheduler, second_prompt + second.tokens + [9], 6)
+    drain(scheduler)
+    assert second.finished.cached_tokens > len(first_prompt)
+    assert third.finished.cached_tokens >= second.finished.cached_tokens - 3  # the draft's committed pairs bound it

@@ -3,10 +3,10 @@
 The scheduler owns `max_batch` cache rows (one CacheBuffers of [max_batch, capacity, width] per layer)
 and the two sessions. Each `step()`:
   1. drops cancelled requests (a client gone frees its row here, within one step);
-  2. admits queued requests into free rows (lowest row first, so the occupied rows stay a prefix), or, with
-     prefix caching (runtime.prefix, the default), into the row whose cache holds the longest start of the
-     prompt (a free row's slots reused in place; a running row's copied into the lowest free one, host caches
-     only), the reused slots not prefilled again;
+  2. admits queued requests into free rows (lowest row first, so the occupied rows stay a prefix), with prefix
+     caching (runtime.prefix, the default) starting from the longest start of the prompt any row's cache holds
+     (copied into the row; caches resident on a device: a free row's reused in place), the reused slots not
+     prefilled again;
   3. prefills admitted prompts chunk by chunk, chunks starting while fewer than `prefill_chunk` tokens were
      prefilled this step (so about one chunk's worth a step), so a long prompt is spread over several steps
      while the running streams keep decoding between them;
@@ -105,6 +105,8 @@ class Request:
     generated: list[int] = field(default_factory=list)
     pending: int | None = None  # the last sampled token, not yet in the cache
     history: np.ndarray | None = None  # prompt and output so far: a view of _tokens' first slots
+    prompt_array: np.ndarray | None = None  # prompt_ids as an array (prefix caching compares them)
+    prompt_key: int = 0  # a hash of prompt_array's bytes (a burst of one prompt is matched once per step)
     _tokens: np.ndarray | None = None  # the history's buffer (runtime.history)
     counts: np.ndarray | None = None  # [vocab] generated-token counts (presence / frequency penalties)
     prompt_lp: list | None = None  # PromptLogprobs entries gathered chunk by chunk
@@ -171,7 +173,6 @@ class Scheduler:
         self.prefix_caching = False
         self.held: list[np.ndarray] = [NONE] * max_batch  # a free row's tokens in slots [0, lengths[row])
         self.held_scores: list[tuple[list, int] | None] = [None] * max_batch  # its prompt logprobs, and their k
-        self.freed_at = np.zeros(max_batch, np.int64)  # when each row was last freed, in requests finished
         self.waiting: deque[Request] = deque()
         self.stats = SchedulerStats()
 
@@ -205,7 +206,8 @@ class Scheduler:
 
     def enqueue(self, request: Request) -> None:
         """Queue a request already checked (an Engine checks on the submitting thread and bounds the queue itself)."""
-        request.history = np.asarray(request.prompt_ids, np.int64)
+        request.history = request.prompt_array = np.asarray(request.prompt_ids, np.int64)
+        request.prompt_key = hash(request.prompt_array.tobytes())
         if request.sampling.counts_tokens:
             request.counts = np.zeros(self.model.config.vocab_size, np.int32)
         seed = request.sampling.seed
@@ -247,25 +249,38 @@ class Scheduler:
 
     def _admit(self) -> None:
         later = []  # requests whose prompt a row is prefilling: they start from its slots once they are there
+        held: dict[int, np.ndarray] = {}  # rows' held tokens, built once per admission round (rows may be long)
+        waits: set = set()  # prompts (and settings) found waiting this round: their twins wait without a search
         while self.waiting and None in self.rows:
             request = self.waiting.popleft()
-            row, source, slots = self._place(request)
+            twin = (request.prompt_key, request.prompt_logprobs, self._speculates(request))
+            if twin in waits:
+                later.append(request)
+                continue
+            row, source, slots = self._place(request, held)
             if self._awaits_a_prefill(request, slots):
+                waits.add(twin)
                 later.append(request)
                 continue
             if slots and request.prompt_logprobs is not None:  # the positions before the reused slots: the row's
                 k = request.prompt_logprobs
                 request.prompt_lp = [(lp, top[:k]) for lp, top in self._scores(source, k)[:slots]]
+            draft_slots = 0
+            if self.drafter is not None and slots:  # the draft's pairs stay valid one short of the common start
+                source_held = held.get(source, self.held[source] if self.rows[source] is None else NONE)
+                draft_slots = min(slots, reusable_slots(request.prompt_array, source_held,
+                                                        int(self.drafter.written[source])))
             self.rows[row], request.row = request, row
             self.held[row], self.held_scores[row] = NONE, None
+            held.pop(row, None)
             if source != row:
                 self.caches.copy_slots(source, row, slots)
             self.lengths[row] = request.prefilled = request.cached = slots
             self.stats.cached_tokens += slots
             if self.drafter is not None:
                 self.drafter.reset(row)
-                if slots and self._speculates(request):
-                    self.drafter.reuse(row, source, slots)
+                if draft_slots:  # kept for a later request that drafts, whether or not this one does
+                    self.drafter.reuse(row, source, draft_slots)
         self.waiting.extendleft(reversed(later))
 
     def _awaits_a_prefill(self, request: Request, slots: int) -> bool:
@@ -275,38 +290,40 @@ class Scheduler:
         prefilling them too."""
         if not self.prefix_caching or self.caches.resident:
             return False
-        prompt, k = np.asarray(request.prompt_ids, np.int64), request.prompt_logprobs
+        prompt, k = request.prompt_array, request.prompt_logprobs
         for other in self.rows:
             if k is not None and (other is None or other.prompt_logprobs is None or other.prompt_logprobs < k):
                 continue  # a prompt's logprobs come only from a row that kept as many of its own
             if other is not None and other.pending is None and other.prefilled < len(other.prompt_ids):
-                coming = min(common_length(prompt, np.asarray(other.prompt_ids, np.int64)), len(prompt) - 1)
+                coming = min(common_length(prompt, other.prompt_array), len(prompt) - 1)
                 if coming > other.prefilled and 2 * (coming - slots) >= len(prompt) - slots:
                     return True
         return False
 
-    def _place(self, request: Request) -> tuple[int, int, int]:
-        """(the free row `request` goes to, the row whose slots it starts from, how many): with prefix caching the
-        longest reusable start among the free rows, then the running ones' (copied into a fresh row; host caches
-        only), else a fresh row from nothing: the lowest holding nothing, else the one freed longest ago. A request
-        for its prompt's logprobs starts only from a row that kept its own prompt's, as many per position."""
+    def _place(self, request: Request, held: dict[int, np.ndarray]) -> tuple[int, int, int]:
+        """(the free row `request` goes to, the row whose slots it starts from, how many). It goes to the lowest free
+        row, so the occupied rows stay a prefix (a decode pass covers every row up to the highest occupied one).
+        With prefix caching it starts from the longest reusable start any row holds: copied there (host caches), or,
+        for caches resident on a device, a free row's reused in place wherever it is. A request for its prompt's
+        logprobs starts only from a row that kept its own prompt's, as many per position. `held`: rows' held tokens
+        already built this round, added to."""
         free = [r for r, q in enumerate(self.rows) if q is None]
-        empty = [r for r in free if not len(self.held[r])]
-        fresh = empty[0] if empty else min(free, key=lambda r: self.freed_at[r])
-        best = (fresh, fresh, 0)
+        best = (free[0], free[0], 0)
         if not self.prefix_caching:
             return best
-        prompt, k = np.asarray(request.prompt_ids, np.int64), request.prompt_logprobs
-        running = [] if self.caches.resident else [r for r, q in enumerate(self.rows) if q is not None]
+        prompt, k = request.prompt_array, request.prompt_logprobs
+        sources = free if self.caches.resident else range(self.max_batch)
         mtp = self.drafter is not None and self._speculates(request)
-        for source in free + running:
+        for source in sources:
             scores = None if k is None else self._scores(source, k)
             if k is not None and scores is None:
                 continue
-            slots = reusable_slots(prompt, self._held(source), int(self.drafter.written[source]) if mtp else None,
+            if source not in held:
+                held[source] = self._held(source)
+            slots = reusable_slots(prompt, held[source], int(self.drafter.written[source]) if mtp else None,
                                    None if scores is None else len(scores))
             if slots > best[2]:
-                best = (source if self.rows[source] is None else fresh, source, slots)
+                best = (source if self.caches.resident else free[0], source, slots)
         return best
 
     def _held(self, row: int) -> np.ndarray:
@@ -556,7 +573,6 @@ class Scheduler:
             self.held_scores[row] = (request.prompt_lp, request.prompt_logprobs) if scored else None
             self.rows[row] = None
             self.lengths[row] = len(self.held[row])
-            self.freed_at[row] = sum(self.stats.finished.values())
             request.row = None
         request.pending = None
         self.stats.finished[reason] += 1
