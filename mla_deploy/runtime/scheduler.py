@@ -267,8 +267,7 @@ class Scheduler:
                 request.prompt_lp = [(lp, top[:k]) for lp, top in self._scores(source, k)[:slots]]
             draft_slots = 0
             if self.drafter is not None and slots:  # the draft's pairs stay valid one short of the common start
-                source_held = held.get(source, self.held[source] if self.rows[source] is None else NONE)
-                draft_slots = min(slots, reusable_slots(request.prompt_array, source_held,
+                draft_slots = min(slots, reusable_slots(request.prompt_array, held[source],  # built by _place
                                                         int(self.drafter.written[source])))
             self.rows[row], request.row = request, row
             self.held[row], self.held_scores[row] = NONE, None
