@@ -335,3 +335,18 @@ def test_a_request_that_does_not_draft_keeps_the_draft_pairs_of_the_slots_it_reu
     drain(scheduler)
     assert second.finished.cached_tokens > len(first_prompt)
     assert third.finished.cached_tokens >= second.finished.cached_tokens - 3  # the draft's committed pairs bound it
+
+
+def test_conversations_taking_turns_each_find_their_history(model):
+    """Two chats taking turns, one request at a time: each request takes the lowest row, and what that row held
+    moves to a free row first, so the other chat's history is still there for its next turn."""
+    scheduler = Scheduler(model, max_batch=3, prefill_chunk=64)
+    chats = {name: prompt_of(40 + i, 25) for i, name in enumerate("ab")}
+    for turn in range(3):
+        for name in "ab":
+            out = submit(scheduler, chats[name], 4)
+            drain(scheduler)
+            # all but the last reply token (never in the cache) and the 3 new ones
+            assert out.finished.cached_tokens == (0 if turn == 0 else len(chats[name]) - 4)
+            same_generation(out, alone(model, chats[name], 4))
+            chats[name] = chats[name] + out.tokens + [turn + 5, 6, 7]

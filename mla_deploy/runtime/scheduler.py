@@ -173,6 +173,7 @@ class Scheduler:
         self.prefix_caching = False
         self.held: list[np.ndarray] = [NONE] * max_batch  # a free row's tokens in slots [0, lengths[row])
         self.held_scores: list[tuple[list, int] | None] = [None] * max_batch  # its prompt logprobs, and their k
+        self.freed_at = np.zeros(max_batch, np.int64)  # when each row was last freed, in requests finished
         self.waiting: deque[Request] = deque()
         self.stats = SchedulerStats()
 
@@ -269,6 +270,8 @@ class Scheduler:
             if self.drafter is not None and slots:  # the draft's pairs stay valid one short of the common start
                 draft_slots = min(slots, reusable_slots(request.prompt_array, held[source],  # built by _place
                                                         int(self.drafter.written[source])))
+            if self.prefix_caching and (source != row or not slots) and not self.caches.resident:
+                held.pop(self._keep_hold(row, source), None)
             self.rows[row], request.row = request, row
             self.held[row], self.held_scores[row] = NONE, None
             held.pop(row, None)
@@ -324,6 +327,24 @@ class Scheduler:
             if slots > best[2]:
                 best = (source if self.caches.resident else free[0], source, slots)
         return best
+
+    def _keep_hold(self, row: int, source: int) -> int | None:
+        """Before free row `row` takes a request that does not start from its slots: what it holds moves to the free
+        row that holds nothing or was freed longest ago (not `source`, still to be copied from), unless `row`'s hold
+        is the oldest: the free rows keep the most recent prompts, while requests take the lowest rows. Returns the
+        row written, or None."""
+        others = [r for r, q in enumerate(self.rows) if q is None and r not in (row, source)]
+        if not len(self.held[row]) or not others:
+            return None
+        to = min(others, key=lambda r: (len(self.held[r]) > 0, self.freed_at[r]))
+        if len(self.held[to]) and self.freed_at[to] > self.freed_at[row]:
+            return None
+        self.caches.copy_slots(row, to, len(self.held[row]))
+        if self.drafter is not None:
+            self.drafter.reuse(to, row, int(self.drafter.written[row]))
+        self.held[to], self.held_scores[to] = self.held[row], self.held_scores[row]
+        self.lengths[to], self.freed_at[to] = self.lengths[row], self.freed_at[row]
+        return to
 
     def _held(self, row: int) -> np.ndarray:
         """The tokens whose entries row `row` holds in slots [0, lengths[row])."""
@@ -572,6 +593,7 @@ class Scheduler:
             self.held_scores[row] = (request.prompt_lp, request.prompt_logprobs) if scored else None
             self.rows[row] = None
             self.lengths[row] = len(self.held[row])
+            self.freed_at[row] = sum(self.stats.finished.values())
             request.row = None
         request.pending = None
         self.stats.finished[reason] += 1
