@@ -2,19 +2,19 @@
 the time to score multiple-choice questions as lm-eval does, with `serve`'s prefix caching on and off side by side.
 
     .venv/bin/python benchmarks/prefix_caching.py EXPORT_DIR [--system 512] [--message 64] [--reply 64] [--turns 4]
-        [--choices 4] [--rounds 2] [--out benchmarks/results/prefix_caching.json] [--serve-option=ARG ...]
+        [--choices 4] [--repeats 2] [--out benchmarks/results/prefix_caching.json] [--serve-option=ARG ...]
 
 Starts two `mla-deploy serve EXPORT_DIR` children, one with prefix caching (the default) and one with
 --no-prefix-caching, and sends both the same requests, alternating request by request (one server idles while the
-other works), every prompt of random token ids (fresh each round, so no round finds the last one's):
+other works), every prompt of random token ids (fresh each repeat, so none finds the last one's):
 1. a chat: a `--system`-token system prompt and a `--message`-token message, then `--turns` - 1 more turns, each
    prompt the previous one, its `--reply`-token reply (the caching server's, read back as token ids: an export
    without a tokenizer, such as a preset's) and a new message;
-2. `--turns` clients one after another, each the system prompt of step 1's next round and a message of its own;
+2. `--turns` clients one after another, each a new system prompt shared by all of them and a message of its own;
 3. `--turns` questions, each a `--system`-token question and `--choices` continuations of `--message` tokens scored
    in one request as lm-eval's local-completions does (the prompts' logprobs: `echo`, `max_tokens` 0).
 For each request: the time to its first streamed token (the whole request's time for 3) and the prompts'
-usage.prompt_tokens_details.cached_tokens. Prints medians over `--rounds` and their ratios (off / on), writes the
+usage.prompt_tokens_details.cached_tokens. Prints medians over `--repeats` and their ratios (off / on), writes the
 JSON with the date, the CPU and the command.
 """
 
@@ -74,7 +74,7 @@ async def score(http, base: str, prompts: list[list[int]]) -> dict:
             "prompt_tokens": usage["prompt_tokens"]}
 
 
-async def one_round(http, bases: dict[str, str], rng, vocab: int, eos: list[int], args) -> dict[str, list[dict]]:
+async def one_pass(http, bases: dict[str, str], rng, vocab: int, eos: list[int], args) -> dict[str, list[dict]]:
     """Both scenarios on both servers, request by request; per server the requests' figures in order."""
     def ids(n: int) -> list[int]:
         return rng.integers(1000, vocab, n).tolist()
@@ -106,20 +106,20 @@ async def measure(bases: dict[str, str], vocab: int, eos: list[int], args) -> di
     async with httpx.AsyncClient(timeout=None) as http:
         for base in bases.values():  # warm-up: both graphs run once
             await request(http, base, rng.integers(1000, vocab, 16).tolist(), 2, eos)
-        rounds = [await one_round(http, bases, rng, vocab, eos, args) for _ in range(args.rounds)]
+        passes = [await one_pass(http, bases, rng, vocab, eos, args) for _ in range(args.repeats)]
     names = ([f"chat turn {i + 1}" for i in range(args.turns)]
              + [f"shared system, client {i + 1}" for i in range(args.turns)]
              + [f"scoring, question {i + 1}" for i in range(args.turns)])
     rows = []
     for i, name in enumerate(names):
         row = {"request": name, "figure": "request time" if name.startswith("scoring") else "time to first token",
-               "prompt_tokens": rounds[0]["on"][i]["prompt_tokens"]}
+               "prompt_tokens": passes[0]["on"][i]["prompt_tokens"]}
         for server in bases:
-            row[f"{server}_s"] = statistics.median(r[server][i]["seconds"] for r in rounds)
-            row[f"cached_{server}"] = [r[server][i]["cached_tokens"] for r in rounds]
+            row[f"{server}_s"] = statistics.median(r[server][i]["seconds"] for r in passes)
+            row[f"cached_{server}"] = [r[server][i]["cached_tokens"] for r in passes]
         row["off_over_on"] = row["off_s"] / row["on_s"]
         rows.append(row)
-    return {"rows": rows, "rounds": args.rounds}
+    return {"rows": rows, "repeats": args.repeats}
 
 
 def main() -> int:
@@ -130,12 +130,12 @@ def main() -> int:
     ap.add_argument("--reply", type=int, default=64, help="tokens of each reply")
     ap.add_argument("--turns", type=int, default=4, help="chat turns, clients sharing a system prompt, questions")
     ap.add_argument("--choices", type=int, default=4, help="choices scored per question")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/prefix_caching.json"))
     ap.add_argument("--serve-option", action="append", default=[], metavar="ARG",
                     help="an argument passed on to both `mla-deploy serve` (repeatable)")
     args = ap.parse_args()
-    for name in ("system", "message", "reply", "turns", "choices", "rounds"):
+    for name in ("system", "message", "reply", "turns", "choices", "repeats"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be at least 1")
     manifest = json.loads((args.export / "manifest.json").read_text())

@@ -250,8 +250,8 @@ class Scheduler:
 
     def _admit(self) -> None:
         later = []  # requests whose prompt a row is prefilling: they start from its slots once they are there
-        held: dict[int, np.ndarray] = {}  # rows' held tokens, built once per admission round (rows may be long)
-        waits: set = set()  # prompts (and settings) found waiting this round: their twins wait without a search
+        held: dict[int, np.ndarray] = {}  # rows' held tokens, built once per step's admissions (rows may be long)
+        waits: set = set()  # prompts (and settings) found waiting in this step: their twins wait without a search
         while self.waiting and None in self.rows:
             request = self.waiting.popleft()
             twin = (request.prompt_key, request.prompt_logprobs, self._speculates(request))
@@ -308,7 +308,7 @@ class Scheduler:
         With prefix caching it starts from the longest reusable start any row holds: copied there (host caches), or,
         for caches resident on a device, a free row's reused in place wherever it is. A request for its prompt's
         logprobs starts only from a row that kept its own prompt's, as many per position. `held`: rows' held tokens
-        already built this round, added to."""
+        already built in this step's admissions, added to."""
         free = [r for r, q in enumerate(self.rows) if q is None]
         best = (free[0], free[0], 0)
         if not self.prefix_caching:
