@@ -1,9 +1,9 @@
 """Chat templates and generation defaults, read from an export the way transformers reads a checkpoint.
 
 - `tokenizer_config.json`'s `chat_template` (a Jinja template) is rendered in a sandboxed, immutable
-  Jinja environment with `messages`, `add_generation_prompt`, `bos_token`, `eos_token`, and the
-  helpers transformers provides (`raise_exception`, `strftime_now`, `tojson` with its options, keeping
-  non-ASCII text by default). The rendered text is tokenized without the tokenizer's own special tokens
+  Jinja environment with `messages`, `add_generation_prompt`, `bos_token`, `eos_token`, `tools` (where a
+  request offers functions to call) and the helpers transformers provides (`raise_exception`, `strftime_now`,
+  `tojson` with its options, keeping non-ASCII text by default). The rendered text is tokenized without the tokenizer's own special tokens
   (`prompt_ids`): the template writes them (DeepSeek's opens with `{{ bos_token }}`), as transformers'
   `apply_chat_template(tokenize=True)` and vLLM's chat route tokenize it.
 - `generation_config.json` gives the defaults of `run`, `serve` and the Python API: eos ids (stop ids),
@@ -89,13 +89,16 @@ class ChatTemplate:
             return None
         return cls(template, _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token")))
 
-    def render(self, messages, add_generation_prompt: bool = True) -> str:
+    def render(self, messages, add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        """`tools`: the functions a model may call ({"type": "function", "function": {...}} each), passed to the
+        template as transformers' apply_chat_template(tools=...) passes them; left undefined without them."""
         from jinja2 import TemplateError
 
         check_messages(messages)
+        extra = {} if tools is None else {"tools": tools}
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token, eos_token=self.eos_token)
+                                         bos_token=self.bos_token, eos_token=self.eos_token, **extra)
         except _TemplateRaised as e:
             raise InputError(f"chat template refused the messages: {e}") from None
         except TemplateError as e:
@@ -103,9 +106,10 @@ class ChatTemplate:
         except Exception as e:  # a template calling a filter or method wrongly: its error, not the server's
             raise InputError(f"chat template failed on these messages: {type(e).__name__}: {e}") from None
 
-    def prompt_ids(self, messages, tokenizer, add_generation_prompt: bool = True) -> list[int]:
+    def prompt_ids(self, messages, tokenizer, add_generation_prompt: bool = True,
+                   tools: list[dict] | None = None) -> list[int]:
         """The messages rendered, then tokenized without the tokenizer's own special tokens (module docstring)."""
-        text = self.render(messages, add_generation_prompt)
+        text = self.render(messages, add_generation_prompt, tools)
         ids = tokenizer.encode(text, add_special_tokens=False) if text else []
         if not ids:
             raise InputError("the chat template renders these messages to no tokens")

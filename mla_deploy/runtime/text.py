@@ -44,6 +44,10 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def token_id(self, text: str) -> int | None:
+        """The id of the token spelled `text` (an added token by its content), or None where the vocabulary has none."""
+        return self._tok.token_to_id(text)
+
     def token_bytes(self, token: int) -> bytes:
         """The bytes a token stands for (a special token: its own text, e.g. b"<|eos|>"). Byte-level BPE (DeepSeek's
         and the demo's) spells each byte as one character of GPT-2's byte table: reversed here. Other tokenizers: the

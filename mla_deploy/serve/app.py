@@ -33,6 +33,7 @@ from . import protocol
 from .choices import ChoiceText, Out, chat_logprobs, completion_logprobs
 from .metrics import render_metrics
 from .protocol import APIError, GenerationRequest, bad
+from .tools import CALLS_BEGIN, ToolReply, writes_deepseek_calls
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 
@@ -104,6 +105,12 @@ class Service:
     def start(self, req: GenerationRequest) -> list[Run]:
         """Validate against the export and queue every prompt's candidates together (one scheduler step admits
         them all): every refusal happens here, before a reply starts."""
+        tools = req.tools
+        if tools is not None and tools.choice == "auto" and not writes_deepseek_calls(self.tokenizer):
+            raise bad(f'tool_choice: "auto" (the default with tools) lets the model write its own calls, and this '
+                      f"export's tokenizer has no tool-call tokens ({CALLS_BEGIN} ...) to write them with; use "
+                      '"required" or {"type": "function", "function": {"name": ...}} (generated under the '
+                      'functions\' schemas), or "none"', "tool_choice")
         prompts = self._prompt_ids(req)
         limit = self.engine.model.max_seq_len
         for i, ids in enumerate(prompts):
@@ -164,19 +171,28 @@ class Service:
         return runs
 
     def _constraint(self, req: GenerationRequest) -> Constraint | None:
-        if req.response_format is None:
+        """The grammar a choice is generated under: response_format's, or a forced tool call's (serve.tools)."""
+        forced = req.tools is not None and req.tools.forced
+        if req.response_format is None and not forced:
             return None
+        field = "tools" if forced else "response_format"
         if self.tokenizer is None:
-            raise bad("response_format: this export has no tokenizer.json to build the grammar over",
-                      "response_format")
+            raise bad(f"{field}: this export has no tokenizer.json to build the grammar over", field)
         try:
             if self._grammars is None:
                 self._grammars = Grammars(self.tokenizer.path, self.engine.model.config.vocab_size,
                                           sorted(self.stop_ids))
+            if forced:
+                return self._grammars.json_schema(req.tools.schema())
             kind, schema = req.response_format
             return self._grammars.json_object() if kind == "json_object" else self._grammars.json_schema(schema)
         except InputError as e:
-            raise bad(f"response_format: {e}", "response_format") from None
+            raise bad(f"{field}: {e}", field) from None
+
+    @staticmethod
+    def tool_reply(req: GenerationRequest) -> ToolReply | None:
+        """A choice's reader of tool calls, where the request lets the model call a tool."""
+        return ToolReply(req.tools) if req.tools is not None and req.tools.choice != "none" else None
 
     def _prompt_ids(self, req: GenerationRequest) -> list[list[int]]:
         if req.kind == "chat":
@@ -187,7 +203,8 @@ class Service:
                 raise bad("this export has no tokenizer (tokenizer.json) to encode the chat template's text; "
                           "use /v1/completions with token ids", "messages")
             try:
-                return [self.chat_template.prompt_ids(req.messages, self.tokenizer)]
+                tools = None if req.tools is None else list(req.tools.functions)
+                return [self.chat_template.prompt_ids(req.messages, self.tokenizer, tools=tools)]
             except InputError as e:
                 raise bad(str(e), "messages") from None
         texts = req.prompts
@@ -356,7 +373,13 @@ async def _generate(service: Service, request: Request, kind: str):
             candidates = sorted(candidates, key=lambda r: -r[3].cumulative_logprob)[: req.n]
         for j, (run, text, tokens, last) in enumerate(candidates):
             make = protocol.completion_choice if kind == "completion" else protocol.chat_choice
-            choices.append(make(i * req.n + j, "".join(text), last.finish_reason, service.logprobs(req, tokens)))
+            reply, logprobs = service.tool_reply(req), service.logprobs(req, tokens)
+            if reply is None:
+                choices.append(make(i * req.n + j, "".join(text), last.finish_reason, logprobs))
+                continue
+            reply.push("".join(text))
+            reason = reply.finish(last.finish_reason)[2]
+            choices.append(protocol.chat_choice(i * req.n + j, reply.content, reason, logprobs, reply.tool_calls))
     use = protocol.usage(sum(len(ids) for ids in {r[0].prompt_index: r[0].prompt_ids for r in results}.values()),
                          sum(r[3].completion_tokens for r in results),
                          _cached(((r[0].prompt_index, r[3].cached_tokens) for r in results)))
@@ -379,14 +402,20 @@ async def _sse(service: Service, req: GenerationRequest, rid: str, runs: list[Ru
 
     async def pump(run: Run) -> None:
         index = run.prompt_index * req.n + run.candidate
-        pieces = service.pieces(req, run)
+        pieces, reply = service.pieces(req, run), service.tool_reply(req)
         try:
             if req.kind == "chat":
                 await queue.put(protocol.chunk(req, rid, index, "", first=True))
             async for piece in pieces:
                 logprobs = service.logprobs(req, piece.tokens) if piece.tokens else None
-                if piece.text or logprobs or piece.finish_reason:
-                    await queue.put(protocol.chunk(req, rid, index, piece.text, piece.finish_reason, logprobs))
+                text, calls, reason = piece.text, None, piece.finish_reason
+                if reply is not None:  # the content to send now, and tool-call deltas
+                    text, calls = reply.push(piece.text)
+                    if reason is not None:
+                        rest, last, reason = reply.finish(reason)
+                        text, calls = text + rest, calls + last
+                if text or logprobs or reason or calls:
+                    await queue.put(protocol.chunk(req, rid, index, text, reason, logprobs, tool_calls=calls))
                 if piece.finish_reason is not None:
                     await queue.put((run.prompt_index, piece))
         except Exception as e:  # the engine failed: end the whole stream with it, not hang the other choices

@@ -12,6 +12,10 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .tools import Tools
 
 
 class APIError(Exception):
@@ -35,8 +39,7 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> APIE
 
 MAX_CHOICES = 128  # n and best_of, as OpenAI bounds them
 REFUSED = {  # fields this server does not implement: a 400 naming them, never silently ignored
-    "tools": "tools / function calling is not supported",
-    "functions": "function calling is not supported",
+    "functions": "the legacy functions field is not supported (give them as tools)",
     "suffix": "suffix (insertion after the completion) is not supported",
 }
 # vLLM's extra sampling fields this server does not implement, with the values that ask for nothing (sent by
@@ -84,6 +87,7 @@ class GenerationRequest:
     echo: bool = False
     logprobs: int | None = None  # None: none; k: each token's logprob and the k likeliest (chat: top_logprobs)
     response_format: tuple[str, dict | None] | None = None  # ("json_object", None) or ("json_schema", schema)
+    tools: "Tools | None" = None  # chat: the functions offered and tool_choice (serve.tools)
     stream: bool = False
     include_usage: bool = False
     speculative: bool | None = None  # False: this request opts out of the server's speculative decoding
@@ -131,6 +135,8 @@ def _check_unicode(value, path: str) -> None:
 
 
 def parse_request(body: dict, kind: str) -> GenerationRequest:
+    from .tools import check_tool_messages, parse_tools  # serve.tools words its errors with this module's bad()
+
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("model: required, a string (GET /v1/models lists the one served)", "model")
@@ -142,9 +148,8 @@ def parse_request(body: dict, kind: str) -> GenerationRequest:
         if value is not None and not any(isinstance(value, bool) == isinstance(v, bool) and value == v for v in idle):
             raise bad(f"{name}: {json.dumps(value)[:80]} is not supported by this server"
                       + (f" (only {json.dumps(idle[0])})" if idle else "; leave the field out"), name)
-    if body.get("tool_choice") not in (None, "none"):
-        raise bad("tool_choice: tools / function calling is not supported by this server", "tool_choice")
     req = GenerationRequest(kind, model)
+    req.tools = parse_tools(body, kind)
     if kind == "completion":
         req.prompts = _prompts(body.get("prompt"))
         if "messages" in body:
@@ -152,6 +157,7 @@ def parse_request(body: dict, kind: str) -> GenerationRequest:
         req.echo = _bool(body.get("echo"), "echo")
     else:
         req.messages = _messages(body.get("messages"))
+        check_tool_messages(req.messages)
         if "prompt" in body:
             raise bad("prompt: not a chat field; use /v1/chat/completions with messages", "prompt")
     newer = kind == "chat" and body.get("max_completion_tokens") is not None  # a null one beside max_tokens: unset
@@ -197,6 +203,9 @@ def parse_request(body: dict, kind: str) -> GenerationRequest:
             raise bad("top_logprobs: needs logprobs: true", "top_logprobs")
         req.logprobs = (top or 0) if wanted else None
     req.response_format = _response_format(body.get("response_format"))
+    if req.response_format is not None and req.tools is not None and req.tools.forced:
+        raise bad("response_format: a forced tool call (tool_choice) is already generated under its function's "
+                  "schema; leave response_format out", "response_format")
     if body.get("speculative") is not None:
         req.speculative = _bool(body.get("speculative"), "speculative")
     options = body.get("stream_options")
@@ -368,17 +377,23 @@ def completion_choice(index: int, text: str, finish_reason: str | None, logprobs
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_choice(index: int, text: str, finish_reason: str, logprobs: dict | None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": finish_reason}
+def chat_choice(index: int, text: str | None, finish_reason: str, logprobs: dict | None,
+                tool_calls: list[dict] | None = None) -> dict:
+    """A chat reply; with tool calls its content is the text before them, None where there is none (OpenAI's)."""
+    message = {"role": "assistant", "content": text}
+    if tool_calls:
+        message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def chunk(req: GenerationRequest, rid: str, index: int, text: str | None, finish_reason: str | None = None,
-          logprobs: dict | None = None, first: bool = False) -> dict:
+          logprobs: dict | None = None, first: bool = False, tool_calls: list[dict] | None = None) -> dict:
     if req.kind == "completion":
         choice = completion_choice(index, text or "", finish_reason, logprobs)
     else:
         delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return {**_envelope(req, rid, "chat.completion.chunk"), "choices": [choice]}
 

@@ -1,0 +1,272 @@
+"""OpenAI's tool calling on the chat route: `tools`, `tool_choice`, `parallel_tool_calls`.
+
+- A forced call (`tool_choice` "required", or {"type": "function", "function": {"name": ...}}) is generated under a
+  JSON grammar (runtime.grammar), so on any export with a tokenizer it parses and its arguments are valid under the
+  function's `parameters` schema. Named: the model writes the arguments object itself. Required: a list of
+  {"name", "parameters"} objects, one function's each (at most one with `parallel_tool_calls` false), as vLLM does.
+- "auto" needs the model's own syntax for a call. DeepSeek's chat models write calls between tokens of their own:
+      V2.5 / V3: <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\nARGS\\n```
+                 <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
+      V3.1:      <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>
+                 ...<｜tool▁calls▁end｜>
+  read back here into tool calls, the text before them being the message's content. An export whose tokenizer has
+  no such tokens can write no call, so "auto" is refused there with what to use instead (vLLM refuses it without a
+  tool-call parser too).
+- The request's `tools` reach the chat template as transformers passes them; a template that does not use them
+  shows the model none (the demo's), and only a forced call's grammar says what to write.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from .protocol import bad
+
+NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
+
+CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+DEEPSEEK_TOKENS = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object's text, as OpenAI sends it
+    id: str = ""
+
+    def to_json(self, index: int | None = None) -> dict:
+        call = {"id": self.id or new_call_id(), "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+@dataclass(frozen=True)
+class Tools:
+    """A chat request's tools and what it asks of them. `choice`: "none", "auto", "required" or a function's name."""
+    functions: tuple[dict, ...]  # each {"type": "function", "function": {...}}: the chat template's `tools`
+    choice: str
+    parallel: bool = True
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(f["function"]["name"] for f in self.functions)
+
+    @property
+    def named(self) -> str | None:
+        return self.choice if self.choice not in ("none", "auto", "required") else None
+
+    @property
+    def forced(self) -> bool:
+        return self.choice not in ("none", "auto")
+
+    def parameters(self, name: str) -> dict:
+        return next(f["function"] for f in self.functions if f["function"]["name"] == name).get(
+            "parameters") or {"type": "object"}
+
+    def schema(self) -> dict:
+        """The JSON Schema a forced call is generated under (module docstring)."""
+        if self.named is not None:
+            return self.parameters(self.named)
+        one = [{"type": "object", "properties": {"name": {"const": name}, "parameters": self.parameters(name)},
+                "required": ["name", "parameters"], "additionalProperties": False} for name in self.names]
+        return {"type": "array", "minItems": 1, **({} if self.parallel else {"maxItems": 1}),
+                "items": one[0] if len(one) == 1 else {"anyOf": one}}
+
+    def forced_calls(self, text: str) -> list[ToolCall] | None:
+        """A forced call's generated text as calls; None where it is not one (cut by max_tokens or a stop string)."""
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        if self.named is not None:
+            return [ToolCall(self.named, text)] if isinstance(value, dict) else None
+        if not isinstance(value, list) or not all(isinstance(v, dict) and v.get("name") in self.names
+                                                  for v in value):
+            return None
+        return [ToolCall(v["name"], json.dumps(v.get("parameters", {}), ensure_ascii=False)) for v in value]
+
+
+def parse_tools(body: dict, kind: str) -> Tools | None:
+    """The request's tools, tool_choice and parallel_tool_calls, each checked with a 400 naming its field; None when
+    the request offers no tools and asks for none."""
+    tools, choice, parallel = body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")
+    if tools in (None, []):
+        if choice not in (None, "none"):
+            raise bad(f"tool_choice: {json.dumps(choice)[:80]} needs tools; give the functions in tools",
+                      "tool_choice")
+        return None
+    if kind != "chat":
+        raise bad("tools: only the chat route calls tools; use /v1/chat/completions", "tools")
+    if not isinstance(tools, list):
+        raise bad("tools: expected a list of {\"type\": \"function\", \"function\": {\"name\": ...}} objects", "tools")
+    functions, seen = [], set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise bad(f"{where}: expected {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", "tools")
+        fn = tool["function"]
+        name = fn.get("name")
+        if not isinstance(name, str) or not NAME.match(name):
+            raise bad(f"{where}.function.name: {json.dumps(name)[:80]} is not a function name (1-64 letters, digits, "
+                      "_ or -)", "tools")
+        if name in seen:
+            raise bad(f"{where}.function.name: {name!r} is given twice", "tools")
+        seen.add(name)
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise bad(f"{where}.function.parameters: expected a JSON Schema object", "tools")
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise bad(f"{where}.function.description: expected a string", "tools")
+        functions.append({"type": "function", "function": fn})
+    if choice is None:
+        choice = "auto"
+    elif isinstance(choice, dict):
+        fn = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad('tool_choice: expected "none", "auto", "required" or {"type": "function", "function": '
+                      '{"name": ...}}', "tool_choice")
+        if fn["name"] not in seen:
+            raise bad(f"tool_choice: function {fn['name']!r} is not in tools ({', '.join(sorted(seen))})",
+                      "tool_choice")
+        choice = fn["name"]
+    elif choice not in ("none", "auto", "required"):
+        raise bad(f'tool_choice: {json.dumps(choice)[:80]}; expected "none", "auto", "required" or '
+                  '{"type": "function", "function": {"name": ...}}', "tool_choice")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad(f"parallel_tool_calls: expected true or false, got {json.dumps(parallel)[:80]}",
+                  "parallel_tool_calls")
+    return Tools(tuple(functions), choice, parallel is not False)
+
+
+def check_tool_messages(messages: list[dict]) -> None:
+    """An assistant's earlier `tool_calls` and a tool's `tool_call_id`, as a chat template reads them: a 400 naming
+    the message and field where one is malformed."""
+    for i, m in enumerate(messages):
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if m["role"] != "assistant":
+                raise bad(f"messages[{i}].tool_calls: only an assistant message carries tool calls",
+                          f"messages[{i}].tool_calls")
+            if not isinstance(calls, list):
+                raise bad(f"messages[{i}].tool_calls: expected a list", f"messages[{i}].tool_calls")
+            for j, call in enumerate(calls):
+                fn = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(
+                        fn.get("arguments"), str):
+                    raise bad(f"messages[{i}].tool_calls[{j}]: expected {{\"id\": ..., \"type\": \"function\", "
+                              "\"function\": {\"name\": a string, \"arguments\": a JSON string}}",
+                              f"messages[{i}].tool_calls")
+        if m["role"] == "tool" and not isinstance(m.get("tool_call_id"), str):
+            raise bad(f"messages[{i}].tool_call_id: a tool message needs the id of the call it answers",
+                      f"messages[{i}].tool_call_id")
+
+
+def writes_deepseek_calls(tokenizer) -> bool:
+    """The tokenizer has DeepSeek's tool-call tokens (module docstring) as tokens whose text a reply keeps (not
+    special ones, which decoding drops), so a model over it can write a call and the server read it."""
+    if tokenizer is None:
+        return False
+    ids = [tokenizer.token_id(t) for t in DEEPSEEK_TOKENS]
+    return all(i is not None and i not in tokenizer.special_ids for i in ids)
+
+
+def deepseek_calls(text: str) -> tuple[str, list[ToolCall]] | None:
+    """(content, calls) from a reply in DeepSeek's syntax, either version; None where the reply has no calls or its
+    calls do not parse (cut by max_tokens), so that it is sent as text."""
+    start = text.find(CALLS_BEGIN)
+    if start < 0:
+        return None
+    content, rest = text[:start], text[start + len(CALLS_BEGIN):]
+    end = rest.find(CALLS_END)
+    if end < 0:
+        return None
+    calls = []
+    for part in rest[:end].split(CALL_BEGIN)[1:]:
+        body, sep, tail = part.partition(CALL_END)
+        head, found, args = body.partition(SEP)
+        if not sep or not found or tail.strip():
+            return None
+        if head == "function" and "\n" in args:  # V2.5 / V3: the name, then the arguments in a json code block
+            name, _, block = args.partition("\n")
+            match = re.fullmatch(r"\s*```(?:json)?\s*\n(.*?)\n?\s*```\s*", block, re.S)
+            if match is None:
+                return None
+            args = match.group(1)
+        else:  # V3.1: the name before the separator, the arguments after it
+            name = head
+        name = name.strip()
+        try:
+            if not NAME.match(name) or not isinstance(json.loads(args), dict):
+                return None
+        except json.JSONDecodeError:
+            return None
+        calls.append(ToolCall(name, args.strip()))
+    return (content, calls) if calls else None
+
+
+class ToolReply:
+    """One choice's reply to a request with tools, as its text arrives: the content that may be sent now and the
+    tool-call deltas of OpenAI's streamed form, then the whole message (`content`, `tool_calls`) at `finish`.
+
+    Named: the text is the call's arguments, streamed as they come. Required: the calls are sent whole at the end.
+    Auto: content streams up to DeepSeek's calls-begin token (a tail that may begin it is held back), the calls are
+    sent whole at the end; a reply whose calls do not parse (cut by max_tokens) is sent as the text it is."""
+
+    def __init__(self, tools: Tools):
+        self.tools, self.text, self.sent = tools, "", 0  # sent: characters of content sent (auto)
+        self.content: str | None = None
+        self.tool_calls: list[dict] = []
+        self._id = new_call_id()
+
+    def push(self, text: str) -> tuple[str, list[dict]]:
+        """The content and tool-call deltas this piece of text allows to be sent."""
+        first = not self.text
+        self.text += text
+        if self.tools.named is not None:
+            if not text:
+                return "", []
+            if first:
+                return "", [{"index": 0, "id": self._id, "type": "function",
+                             "function": {"name": self.tools.named, "arguments": text}}]
+            return "", [{"index": 0, "function": {"arguments": text}}]
+        if self.tools.choice == "auto":
+            end = self.text.find(CALLS_BEGIN)
+            if end < 0:
+                end = len(self.text) - _marker_tail(self.text)
+            out, self.sent = self.text[self.sent:max(end, self.sent)], max(end, self.sent)
+            return out, []
+        return "", []
+
+    def finish(self, finish_reason: str) -> tuple[str, list[dict], str]:
+        """The content and deltas left to send, and the finish_reason: "tool_calls" where calls were read, "stop" or
+        "length" as generated for a named call (OpenAI's)."""
+        if self.tools.named is not None:
+            self.tool_calls = [ToolCall(self.tools.named, self.text, self._id).to_json()]
+            deltas = [] if self.text else [{"index": 0, **self.tool_calls[0]}]
+            return "", deltas, finish_reason
+        if self.tools.forced:
+            calls, content = self.tools.forced_calls(self.text), None
+        else:
+            parsed = deepseek_calls(self.text)
+            calls, content = (parsed[1], parsed[0]) if parsed else (None, None)
+        if calls is None:  # no calls: the reply is its text
+            self.content = self.text
+            return self.text[self.sent:], [], finish_reason
+        self.content = content or None
+        self.tool_calls = [call.to_json() for call in calls]
+        return (content or "")[self.sent:], [{"index": i, **c} for i, c in enumerate(self.tool_calls)], "tool_calls"
+
+
+def _marker_tail(text: str) -> int:
+    """Length of the longest end of `text` that begins CALLS_BEGIN (held back until the next piece shows)."""
+    for n in range(min(len(text), len(CALLS_BEGIN) - 1), 0, -1):
+        if CALLS_BEGIN.startswith(text[-n:]):
+            return n
+    return 0

@@ -1,0 +1,219 @@
+"""Tool calling on the chat route: forced calls under their functions' schemas through the openai client on the demo,
+DeepSeek's own call syntax read back piece by piece, and every malformed field a 400 naming it."""
+
+import json
+
+import httpx2 as httpx
+import pytest
+
+openai = pytest.importorskip("openai", reason="the serve tests drive the server with the openai client (test extra)")
+pytest.importorskip("fastapi", reason="the server needs the 'serve' extra")
+jsonschema = pytest.importorskip("jsonschema")
+
+from test_serve import MODEL, running_server  # noqa: E402
+
+from mla_deploy.presets import DEMO_CHECKPOINT  # noqa: E402
+from mla_deploy.runtime.chat import ChatTemplate  # noqa: E402
+from mla_deploy.serve.tools import (  # noqa: E402
+    CALL_BEGIN,
+    CALL_END,
+    CALLS_BEGIN,
+    CALLS_END,
+    SEP,
+    Tools,
+    ToolReply,
+    deepseek_calls,
+)
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+SEARCH = {"type": "object", "properties": {"query": {"type": "string", "maxLength": 16},
+                                           "exact": {"type": "boolean"}},
+          "required": ["query", "exact"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Forecast", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "search", "parameters": SEARCH}}]
+SCHEMA = {"get_weather": WEATHER, "search": SEARCH}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from mla_deploy.export import export
+
+    out = tmp_path_factory.mktemp("tools") / "demo"
+    export(DEMO_CHECKPOINT, out)
+    with running_server(out, max_batch=8) as s:
+        yield s
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _streamed(chunks):
+    """(content, {index: [id, name, arguments]}, finish_reason) of one streamed choice, joined as a client does."""
+    content, calls, reason = [], {}, None
+    for c in chunks:
+        delta = c.choices[0].delta
+        content.append(delta.content or "")
+        for call in delta.tool_calls or []:
+            entry = calls.setdefault(call.index, [None, None, ""])
+            if call.id:
+                assert entry[0] is None, "a call's id comes once"
+                entry[0], entry[1] = call.id, call.function.name
+            entry[2] += call.function.arguments or ""
+        reason = c.choices[0].finish_reason or reason
+    return "".join(content), calls, reason
+
+
+def test_a_named_function_is_called_with_arguments_valid_under_its_schema_streamed_or_not(client):
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    whole = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice,
+                                           max_tokens=60, temperature=0)
+    message = whole.choices[0].message
+    assert whole.choices[0].finish_reason == "stop" and message.content is None  # OpenAI's, for a forced function
+    [call] = message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    stream = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice,
+                                            max_tokens=60, temperature=0, stream=True)
+    content, calls, reason = _streamed(stream)
+    assert content == "" and reason == "stop"
+    assert calls[0][1:] == ["get_weather", call.function.arguments]  # the arguments streamed as they came
+    for seed in range(3):  # sampled arguments stay valid
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice,
+                                           max_tokens=60, temperature=1.0, seed=seed)
+        jsonschema.validate(json.loads(r.choices[0].message.tool_calls[0].function.arguments), WEATHER)
+
+
+def test_required_calls_name_offered_functions_one_each_without_parallel_calls(client):
+    seen = set()
+    for seed in range(4):
+        for parallel in (True, False):
+            kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=120,
+                      temperature=1.0, seed=seed, parallel_tool_calls=parallel)
+            r = client.chat.completions.create(**kw)
+            if r.choices[0].finish_reason == "length":  # a long string may outrun max_tokens: sent as text
+                assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
+                continue
+            assert r.choices[0].finish_reason == "tool_calls"
+            calls = r.choices[0].message.tool_calls
+            assert len(calls) >= 1 and (parallel or len(calls) == 1)
+            for call in calls:
+                jsonschema.validate(json.loads(call.function.arguments), SCHEMA[call.function.name])
+                seen.add(call.function.name)
+            content, streamed, reason = _streamed(client.chat.completions.create(**kw, stream=True))
+            assert reason == "tool_calls" and content == ""
+            assert [streamed[i][1:] for i in sorted(streamed)] == [[c.function.name, c.function.arguments]
+                                                                   for c in calls]
+            assert len({streamed[i][0] for i in streamed}) == len(calls)  # ids differ
+    assert seen  # at least one draw ended inside max_tokens
+
+
+def test_a_conversation_passes_calls_and_results_back(client):
+    choice = {"type": "function", "function": {"name": "search"}}
+    first = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=60,
+                                           temperature=0, n=2)
+    assert len(first.choices) == 2 and all(c.message.tool_calls for c in first.choices)
+    message = first.choices[0].message
+    history = ASK + [message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "22 C, sunny"}]
+    reply = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="none",
+                                           max_tokens=8, temperature=0)
+    assert reply.choices[0].message.tool_calls is None and reply.choices[0].message.content
+
+
+@pytest.mark.parametrize("case, body, param, says", [
+    ("auto without a call syntax", {"tools": TOOLS}, "tool_choice", '"auto" (the default with tools)'),
+    ("auto said", {"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", 'use "required"'),
+    ("unknown function", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice", "'nope' is not in tools"),
+    ("choice without tools", {"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ("choice misspelt", {"tools": TOOLS, "tool_choice": "always"}, "tool_choice", '"always"'),
+    ("bad name", {"tools": [{"type": "function", "function": {"name": "get weather"}}], "tool_choice": "required"},
+     "tools", "tools[0].function.name"),
+    ("twice", {"tools": [TOOLS[0], TOOLS[0]], "tool_choice": "required"}, "tools", "given twice"),
+    ("not a function", {"tools": [{"type": "retrieval"}], "tool_choice": "required"}, "tools", "tools[0]"),
+    ("parameters a list", {"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}],
+                           "tool_choice": "required"}, "tools", "parameters"),
+    ("parameters not a schema", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "objekt"}}}], "tool_choice": "required"}, "tools", "cannot be compiled"),
+    ("parallel a string", {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": "yes"},
+     "parallel_tool_calls", "true or false"),
+    ("with response_format", {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "response_format", "forced tool call"),
+    ("legacy functions", {"functions": [{"name": "f"}]}, "functions", "give them as tools"),
+    ("calls from a user", {"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
+     "messages[0].tool_calls", "only an assistant"),
+    ("call without arguments", {"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f"}}]}]}, "messages[0].tool_calls", "arguments"),
+    ("result without its call", {"messages": ASK + [{"role": "tool", "content": "22 C"}]},
+     "messages[1].tool_call_id", "needs the id"),
+])
+def test_malformed_tool_fields_are_a_400_naming_them(server, case, body, param, says):
+    r = httpx.post(server[0] + "/v1/chat/completions", json={"model": MODEL, "messages": ASK, **body})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == param and says in error["message"], (case, error)
+
+
+def test_tools_are_a_chat_field(server):
+    r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "x", "tools": TOOLS})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    assert "/v1/chat/completions" in r.json()["error"]["message"]
+
+
+# ---- DeepSeek's own syntax, read back (no export here writes it: the demo's tokenizer has no such tokens) ----
+V3 = (f'Let me look.{CALLS_BEGIN}{CALL_BEGIN}function{SEP}get_weather\n```json\n{{"city": "Paris", "days": 2}}\n```'
+      f'{CALL_END}{CALL_BEGIN}function{SEP}search\n```json\n{{"query": "rain", "exact": false}}\n```{CALL_END}'
+      f'{CALLS_END}')
+V31 = f'{CALLS_BEGIN}{CALL_BEGIN}get_weather{SEP}{{"city": "Oslo", "days": 1}}{CALL_END}{CALLS_END}'
+
+
+def test_deepseek_calls_of_either_version_are_read():
+    content, calls = deepseek_calls(V3)
+    assert content == "Let me look." and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "days": 2}), ("search", {"query": "rain", "exact": False})]
+    content, calls = deepseek_calls(V31)
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Oslo", "days": 1}')]
+    for broken in (V3[:-len(CALLS_END)], V31.replace(SEP, ""), V31.replace('"days": 1}', '"days": '),
+                   V3.replace("```json", "json"), V31.replace("get_weather", "get weather"), "no calls here",
+                   V31.replace(CALL_END, "")):
+        assert deepseek_calls(broken) is None, broken
+
+
+@pytest.mark.parametrize("text", [V3, V31, "Plain text, no call." + CALLS_BEGIN[:3], V3[:-len(CALLS_END)]])
+def test_an_auto_reply_streamed_in_any_pieces_sends_what_it_sends_whole(text):
+    tools = Tools(tuple(TOOLS), "auto")
+    whole = ToolReply(tools)
+    sent, _ = whole.push(text)
+    rest, calls, reason = whole.finish("stop")
+    assert sent + rest == (whole.content or "")
+    assert CALLS_BEGIN not in (whole.content or "") or not whole.tool_calls
+    for size in (1, 2, 5, 13):
+        reply, content, deltas = ToolReply(tools), "", []
+        for i in range(0, len(text), size):
+            out, d = reply.push(text[i:i + size])
+            content, deltas = content + out, deltas + d
+            assert CALLS_BEGIN not in content or not whole.tool_calls  # the calls never leak into the content
+        rest, d, streamed_reason = reply.finish("stop")
+        assert (content + rest, streamed_reason) == (whole.content or "", reason)
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in deltas + d] == [
+            (c["function"]["name"], c["function"]["arguments"]) for c in whole.tool_calls]
+    assert reason == ("tool_calls" if whole.tool_calls else "stop")
+
+
+def test_the_chat_template_sees_the_tools_and_earlier_calls():
+    template = ChatTemplate(
+        "{% if tools %}{% for t in tools %}## {{ t.function.name }}: {{ t.function.parameters | tojson }}\n"
+        "{% endfor %}{% endif %}{% for m in messages %}{% if m.tool_calls %}{% for c in m.tool_calls %}"
+        "call {{ c.function.name }} {{ c.function.arguments }}\n{% endfor %}{% else %}{{ m.role }}: {{ m.content }}\n"
+        "{% endif %}{% endfor %}")
+    history = ASK + [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "22 C"}]
+    text = template.render(history, tools=TOOLS)
+    assert text.startswith(f"## get_weather: {json.dumps(WEATHER)}\n## search: ")
+    assert 'call get_weather {"city": "Paris"}\ntool: 22 C\n' in text
+    assert template.render(ASK) == "user: What is the weather in Paris?\n"  # no tools: undefined, as transformers
