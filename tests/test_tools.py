@@ -217,3 +217,51 @@ def test_the_chat_template_sees_the_tools_and_earlier_calls():
     assert text.startswith(f"## get_weather: {json.dumps(WEATHER)}\n## search: ")
     assert 'call get_weather {"city": "Paris"}\ntool: 22 C\n' in text
     assert template.render(ASK) == "user: What is the weather in Paris?\n"  # no tools: undefined, as transformers
+
+
+TOOLS_TEMPLATE = ("{{ bos_token }}{% if tools %}# tools: {% for t in tools %}{{ t.function.name }} "
+                  "{{ t.function.parameters | tojson }}\n{% endfor %}{% endif %}"
+                  "{% for m in messages %}# {{ m.role }}: {{ m.content }}\n{% endfor %}")
+
+
+def test_serve_takes_a_chat_template_file_that_shows_the_model_the_tools(server, tmp_path):
+    """--chat-template replaces the export's template (which ignores tools): the prompt grows by the tools' text."""
+    path = tmp_path / "tools.jinja"
+    path.write_text(TOOLS_TEMPLATE)
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+
+    def prompt_tokens(client, **kw):
+        return client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0,
+                                              **kw).usage.prompt_tokens
+
+    own = openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
+    assert prompt_tokens(own, tools=TOOLS, tool_choice=choice) == prompt_tokens(own)
+    export_dir = server[1].engine.model.directory
+    with running_server(export_dir, max_batch=2, chat_template=path) as (base, service):
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        plain, offered = prompt_tokens(client), prompt_tokens(client, tools=TOOLS, tool_choice=choice)
+        written = ChatTemplate(TOOLS_TEMPLATE, service.chat_template.bos_token)
+        assert (plain, offered) == (len(written.prompt_ids(ASK, service.tokenizer)),
+                                    len(written.prompt_ids(ASK, service.tokenizer, tools=TOOLS)))
+        assert offered > plain + 40  # the tools' names and schemas
+
+
+def test_serve_says_what_is_wrong_with_a_chat_template_file_before_loading(server, tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from mla_deploy.cli import main
+    from mla_deploy.serve import server as serving
+
+    loaded = []
+    monkeypatch.setattr(serving, "ExportedModel", lambda *args: loaded.append(args))
+    export_dir = str(server[1].engine.model.directory)
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ m.content }")
+    empty = tmp_path / "empty.jinja"
+    empty.write_text("\n")
+    for path, says in ((tmp_path / "missing.jinja", "cannot read it"), (broken, "does not parse"),
+                       (empty, "the file is empty")):
+        result = CliRunner().invoke(main, ["serve", export_dir, "--port", "0", "--chat-template", str(path)])
+        assert result.exit_code == 1 and result.stderr.startswith(f"error: --chat-template {path}: "), result.output
+        assert says in result.stderr and result.stderr.count("\n") == 1, result.stderr
+    assert loaded == []

@@ -1,11 +1,12 @@
 """Chat templates and generation defaults, read from an export the way transformers reads a checkpoint.
 
-- `tokenizer_config.json`'s `chat_template` (a Jinja template) is rendered in a sandboxed, immutable
-  Jinja environment with `messages`, `add_generation_prompt`, `bos_token`, `eos_token`, `tools` (where a
-  request offers functions to call) and the helpers transformers provides (`raise_exception`, `strftime_now`,
-  `tojson` with its options, keeping non-ASCII text by default). The rendered text is tokenized without the tokenizer's own special tokens
-  (`prompt_ids`): the template writes them (DeepSeek's opens with `{{ bos_token }}`), as transformers'
-  `apply_chat_template(tokenize=True)` and vLLM's chat route tokenize it.
+- `tokenizer_config.json`'s `chat_template` (a Jinja template; `serve --chat-template FILE` gives another) is
+  rendered in a sandboxed, immutable Jinja environment with `messages`, `add_generation_prompt`, `bos_token`,
+  `eos_token`, `tools` (where a request offers functions to call) and the helpers transformers provides
+  (`raise_exception`, `strftime_now`, `tojson` with its options, keeping non-ASCII text by default). The rendered
+  text is tokenized without the tokenizer's own special tokens (`prompt_ids`): the template writes them (DeepSeek's
+  opens with `{{ bos_token }}`), as transformers' `apply_chat_template(tokenize=True)` and vLLM's chat route
+  tokenize it.
 - `generation_config.json` gives the defaults of `run`, `serve` and the Python API: eos ids (stop ids),
   and when `do_sample` is true its temperature / top_p / top_k / min_p; repetition_penalty either way. A field
   it leaves out is off, as vLLM reads it (transformers' generate() would add its own top_k of 50). A flag
@@ -77,11 +78,22 @@ class ChatTemplate:
         self.bos_token, self.eos_token = bos_token, eos_token
 
     @classmethod
-    def from_export(cls, directory: str | Path) -> "ChatTemplate | None":
+    def from_export(cls, directory: str | Path, source: str | Path | None = None) -> "ChatTemplate | None":
+        """The export's template, or with `source` (a Jinja file: serve --chat-template, as vLLM's) that file's in
+        its place, either with the export's BOS and EOS texts."""
         path = Path(directory) / "tokenizer_config.json"
-        if not path.is_file():
-            return None
-        cfg = read_json(path, ExportLoadError, "tokenizer config")
+        cfg = read_json(path, ExportLoadError, "tokenizer config") if path.is_file() else {}
+        if source is not None:
+            try:
+                template = Path(source).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise InputError(f"--chat-template {source}: cannot read it ({e})") from None
+            if not template.strip():
+                raise InputError(f"--chat-template {source}: the file is empty")
+            try:
+                return cls(template, _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token")))
+            except ExportLoadError as e:
+                raise InputError(f"--chat-template {source}: {e}") from None
         template = cfg.get("chat_template")
         if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
             template = {t.get("name"): t.get("template") for t in template}.get("default")

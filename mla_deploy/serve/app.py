@@ -17,6 +17,7 @@ import hmac
 import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -62,11 +63,12 @@ class Run:
 
 class Service:
     def __init__(self, engine: Engine, model_name: str, api_key: str | None = None,
-                 max_body_bytes: int = MAX_BODY_BYTES):
+                 max_body_bytes: int = MAX_BODY_BYTES, chat_template: str | Path | None = None):
+        """`chat_template`: a Jinja file used in place of the export's template (runtime.chat)."""
         self.engine, self.model_name, self.api_key, self.max_body_bytes = engine, model_name, api_key, max_body_bytes
         model = engine.model
         self.tokenizer = Tokenizer.from_export(model.directory, model.manifest)
-        self.chat_template = ChatTemplate.from_export(model.directory)
+        self.chat_template = ChatTemplate.from_export(model.directory, chat_template)
         self.defaults: GenerationDefaults = model.generation
         self.stop_ids = set(model.stop_token_ids)
         self.status_counts: dict[int, int] = {}

@@ -13,6 +13,7 @@ from ..errors import ExportLoadError, ServeError
 from ..manifest import is_staged, read_manifest
 from ..runtime import ExportedModel, RuntimeOptions
 from ..runtime.chain import StagedExport
+from ..runtime.chat import ChatTemplate
 from ..runtime.engine import Engine
 from ..runtime.speculative import Speculation
 from .app import Service, create_app
@@ -21,11 +22,15 @@ from .app import Service, create_app
 def build_service(export_dir: str | Path, max_batch: int = 16, max_queue: int = 256, api_key: str | None = None,
                   model_name: str | None = None, options: RuntimeOptions | None = None,
                   prefill_chunk: int = 256, speculation: Speculation | None = None, ray_address: str | None = None,
-                  micro_batches: int | None = None, prefix_caching: bool = True) -> Service:
+                  micro_batches: int | None = None, prefix_caching: bool = True,
+                  chat_template: str | Path | None = None) -> Service:
     """`speculation`: the engine's (runtime.speculative), which a request may opt out of; `prefix_caching`: the
-    scheduler's (runtime.prefix). A staged export (export --stages N) loads as one Ray actor per stage
+    scheduler's (runtime.prefix); `chat_template`: a Jinja file in place of the export's template, read before the
+    model loads. A staged export (export --stages N) loads as one Ray actor per stage
     (runtime.stages, the 'ray' extra; `ray_address`: the cluster to join, default a local Ray instance),
     `micro_batches` groups of rows in flight (default: one per stage), every prompt prefilled whole."""
+    if chat_template is not None:  # a bad file is said before the weights load
+        ChatTemplate.from_export(export_dir, chat_template)
     if is_staged(read_manifest(export_dir)):
         try:
             from ..runtime.stages import StagedModel
@@ -41,7 +46,12 @@ def build_service(export_dir: str | Path, max_batch: int = 16, max_queue: int = 
     except BaseException:
         _shutdown(model)
         raise
-    return Service(engine, model_name or Path(export_dir).resolve().name, api_key)
+    try:
+        return Service(engine, model_name or Path(export_dir).resolve().name, api_key, chat_template=chat_template)
+    except BaseException:
+        engine.close()
+        _shutdown(model)
+        raise
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
