@@ -480,3 +480,22 @@ def test_a_grammar_masks_its_row_in_a_mixed_batch(model):
         assert out.finished.reason == "stop"
         jsonschema.validate(json.loads(tokenizer.decode(out.tokens)), schema)
     assert plain.tokens == Generator(model, SamplingParams(), stop_token_ids=()).generate([p], 20).token_ids[0]
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 20, 64])
+def test_token_logprobs_equal_a_float64_log_softmax_likeliest_first_ties_by_id(k):
+    from mla_deploy.runtime.scheduler import LOGPROB_ROWS, _token_logprobs
+
+    rng = np.random.default_rng(k)
+    n, vocab = LOGPROB_ROWS + 5, 64  # more positions than one block of rows
+    logits = (rng.standard_normal((n, vocab)) * 4).astype(np.float32)
+    logits[:, 10] = logits[:, 40] = logits.max(-1) + 1  # the likeliest two tie: the lower id first
+    tokens = rng.integers(0, vocab, n)
+    z = logits.astype(np.float64)
+    reference = z - z.max(-1, keepdims=True)
+    reference -= np.log(np.exp(reference).sum(-1, keepdims=True))
+    for row, token, (lp, top) in zip(reference, tokens, _token_logprobs(logits, list(tokens), k)):
+        assert abs(lp - row[token]) < 1e-6
+        order = sorted(range(vocab), key=lambda i: (-row[i], i))[:k]
+        assert [i for i, _ in top] == order and np.allclose([v for _, v in top], row[order], atol=1e-6)
+        assert k == 0 or top[0][0] == 10

@@ -621,15 +621,29 @@ def _plain_greedy(request: Request) -> bool:
     return request.sampling.greedy and request.sampling.plain and request.constraint is None and not request.stops_held
 
 
+LOGPROB_ROWS = 64  # positions whose log-softmax is taken at once: a [64, vocab] float32 temporary (26 MB at 102,400)
+
+
 def _token_logprobs(logits: np.ndarray, tokens: Sequence[int], k: int) -> list[tuple[float, list[tuple[int, float]]]]:
     """logits [n, vocab] and the token that followed each position -> (its log-probability, the k likeliest
-    (token, log-probability) pairs, likeliest first, ties by id), under the model's own distribution."""
-    z = logits.astype(np.float64)
-    z -= z.max(-1, keepdims=True)
-    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))  # log-softmax [n, vocab]
+    (token, log-probability) pairs, likeliest first, ties by id), under the model's own distribution.
+
+    Each position's log-normalizer is its max plus the log of a float64 sum of float32 exponentials (within 1e-7 of
+    a float64 log-softmax), and only the entries returned are looked up, not a whole [n, vocab] log-softmax; k = 1
+    (what lm-eval asks) is an argmax."""
+    vocab = logits.shape[-1]
     out = []
-    for row, token in zip(logp, tokens):
-        top = np.argpartition(-row, k - 1)[:k] if 0 < k < len(row) else np.arange(len(row) if k else 0)
-        top = top[np.lexsort((top, -row[top]))]  # likeliest first, ties by id
-        out.append((float(row[token]), [(int(i), float(row[i])) for i in top]))
+    for start in range(0, len(logits), LOGPROB_ROWS):
+        z = logits[start:start + LOGPROB_ROWS].astype(np.float32, copy=False)
+        peak = z.max(-1)
+        log_z = peak.astype(np.float64) + np.log(np.exp(z - peak[:, None]).sum(-1, dtype=np.float64))
+        if k == 1:
+            best = z.argmax(-1)[:, None]  # the first of equal maxima: the lowest id
+        elif 0 < k < vocab:
+            best = np.argpartition(-z, k - 1, axis=-1)[:, :k]
+        else:
+            best = np.broadcast_to(np.arange(vocab if k else 0), (len(z), vocab if k else 0))
+        for row, norm, token, top in zip(z, log_z, tokens[start:start + LOGPROB_ROWS], best):
+            top = top[np.lexsort((top, -row[top]))]  # likeliest first, ties by id
+            out.append((float(row[token]) - norm, [(int(i), float(row[i]) - norm) for i in top]))
     return out
