@@ -404,6 +404,9 @@ def bench(quick, preset, checkpoint, contexts, batches, engines, steps, threads,
 @click.option("--chat-template", type=click.Path(path_type=Path), default=None,
               help="A Jinja chat template file used in place of the export's (tokenizer_config.json chat_template), "
                    "as vLLM's --chat-template: e.g. one that renders the request's tools.")
+@click.option("--reasoning-parser", type=click.Choice(["deepseek_r1"]), default=None,
+              help="Send a thinking model's reasoning (DeepSeek-R1's, closed by </think>) as the chat message's "
+                   "reasoning_content, apart from its content, as vLLM's option of that name.")
 @click.option("--api-key", default=None, envvar="MLA_DEPLOY_API_KEY",
               help="Require Authorization: Bearer KEY on every route but /health (or set MLA_DEPLOY_API_KEY).")
 @click.option("--model-name", default=None, help="The model id clients send (default: the export directory's name).")
@@ -422,9 +425,9 @@ def bench(quick, preset, checkpoint, contexts, batches, engines, steps, threads,
 @_ray_address_option
 @click.option("--micro-batches", type=click.IntRange(min=1), default=None,
               help="A staged export: groups of rows in flight through the stages together (default: one per stage).")
-def serve(export_dir, host, port, max_batch, max_queue, prefill_chunk, prefix_caching, chat_template, api_key,
-          model_name, threads, prepack, spin, ray_replicas, provider, session_config, speculative, draft_tokens,
-          ray_address, micro_batches):
+def serve(export_dir, host, port, max_batch, max_queue, prefill_chunk, prefix_caching, chat_template,
+          reasoning_parser, api_key, model_name, threads, prepack, spin, ray_replicas, provider, session_config,
+          speculative, draft_tokens, ray_address, micro_batches):
     """Serve EXPORT_DIR over HTTP with OpenAI's completions and chat routes, batching requests continuously."""
     from .runtime import RuntimeOptions
 
@@ -448,7 +451,7 @@ def serve(export_dir, host, port, max_batch, max_queue, prefill_chunk, prefix_ca
 
         serve_on_ray(export_dir, ray_replicas, host, port, max_batch, max_queue, api_key, model_name, options,
                      _speculation(speculative, draft_tokens), ray_address, prefill_chunk, prefix_caching,
-                     chat_template)
+                     chat_template, reasoning_parser)
         return
     from .serve.server import build_service, listening_socket
     from .serve.server import serve as run_server
@@ -457,7 +460,7 @@ def serve(export_dir, host, port, max_batch, max_queue, prefill_chunk, prefix_ca
     try:
         service = build_service(export_dir, max_batch, max_queue, api_key, model_name, options, prefill_chunk,
                                 _speculation(speculative, draft_tokens), ray_address, micro_batches, prefix_caching,
-                                chat_template)
+                                chat_template, reasoning_parser)
     except BaseException:
         sock.close()
         raise

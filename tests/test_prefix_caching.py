@@ -295,7 +295,7 @@ def test_serve_hands_its_prefix_caching_and_prefill_chunk_to_the_scheduler_in_on
     result = CliRunner().invoke(main, ["serve", str(export_dir), "--ray-replicas", "2", "--prefill-chunk", "64",
                                        "--no-prefix-caching"])
     assert result.exit_code == 0, result.output
-    assert on_ray[-1][-3:-1] == (64, False)  # serve_on_ray's prefill_chunk, prefix_caching
+    assert on_ray[-1][11:13] == (64, False)  # serve_on_ray's prefill_chunk, prefix_caching
 
 
 def test_occupied_rows_stay_a_prefix_whatever_the_free_rows_hold(model):

@@ -37,8 +37,9 @@ def running_server(export_dir, **engine_args):
 
     api_key, instance = engine_args.pop("api_key", None), engine_args.pop("instance", None)
     limit, template = engine_args.pop("max_body_bytes", 64 * 1024), engine_args.pop("chat_template", None)
+    parser = engine_args.pop("reasoning_parser", None)
     service = Service(Engine(ExportedModel(export_dir), **engine_args), MODEL, api_key, max_body_bytes=limit,
-                      chat_template=template)
+                      chat_template=template, reasoning_parser=parser)
     service.instance = instance  # a Ray Serve replica's id
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

@@ -28,7 +28,7 @@ class StopStrings:
             start, minus_length = min(found)
             out, self.held = self.held[: start - minus_length if self.include else start], ""
             return out
-        keep = max((_partial_suffix(self.held, s) for s in self.stops), default=0)
+        keep = max((partial_suffix(self.held, s) for s in self.stops), default=0)
         out = self.held[: len(self.held) - keep]
         self.held = self.held[len(self.held) - keep:]
         return out
@@ -38,7 +38,7 @@ class StopStrings:
         return out
 
 
-def _partial_suffix(text: str, stop: str) -> int:
+def partial_suffix(text: str, stop: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `stop`."""
     for n in range(min(len(text), len(stop) - 1), 0, -1):
         if text.endswith(stop[:n]):

@@ -31,9 +31,10 @@ from ..runtime.grammar import Constraint, Grammars
 from ..runtime.scheduler import Request as EngineRequest
 from ..runtime.text import Tokenizer
 from . import protocol
-from .choices import ChoiceText, Out, chat_logprobs, completion_logprobs
+from .choices import ChatReply, ChoiceText, Out, chat_logprobs, completion_logprobs
 from .metrics import render_metrics
 from .protocol import APIError, GenerationRequest, bad
+from .reasoning import ReasoningSplit
 from .tools import CALLS_BEGIN, ToolReply, writes_deepseek_calls
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -63,9 +64,12 @@ class Run:
 
 class Service:
     def __init__(self, engine: Engine, model_name: str, api_key: str | None = None,
-                 max_body_bytes: int = MAX_BODY_BYTES, chat_template: str | Path | None = None):
-        """`chat_template`: a Jinja file used in place of the export's template (runtime.chat)."""
+                 max_body_bytes: int = MAX_BODY_BYTES, chat_template: str | Path | None = None,
+                 reasoning_parser: str | None = None):
+        """`chat_template`: a Jinja file used in place of the export's template (runtime.chat); `reasoning_parser`:
+        how chat replies' reasoning is told from their answers (serve.reasoning; None: it is not)."""
         self.engine, self.model_name, self.api_key, self.max_body_bytes = engine, model_name, api_key, max_body_bytes
+        self.reasoning_parser = reasoning_parser
         model = engine.model
         self.tokenizer = Tokenizer.from_export(model.directory, model.manifest)
         self.chat_template = ChatTemplate.from_export(model.directory, chat_template)
@@ -191,10 +195,14 @@ class Service:
         except InputError as e:
             raise bad(f"{field}: {e}", field) from None
 
-    @staticmethod
-    def tool_reply(req: GenerationRequest) -> ToolReply | None:
-        """A choice's reader of tool calls, where the request lets the model call a tool."""
-        return ToolReply(req.tools) if req.tools is not None and req.tools.choice != "none" else None
+    def chat_reply(self, req: GenerationRequest) -> ChatReply | None:
+        """A chat choice's reasoning split and tool-call reader, where the server and the request ask for either."""
+        if req.kind != "chat":
+            return None
+        grammar = req.response_format is not None or req.tools is not None and req.tools.forced
+        split = ReasoningSplit() if self.reasoning_parser is not None and not grammar else None
+        tools = ToolReply(req.tools) if req.tools is not None and req.tools.choice != "none" else None
+        return None if split is None and tools is None else ChatReply(split, tools)
 
     def _prompt_ids(self, req: GenerationRequest) -> list[list[int]]:
         if req.kind == "chat":
@@ -375,13 +383,13 @@ async def _generate(service: Service, request: Request, kind: str):
             candidates = sorted(candidates, key=lambda r: -r[3].cumulative_logprob)[: req.n]
         for j, (run, text, tokens, last) in enumerate(candidates):
             make = protocol.completion_choice if kind == "completion" else protocol.chat_choice
-            reply, logprobs = service.tool_reply(req), service.logprobs(req, tokens)
+            reply, logprobs = service.chat_reply(req), service.logprobs(req, tokens)
             if reply is None:
                 choices.append(make(i * req.n + j, "".join(text), last.finish_reason, logprobs))
                 continue
-            reply.push("".join(text))
-            reason = reply.finish(last.finish_reason)[2]
-            choices.append(protocol.chat_choice(i * req.n + j, reply.content, reason, logprobs, reply.tool_calls))
+            reason = reply.push("".join(text), last.finish_reason)[3]
+            reasoning, content, calls = reply.message()
+            choices.append(protocol.chat_choice(i * req.n + j, content, reason, logprobs, calls, reasoning))
     use = protocol.usage(sum(len(ids) for ids in {r[0].prompt_index: r[0].prompt_ids for r in results}.values()),
                          sum(r[3].completion_tokens for r in results),
                          _cached(((r[0].prompt_index, r[3].cached_tokens) for r in results)))
@@ -404,20 +412,18 @@ async def _sse(service: Service, req: GenerationRequest, rid: str, runs: list[Ru
 
     async def pump(run: Run) -> None:
         index = run.prompt_index * req.n + run.candidate
-        pieces, reply = service.pieces(req, run), service.tool_reply(req)
+        pieces, reply = service.pieces(req, run), service.chat_reply(req)
         try:
             if req.kind == "chat":
                 await queue.put(protocol.chunk(req, rid, index, "", first=True))
             async for piece in pieces:
                 logprobs = service.logprobs(req, piece.tokens) if piece.tokens else None
-                text, calls, reason = piece.text, None, piece.finish_reason
-                if reply is not None:  # the content to send now, and tool-call deltas
-                    text, calls = reply.push(piece.text)
-                    if reason is not None:
-                        rest, last, reason = reply.finish(reason)
-                        text, calls = text + rest, calls + last
-                if text or logprobs or reason or calls:
-                    await queue.put(protocol.chunk(req, rid, index, text, reason, logprobs, tool_calls=calls))
+                reasoning, text, calls, reason = "", piece.text, None, piece.finish_reason
+                if reply is not None:  # reasoning, content and tool-call deltas to send now
+                    reasoning, text, calls, reason = reply.push(piece.text, reason)
+                if text or reasoning or logprobs or reason or calls:
+                    await queue.put(protocol.chunk(req, rid, index, text, reason, logprobs, tool_calls=calls,
+                                                   reasoning=reasoning))
                 if piece.finish_reason is not None:
                     await queue.put((run.prompt_index, piece))
         except Exception as e:  # the engine failed: end the whole stream with it, not hang the other choices

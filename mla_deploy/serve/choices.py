@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from ..runtime.scheduler import TokenEvent
 from ..runtime.stop import StopStrings
 from ..runtime.text import TextStream, Tokenizer
+from .reasoning import ReasoningSplit
+from .tools import ToolReply
 
 
 @dataclass
@@ -128,3 +130,37 @@ def chat_logprobs(tokenizer: Tokenizer | None, outs: list[Out]) -> dict:
     return {"content": [{**entry(o.event.token, o.event.logprob),
                          "top_logprobs": [entry(t, lp) for t, lp in o.event.top_logprobs or []]} for o in outs],
             "refusal": None}
+
+
+class ChatReply:
+    """A chat choice's text as it arrives, through the reasoning split (serve.reasoning) and then the tool-call
+    reader (serve.tools) where the server and request ask for them: what to send now, and the whole message."""
+
+    def __init__(self, split: ReasoningSplit | None, tools: ToolReply | None):
+        self.split, self.tools, self.text = split, tools, ""
+
+    def push(self, text: str, finish_reason: str | None = None) -> tuple[str, str, list[dict], str | None]:
+        """(reasoning, content, tool-call deltas, finish_reason) to send for this piece; the last piece carries the
+        choice's finish_reason, which a tool call may turn into "tool_calls"."""
+        self.text += text
+        reasoning = ""
+        if self.split is not None:
+            reasoning, text = self.split.push(text)
+            if finish_reason is not None:
+                more, text_left = self.split.finish()
+                reasoning, text = reasoning + more, text + text_left
+        calls: list[dict] = []
+        if self.tools is not None:
+            text, calls = self.tools.push(text)
+            if finish_reason is not None:
+                rest, last, finish_reason = self.tools.finish(finish_reason)
+                text, calls = text + rest, calls + last
+        return reasoning, text, calls, finish_reason
+
+    def message(self) -> tuple[str | None, str | None, list[dict] | None]:
+        """After the last piece: the message's reasoning_content, content and tool_calls (None: absent)."""
+        reasoning = None if self.split is None else self.split.reasoning
+        content = self.text if self.split is None else self.split.content
+        if self.tools is not None and content is not None:
+            content = self.tools.content
+        return reasoning, content, (self.tools.tool_calls or None) if self.tools is not None else None

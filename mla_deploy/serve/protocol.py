@@ -378,20 +378,26 @@ def completion_choice(index: int, text: str, finish_reason: str | None, logprobs
 
 
 def chat_choice(index: int, text: str | None, finish_reason: str, logprobs: dict | None,
-                tool_calls: list[dict] | None = None) -> dict:
-    """A chat reply; with tool calls its content is the text before them, None where there is none (OpenAI's)."""
+                tool_calls: list[dict] | None = None, reasoning: str | None = None) -> dict:
+    """A chat reply; with tool calls its content is the text before them, None where there is none (OpenAI's); with
+    a reasoning parser the reasoning apart, as DeepSeek's API's `reasoning_content`."""
     message = {"role": "assistant", "content": text}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
     if tool_calls:
-        message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
+        message.update(content=text or None, tool_calls=tool_calls)
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def chunk(req: GenerationRequest, rid: str, index: int, text: str | None, finish_reason: str | None = None,
-          logprobs: dict | None = None, first: bool = False, tool_calls: list[dict] | None = None) -> dict:
+          logprobs: dict | None = None, first: bool = False, tool_calls: list[dict] | None = None,
+          reasoning: str = "") -> dict:
     if req.kind == "completion":
         choice = completion_choice(index, text or "", finish_reason, logprobs)
     else:
         delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+        if reasoning:
+            delta["reasoning_content"] = reasoning
         if tool_calls:
             delta["tool_calls"] = tool_calls
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}

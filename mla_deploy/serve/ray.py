@@ -28,9 +28,10 @@ from .server import build_service
 class Replica:
     def __init__(self, export_dir: str, max_batch: int, max_queue: int, api_key: str | None, model_name: str | None,
                  options: RuntimeOptions, speculation: Speculation | None = None, prefill_chunk: int = 256,
-                 prefix_caching: bool = True, chat_template: str | None = None):
+                 prefix_caching: bool = True, chat_template: str | None = None, reasoning_parser: str | None = None):
         self.service = build_service(export_dir, max_batch, max_queue, api_key, model_name, options, prefill_chunk,
-                                     speculation, prefix_caching=prefix_caching, chat_template=chat_template)
+                                     speculation, prefix_caching=prefix_caching, chat_template=chat_template,
+                                     reasoning_parser=reasoning_parser)
         self.service.instance = serve.get_replica_context().replica_id.unique_id
 
     def __serve_build_asgi_app__(self):
@@ -46,7 +47,7 @@ class Replica:
 def deployment(export_dir: str | Path, replicas: int, max_batch: int = 16, max_queue: int = 256,
                api_key: str | None = None, model_name: str | None = None, options: RuntimeOptions | None = None,
                speculation: Speculation | None = None, prefill_chunk: int = 256, prefix_caching: bool = True,
-               chat_template: str | Path | None = None):
+               chat_template: str | Path | None = None, reasoning_parser: str | None = None):
     """The bound Ray Serve application. Each replica reserves an equal share of the CPUs and runs onnxruntime on
     that many threads (unless options.threads says otherwise), so replicas do not fight over cores."""
     cpus = max(1, (os.cpu_count() or 1) // replicas)
@@ -60,20 +61,22 @@ def deployment(export_dir: str | Path, replicas: int, max_batch: int = 16, max_q
                             max_ongoing_requests=max_batch + max_queue,  # queueing is the Engine's job, not Ray's
                             ).bind(export_dir, max_batch, max_queue, api_key, name, options, speculation,
                                    prefill_chunk, prefix_caching,
-                                   None if chat_template is None else str(Path(chat_template).resolve()))
+                                   None if chat_template is None else str(Path(chat_template).resolve()),
+                                   reasoning_parser)
 
 
 def app(args: dict):
     """Application builder for `serve run mla_deploy.serve.ray:app export_dir=OUT replicas=N`."""
     return deployment(args["export_dir"], int(args.get("replicas", 1)), int(args.get("max_batch", 16)),
                       int(args.get("max_queue", 256)), args.get("api_key"), args.get("model_name"),
-                      chat_template=args.get("chat_template"))
+                      chat_template=args.get("chat_template"), reasoning_parser=args.get("reasoning_parser"))
 
 
 def serve_on_ray(export_dir, replicas: int, host: str, port: int, max_batch: int, max_queue: int,
                  api_key: str | None, model_name: str | None, options: RuntimeOptions,
                  speculation: Speculation | None = None, address: str | None = None, prefill_chunk: int = 256,
-                 prefix_caching: bool = True, chat_template: str | Path | None = None) -> None:
+                 prefix_caching: bool = True, chat_template: str | Path | None = None,
+                 reasoning_parser: str | None = None) -> None:
     """Start a local Ray instance (or join `address`, else RAY_ADDRESS), run the replicas, and block until
     interrupted."""
     import ray
@@ -87,7 +90,7 @@ def serve_on_ray(export_dir, replicas: int, host: str, port: int, max_batch: int
     try:
         serve.start(http_options={"host": host, "port": port})
         serve.run(deployment(export_dir, replicas, max_batch, max_queue, api_key, model_name, options, speculation,
-                             prefill_chunk, prefix_caching, chat_template),
+                             prefill_chunk, prefix_caching, chat_template, reasoning_parser),
                   name="mla-deploy", route_prefix="/", blocking=True)
     finally:  # Ctrl-C or SIGTERM: take the replicas and a Ray instance started here down with us
         serve.shutdown()

@@ -23,11 +23,11 @@ def build_service(export_dir: str | Path, max_batch: int = 16, max_queue: int = 
                   model_name: str | None = None, options: RuntimeOptions | None = None,
                   prefill_chunk: int = 256, speculation: Speculation | None = None, ray_address: str | None = None,
                   micro_batches: int | None = None, prefix_caching: bool = True,
-                  chat_template: str | Path | None = None) -> Service:
+                  chat_template: str | Path | None = None, reasoning_parser: str | None = None) -> Service:
     """`speculation`: the engine's (runtime.speculative), which a request may opt out of; `prefix_caching`: the
     scheduler's (runtime.prefix); `chat_template`: a Jinja file in place of the export's template, read before the
-    model loads. A staged export (export --stages N) loads as one Ray actor per stage
-    (runtime.stages, the 'ray' extra; `ray_address`: the cluster to join, default a local Ray instance),
+    model loads; `reasoning_parser`: serve.reasoning's. A staged export (export --stages N) loads as one Ray actor
+    per stage (runtime.stages, the 'ray' extra; `ray_address`: the cluster to join, default a local Ray instance),
     `micro_batches` groups of rows in flight (default: one per stage), every prompt prefilled whole."""
     if chat_template is not None:  # a bad file is said before the weights load
         ChatTemplate.from_export(export_dir, chat_template)
@@ -47,7 +47,8 @@ def build_service(export_dir: str | Path, max_batch: int = 16, max_queue: int = 
         _shutdown(model)
         raise
     try:
-        return Service(engine, model_name or Path(export_dir).resolve().name, api_key, chat_template=chat_template)
+        return Service(engine, model_name or Path(export_dir).resolve().name, api_key, chat_template=chat_template,
+                       reasoning_parser=reasoning_parser)
     except BaseException:
         engine.close()
         _shutdown(model)

@@ -23,6 +23,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from ..runtime.stop import partial_suffix
 from .protocol import bad
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
@@ -239,7 +240,7 @@ class ToolReply:
         if self.tools.choice == "auto":
             end = self.text.find(CALLS_BEGIN)
             if end < 0:
-                end = len(self.text) - _marker_tail(self.text)
+                end = len(self.text) - partial_suffix(self.text, CALLS_BEGIN)
             out, self.sent = self.text[self.sent:max(end, self.sent)], max(end, self.sent)
             return out, []
         return "", []
@@ -263,10 +264,3 @@ class ToolReply:
         self.tool_calls = [call.to_json() for call in calls]
         return (content or "")[self.sent:], [{"index": i, **c} for i, c in enumerate(self.tool_calls)], "tool_calls"
 
-
-def _marker_tail(text: str) -> int:
-    """Length of the longest end of `text` that begins CALLS_BEGIN (held back until the next piece shows)."""
-    for n in range(min(len(text), len(CALLS_BEGIN) - 1), 0, -1):
-        if CALLS_BEGIN.startswith(text[-n:]):
-            return n
-    return 0
