@@ -401,9 +401,10 @@ def bench(quick, preset, checkpoint, contexts, batches, engines, steps, threads,
               help="Start a prompt from the cache slots a row holds for its first tokens (a chat's earlier turns, a "
                    "shared system prompt); off: every prompt prefilled whole, its numbers independent of what ran "
                    "before. A staged export prefills every prompt whole.")
-@click.option("--chat-template", type=click.Path(path_type=Path), default=None,
-              help="A Jinja chat template file used in place of the export's (tokenizer_config.json chat_template), "
-                   "as vLLM's --chat-template: e.g. one that renders the request's tools.")
+@click.option("--chat-template", default=None,
+              help="A Jinja chat template used in place of the export's (tokenizer_config.json chat_template): a "
+                   "file, or the template itself, as vLLM's --chat-template; e.g. one that renders the request's "
+                   "tools.")
 @click.option("--reasoning-parser", type=click.Choice(["deepseek_r1"]), default=None,
               help="Send a thinking model's reasoning (DeepSeek-R1's, closed by </think>) as the chat message's "
                    "reasoning_content, apart from its content, as vLLM's option of that name.")

@@ -138,8 +138,19 @@ def test_a_conversation_passes_calls_and_results_back(client):
     ("not a function", {"tools": [{"type": "retrieval"}], "tool_choice": "required"}, "tools", "tools[0]"),
     ("parameters a list", {"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}],
                            "tool_choice": "required"}, "tools", "parameters"),
-    ("parameters not a schema", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "objekt"}}}], "tool_choice": "required"}, "tools", "cannot be compiled"),
+    ("parameters not an object", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "string"}}}], "tool_choice": "required"}, "tools", 'tools[0].function.parameters: type "string"'),
+    ("parameters not a schema", {"tools": [TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": {
+        "properties": {"a": {"$ref": "#/nowhere"}}}}}], "tool_choice": "required"}, "tools",
+     "tools[1].function.parameters: cannot be compiled"),
+    ("definitions clash", {"tools": [{"type": "function", "function": {"name": n, "parameters": {
+        "$defs": {"P": {"type": t}}, "properties": {"p": {"$ref": "#/$defs/P"}}}}} for n, t in (("a", "string"),
+                                                                                                 ("b", "integer"))],
+        "tool_choice": "required"}, "tools", "tools[1].function.parameters.$defs.P: another function defines"),
+    ("stop", {"tools": TOOLS, "tool_choice": "required", "stop": ["}"]}, "stop", "a stop would cut it"),
+    ("stop ids", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "search"}},
+                  "stop_token_ids": [5]}, "stop_token_ids", "a stop would cut it"),
+    ("legacy function_call", {"function_call": "auto"}, "function_call", "use tools and tool_choice"),
     ("parallel a string", {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": "yes"},
      "parallel_tool_calls", "true or false"),
     ("with response_format", {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
@@ -265,3 +276,67 @@ def test_serve_says_what_is_wrong_with_a_chat_template_file_before_loading(serve
         assert result.exit_code == 1 and result.stderr.startswith(f"error: --chat-template {path}: "), result.output
         assert says in result.stderr and result.stderr.count("\n") == 1, result.stderr
     assert loaded == []
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"],
+          "additionalProperties": False}
+DEFS = {"$defs": {"Person": PERSON}, "type": "object", "properties": {"who": {"$ref": "#/$defs/Person"},
+                                                                     "n": {"type": "integer", "maximum": 9}},
+        "required": ["who", "n"], "additionalProperties": False}
+LEGACY = {"definitions": {"Person": PERSON}, "properties": {"people": {"type": "array", "maxItems": 2,
+                                                                        "items": {"$ref": "#/definitions/Person"}}},
+          "required": ["people"], "additionalProperties": False}  # no "type": an object all the same
+
+
+def test_schemas_with_definitions_no_type_or_no_parameters_give_object_arguments(client):
+    tools = [{"type": "function", "function": {"name": "meet", "parameters": DEFS}},
+             {"type": "function", "function": {"name": "group", "parameters": LEGACY}},
+             {"type": "function", "function": {"name": "ping"}}]  # no parameters: OpenAI's empty list, {}
+    schemas = {"meet": DEFS, "group": {**LEGACY, "type": "object"}, "ping": {"type": "object", "maxProperties": 0}}
+    for seed in range(4):
+        for choice in ("required", *({"type": "function", "function": {"name": t["function"]["name"]}}
+                                     for t in tools)):
+            r = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, tool_choice=choice,
+                                               parallel_tool_calls=False, max_tokens=80, temperature=1.0, seed=seed)
+            if r.choices[0].finish_reason == "length":
+                continue
+            [call] = r.choices[0].message.tool_calls
+            arguments = json.loads(call.function.arguments)
+            assert isinstance(arguments, dict)
+            jsonschema.validate(arguments, schemas[call.function.name])
+
+
+def test_streams_end_with_the_finish_alone_so_the_sdk_closes_every_call(client):
+    """The openai SDK's stream helper closes a call's arguments at the next chunk: the finish comes in a chunk of its
+    own, and a forced call's first chunk says content null, as OpenAI's do."""
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False,
+                  max_tokens=60, temperature=0)
+        chunks = list(client.chat.completions.create(**kw, stream=True))
+        assert chunks[0].choices[0].delta.content is None and chunks[0].choices[0].delta.role == "assistant"
+        last = chunks[-1].choices[0]
+        assert last.finish_reason is not None and not last.delta.tool_calls and not last.delta.content
+        with client.chat.completions.stream(**kw) as stream:
+            done = [e for e in stream if e.type == "tool_calls.function.arguments.done"]
+            message = stream.get_final_completion().choices[0].message
+        assert [(e.name, e.arguments) for e in done] == [(c.function.name, c.function.arguments)
+                                                         for c in message.tool_calls]
+
+
+DEEPSEEK_LIKE = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}<User>{{ m.content }}"
+                 "{% elif m.role == 'assistant' and 'tool_calls' in m %}<Assistant>{% for c in m.tool_calls %}"
+                 "call {{ c.function.name }} {{ c.function.arguments }}{% endfor %}"
+                 "{% elif m.role == 'assistant' %}<Assistant>{{ m.content }}{% else %}<Tool>{{ m.content }}{% endif %}"
+                 "{% endfor %}<Assistant>")
+
+
+def test_null_fields_an_sdk_sends_are_absent_ones_to_the_template(server):
+    """model_dump() of the SDK's message sends "tool_calls": null, which a template testing for the key (DeepSeek's)
+    would iterate; an inline --chat-template as well."""
+    with running_server(server[1].engine.model.directory, max_batch=2, chat_template=DEEPSEEK_LIKE) as (base, _):
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        plain = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, temperature=0)
+        history = ASK + [plain.choices[0].message.model_dump(), {"role": "user", "content": "And Oslo?"}]
+        assert history[1]["tool_calls"] is None
+        reply = client.chat.completions.create(model=MODEL, messages=history, max_tokens=4, temperature=0)
+        assert reply.choices[0].message.content is not None

@@ -79,15 +79,19 @@ class ChatTemplate:
 
     @classmethod
     def from_export(cls, directory: str | Path, source: str | Path | None = None) -> "ChatTemplate | None":
-        """The export's template, or with `source` (a Jinja file: serve --chat-template, as vLLM's) that file's in
-        its place, either with the export's BOS and EOS texts."""
+        """The export's template, or with `source` (serve --chat-template, as vLLM's: a Jinja file, or the template
+        itself where no such file exists and it holds Jinja's {{ or {%) that one in its place, either with the
+        export's BOS and EOS texts."""
         path = Path(directory) / "tokenizer_config.json"
         cfg = read_json(path, ExportLoadError, "tokenizer config") if path.is_file() else {}
         if source is not None:
+            inline = is_inline_template(source)
             try:
-                template = Path(source).read_text(encoding="utf-8")
+                template = source if inline else Path(source).read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as e:
                 raise InputError(f"--chat-template {source}: cannot read it ({e})") from None
+            if inline:
+                source = "(the template given inline)"
             if not template.strip():
                 raise InputError(f"--chat-template {source}: the file is empty")
             try:
@@ -126,6 +130,16 @@ class ChatTemplate:
         if not ids:
             raise InputError("the chat template renders these messages to no tokens")
         return ids
+
+
+def is_inline_template(source: str | Path) -> bool:
+    """`serve --chat-template`'s value is the template itself: it holds Jinja's {{ or {% and names no file."""
+    if not isinstance(source, str) or "{{" not in source and "{%" not in source:
+        return False
+    try:
+        return not Path(source).exists()
+    except (OSError, ValueError):  # longer than a file name may be, or a NUL inside: no file
+        return True
 
 
 def check_messages(messages) -> None:

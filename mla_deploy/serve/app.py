@@ -35,7 +35,7 @@ from .choices import ChatReply, ChoiceText, Out, chat_logprobs, completion_logpr
 from .metrics import render_metrics
 from .protocol import APIError, GenerationRequest, bad
 from .reasoning import ReasoningSplit
-from .tools import CALLS_BEGIN, ToolReply, writes_deepseek_calls
+from .tools import CALLS_BEGIN, ToolReply, Tools, writes_deepseek_calls
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 
@@ -189,11 +189,25 @@ class Service:
                 self._grammars = Grammars(self.tokenizer.path, self.engine.model.config.vocab_size,
                                           sorted(self.stop_ids))
             if forced:
-                return self._grammars.json_schema(req.tools.schema())
+                return self._tool_grammar(req.tools)
             kind, schema = req.response_format
             return self._grammars.json_object() if kind == "json_object" else self._grammars.json_schema(schema)
         except InputError as e:
             raise bad(f"{field}: {e}", field) from None
+
+    def _tool_grammar(self, tools: Tools) -> Constraint:
+        """A forced call's grammar; where it does not compile, the error names the function whose schema fails."""
+        try:
+            return self._grammars.json_schema(tools.schema())
+        except InputError as whole:
+            for i, name in enumerate(tools.names):
+                if tools.named in (None, name):
+                    try:
+                        self._grammars.json_schema(tools.parameters(name))
+                    except InputError as e:
+                        raise bad(f"tools[{i}].function.parameters: {str(e).removeprefix('json_schema.schema: ')}",
+                                  "tools") from None
+            raise whole
 
     def chat_reply(self, req: GenerationRequest) -> ChatReply | None:
         """A chat choice's reasoning split and tool-call reader, where the server and the request ask for either."""
@@ -421,6 +435,11 @@ async def _sse(service: Service, req: GenerationRequest, rid: str, runs: list[Ru
                 reasoning, text, calls, reason = "", piece.text, None, piece.finish_reason
                 if reply is not None:  # reasoning, content and tool-call deltas to send now
                     reasoning, text, calls, reason = reply.push(piece.text, reason)
+                if calls and reason is not None:  # the finish in a chunk of its own, after the last call's
+                    # delta, as OpenAI streams it (the openai SDK closes a call's arguments at the next chunk)
+                    await queue.put(protocol.chunk(req, rid, index, text, None, logprobs, tool_calls=calls,
+                                                   reasoning=reasoning))
+                    text, reasoning, logprobs, calls = "", "", None, None
                 if text or reasoning or logprobs or reason or calls:
                     await queue.put(protocol.chunk(req, rid, index, text, reason, logprobs, tool_calls=calls,
                                                    reasoning=reasoning))

@@ -40,6 +40,7 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> APIE
 MAX_CHOICES = 128  # n and best_of, as OpenAI bounds them
 REFUSED = {  # fields this server does not implement: a 400 naming them, never silently ignored
     "functions": "the legacy functions field is not supported (give them as tools)",
+    "function_call": "the legacy function_call field is not supported (use tools and tool_choice)",
     "suffix": "suffix (insertion after the completion) is not supported",
 }
 # vLLM's extra sampling fields this server does not implement, with the values that ask for nothing (sent by
@@ -186,6 +187,10 @@ def parse_request(body: dict, kind: str) -> GenerationRequest:
     req.seed = None if seed is None else seed % 2**64  # one to one onto what numpy's generators take
     req.stop, req.stop_token_ids = _stops(body.get("stop"))
     req.stop_token_ids += _token_ids(body.get("stop_token_ids"), "stop_token_ids") or []
+    if req.tools is not None and req.tools.forced and (req.stop or req.stop_token_ids):
+        name = "stop" if body.get("stop") else "stop_token_ids"
+        raise bad(f"{name}: a forced tool call ends where its arguments' JSON ends, and a stop would cut it; leave "
+                  f"{name} out with tool_choice {json.dumps(body.get('tool_choice'))[:80]}", name)
     req.n = _int(body.get("n"), "n", minimum=1, maximum=MAX_CHOICES) or 1
     req.stream = _bool(body.get("stream"), "stream")
     if kind == "completion":
@@ -285,6 +290,9 @@ def _messages(value) -> list[dict]:
     for i, m in enumerate(value):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad(f"messages[{i}]: expected an object with a string role", f"messages[{i}]")
+        # a null optional field is an absent one (SDKs send every field: "tool_calls": null), as templates test
+        # for a key's presence before reading it
+        m = {k: v for k, v in m.items() if v is not None or k == "content"}
         content = m.get("content")
         if isinstance(content, list):  # content parts: only text is understood
             parts = []
@@ -392,10 +400,14 @@ def chat_choice(index: int, text: str | None, finish_reason: str, logprobs: dict
 def chunk(req: GenerationRequest, rid: str, index: int, text: str | None, finish_reason: str | None = None,
           logprobs: dict | None = None, first: bool = False, tool_calls: list[dict] | None = None,
           reasoning: str = "") -> dict:
+    """One choice's chunk. Chat: the first carries the role, with content null where the reply is a forced tool
+    call (OpenAI's), else ""."""
     if req.kind == "completion":
         choice = completion_choice(index, text or "", finish_reason, logprobs)
     else:
-        delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+        forced = req.tools is not None and req.tools.forced
+        delta = {"role": "assistant", "content": None if forced else text or ""} if first else (
+            {"content": text} if text else {})
         if reasoning:
             delta["reasoning_content"] = reasoning
         if tool_calls:

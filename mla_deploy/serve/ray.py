@@ -17,7 +17,7 @@ from ray import serve
 
 from ..errors import ServeError
 from ..runtime import RuntimeOptions
-from ..runtime.chat import ChatTemplate
+from ..runtime.chat import ChatTemplate, is_inline_template
 from ..runtime.stages import unreachable
 from ..runtime.speculative import Speculation
 from .app import create_app
@@ -61,7 +61,8 @@ def deployment(export_dir: str | Path, replicas: int, max_batch: int = 16, max_q
                             max_ongoing_requests=max_batch + max_queue,  # queueing is the Engine's job, not Ray's
                             ).bind(export_dir, max_batch, max_queue, api_key, name, options, speculation,
                                    prefill_chunk, prefix_caching,
-                                   None if chat_template is None else str(Path(chat_template).resolve()),
+                                   chat_template if chat_template is None or is_inline_template(chat_template)
+                                   else str(Path(chat_template).resolve()),
                                    reasoning_parser)
 
 

@@ -1,9 +1,10 @@
 """OpenAI's tool calling on the chat route: `tools`, `tool_choice`, `parallel_tool_calls`.
 
 - A forced call (`tool_choice` "required", or {"type": "function", "function": {"name": ...}}) is generated under a
-  JSON grammar (runtime.grammar), so on any export with a tokenizer it parses and its arguments are valid under the
-  function's `parameters` schema. Named: the model writes the arguments object itself. Required: a list of
-  {"name", "parameters"} objects, one function's each (at most one with `parallel_tool_calls` false), as vLLM does.
+  JSON grammar (runtime.grammar), so on any export with a tokenizer its arguments are a JSON object valid under the
+  function's `parameters` schema (an object's, always: OpenAI's arguments are named). Named: the model writes the
+  arguments object itself. Required: a list of {"name", "parameters"} objects, one function's each (at most one
+  with `parallel_tool_calls` false), as vLLM does.
 - "auto" needs the model's own syntax for a call. DeepSeek's chat models write calls between tokens of their own:
       V2.5 / V3: <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\nARGS\\n```
                  <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
@@ -27,6 +28,8 @@ from ..runtime.stop import partial_suffix
 from .protocol import bad
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # `parameters` left out: {}
+DEFINITIONS = ("$defs", "definitions")  # where a schema keeps what its "#/..." references name
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
@@ -69,20 +72,34 @@ class Tools:
         return self.choice not in ("none", "auto")
 
     def parameters(self, name: str) -> dict:
-        return next(f["function"] for f in self.functions if f["function"]["name"] == name).get(
-            "parameters") or {"type": "object"}
+        """A function's arguments schema: always an object, none at all where `parameters` is left out (OpenAI's
+        empty parameter list)."""
+        given = self.functions[self.names.index(name)]["function"].get("parameters")
+        return NO_PARAMETERS if given is None else {**given, "type": "object"}
 
     def schema(self) -> dict:
-        """The JSON Schema a forced call is generated under (module docstring)."""
+        """The JSON Schema a forced call is generated under (module docstring). "required" nests each function's
+        arguments schema in a list item, so the definitions its references point at ("#/$defs/...",
+        "#/definitions/...") move to the root, where those references resolve."""
         if self.named is not None:
             return self.parameters(self.named)
-        one = [{"type": "object", "properties": {"name": {"const": name}, "parameters": self.parameters(name)},
-                "required": ["name", "parameters"], "additionalProperties": False} for name in self.names]
+        hoisted: dict[str, dict] = {}
+        one = []
+        for i, name in enumerate(self.names):
+            params = dict(self.parameters(name))
+            for key in DEFINITIONS:
+                for term, body in (params.pop(key, None) or {}).items():
+                    if hoisted.setdefault(key, {}).setdefault(term, body) != body:
+                        raise bad(f"tools[{i}].function.parameters.{key}.{term}: another function defines {term!r} "
+                                  f"differently; with tool_choice \"required\" their definitions share one root, so "
+                                  "give them distinct names", "tools")
+            one.append({"type": "object", "properties": {"name": {"const": name}, "parameters": params},
+                        "required": ["name", "parameters"], "additionalProperties": False})
         return {"type": "array", "minItems": 1, **({} if self.parallel else {"maxItems": 1}),
-                "items": one[0] if len(one) == 1 else {"anyOf": one}}
+                "items": one[0] if len(one) == 1 else {"anyOf": one}, **hoisted}
 
     def forced_calls(self, text: str) -> list[ToolCall] | None:
-        """A forced call's generated text as calls; None where it is not one (cut by max_tokens or a stop string)."""
+        """A forced call's generated text as calls; None where it is not one (cut by max_tokens)."""
         try:
             value = json.loads(text)
         except json.JSONDecodeError:
@@ -121,8 +138,15 @@ def parse_tools(body: dict, kind: str) -> Tools | None:
         if name in seen:
             raise bad(f"{where}.function.name: {name!r} is given twice", "tools")
         seen.add(name)
-        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
             raise bad(f"{where}.function.parameters: expected a JSON Schema object", "tools")
+        if params is not None and params.get("type", "object") != "object":
+            raise bad(f"{where}.function.parameters: type {json.dumps(params['type'])[:40]}; a function's arguments "
+                      'are named, a JSON object: "type": "object"', "tools")
+        for key in DEFINITIONS:
+            if params is not None and not isinstance(params.get(key, {}), dict):
+                raise bad(f"{where}.function.parameters.{key}: expected an object of named schemas", "tools")
         if fn.get("description") is not None and not isinstance(fn["description"], str):
             raise bad(f"{where}.function.description: expected a string", "tools")
         functions.append({"type": "function", "function": fn})
