@@ -105,16 +105,27 @@ class ChatTemplate:
             return None
         return cls(template, _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token")))
 
-    def render(self, messages, add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+    def render(self, messages, add_generation_prompt: bool = True, tools: list[dict] | None = None,
+               variables: dict | None = None, continue_final_message: bool = False) -> str:
         """`tools`: the functions a model may call ({"type": "function", "function": {...}} each), passed to the
-        template as transformers' apply_chat_template(tools=...) passes them; left undefined without them."""
+        template as transformers' apply_chat_template(tools=...) passes them; left undefined without them.
+        `variables`: more names for the template (vLLM's chat_template_kwargs, e.g. DeepSeek-V3.1's `thinking`).
+        `continue_final_message`: the text ends inside the last message (an assistant's start to go on from), cut
+        after its content as transformers cuts it, instead of after a closed message and a generation prompt."""
+        check_messages(messages)
+        if continue_final_message and add_generation_prompt:
+            raise InputError("continue_final_message goes on from the last message, so it takes no generation "
+                             "prompt: set add_generation_prompt false")
+        names = {**(variables or {}), **({} if tools is None else {"tools": tools})}
+        text = self._render(messages=messages, add_generation_prompt=add_generation_prompt,
+                            bos_token=self.bos_token, eos_token=self.eos_token, **names)
+        return _open_final_message(text, messages[-1]["content"]) if continue_final_message else text
+
+    def _render(self, **names) -> str:
         from jinja2 import TemplateError
 
-        check_messages(messages)
-        extra = {} if tools is None else {"tools": tools}
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token, eos_token=self.eos_token, **extra)
+            return self._template.render(**names)
         except _TemplateRaised as e:
             raise InputError(f"chat template refused the messages: {e}") from None
         except TemplateError as e:
@@ -122,14 +133,26 @@ class ChatTemplate:
         except Exception as e:  # a template calling a filter or method wrongly: its error, not the server's
             raise InputError(f"chat template failed on these messages: {type(e).__name__}: {e}") from None
 
-    def prompt_ids(self, messages, tokenizer, add_generation_prompt: bool = True,
-                   tools: list[dict] | None = None) -> list[int]:
-        """The messages rendered, then tokenized without the tokenizer's own special tokens (module docstring)."""
-        text = self.render(messages, add_generation_prompt, tools)
+    def prompt_ids(self, messages, tokenizer, add_generation_prompt: bool = True, **options) -> list[int]:
+        """The messages rendered (`options`: render's), then tokenized without the tokenizer's own special tokens
+        (module docstring)."""
+        text = self.render(messages, add_generation_prompt, **options)
         ids = tokenizer.encode(text, add_special_tokens=False) if text else []
         if not ids:
             raise InputError("the chat template renders these messages to no tokens")
         return ids
+
+
+def _open_final_message(text: str, content: str) -> str:
+    """`text` cut right after the last message's content, which the template wrote last (transformers' rule: its
+    spacing kept where the template kept it, else the content as the template trimmed it)."""
+    core = content.strip()
+    at = text.rfind(core) if core else -1
+    if at < 0:
+        raise InputError("continue_final_message: the chat template does not write the last message's content "
+                         "as given, so there is no place to go on from")
+    kept = content.lstrip()
+    return text[:at + len(kept)] if text[at:at + len(kept)] == kept else text[:at + len(core)]
 
 
 def is_inline_template(source: str | Path) -> bool:

@@ -228,7 +228,9 @@ class Service:
                           "use /v1/completions with token ids", "messages")
             try:
                 tools = None if req.tools is None else list(req.tools.functions)
-                return [self.chat_template.prompt_ids(req.messages, self.tokenizer, tools=tools)]
+                return [self.chat_template.prompt_ids(
+                    req.messages, self.tokenizer, req.add_generation_prompt, tools=tools,
+                    variables=req.template_variables, continue_final_message=req.continue_final_message)]
             except InputError as e:
                 raise bad(str(e), "messages") from None
         texts = req.prompts

@@ -89,6 +89,9 @@ class GenerationRequest:
     logprobs: int | None = None  # None: none; k: each token's logprob and the k likeliest (chat: top_logprobs)
     response_format: tuple[str, dict | None] | None = None  # ("json_object", None) or ("json_schema", schema)
     tools: "Tools | None" = None  # chat: the functions offered and tool_choice (serve.tools)
+    template_variables: dict | None = None  # chat: vLLM's chat_template_kwargs, more names for the template
+    add_generation_prompt: bool = True  # chat: the template opens the assistant's reply
+    continue_final_message: bool = False  # chat: the reply goes on from the last (assistant) message
     stream: bool = False
     include_usage: bool = False
     speculative: bool | None = None  # False: this request opts out of the server's speculative decoding
@@ -156,9 +159,13 @@ def parse_request(body: dict, kind: str) -> GenerationRequest:
         if "messages" in body:
             raise bad("messages: not a completions field; use /v1/chat/completions", "messages")
         req.echo = _bool(body.get("echo"), "echo")
+        for name in CHAT_ONLY:
+            if body.get(name) is not None:
+                raise bad(f"{name}: a chat field (the chat template's); use /v1/chat/completions", name)
     else:
         req.messages = _messages(body.get("messages"))
         check_tool_messages(req.messages)
+        _template_options(req, body)
         if "prompt" in body:
             raise bad("prompt: not a chat field; use /v1/chat/completions with messages", "prompt")
     newer = kind == "chat" and body.get("max_completion_tokens") is not None  # a null one beside max_tokens: unset
@@ -221,6 +228,38 @@ def parse_request(body: dict, kind: str) -> GenerationRequest:
             raise bad("stream_options: only allowed with stream: true", "stream_options")
         req.include_usage = _bool(options.get("include_usage"), "stream_options.include_usage")
     return req
+
+
+CHAT_ONLY = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+TEMPLATE_NAMES = ("messages", "tools", "add_generation_prompt", "continue_final_message", "bos_token", "eos_token")
+
+
+def _template_options(req: GenerationRequest, body: dict) -> None:
+    """vLLM's chat template fields: chat_template_kwargs (names the template reads besides the messages: not the
+    ones the server sets), add_generation_prompt, and continue_final_message (the reply goes on from the last
+    message, an assistant's: no generation prompt unless asked, and then a 400)."""
+    variables = body.get("chat_template_kwargs")
+    if variables is not None:
+        if not isinstance(variables, dict):
+            raise bad('chat_template_kwargs: expected an object of names for the template, e.g. {"thinking": true}',
+                      "chat_template_kwargs")
+        for name in variables:
+            if name in TEMPLATE_NAMES:
+                raise bad(f"chat_template_kwargs.{name}: set by the server"
+                          + (f"; send {name} as a field of the request" if name in CHAT_ONLY + ("tools",) else ""),
+                          "chat_template_kwargs")
+        req.template_variables = variables
+    req.continue_final_message = _bool(body.get("continue_final_message"), "continue_final_message")
+    generation = body.get("add_generation_prompt")
+    req.add_generation_prompt = not req.continue_final_message if generation is None else _bool(
+        generation, "add_generation_prompt")
+    if req.continue_final_message:
+        if req.add_generation_prompt:
+            raise bad("add_generation_prompt: true with continue_final_message, which goes on from the last message "
+                      "instead of opening a new one; leave it out", "add_generation_prompt")
+        if req.messages[-1]["role"] != "assistant":
+            raise bad(f"continue_final_message: the last message is the {req.messages[-1]['role']}'s; it goes on "
+                      "from an assistant's", "continue_final_message")
 
 
 def _prompts(value) -> list[str | list[int]]:
