@@ -350,3 +350,19 @@ def test_conversations_taking_turns_each_find_their_history(model):
             assert out.finished.cached_tokens == (0 if turn == 0 else len(chats[name]) - 4)
             same_generation(out, alone(model, chats[name], 4))
             chats[name] = chats[name] + out.tokens + [turn + 5, 6, 7]
+
+
+def test_chats_sharing_a_system_prompt_each_keep_their_history(model):
+    """The second chat starts from the first's system prompt in the lowest row, which would overwrite the rest of
+    the first chat there: that history moves to a free row first, so the first chat's next turn finds all of it."""
+    scheduler = Scheduler(model, max_batch=3, prefill_chunk=64)
+    system = prompt_of(50, 40)
+    chats = {name: system + prompt_of(51 + i, 20) for i, name in enumerate("ab")}
+    for turn in range(3):
+        for name in "ab":
+            out = submit(scheduler, chats[name], 4)
+            drain(scheduler)
+            expected = len(system) if turn == 0 and name == "b" else 0 if turn == 0 else len(chats[name]) - 4
+            assert out.finished.cached_tokens == expected, (turn, name)
+            same_generation(out, alone(model, chats[name], 4))
+            chats[name] = chats[name] + out.tokens + [turn + 5, 6, 7]

@@ -138,6 +138,9 @@ class SchedulerStats:
 
 
 QUIET_STEPS = 8  # after a step where no row would draft even with every room filled, lookups rest this many steps
+# tokens a free row holds past where a request starting from it diverges, worth moving to another free row before the
+# request overwrites them: another chat's history behind a shared system prompt (a chat's own next turn leaves a few)
+KEPT_TAIL = 16
 
 
 class Scheduler:
@@ -270,7 +273,8 @@ class Scheduler:
             if self.drafter is not None and slots:  # the draft's pairs stay valid one short of the common start
                 draft_slots = min(slots, reusable_slots(request.prompt_array, held[source],  # built by _place
                                                         int(self.drafter.written[source])))
-            if self.prefix_caching and (source != row or not slots) and not self.caches.resident:
+            overwrites = source != row or len(self.held[row]) - slots >= KEPT_TAIL  # what `row` holds past `slots`
+            if self.prefix_caching and overwrites and not self.caches.resident:
                 held.pop(self._keep_hold(row, source), None)
             self.rows[row], request.row = request, row
             self.held[row], self.held_scores[row] = NONE, None
@@ -329,10 +333,10 @@ class Scheduler:
         return best
 
     def _keep_hold(self, row: int, source: int) -> int | None:
-        """Before free row `row` takes a request that does not start from its slots: what it holds moves to the free
-        row that holds nothing or was freed longest ago (not `source`, still to be copied from), unless `row`'s hold
-        is the oldest: the free rows keep the most recent prompts, while requests take the lowest rows. Returns the
-        row written, or None."""
+        """Before free row `row` takes a request that does not start from its slots, or starts from only part of
+        them (another chat sharing a system prompt): what it holds moves to the free row that holds nothing or was
+        freed longest ago (not `source`, still to be copied from), unless `row`'s hold is the oldest: the free rows
+        keep the most recent prompts, while requests take the lowest rows. Returns the row written, or None."""
         others = [r for r, q in enumerate(self.rows) if q is None and r not in (row, source)]
         if not len(self.held[row]) or not others:
             return None
