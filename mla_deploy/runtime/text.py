@@ -44,6 +44,11 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def token_text(self, token: int) -> str:
+        """A token as the vocabulary spells it (byte-level BPE: "Ġthe" for " the"), as transformers'
+        convert_ids_to_tokens gives it."""
+        return self._tok.id_to_token(int(token)) or ""
+
     def token_id(self, text: str) -> int | None:
         """The id of the token spelled `text` (an added token by its content), or None where the vocabulary has none."""
         return self._tok.token_to_id(text)

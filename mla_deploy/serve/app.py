@@ -2,6 +2,7 @@
 
     POST /v1/completions, POST /v1/chat/completions (stream: true -> SSE, stream_options.include_usage)
     GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics (Prometheus text)
+    POST /tokenize, POST /detokenize (vLLM's)
 
 A request's prompts (completions take a list) times its choices (n, or best_of candidates) run as that many
 engine requests, queued together; each choice's text is assembled by serve.choices.
@@ -89,6 +90,10 @@ class Service:
             raise APIError(401, "missing or wrong API key: send Authorization: Bearer <key>", code="invalid_api_key")
 
     async def read(self, request: Request, kind: str) -> GenerationRequest:
+        return self.check_model(protocol.parse_request(await self.body(request), kind))
+
+    async def body(self, request: Request) -> dict:
+        """The request's JSON object, its key and size checked."""
         self.authorize(request)
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
@@ -98,11 +103,47 @@ class Service:
             raw += part
             if len(raw) > self.max_body_bytes:
                 raise _too_large(len(raw), self.max_body_bytes)
-        req = protocol.parse_request(protocol.parse_body(bytes(raw)), kind)
+        return protocol.parse_body(bytes(raw))
+
+    def check_model(self, req):
         if req.model != self.model_name:
             raise APIError(404, f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
                            "model", "model_not_found")
         return req
+
+    # ---- vLLM's /tokenize and /detokenize ----
+    def tokenize(self, body: dict) -> dict:
+        """A prompt's token ids as /v1/completions encodes it, or a chat's as /v1/chat/completions renders and
+        encodes it (its template fields and tools included), with the model's maximum length."""
+        if "messages" in body:
+            if body.get("add_special_tokens"):
+                raise bad("add_special_tokens: the chat template writes the special tokens itself; leave it out "
+                          "with messages", "add_special_tokens")
+            req = self.check_model(protocol.parse_request(body, "chat"))
+            ids = self._prompt_ids(req)[0]
+        else:
+            req = self.check_model(protocol.parse_tokenize(body))
+            if self.tokenizer is None:
+                raise bad("this export has no tokenizer (tokenizer.json) to encode text with", "prompt")
+            try:
+                ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            except InputError as e:
+                raise bad(f"prompt: {e}", "prompt") from None
+        wanted = body.get("return_token_strs")
+        if wanted is not None and not isinstance(wanted, bool):
+            raise bad(f"return_token_strs: expected true or false, got {json.dumps(wanted)[:40]}", "return_token_strs")
+        strs = [self.tokenizer.token_text(t) for t in ids] if wanted and self.tokenizer is not None else None
+        return {"count": len(ids), "max_model_len": self.engine.model.max_seq_len, "tokens": ids, "token_strs": strs}
+
+    def detokenize(self, body: dict) -> dict:
+        req = self.check_model(protocol.parse_detokenize(body))
+        if self.tokenizer is None:
+            raise bad("this export has no tokenizer (tokenizer.json) to decode tokens with", "tokens")
+        vocab = self.engine.model.config.vocab_size
+        outside = [t for t in req.tokens if t >= vocab]
+        if outside:
+            raise bad(f"tokens: {outside[0]} is outside the vocabulary (0..{vocab - 1})", "tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens)}
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "mla-deploy",
@@ -348,6 +389,14 @@ def create_app(service: Service) -> FastAPI:
     async def metrics(request: Request):
         service.authorize(request)
         return PlainTextResponse(render_metrics(service), media_type="text/plain; version=0.0.4")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return service.tokenize(await service.body(request))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return service.detokenize(await service.body(request))
 
     @app.post("/v1/completions")
     async def completions(request: Request):

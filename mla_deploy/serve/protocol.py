@@ -105,6 +105,40 @@ class GenerationRequest:
         return max(self.n, self.best_of or 0)
 
 
+@dataclass
+class TokenizeRequest:
+    """vLLM's /tokenize of a prompt (the chat form parses as a chat request) and /detokenize."""
+    model: str
+    prompt: str = ""
+    add_special_tokens: bool = True
+    tokens: list[int] = field(default_factory=list)
+
+
+def parse_tokenize(body: dict) -> TokenizeRequest:
+    req = TokenizeRequest(_model(body))
+    if not isinstance(body.get("prompt"), str) or not body["prompt"]:
+        raise bad("prompt: required, a non-empty string (or messages, to tokenize a chat)", "prompt")
+    req.prompt = body["prompt"]
+    special = body.get("add_special_tokens")
+    req.add_special_tokens = True if special is None else _bool(special, "add_special_tokens")
+    return req
+
+
+def parse_detokenize(body: dict) -> TokenizeRequest:
+    req = TokenizeRequest(_model(body))
+    req.tokens = _token_ids(body.get("tokens"), "tokens") or []
+    if not req.tokens:
+        raise bad("tokens: required, a non-empty list of token ids", "tokens")
+    return req
+
+
+def _model(body: dict) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("model: required, a string (GET /v1/models lists the one served)", "model")
+    return model
+
+
 def parse_body(raw: bytes) -> dict:
     try:
         body = json.loads(raw)
@@ -141,9 +175,7 @@ def _check_unicode(value, path: str) -> None:
 def parse_request(body: dict, kind: str) -> GenerationRequest:
     from .tools import check_tool_messages, parse_tools  # serve.tools words its errors with this module's bad()
 
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad("model: required, a string (GET /v1/models lists the one served)", "model")
+    model = _model(body)
     for name, why in REFUSED.items():
         if body.get(name) not in (None, [], ""):
             raise bad(f"{name}: {why} by this server", name)
