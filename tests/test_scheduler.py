@@ -482,7 +482,7 @@ def test_a_grammar_masks_its_row_in_a_mixed_batch(model):
     assert plain.tokens == Generator(model, SamplingParams(), stop_token_ids=()).generate([p], 20).token_ids[0]
 
 
-@pytest.mark.parametrize("k", [0, 1, 3, 20, 64])
+@pytest.mark.parametrize("k", [0, 1, 3, 20, 64, 100])
 def test_token_logprobs_equal_a_float64_log_softmax_likeliest_first_ties_by_id(k):
     from mla_deploy.runtime.scheduler import LOGPROB_ROWS, _token_logprobs
 
@@ -490,12 +490,28 @@ def test_token_logprobs_equal_a_float64_log_softmax_likeliest_first_ties_by_id(k
     n, vocab = LOGPROB_ROWS + 5, 64  # more positions than one block of rows
     logits = (rng.standard_normal((n, vocab)) * 4).astype(np.float32)
     logits[:, 10] = logits[:, 40] = logits.max(-1) + 1  # the likeliest two tie: the lower id first
+    logits[:, [7, 30, 50]] = np.sort(logits, -1)[:, -4:-3]  # three tie with the 4th likeliest: the k-th place for 4
     tokens = rng.integers(0, vocab, n)
     z = logits.astype(np.float64)
     reference = z - z.max(-1, keepdims=True)
     reference -= np.log(np.exp(reference).sum(-1, keepdims=True))
-    for row, token, (lp, top) in zip(reference, tokens, _token_logprobs(logits, list(tokens), k)):
-        assert abs(lp - row[token]) < 1e-6
+    result = _token_logprobs(logits, list(tokens), k)
+    assert len(result) == n
+    for row, token, (lp, top) in zip(reference, tokens, result):
+        assert isinstance(lp, float) and abs(lp - row[token]) < 1e-6
         order = sorted(range(vocab), key=lambda i: (-row[i], i))[:k]
         assert [i for i, _ in top] == order and np.allclose([v for _, v in top], row[order], atol=1e-6)
         assert k == 0 or top[0][0] == 10
+    assert _token_logprobs(np.zeros((0, vocab), np.float32), [], k) == []
+
+
+def test_token_logprobs_of_float16_and_float64_logits():
+    from mla_deploy.runtime.scheduler import _token_logprobs
+
+    logits = np.random.default_rng(1).standard_normal((3, 50)) * 30  # float64, a wide range
+    for dtype in (np.float64, np.float16):
+        x = logits.astype(dtype)
+        z = x.astype(np.float64)
+        reference = z - z.max(-1, keepdims=True) - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True))
+        for row, (lp, top) in zip(reference, _token_logprobs(x, [4, 5, 6], 2)):
+            assert abs(top[0][1] - row.max()) < (1e-12 if dtype == np.float64 else 1e-7)  # computed in float32 at least

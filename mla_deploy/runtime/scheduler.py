@@ -625,29 +625,35 @@ def _plain_greedy(request: Request) -> bool:
     return request.sampling.greedy and request.sampling.plain and request.constraint is None and not request.stops_held
 
 
-LOGPROB_ROWS = 64  # positions whose log-softmax is taken at once: a [64, vocab] float32 temporary (26 MB at 102,400)
+LOGPROB_ROWS = 64  # positions whose log-normalizers are taken at once: a few [64, vocab] temporaries
 
 
 def _token_logprobs(logits: np.ndarray, tokens: Sequence[int], k: int) -> list[tuple[float, list[tuple[int, float]]]]:
     """logits [n, vocab] and the token that followed each position -> (its log-probability, the k likeliest
     (token, log-probability) pairs, likeliest first, ties by id), under the model's own distribution.
 
-    Each position's log-normalizer is its max plus the log of a float64 sum of float32 exponentials (within 1e-7 of
-    a float64 log-softmax), and only the entries returned are looked up, not a whole [n, vocab] log-softmax; k = 1
-    (what lm-eval asks) is an argmax."""
+    Each position's log-normalizer is its max plus the log of a float64 sum of exponentials in the logits' precision
+    (at least float32's: within 1e-7 of a float64 log-softmax for logits of the model's range), and only the entries
+    returned are looked up, not a whole [n, vocab] log-softmax; k = 1 (what lm-eval asks) is an argmax."""
     vocab = logits.shape[-1]
     out = []
     for start in range(0, len(logits), LOGPROB_ROWS):
-        z = logits[start:start + LOGPROB_ROWS].astype(np.float32, copy=False)
+        z = logits[start:start + LOGPROB_ROWS].astype(np.result_type(logits.dtype, np.float32), copy=False)
         peak = z.max(-1)
         log_z = peak.astype(np.float64) + np.log(np.exp(z - peak[:, None]).sum(-1, dtype=np.float64))
-        if k == 1:
-            best = z.argmax(-1)[:, None]  # the first of equal maxima: the lowest id
-        elif 0 < k < vocab:
-            best = np.argpartition(-z, k - 1, axis=-1)[:, :k]
-        else:
-            best = np.broadcast_to(np.arange(vocab if k else 0), (len(z), vocab if k else 0))
-        for row, norm, token, top in zip(z, log_z, tokens[start:start + LOGPROB_ROWS], best):
-            top = top[np.lexsort((top, -row[top]))]  # likeliest first, ties by id
-            out.append((float(row[token]) - norm, [(int(i), float(row[i]) - norm) for i in top]))
+        for row, norm, token in zip(z, log_z, tokens[start:start + LOGPROB_ROWS]):
+            top = _likeliest(row, min(k, vocab))
+            out.append((float(row[token] - norm), [(int(i), float(row[i] - norm)) for i in top]))
     return out
+
+
+def _likeliest(row: np.ndarray, k: int) -> np.ndarray:
+    """The ids of the k largest entries of `row`, largest first, equal ones by id (the lowest first, also at the
+    k-th place)."""
+    if k <= 0:
+        return np.arange(0)
+    if k == 1:
+        return row.argmax()[None]  # the first of equal maxima
+    least = np.partition(row, len(row) - k)[len(row) - k]  # the k-th largest value
+    ties = np.flatnonzero(row >= least)
+    return ties[np.lexsort((ties, -row[ties]))][:k]
