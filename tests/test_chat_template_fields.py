@@ -79,13 +79,20 @@ def test_template_kwargs_reach_the_template(server):
     ({"chat_template_kwargs": ["thinking"]}, "chat_template_kwargs", "expected an object"),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", "chat_template_kwargs.messages: set by"),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "send tools as a field"),
+    ({"chat_template_kwargs": {"raise_exception": 1}}, "chat_template_kwargs", "raise_exception: set by"),
+    ({"chat_template_kwargs": {"self": 1, "names": 2}}, None, None),  # any other name reaches the template
+    ({"continue_final_message": True, "messages": ASK + [{"role": "assistant", "content": " "}]},
+     "continue_final_message", "content is empty"),
     ({"continue_final_message": True}, "continue_final_message", "the last message is the user's"),
     ({"continue_final_message": True, "add_generation_prompt": True,
       "messages": ASK + [{"role": "assistant", "content": "x"}]}, "add_generation_prompt", "leave it out"),
     ({"add_generation_prompt": "yes"}, "add_generation_prompt", "true or false"),
 ])
-def test_malformed_template_fields_are_a_400_naming_them(server, body, param, says):
-    r = httpx.post(server[0] + "/v1/chat/completions", json={"model": MODEL, "messages": ASK, **body})
+def test_template_fields_are_served_or_a_400_naming_them(server, body, param, says):
+    r = httpx.post(server[0] + "/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 2, **body})
+    if param is None:
+        assert r.status_code == 200, r.text
+        return
     error = r.json()["error"]
     assert r.status_code == 400 and error["param"] == param and says in error["message"], error
 

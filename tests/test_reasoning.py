@@ -1,13 +1,11 @@
 """serve --reasoning-parser deepseek_r1: a thinking model's reasoning apart from its answer, whole and streamed in any
 pieces, beside tool calls, and through the openai client on the demo."""
 
-import json
-
 import pytest
 
 from mla_deploy.serve.choices import ChatReply
-from mla_deploy.serve.reasoning import ReasoningSplit
-from mla_deploy.serve.tools import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP, Tools, ToolReply
+from mla_deploy.serve.reasoning import ReasoningSplit, reasoning_opened
+from mla_deploy.serve.tools import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP, Tools, tool_reply
 
 CASES = [  # reply text -> (reasoning_content, content)
     ("<think>\nFirst, 2 + 2.\n</think>\n\nIt is 4.", ("\nFirst, 2 + 2.\n", "\n\nIt is 4.")),
@@ -17,20 +15,33 @@ CASES = [  # reply text -> (reasoning_content, content)
     ("Cut off while thinking </thi", ("Cut off while thinking </thi", None)),
     ("<thi", ("<thi", None)),
     ("Nested <think> stays text</think>done</think>", ("Nested <think> stays text", "done</think>")),
+    ("Nothing after it</think>", ("Nothing after it", None)),
+]
+UNOPENED = [  # the prompt closed or never opened a reasoning: only a reply opening one reasons
+    ("A plain answer.", (None, "A plain answer.")),
+    ("<think>Opened by the reply.</think>Answer.", ("Opened by the reply.", "Answer.")),
+    ("<th", (None, "<th")),
+    ("Not </think> a split", (None, "Not </think> a split")),
 ]
 
 
-@pytest.mark.parametrize("text, expected", CASES)
-def test_reasoning_is_split_from_the_answer_the_same_in_any_pieces(text, expected):
+@pytest.mark.parametrize("opened, text, expected", [(True, *c) for c in CASES] + [(False, *c) for c in UNOPENED])
+def test_reasoning_is_split_from_the_answer_the_same_in_any_pieces(opened, text, expected):
     for size in (len(text), 1, 2, 3, 7):
-        split, reasoning, content = ReasoningSplit(), "", ""
+        split, reasoning, content = ReasoningSplit(opened), "", ""
         for i in range(0, len(text), size):
             r, c = split.push(text[i:i + size])
             reasoning, content = reasoning + r, content + c
             assert "</think>" not in reasoning and not (content and split.content is None)
         r, c = split.finish()
         assert (split.reasoning, split.content) == expected
-        assert (reasoning + r, content + c) == (expected[0], expected[1] or "")
+        assert (reasoning + r, content + c) == (expected[0] or "", expected[1] or "")
+
+
+def test_a_prompt_ending_inside_a_reasoning_opens_it():
+    assert reasoning_opened("<User>2+2?<Assistant><think>\n")
+    assert not reasoning_opened("<User>2+2?<Assistant></think>")  # V3.1 without thinking
+    assert not reasoning_opened("<think>a</think><User>2+2?<Assistant>") and not reasoning_opened("no tags")
 
 
 def test_tool_calls_are_read_from_the_answer_after_the_reasoning():
@@ -38,7 +49,7 @@ def test_tool_calls_are_read_from_the_answer_after_the_reasoning():
     text = f"<think>They want the weather.</think>Checking.{calls}"
     tools = Tools(({"type": "function", "function": {"name": "get_weather"}},), "auto")
     for size in (len(text), 1, 4):
-        reply, sent = ChatReply(ReasoningSplit(), ToolReply(tools)), []
+        reply, sent = ChatReply(ReasoningSplit(), tool_reply(tools)), []
         for i in range(0, len(text), size):
             last = i + size >= len(text)
             sent.append(reply.push(text[i:i + size], "stop" if last else None))
@@ -52,7 +63,7 @@ def test_tool_calls_are_read_from_the_answer_after_the_reasoning():
 
 def test_a_reply_still_thinking_has_no_content_and_no_calls():
     tools = Tools(({"type": "function", "function": {"name": "f"}},), "auto")
-    reply = ChatReply(ReasoningSplit(), ToolReply(tools))
+    reply = ChatReply(ReasoningSplit(), tool_reply(tools))
     assert reply.push("<think>Let me see", "length") == ("Let me see", "", [], "length")
     assert reply.message() == ("Let me see", None, None)
 
@@ -72,26 +83,38 @@ def demo(tmp_path_factory):
     return out
 
 
+THINKING = ("{{ bos_token }}{% for m in messages %}# {{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}{% if thinking %}<think>\n{% else %}</think>{% endif %}{% endif %}")
+
+
 def test_served_reasoning_content_streamed_or_not_and_never_under_a_grammar(demo):
-    """The demo never closes a reasoning, so its whole reply is reasoning_content (content None), as vLLM's parser
-    reads an R1 reply cut off while thinking; the same text a server without the parser sends as content."""
+    """With thinking on, the template opens the reasoning and the demo never closes it: its whole reply is
+    reasoning_content (content null), as vLLM's parser reads an R1 reply cut off while thinking; with thinking off
+    (V3.1's switch) the reply is content. Either way the text a server without the parser sends as content."""
     ask = dict(model=MODEL, messages=[{"role": "user", "content": "Read a file"}], max_tokens=24, temperature=0)
-    with running_server(demo, max_batch=2) as (base, _):
-        plain = openai.OpenAI(base_url=base + "/v1", api_key="x").chat.completions.create(**ask).choices[0].message
-    with running_server(demo, max_batch=2, reasoning_parser="deepseek_r1") as (base, _):
-        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
-        message = client.chat.completions.create(**ask).choices[0].message
-        assert (message.reasoning_content, message.content) == (plain.content, None) and plain.content
-        chunks = list(client.chat.completions.create(**ask, stream=True))
-        deltas = [c.choices[0].delta for c in chunks if c.choices]
-        assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == plain.content
-        assert not "".join(d.content or "" for d in deltas)
-        shaped = client.chat.completions.create(**{**ask, "max_tokens": 80}, response_format={"type": "json_object"})
-        if shaped.choices[0].finish_reason == "stop":
-            assert isinstance(json.loads(shaped.choices[0].message.content), dict)
-        assert getattr(shaped.choices[0].message, "reasoning_content", None) is None
-        text = client.completions.create(model=MODEL, prompt="def ", max_tokens=8, temperature=0).choices[0].text
-        assert text  # completions are never split
+    served = {}
+    for parser in (None, "deepseek_r1"):
+        with running_server(demo, max_batch=2, chat_template=THINKING, reasoning_parser=parser) as (base, _):
+            client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+            for thinking in (True, False):
+                kw = {**ask, "extra_body": {"chat_template_kwargs": {"thinking": thinking}}}
+                whole = client.chat.completions.create(**kw).choices[0].message
+                deltas = [c.choices[0].delta for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+                streamed = ("".join(getattr(d, "reasoning_content", None) or "" for d in deltas),
+                            "".join(d.content or "" for d in deltas))
+                served[parser, thinking] = (getattr(whole, "reasoning_content", None), whole.content, streamed)
+            shaped = client.chat.completions.create(**{**ask, "max_tokens": 80},
+                                                    response_format={"type": "json_object"},
+                                                    extra_body={"chat_template_kwargs": {"thinking": True}})
+            assert getattr(shaped.choices[0].message, "reasoning_content", None) is None  # a grammar: no split
+            served[parser, "completion"] = client.completions.create(model=MODEL, prompt="def ", max_tokens=8,
+                                                                     temperature=0).choices[0].model_dump()
+    text = served[None, True][1]
+    assert text and served[None, True] == (None, text, ("", text))
+    assert served["deepseek_r1", True] == (text, None, (text, ""))
+    plain = served[None, False][1]
+    assert served["deepseek_r1", False] == (None, plain, ("", plain)) == served[None, False]
+    assert served["deepseek_r1", "completion"] == served[None, "completion"]  # completions are never split
 
 
 def test_the_cli_offers_every_parser():

@@ -15,6 +15,7 @@ pytest.importorskip("fastapi", reason="the server needs the 'serve' extra")
 
 from mla_deploy.presets import DEMO_CHECKPOINT  # noqa: E402
 from mla_deploy.runtime import ExportedModel  # noqa: E402
+from mla_deploy.runtime.chat import ChatTemplate  # noqa: E402
 from mla_deploy.runtime.engine import Engine  # noqa: E402
 from mla_deploy.serve.app import Service, create_app  # noqa: E402
 
@@ -38,6 +39,7 @@ def running_server(export_dir, **engine_args):
     api_key, instance = engine_args.pop("api_key", None), engine_args.pop("instance", None)
     limit, template = engine_args.pop("max_body_bytes", 64 * 1024), engine_args.pop("chat_template", None)
     parser = engine_args.pop("reasoning_parser", None)
+    template = None if template is None else ChatTemplate.from_export(export_dir, template)
     service = Service(Engine(ExportedModel(export_dir), **engine_args), MODEL, api_key, max_body_bytes=limit,
                       chat_template=template, reasoning_parser=parser)
     service.instance = instance  # a Ray Serve replica's id

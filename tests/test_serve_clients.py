@@ -322,3 +322,15 @@ def test_a_shared_prompt_start_is_reported_as_cached_tokens(server, client):
     usage = [chunk.usage for chunk in stream if chunk.usage is not None]
     assert [u.prompt_tokens_details.cached_tokens for u in usage] == [len(system) + 2]
     assert usage[0].prompt_tokens == len(system) + 3
+
+
+def test_log_probabilities_json_cannot_carry_are_sent_as_openais_least():
+    from mla_deploy.runtime.scheduler import TokenEvent
+    from mla_deploy.serve.choices import LEAST_LOGPROB, Out, chat_logprobs, completion_logprobs
+
+    outs = [Out(TokenEvent(5, float("-inf"), [(5, float("-inf")), (6, float("nan"))]), "x", 0)]
+    sent = completion_logprobs(None, outs)
+    assert sent["token_logprobs"] == [LEAST_LOGPROB] and list(sent["top_logprobs"][0].values()) == [LEAST_LOGPROB] * 2
+    entry = chat_logprobs(None, outs)["content"][0]
+    assert [entry["logprob"]] + [t["logprob"] for t in entry["top_logprobs"]] == [LEAST_LOGPROB] * 3
+    json.dumps(sent, allow_nan=False)

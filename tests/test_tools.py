@@ -21,7 +21,7 @@ from mla_deploy.serve.tools import (  # noqa: E402
     CALLS_END,
     SEP,
     Tools,
-    ToolReply,
+    tool_reply,
     deepseek_calls,
 )
 
@@ -135,6 +135,8 @@ def test_a_conversation_passes_calls_and_results_back(client):
     ("bad name", {"tools": [{"type": "function", "function": {"name": "get weather"}}], "tool_choice": "required"},
      "tools", "tools[0].function.name"),
     ("twice", {"tools": [TOOLS[0], TOOLS[0]], "tool_choice": "required"}, "tools", "given twice"),
+    ("name ending in a newline", {"tools": [{"type": "function", "function": {"name": "f\n"}}],
+                                  "tool_choice": "required"}, "tools", "is not a function name"),
     ("not a function", {"tools": [{"type": "retrieval"}], "tool_choice": "required"}, "tools", "tools[0]"),
     ("parameters a list", {"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}],
                            "tool_choice": "required"}, "tools", "parameters"),
@@ -143,10 +145,6 @@ def test_a_conversation_passes_calls_and_results_back(client):
     ("parameters not a schema", {"tools": [TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": {
         "properties": {"a": {"$ref": "#/nowhere"}}}}}], "tool_choice": "required"}, "tools",
      "tools[1].function.parameters: cannot be compiled"),
-    ("definitions clash", {"tools": [{"type": "function", "function": {"name": n, "parameters": {
-        "$defs": {"P": {"type": t}}, "properties": {"p": {"$ref": "#/$defs/P"}}}}} for n, t in (("a", "string"),
-                                                                                                 ("b", "integer"))],
-        "tool_choice": "required"}, "tools", "tools[1].function.parameters.$defs.P: another function defines"),
     ("stop", {"tools": TOOLS, "tool_choice": "required", "stop": ["}"]}, "stop", "a stop would cut it"),
     ("stop ids", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "search"}},
                   "stop_token_ids": [5]}, "stop_token_ids", "a stop would cut it"),
@@ -183,27 +181,29 @@ V31 = f'{CALLS_BEGIN}{CALL_BEGIN}get_weather{SEP}{{"city": "Oslo", "days": 1}}{C
 
 
 def test_deepseek_calls_of_either_version_are_read():
-    content, calls = deepseek_calls(V3)
+    names = tuple(SCHEMA)
+    content, calls = deepseek_calls(V3, names)
     assert content == "Let me look." and [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("get_weather", {"city": "Paris", "days": 2}), ("search", {"query": "rain", "exact": False})]
-    content, calls = deepseek_calls(V31)
-    assert content == "" and [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Oslo", "days": 1}')]
+    content, calls = deepseek_calls(V31 + " Done.", names)
+    assert content == " Done." and [(c.name, c.arguments) for c in calls] == [
+        ("get_weather", '{"city": "Oslo", "days": 1}')]
     for broken in (V3[:-len(CALLS_END)], V31.replace(SEP, ""), V31.replace('"days": 1}', '"days": '),
                    V3.replace("```json", "json"), V31.replace("get_weather", "get weather"), "no calls here",
-                   V31.replace(CALL_END, "")):
-        assert deepseek_calls(broken) is None, broken
+                   V31.replace(CALL_END, ""), V31.replace("get_weather", "rm_rf")):  # a function not offered
+        assert deepseek_calls(broken, names) is None, broken
 
 
 @pytest.mark.parametrize("text", [V3, V31, "Plain text, no call." + CALLS_BEGIN[:3], V3[:-len(CALLS_END)]])
 def test_an_auto_reply_streamed_in_any_pieces_sends_what_it_sends_whole(text):
     tools = Tools(tuple(TOOLS), "auto")
-    whole = ToolReply(tools)
+    whole = tool_reply(tools)
     sent, _ = whole.push(text)
     rest, calls, reason = whole.finish("stop")
     assert sent + rest == (whole.content or "")
     assert CALLS_BEGIN not in (whole.content or "") or not whole.tool_calls
     for size in (1, 2, 5, 13):
-        reply, content, deltas = ToolReply(tools), "", []
+        reply, content, deltas = tool_reply(tools), "", []
         for i in range(0, len(text), size):
             out, d = reply.push(text[i:i + size])
             content, deltas = content + out, deltas + d
@@ -288,11 +288,22 @@ LEGACY = {"definitions": {"Person": PERSON}, "properties": {"people": {"type": "
           "required": ["people"], "additionalProperties": False}  # no "type": an object all the same
 
 
+TREE = {"type": "object", "properties": {"label": {"type": "string", "maxLength": 4},
+                                        "kids": {"type": "array", "maxItems": 1, "items": {"$ref": "#"}}},
+        "required": ["label", "kids"], "additionalProperties": False}  # recursive: "#" is the function's own root
+CLASH = {"$defs": {"Person": {"type": "integer", "minimum": 0, "maximum": 9}}, "type": "object",
+         "properties": {"n": {"$ref": "#/$defs/Person"}, "m": {"$ref": "#/properties/n"}},
+         "required": ["n", "m"], "additionalProperties": False}  # DEFS's name for another schema
+
+
 def test_schemas_with_definitions_no_type_or_no_parameters_give_object_arguments(client):
     tools = [{"type": "function", "function": {"name": "meet", "parameters": DEFS}},
              {"type": "function", "function": {"name": "group", "parameters": LEGACY}},
-             {"type": "function", "function": {"name": "ping"}}]  # no parameters: OpenAI's empty list, {}
-    schemas = {"meet": DEFS, "group": {**LEGACY, "type": "object"}, "ping": {"type": "object", "maxProperties": 0}}
+             {"type": "function", "function": {"name": "ping"}},  # no parameters: OpenAI's empty list, {}
+             {"type": "function", "function": {"name": "tree", "parameters": TREE}},
+             {"type": "function", "function": {"name": "clash", "parameters": CLASH}}]
+    schemas = {"meet": DEFS, "group": {**LEGACY, "type": "object"}, "ping": {"type": "object", "maxProperties": 0},
+               "tree": TREE, "clash": CLASH}
     for seed in range(4):
         for choice in ("required", *({"type": "function", "function": {"name": t["function"]["name"]}}
                                      for t in tools)):
@@ -340,3 +351,13 @@ def test_null_fields_an_sdk_sends_are_absent_ones_to_the_template(server):
         assert history[1]["tool_calls"] is None
         reply = client.chat.completions.create(model=MODEL, messages=history, max_tokens=4, temperature=0)
         assert reply.choices[0].message.content is not None
+
+
+def test_an_empty_chat_template_option_is_said_so(server):
+    from click.testing import CliRunner
+
+    from mla_deploy.cli import main
+
+    export_dir = str(server[1].engine.model.directory)
+    result = CliRunner().invoke(main, ["serve", export_dir, "--port", "0", "--chat-template", " "])
+    assert result.exit_code == 1 and "--chat-template: empty" in result.stderr, result.output

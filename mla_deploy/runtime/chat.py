@@ -85,6 +85,8 @@ class ChatTemplate:
         path = Path(directory) / "tokenizer_config.json"
         cfg = read_json(path, ExportLoadError, "tokenizer config") if path.is_file() else {}
         if source is not None:
+            if not str(source).strip():
+                raise InputError("--chat-template: empty; give a Jinja file or the template itself")
             inline = is_inline_template(source)
             try:
                 template = source if inline else Path(source).read_text(encoding="utf-8")
@@ -116,16 +118,17 @@ class ChatTemplate:
         if continue_final_message and add_generation_prompt:
             raise InputError("continue_final_message goes on from the last message, so it takes no generation "
                              "prompt: set add_generation_prompt false")
-        names = {**(variables or {}), **({} if tools is None else {"tools": tools})}
-        text = self._render(messages=messages, add_generation_prompt=add_generation_prompt,
-                            bos_token=self.bos_token, eos_token=self.eos_token, **names)
+        names = {**(variables or {}), **({} if tools is None else {"tools": tools}), "messages": messages,
+                 "add_generation_prompt": add_generation_prompt, "bos_token": self.bos_token,
+                 "eos_token": self.eos_token}
+        text = self._render(names)
         return _open_final_message(text, messages[-1]["content"]) if continue_final_message else text
 
-    def _render(self, **names) -> str:
+    def _render(self, names: dict) -> str:
         from jinja2 import TemplateError
 
         try:
-            return self._template.render(**names)
+            return self._template.render(names)
         except _TemplateRaised as e:
             raise InputError(f"chat template refused the messages: {e}") from None
         except TemplateError as e:
@@ -136,7 +139,11 @@ class ChatTemplate:
     def prompt_ids(self, messages, tokenizer, add_generation_prompt: bool = True, **options) -> list[int]:
         """The messages rendered (`options`: render's), then tokenized without the tokenizer's own special tokens
         (module docstring)."""
-        text = self.render(messages, add_generation_prompt, **options)
+        return self.encode(self.render(messages, add_generation_prompt, **options), tokenizer)
+
+    @staticmethod
+    def encode(text: str, tokenizer) -> list[int]:
+        """A rendered chat's token ids: the text tokenized without the tokenizer's own special tokens."""
         ids = tokenizer.encode(text, add_special_tokens=False) if text else []
         if not ids:
             raise InputError("the chat template renders these messages to no tokens")
@@ -147,7 +154,10 @@ def _open_final_message(text: str, content: str) -> str:
     """`text` cut right after the last message's content, which the template wrote last (transformers' rule: its
     spacing kept where the template kept it, else the content as the template trimmed it)."""
     core = content.strip()
-    at = text.rfind(core) if core else -1
+    if not core:
+        raise InputError("continue_final_message: the last message's content is empty; give the start of the "
+                         "reply to go on from")
+    at = text.rfind(core)
     if at < 0:
         raise InputError("continue_final_message: the chat template does not write the last message's content "
                          "as given, so there is no place to go on from")

@@ -18,14 +18,13 @@ import hmac
 import json
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import InputError
+from ..errors import InputError, ServeError
 from ..runtime.chat import ChatTemplate, GenerationDefaults
 from ..runtime.engine import Engine, EngineFailed, EngineStopped, Finished, PromptLogprobs, QueueFull, TokenEvent
 from ..runtime.grammar import Constraint, Grammars
@@ -35,8 +34,8 @@ from . import protocol
 from .choices import ChatReply, ChoiceText, Out, chat_logprobs, completion_logprobs
 from .metrics import render_metrics
 from .protocol import APIError, GenerationRequest, bad
-from .reasoning import ReasoningSplit
-from .tools import CALLS_BEGIN, ToolReply, Tools, writes_deepseek_calls
+from .reasoning import PARSERS, ReasoningSplit, reasoning_opened
+from .tools import CALLS_BEGIN, Tools, tool_reply, writes_deepseek_calls
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 
@@ -65,15 +64,17 @@ class Run:
 
 class Service:
     def __init__(self, engine: Engine, model_name: str, api_key: str | None = None,
-                 max_body_bytes: int = MAX_BODY_BYTES, chat_template: str | Path | None = None,
+                 max_body_bytes: int = MAX_BODY_BYTES, chat_template: ChatTemplate | None = None,
                  reasoning_parser: str | None = None):
-        """`chat_template`: a Jinja file used in place of the export's template (runtime.chat); `reasoning_parser`:
+        """`chat_template`: one in place of the export's (runtime.chat; serve --chat-template); `reasoning_parser`:
         how chat replies' reasoning is told from their answers (serve.reasoning; None: it is not)."""
         self.engine, self.model_name, self.api_key, self.max_body_bytes = engine, model_name, api_key, max_body_bytes
+        if reasoning_parser is not None and reasoning_parser not in PARSERS:
+            raise ServeError(f"reasoning parser {reasoning_parser!r}: not one of {', '.join(PARSERS)}")
         self.reasoning_parser = reasoning_parser
         model = engine.model
         self.tokenizer = Tokenizer.from_export(model.directory, model.manifest)
-        self.chat_template = ChatTemplate.from_export(model.directory, chat_template)
+        self.chat_template = chat_template or ChatTemplate.from_export(model.directory)
         self.defaults: GenerationDefaults = model.generation
         self.stop_ids = set(model.stop_token_ids)
         self.status_counts: dict[int, int] = {}
@@ -248,16 +249,15 @@ class Service:
                     except InputError as e:
                         raise bad(f"tools[{i}].function.parameters: {str(e).removeprefix('json_schema.schema: ')}",
                                   "tools") from None
-            raise whole
+            raise bad(f"tools: {str(whole).removeprefix('json_schema.schema: ')}", "tools") from None
 
-    def chat_reply(self, req: GenerationRequest) -> ChatReply | None:
-        """A chat choice's reasoning split and tool-call reader, where the server and the request ask for either."""
-        if req.kind != "chat":
-            return None
+    def chat_reply(self, req: GenerationRequest) -> ChatReply:
+        """A chat choice's reader: its reasoning split and tool calls, where the server and the request ask for
+        either."""
         grammar = req.response_format is not None or req.tools is not None and req.tools.forced
-        split = ReasoningSplit() if self.reasoning_parser is not None and not grammar else None
-        tools = ToolReply(req.tools) if req.tools is not None and req.tools.choice != "none" else None
-        return None if split is None and tools is None else ChatReply(split, tools)
+        split = ReasoningSplit(req.reasoning_open) if self.reasoning_parser is not None and not grammar else None
+        tools = tool_reply(req.tools) if req.tools is not None and req.tools.choice != "none" else None
+        return ChatReply(split, tools)
 
     def _prompt_ids(self, req: GenerationRequest) -> list[list[int]]:
         if req.kind == "chat":
@@ -269,11 +269,15 @@ class Service:
                           "use /v1/completions with token ids", "messages")
             try:
                 tools = None if req.tools is None else list(req.tools.functions)
-                return [self.chat_template.prompt_ids(
-                    req.messages, self.tokenizer, req.add_generation_prompt, tools=tools,
-                    variables=req.template_variables, continue_final_message=req.continue_final_message)]
+                text = self.chat_template.render(
+                    req.messages, req.add_generation_prompt, tools=tools, variables=req.template_variables,
+                    continue_final_message=req.continue_final_message)
+                req.reasoning_open = reasoning_opened(text)
+                return [self.chat_template.encode(text, self.tokenizer)]
             except InputError as e:
-                raise bad(str(e), "messages") from None
+                message = str(e)
+                raise bad(message, "continue_final_message" if message.startswith("continue_final_message")
+                          else "messages") from None
         texts = req.prompts
         out = []
         for i, text in enumerate(texts):
@@ -447,12 +451,12 @@ async def _generate(service: Service, request: Request, kind: str):
         if req.candidates > req.n:  # best_of: the n likeliest candidates (stable: ties keep their order)
             candidates = sorted(candidates, key=lambda r: -r[3].cumulative_logprob)[: req.n]
         for j, (run, text, tokens, last) in enumerate(candidates):
-            make = protocol.completion_choice if kind == "completion" else protocol.chat_choice
-            reply, logprobs = service.chat_reply(req), service.logprobs(req, tokens)
-            if reply is None:
-                choices.append(make(i * req.n + j, "".join(text), last.finish_reason, logprobs))
+            logprobs = service.logprobs(req, tokens)
+            if kind == "completion":
+                choices.append(protocol.completion_choice(i * req.n + j, "".join(text), last.finish_reason, logprobs))
                 continue
-            reason = reply.push("".join(text), last.finish_reason)[3]
+            reply = service.chat_reply(req)
+            reason = reply.push("".join(text), last.finish_reason).finish_reason
             reasoning, content, calls = reply.message()
             choices.append(protocol.chat_choice(i * req.n + j, content, reason, logprobs, calls, reasoning))
     use = protocol.usage(sum(len(ids) for ids in {r[0].prompt_index: r[0].prompt_ids for r in results}.values()),
@@ -477,7 +481,7 @@ async def _sse(service: Service, req: GenerationRequest, rid: str, runs: list[Ru
 
     async def pump(run: Run) -> None:
         index = run.prompt_index * req.n + run.candidate
-        pieces, reply = service.pieces(req, run), service.chat_reply(req)
+        pieces, reply = service.pieces(req, run), service.chat_reply(req) if req.kind == "chat" else None
         try:
             if req.kind == "chat":
                 await queue.put(protocol.chunk(req, rid, index, "", first=True))

@@ -14,6 +14,7 @@ and none is lost; chat's content list carries each token's `bytes` as well.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..runtime.scheduler import TokenEvent
 from ..runtime.stop import StopStrings
@@ -110,13 +111,21 @@ def token_key(tokenizer: Tokenizer | None, token: int) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
+LEAST_LOGPROB = -9999.0  # what a log-probability of -inf (or none: a NaN from the model) is sent as, as OpenAI's
+
+
+def sent_logprob(lp: float | None) -> float | None:
+    """A log-probability as JSON can carry it (no -inf or NaN)."""
+    return lp if lp is None or lp >= LEAST_LOGPROB else LEAST_LOGPROB
+
+
 def completion_logprobs(tokenizer: Tokenizer | None, outs: list[Out]) -> dict:
     """OpenAI completions' logprobs: tokens (joining to the text), token_logprobs, top_logprobs, text_offset."""
     return {
         "tokens": [o.text for o in outs],
-        "token_logprobs": [o.event.logprob for o in outs],
+        "token_logprobs": [sent_logprob(o.event.logprob) for o in outs],
         "top_logprobs": [None if o.event.top_logprobs is None else
-                         {token_key(tokenizer, t): lp for t, lp in o.event.top_logprobs} for o in outs],
+                         {token_key(tokenizer, t): sent_logprob(lp) for t, lp in o.event.top_logprobs} for o in outs],
         "text_offset": [o.offset for o in outs],
     }
 
@@ -125,23 +134,31 @@ def chat_logprobs(tokenizer: Tokenizer | None, outs: list[Out]) -> dict:
     """OpenAI chat's logprobs: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
     def entry(token: int, lp: float) -> dict:
         raw = tokenizer.token_bytes(token) if tokenizer is not None else str(token).encode()
-        return {"token": token_key(tokenizer, token), "logprob": lp, "bytes": list(raw)}
+        return {"token": token_key(tokenizer, token), "logprob": sent_logprob(lp), "bytes": list(raw)}
 
     return {"content": [{**entry(o.event.token, o.event.logprob),
                          "top_logprobs": [entry(t, lp) for t, lp in o.event.top_logprobs or []]} for o in outs],
             "refusal": None}
 
 
+class Sent(NamedTuple):
+    """What a piece of a chat reply lets the server send."""
+    reasoning: str
+    content: str
+    tool_calls: list[dict]
+    finish_reason: str | None
+
+
 class ChatReply:
     """A chat choice's text as it arrives, through the reasoning split (serve.reasoning) and then the tool-call
     reader (serve.tools) where the server and request ask for them: what to send now, and the whole message."""
 
-    def __init__(self, split: ReasoningSplit | None, tools: ToolReply | None):
+    def __init__(self, split: ReasoningSplit | None = None, tools: ToolReply | None = None):
         self.split, self.tools, self.text = split, tools, ""
 
-    def push(self, text: str, finish_reason: str | None = None) -> tuple[str, str, list[dict], str | None]:
-        """(reasoning, content, tool-call deltas, finish_reason) to send for this piece; the last piece carries the
-        choice's finish_reason, which a tool call may turn into "tool_calls"."""
+    def push(self, text: str, finish_reason: str | None = None) -> Sent:
+        """What this piece lets the server send; the last piece carries the choice's finish_reason, which a tool
+        call may turn into "tool_calls"."""
         self.text += text
         reasoning = ""
         if self.split is not None:
@@ -155,7 +172,7 @@ class ChatReply:
             if finish_reason is not None:
                 rest, last, finish_reason = self.tools.finish(finish_reason)
                 text, calls = text + rest, calls + last
-        return reasoning, text, calls, finish_reason
+        return Sent(reasoning, text, calls, finish_reason)
 
     def message(self) -> tuple[str | None, str | None, list[dict] | None]:
         """After the last piece: the message's reasoning_content, content and tool_calls (None: absent)."""

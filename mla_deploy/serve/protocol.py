@@ -92,6 +92,7 @@ class GenerationRequest:
     template_variables: dict | None = None  # chat: vLLM's chat_template_kwargs, more names for the template
     add_generation_prompt: bool = True  # chat: the template opens the assistant's reply
     continue_final_message: bool = False  # chat: the reply goes on from the last (assistant) message
+    reasoning_open: bool = False  # chat: the rendered prompt ends inside a reasoning (serve.reasoning), set by it
     stream: bool = False
     include_usage: bool = False
     speculative: bool | None = None  # False: this request opts out of the server's speculative decoding
@@ -263,7 +264,8 @@ def parse_request(body: dict, kind: str) -> GenerationRequest:
 
 
 CHAT_ONLY = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")
-TEMPLATE_NAMES = ("messages", "tools", "add_generation_prompt", "continue_final_message", "bos_token", "eos_token")
+TEMPLATE_NAMES = ("messages", "tools", "add_generation_prompt", "continue_final_message", "bos_token", "eos_token",
+                  "raise_exception", "strftime_now")  # names the server gives the template
 
 
 def _template_options(req: GenerationRequest, body: dict) -> None:

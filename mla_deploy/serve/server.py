@@ -29,8 +29,8 @@ def build_service(export_dir: str | Path, max_batch: int = 16, max_queue: int = 
     model loads; `reasoning_parser`: serve.reasoning's. A staged export (export --stages N) loads as one Ray actor
     per stage (runtime.stages, the 'ray' extra; `ray_address`: the cluster to join, default a local Ray instance),
     `micro_batches` groups of rows in flight (default: one per stage), every prompt prefilled whole."""
-    if chat_template is not None:  # a bad file is said before the weights load
-        ChatTemplate.from_export(export_dir, chat_template)
+    # a bad template is said before the weights load
+    template = None if chat_template is None else ChatTemplate.from_export(export_dir, chat_template)
     if is_staged(read_manifest(export_dir)):
         try:
             from ..runtime.stages import StagedModel
@@ -47,7 +47,7 @@ def build_service(export_dir: str | Path, max_batch: int = 16, max_queue: int = 
         _shutdown(model)
         raise
     try:
-        return Service(engine, model_name or Path(export_dir).resolve().name, api_key, chat_template=chat_template,
+        return Service(engine, model_name or Path(export_dir).resolve().name, api_key, chat_template=template,
                        reasoning_parser=reasoning_parser)
     except BaseException:
         engine.close()

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from ..runtime.stop import partial_suffix
 from .protocol import bad
 
-NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name (fullmatch)
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # `parameters` left out: {}
-DEFINITIONS = ("$defs", "definitions")  # where a schema keeps what its "#/..." references name
+DEFINITIONS = ("$defs", "definitions")  # where a schema keeps what its "#/..." references name: objects
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
@@ -79,24 +79,16 @@ class Tools:
 
     def schema(self) -> dict:
         """The JSON Schema a forced call is generated under (module docstring). "required" nests each function's
-        arguments schema in a list item, so the definitions its references point at ("#/$defs/...",
-        "#/definitions/...") move to the root, where those references resolve."""
+        arguments schema in a list item, so each goes under the root's `$defs` (as `fn_<i>`) with its local
+        references ("#", "#/$defs/...", "#/properties/...") re-pointed there, where they resolve as they did."""
         if self.named is not None:
             return self.parameters(self.named)
-        hoisted: dict[str, dict] = {}
-        one = []
-        for i, name in enumerate(self.names):
-            params = dict(self.parameters(name))
-            for key in DEFINITIONS:
-                for term, body in (params.pop(key, None) or {}).items():
-                    if hoisted.setdefault(key, {}).setdefault(term, body) != body:
-                        raise bad(f"tools[{i}].function.parameters.{key}.{term}: another function defines {term!r} "
-                                  f"differently; with tool_choice \"required\" their definitions share one root, so "
-                                  "give them distinct names", "tools")
-            one.append({"type": "object", "properties": {"name": {"const": name}, "parameters": params},
-                        "required": ["name", "parameters"], "additionalProperties": False})
+        defs = {f"fn_{i}": _rebased(self.parameters(name), f"#/$defs/fn_{i}") for i, name in enumerate(self.names)}
+        one = [{"type": "object", "properties": {"name": {"const": name}, "parameters": {"$ref": f"#/$defs/fn_{i}"}},
+                "required": ["name", "parameters"], "additionalProperties": False}
+               for i, name in enumerate(self.names)]
         return {"type": "array", "minItems": 1, **({} if self.parallel else {"maxItems": 1}),
-                "items": one[0] if len(one) == 1 else {"anyOf": one}, **hoisted}
+                "items": one[0] if len(one) == 1 else {"anyOf": one}, "$defs": defs}
 
     def forced_calls(self, text: str) -> list[ToolCall] | None:
         """A forced call's generated text as calls; None where it is not one (cut by max_tokens)."""
@@ -110,6 +102,24 @@ class Tools:
                                                   for v in value):
             return None
         return [ToolCall(v["name"], json.dumps(v.get("parameters", {}), ensure_ascii=False)) for v in value]
+
+
+DATA = ("const", "enum", "default", "examples")  # a schema's keywords whose values are JSON data, not schemas
+
+
+def _rebased(schema, root: str):
+    """`schema` with every local reference ("#...") re-pointed below `root` (a JSON pointer of where it now lies)."""
+    if isinstance(schema, list):
+        return [_rebased(item, root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = root + value[1:]
+        else:
+            out[key] = value if key in DATA else _rebased(value, root)
+    return out
 
 
 def parse_tools(body: dict, kind: str) -> Tools | None:
@@ -132,7 +142,7 @@ def parse_tools(body: dict, kind: str) -> Tools | None:
             raise bad(f"{where}: expected {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", "tools")
         fn = tool["function"]
         name = fn.get("name")
-        if not isinstance(name, str) or not NAME.match(name):
+        if not isinstance(name, str) or not NAME.fullmatch(name):
             raise bad(f"{where}.function.name: {json.dumps(name)[:80]} is not a function name (1-64 letters, digits, "
                       "_ or -)", "tools")
         if name in seen:
@@ -202,9 +212,10 @@ def writes_deepseek_calls(tokenizer) -> bool:
     return all(i is not None and i not in tokenizer.special_ids for i in ids)
 
 
-def deepseek_calls(text: str) -> tuple[str, list[ToolCall]] | None:
-    """(content, calls) from a reply in DeepSeek's syntax, either version; None where the reply has no calls or its
-    calls do not parse (cut by max_tokens), so that it is sent as text."""
+def deepseek_calls(text: str, names: tuple[str, ...]) -> tuple[str, list[ToolCall]] | None:
+    """(content, calls) from a reply in DeepSeek's syntax, either version, the content being the text around the
+    calls; None where the reply has no calls, or calls that do not parse (cut by max_tokens) or name a function not
+    in `names` (those offered), so that it is sent as text."""
     start = text.find(CALLS_BEGIN)
     if start < 0:
         return None
@@ -212,6 +223,7 @@ def deepseek_calls(text: str) -> tuple[str, list[ToolCall]] | None:
     end = rest.find(CALLS_END)
     if end < 0:
         return None
+    content += rest[end + len(CALLS_END):]
     calls = []
     for part in rest[:end].split(CALL_BEGIN)[1:]:
         body, sep, tail = part.partition(CALL_END)
@@ -228,7 +240,7 @@ def deepseek_calls(text: str) -> tuple[str, list[ToolCall]] | None:
             name = head
         name = name.strip()
         try:
-            if not NAME.match(name) or not isinstance(json.loads(args), dict):
+            if name not in names or not isinstance(json.loads(args), dict):
                 return None
         except json.JSONDecodeError:
             return None
@@ -236,55 +248,83 @@ def deepseek_calls(text: str) -> tuple[str, list[ToolCall]] | None:
     return (content, calls) if calls else None
 
 
+def tool_reply(tools: Tools) -> "ToolReply":
+    """The reader of one choice's reply for what `tools.choice` asks (not "none")."""
+    return NamedCall(tools) if tools.named is not None else RequiredCalls(tools) if tools.forced else AutoCalls(tools)
+
+
 class ToolReply:
     """One choice's reply to a request with tools, as its text arrives: the content that may be sent now and the
-    tool-call deltas of OpenAI's streamed form, then the whole message (`content`, `tool_calls`) at `finish`.
-
-    Named: the text is the call's arguments, streamed as they come. Required: the calls are sent whole at the end.
-    Auto: content streams up to DeepSeek's calls-begin token (a tail that may begin it is held back), the calls are
-    sent whole at the end; a reply whose calls do not parse (cut by max_tokens) is sent as the text it is."""
+    tool-call deltas of OpenAI's streamed form (`push`), then what is left, the finish_reason, and the whole message
+    (`content`, `tool_calls`) at `finish`. A reply whose calls do not parse (cut by max_tokens) is sent as the text
+    it is."""
 
     def __init__(self, tools: Tools):
-        self.tools, self.text, self.sent = tools, "", 0  # sent: characters of content sent (auto)
+        self.tools, self.text, self.sent = tools, "", 0  # sent: characters of content sent
         self.content: str | None = None
         self.tool_calls: list[dict] = []
-        self._id = new_call_id()
 
     def push(self, text: str) -> tuple[str, list[dict]]:
-        """The content and tool-call deltas this piece of text allows to be sent."""
-        first = not self.text
+        """The content and tool-call deltas this piece of text allows to be sent: none until the end."""
         self.text += text
-        if self.tools.named is not None:
-            if not text:
-                return "", []
-            if first:
-                return "", [{"index": 0, "id": self._id, "type": "function",
-                             "function": {"name": self.tools.named, "arguments": text}}]
-            return "", [{"index": 0, "function": {"arguments": text}}]
-        if self.tools.choice == "auto":
-            end = self.text.find(CALLS_BEGIN)
-            if end < 0:
-                end = len(self.text) - partial_suffix(self.text, CALLS_BEGIN)
-            out, self.sent = self.text[self.sent:max(end, self.sent)], max(end, self.sent)
-            return out, []
         return "", []
 
     def finish(self, finish_reason: str) -> tuple[str, list[dict], str]:
-        """The content and deltas left to send, and the finish_reason: "tool_calls" where calls were read, "stop" or
-        "length" as generated for a named call (OpenAI's)."""
-        if self.tools.named is not None:
-            self.tool_calls = [ToolCall(self.tools.named, self.text, self._id).to_json()]
-            deltas = [] if self.text else [{"index": 0, **self.tool_calls[0]}]
-            return "", deltas, finish_reason
-        if self.tools.forced:
-            calls, content = self.tools.forced_calls(self.text), None
-        else:
-            parsed = deepseek_calls(self.text)
-            calls, content = (parsed[1], parsed[0]) if parsed else (None, None)
-        if calls is None:  # no calls: the reply is its text
+        """The content and deltas left to send, and the finish_reason ("tool_calls" where calls were read)."""
+        content, calls = self._read()
+        if calls is None:
             self.content = self.text
             return self.text[self.sent:], [], finish_reason
         self.content = content or None
         self.tool_calls = [call.to_json() for call in calls]
         return (content or "")[self.sent:], [{"index": i, **c} for i, c in enumerate(self.tool_calls)], "tool_calls"
 
+    def _read(self) -> tuple[str, list[ToolCall] | None]:
+        raise NotImplementedError
+
+
+class RequiredCalls(ToolReply):
+    """tool_choice "required": the reply is a list of calls (Tools.schema), sent whole at the end."""
+
+    def _read(self) -> tuple[str, list[ToolCall] | None]:
+        return "", self.tools.forced_calls(self.text)
+
+
+class AutoCalls(ToolReply):
+    """tool_choice "auto": content streams up to DeepSeek's calls-begin token (a tail that may begin it is held
+    back); the calls are read at the end, the text around them being the content."""
+
+    def push(self, text: str) -> tuple[str, list[dict]]:
+        self.text += text
+        end = self.text.find(CALLS_BEGIN)
+        if end < 0:
+            end = len(self.text) - partial_suffix(self.text, CALLS_BEGIN)
+        out, self.sent = self.text[self.sent:max(end, self.sent)], max(end, self.sent)
+        return out, []
+
+    def _read(self) -> tuple[str, list[ToolCall] | None]:
+        parsed = deepseek_calls(self.text, self.tools.names)
+        return parsed if parsed is not None else ("", None)
+
+
+class NamedCall(ToolReply):
+    """tool_choice naming a function: the reply is that call's arguments, streamed as they come; it ends "stop" or
+    "length" as generated (OpenAI's), whether or not max_tokens cut the arguments."""
+
+    def __init__(self, tools: Tools):
+        super().__init__(tools)
+        self._id = new_call_id()
+
+    def push(self, text: str) -> tuple[str, list[dict]]:
+        first = not self.text
+        self.text += text
+        if not text:
+            return "", []
+        if first:
+            return "", [{"index": 0, "id": self._id, "type": "function",
+                         "function": {"name": self.tools.named, "arguments": text}}]
+        return "", [{"index": 0, "function": {"arguments": text}}]
+
+    def finish(self, finish_reason: str) -> tuple[str, list[dict], str]:
+        self.tool_calls = [ToolCall(self.tools.named, self.text, self._id).to_json()]
+        return "", [] if self.text else [{"index": 0, **self.tool_calls[0]}], finish_reason
