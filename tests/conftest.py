@@ -113,3 +113,14 @@ def exported(checkpoint_dir, tmp_path_factory):
         return built[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def demo_export_dir(tmp_path_factory):
+    """The bundled demo model exported once (float32), for tests that serve it and leave it as it is."""
+    from mla_deploy.export import export
+    from mla_deploy.presets import DEMO_CHECKPOINT
+
+    out = tmp_path_factory.mktemp("demo-export") / "demo"
+    export(DEMO_CHECKPOINT, out)
+    return out

@@ -36,13 +36,8 @@ from test_serve import MODEL, running_server  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from mla_deploy.export import export
-    from mla_deploy.presets import DEMO_CHECKPOINT
-
-    out = tmp_path_factory.mktemp("fields") / "demo"
-    export(DEMO_CHECKPOINT, out)
-    with running_server(out, max_batch=4, chat_template=THINKING) as s:
+def server(demo_export_dir):
+    with running_server(demo_export_dir, max_batch=4, chat_template=THINKING) as s:
         yield s
 
 

@@ -73,28 +73,18 @@ pytest.importorskip("fastapi", reason="the server needs the 'serve' extra")
 from test_serve import MODEL, running_server  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    from mla_deploy.export import export
-    from mla_deploy.presets import DEMO_CHECKPOINT
-
-    out = tmp_path_factory.mktemp("reasoning") / "demo"
-    export(DEMO_CHECKPOINT, out)
-    return out
-
-
 THINKING = ("{{ bos_token }}{% for m in messages %}# {{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}{% if thinking %}<think>\n{% else %}</think>{% endif %}{% endif %}")
 
 
-def test_served_reasoning_content_streamed_or_not_and_never_under_a_grammar(demo):
+def test_served_reasoning_content_streamed_or_not_and_never_under_a_grammar(demo_export_dir):
     """With thinking on, the template opens the reasoning and the demo never closes it: its whole reply is
     reasoning_content (content null), as vLLM's parser reads an R1 reply cut off while thinking; with thinking off
     (V3.1's switch) the reply is content. Either way the text a server without the parser sends as content."""
     ask = dict(model=MODEL, messages=[{"role": "user", "content": "Read a file"}], max_tokens=24, temperature=0)
     served = {}
     for parser in (None, "deepseek_r1"):
-        with running_server(demo, max_batch=2, chat_template=THINKING, reasoning_parser=parser) as (base, _):
+        with running_server(demo_export_dir, max_batch=2, chat_template=THINKING, reasoning_parser=parser) as (base, _):
             client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
             for thinking in (True, False):
                 kw = {**ask, "extra_body": {"chat_template_kwargs": {"thinking": thinking}}}

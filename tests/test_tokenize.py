@@ -9,13 +9,8 @@ from test_serve import MODEL, running_server  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from mla_deploy.export import export
-    from mla_deploy.presets import DEMO_CHECKPOINT
-
-    out = tmp_path_factory.mktemp("tokenize") / "demo"
-    export(DEMO_CHECKPOINT, out)
-    with running_server(out, max_batch=2, api_key="k") as s:
+def server(demo_export_dir):
+    with running_server(demo_export_dir, max_batch=2, api_key="k") as s:
         yield s
 
 

@@ -12,7 +12,6 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from test_serve import MODEL, running_server  # noqa: E402
 
-from mla_deploy.presets import DEMO_CHECKPOINT  # noqa: E402
 from mla_deploy.runtime.chat import ChatTemplate  # noqa: E402
 from mla_deploy.serve.tools import (  # noqa: E402
     CALL_BEGIN,
@@ -38,12 +37,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from mla_deploy.export import export
-
-    out = tmp_path_factory.mktemp("tools") / "demo"
-    export(DEMO_CHECKPOINT, out)
-    with running_server(out, max_batch=8) as s:
+def server(demo_export_dir):
+    with running_server(demo_export_dir, max_batch=8) as s:
         yield s
 
 
