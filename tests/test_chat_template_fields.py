@@ -72,9 +72,10 @@ def test_template_kwargs_reach_the_template(server):
 
 @pytest.mark.parametrize("body, param, says", [
     ({"chat_template_kwargs": ["thinking"]}, "chat_template_kwargs", "expected an object"),
-    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", "chat_template_kwargs.messages: set by"),
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", "kwargs.messages: the template already"),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "send tools as a field"),
-    ({"chat_template_kwargs": {"raise_exception": 1}}, "chat_template_kwargs", "raise_exception: set by"),
+    ({"chat_template_kwargs": {"raise_exception": 1}}, "chat_template_kwargs", "raise_exception: the template"),
+    ({"chat_template_kwargs": {"namespace": 1}}, "chat_template_kwargs", "(the server's or Jinja's)"),
     ({"chat_template_kwargs": {"self": 1, "names": 2}}, None, None),  # any other name reaches the template
     ({"continue_final_message": True, "messages": ASK + [{"role": "assistant", "content": " "}]},
      "continue_final_message", "content is empty"),

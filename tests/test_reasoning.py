@@ -107,6 +107,23 @@ def test_served_reasoning_content_streamed_or_not_and_never_under_a_grammar(demo
     assert served["deepseek_r1", "completion"] == served[None, "completion"]  # completions are never split
 
 
+def test_only_the_generation_prompt_or_a_continued_message_opens_a_reasoning(demo_export_dir):
+    """A user quoting `<think>` opens nothing: the reply is content; an assistant's start that opened one and is
+    continued is reasoning."""
+    quoting = [{"role": "user", "content": "What does a <think> tag do?"}]
+    started = quoting + [{"role": "assistant", "content": "<think>Tags are"}]
+    with running_server(demo_export_dir, max_batch=2, chat_template=THINKING, reasoning_parser="deepseek_r1") as (
+            base, _):
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+        for extra in ({"chat_template_kwargs": {"thinking": False}}, {"add_generation_prompt": False}):
+            message = client.chat.completions.create(model=MODEL, messages=quoting, max_tokens=8, temperature=0,
+                                                     extra_body=extra).choices[0].message
+            assert message.content and getattr(message, "reasoning_content", None) is None, extra
+        message = client.chat.completions.create(model=MODEL, messages=started, max_tokens=8, temperature=0,
+                                                 extra_body={"continue_final_message": True}).choices[0].message
+        assert message.content is None and message.reasoning_content
+
+
 def test_the_cli_offers_every_parser():
     from click.testing import CliRunner
 

@@ -35,6 +35,9 @@ def test_tokenize_gives_the_ids_the_generation_routes_run(server):
         model=MODEL, messages=messages, max_tokens=1, extra_body={"continue_final_message": True}).usage.prompt_tokens
     back = post(server, "/detokenize", tokens=r["tokens"]).json()
     assert back == {"prompt": text}
+    headers = {"Authorization": "Bearer k"}  # model is optional, as vLLM's
+    assert httpx.post(base + "/tokenize", json={"prompt": text}, headers=headers).json()["tokens"] == r["tokens"]
+    assert httpx.post(base + "/detokenize", json={"tokens": r["tokens"]}, headers=headers).json() == back
 
 
 @pytest.mark.parametrize("route, body, status, param", [
@@ -45,6 +48,7 @@ def test_tokenize_gives_the_ids_the_generation_routes_run(server):
     ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "add_special_tokens": True}, 400,
      "add_special_tokens"),
     ("/tokenize", {"messages": []}, 400, "messages"),
+    ("/tokenize", {"prompt": "x", "chat_template_kwargs": {}}, 400, "chat_template_kwargs"),
     ("/tokenize", {"prompt": "x", "model": "other"}, 404, "model"),
     ("/detokenize", {"tokens": []}, 400, "tokens"),
     ("/detokenize", {"tokens": [1, -2]}, 400, "tokens"),

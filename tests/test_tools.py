@@ -287,8 +287,9 @@ TREE = {"type": "object", "properties": {"label": {"type": "string", "maxLength"
                                         "kids": {"type": "array", "maxItems": 1, "items": {"$ref": "#"}}},
         "required": ["label", "kids"], "additionalProperties": False}  # recursive: "#" is the function's own root
 CLASH = {"$defs": {"Person": {"type": "integer", "minimum": 0, "maximum": 9}}, "type": "object",
-         "properties": {"n": {"$ref": "#/$defs/Person"}, "m": {"$ref": "#/properties/n"}},
-         "required": ["n", "m"], "additionalProperties": False}  # DEFS's name for another schema
+         "properties": {"n": {"$ref": "#/$defs/Person"}, "m": {"$ref": "#/properties/n"},
+                        "default": {"$ref": "#/$defs/Person"}},  # a property named as a keyword
+         "required": ["n", "m", "default"], "additionalProperties": False}  # DEFS's name for another schema
 
 
 def test_schemas_with_definitions_no_type_or_no_parameters_give_object_arguments(client):

@@ -120,10 +120,10 @@ class Service:
             if body.get("add_special_tokens"):
                 raise bad("add_special_tokens: the chat template writes the special tokens itself; leave it out "
                           "with messages", "add_special_tokens")
-            req = self.check_model(protocol.parse_request(body, "chat"))
+            req = self.check_model(protocol.parse_request({"model": self.model_name, **body}, "chat"))
             ids = self._prompt_ids(req)[0]
         else:
-            req = self.check_model(protocol.parse_tokenize(body))
+            req = self.check_model(protocol.parse_tokenize(body, self.model_name))
             if self.tokenizer is None:
                 raise bad("this export has no tokenizer (tokenizer.json) to encode text with", "prompt")
             try:
@@ -137,7 +137,7 @@ class Service:
         return {"count": len(ids), "max_model_len": self.engine.model.max_seq_len, "tokens": ids, "token_strs": strs}
 
     def detokenize(self, body: dict) -> dict:
-        req = self.check_model(protocol.parse_detokenize(body))
+        req = self.check_model(protocol.parse_detokenize(body, self.model_name))
         if self.tokenizer is None:
             raise bad("this export has no tokenizer (tokenizer.json) to decode tokens with", "tokens")
         vocab = self.engine.model.config.vocab_size
@@ -251,6 +251,16 @@ class Service:
                                   "tools") from None
             raise bad(f"tools: {str(whole).removeprefix('json_schema.schema: ')}", "tools") from None
 
+    def _reasoning_open(self, req: GenerationRequest, text: str, tools: list[dict] | None) -> bool:
+        """Whether the reply starts inside a reasoning: the generation prompt opens one (R1's `<think>\n`), or the
+        assistant message it continues has; what the earlier messages say (a user quoting `<think>`) does not count."""
+        if req.continue_final_message:
+            return reasoning_opened(req.messages[-1]["content"])
+        if not req.add_generation_prompt:
+            return False
+        before = self.chat_template.render(req.messages, False, tools=tools, variables=req.template_variables)
+        return reasoning_opened(text[len(before):] if text.startswith(before) else text)
+
     def chat_reply(self, req: GenerationRequest) -> ChatReply:
         """A chat choice's reader: its reasoning split and tool calls, where the server and the request ask for
         either."""
@@ -272,7 +282,8 @@ class Service:
                 text = self.chat_template.render(
                     req.messages, req.add_generation_prompt, tools=tools, variables=req.template_variables,
                     continue_final_message=req.continue_final_message)
-                req.reasoning_open = reasoning_opened(text)
+                if self.reasoning_parser is not None:
+                    req.reasoning_open = self._reasoning_open(req, text, tools)
                 return [self.chat_template.encode(text, self.tokenizer)]
             except InputError as e:
                 message = str(e)

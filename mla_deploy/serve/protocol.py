@@ -115,8 +115,12 @@ class TokenizeRequest:
     tokens: list[int] = field(default_factory=list)
 
 
-def parse_tokenize(body: dict) -> TokenizeRequest:
-    req = TokenizeRequest(_model(body))
+def parse_tokenize(body: dict, served: str) -> TokenizeRequest:
+    """`served`: the model name, which /tokenize takes when the request leaves `model` out (as vLLM's)."""
+    req = TokenizeRequest(_model({"model": served, **body}))
+    for name in CHAT_ONLY:
+        if body.get(name) is not None:
+            raise bad(f"{name}: a chat field (the chat template's); tokenize messages to use it", name)
     if not isinstance(body.get("prompt"), str) or not body["prompt"]:
         raise bad("prompt: required, a non-empty string (or messages, to tokenize a chat)", "prompt")
     req.prompt = body["prompt"]
@@ -125,8 +129,8 @@ def parse_tokenize(body: dict) -> TokenizeRequest:
     return req
 
 
-def parse_detokenize(body: dict) -> TokenizeRequest:
-    req = TokenizeRequest(_model(body))
+def parse_detokenize(body: dict, served: str) -> TokenizeRequest:
+    req = TokenizeRequest(_model({"model": served, **body}))
     req.tokens = _token_ids(body.get("tokens"), "tokens") or []
     if not req.tokens:
         raise bad("tokens: required, a non-empty list of token ids", "tokens")
@@ -265,7 +269,8 @@ def parse_request(body: dict, kind: str) -> GenerationRequest:
 
 CHAT_ONLY = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")
 TEMPLATE_NAMES = ("messages", "tools", "add_generation_prompt", "continue_final_message", "bos_token", "eos_token",
-                  "raise_exception", "strftime_now")  # names the server gives the template
+                  "raise_exception", "strftime_now",  # names the server gives the template, and Jinja's own
+                  "range", "dict", "lipsum", "cycler", "joiner", "namespace")
 
 
 def _template_options(req: GenerationRequest, body: dict) -> None:
@@ -279,7 +284,8 @@ def _template_options(req: GenerationRequest, body: dict) -> None:
                       "chat_template_kwargs")
         for name in variables:
             if name in TEMPLATE_NAMES:
-                raise bad(f"chat_template_kwargs.{name}: set by the server"
+                raise bad(f"chat_template_kwargs.{name}: the template already has this name (the server's or "
+                          "Jinja's)"
                           + (f"; send {name} as a field of the request" if name in CHAT_ONLY + ("tools",) else ""),
                           "chat_template_kwargs")
         req.template_variables = variables

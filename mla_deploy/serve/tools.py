@@ -105,6 +105,7 @@ class Tools:
 
 
 DATA = ("const", "enum", "default", "examples")  # a schema's keywords whose values are JSON data, not schemas
+NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema maps
 
 
 def _rebased(schema, root: str):
@@ -117,6 +118,8 @@ def _rebased(schema, root: str):
     for key, value in schema.items():
         if key == "$ref" and isinstance(value, str) and value.startswith("#"):
             out[key] = root + value[1:]
+        elif key in NAMED and isinstance(value, dict):  # its keys are names ("default" a property), not keywords
+            out[key] = {name: _rebased(sub, root) for name, sub in value.items()}
         else:
             out[key] = value if key in DATA else _rebased(value, root)
     return out
