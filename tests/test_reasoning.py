@@ -132,3 +132,25 @@ def test_the_cli_offers_every_parser():
 
     help_text = CliRunner().invoke(main, ["serve", "--help"]).stdout
     assert "--reasoning-parser [" + "|".join(PARSERS) + "]" in help_text.replace("\n", " ")
+
+
+def test_usage_counts_the_reasoning_tokens(demo_export_dir):
+    """completion_tokens_details.reasoning_tokens, as DeepSeek's API counts them: every token of a reply still
+    thinking, none of an answer, streamed or not; absent without the parser."""
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "Read a file"}], max_tokens=12, temperature=0)
+    for parser in (None, "deepseek_r1"):
+        with running_server(demo_export_dir, max_batch=2, chat_template=THINKING, reasoning_parser=parser) as (
+                base, _):
+            client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+            for thinking in (True, False):
+                kw = {**ask, "n": 2, "extra_body": {"chat_template_kwargs": {"thinking": thinking}}}
+                whole = client.chat.completions.create(**kw).usage
+                streamed = [c.usage for c in client.chat.completions.create(
+                    **kw, stream=True, stream_options={"include_usage": True}) if c.usage][0]
+                for use in (whole, streamed):
+                    details = use.completion_tokens_details
+                    if parser is None:
+                        assert details is None
+                    else:
+                        assert details.reasoning_tokens == (use.completion_tokens if thinking else 0), use
+                        assert use.completion_tokens == 24  # two choices of 12, neither ended early

@@ -456,7 +456,7 @@ async def _generate(service: Service, request: Request, kind: str):
     finally:  # one choice failing leaves the others running under a finished gather: cancel each (frees its row)
         for task in tasks:
             task.cancel()
-    choices = []
+    choices, reasoning_tokens = [], None
     for i in range(len(req.prompts) if kind == "completion" else 1):
         candidates = [r for r in results if r[0].prompt_index == i]
         if req.candidates > req.n:  # best_of: the n likeliest candidates (stable: ties keep their order)
@@ -469,10 +469,13 @@ async def _generate(service: Service, request: Request, kind: str):
             reply = service.chat_reply(req)
             reason = reply.push("".join(text), last.finish_reason).finish_reason
             reasoning, content, calls = reply.message()
+            counted = reply.reasoning_tokens(tokens)
+            if counted is not None:
+                reasoning_tokens = (reasoning_tokens or 0) + counted
             choices.append(protocol.chat_choice(i * req.n + j, content, reason, logprobs, calls, reasoning))
     use = protocol.usage(sum(len(ids) for ids in {r[0].prompt_index: r[0].prompt_ids for r in results}.values()),
                          sum(r[3].completion_tokens for r in results),
-                         _cached(((r[0].prompt_index, r[3].cached_tokens) for r in results)))
+                         _cached(((r[0].prompt_index, r[3].cached_tokens) for r in results)), reasoning_tokens)
     _count(service, 200)
     return protocol.response(req, rid, choices, use)
 
@@ -493,10 +496,12 @@ async def _sse(service: Service, req: GenerationRequest, rid: str, runs: list[Ru
     async def pump(run: Run) -> None:
         index = run.prompt_index * req.n + run.candidate
         pieces, reply = service.pieces(req, run), service.chat_reply(req) if req.kind == "chat" else None
+        sent: list[Out] = []  # the choice's tokens as sent, for its reasoning tokens
         try:
             if req.kind == "chat":
                 await queue.put(protocol.chunk(req, rid, index, "", first=True))
             async for piece in pieces:
+                sent += piece.tokens
                 logprobs = service.logprobs(req, piece.tokens) if piece.tokens else None
                 reasoning, text, calls, reason = "", piece.text, None, piece.finish_reason
                 if reply is not None:  # reasoning, content and tool-call deltas to send now
@@ -510,7 +515,7 @@ async def _sse(service: Service, req: GenerationRequest, rid: str, runs: list[Ru
                     await queue.put(protocol.chunk(req, rid, index, text, reason, logprobs, tool_calls=calls,
                                                    reasoning=reasoning))
                 if piece.finish_reason is not None:
-                    await queue.put((run.prompt_index, piece))
+                    await queue.put((run.prompt_index, piece, None if reply is None else reply.reasoning_tokens(sent)))
         except Exception as e:  # the engine failed: end the whole stream with it, not hang the other choices
             await queue.put(e)
         finally:
@@ -518,7 +523,7 @@ async def _sse(service: Service, req: GenerationRequest, rid: str, runs: list[Ru
 
     tasks = [asyncio.create_task(pump(run)) for run in runs]
     prompt_tokens = sum(len(ids) for ids in {r.prompt_index: r.prompt_ids for r in runs}.values())
-    finished, completion_tokens, cached = 0, 0, []
+    finished, completion_tokens, cached, reasoning_tokens = 0, 0, [], None
     try:
         while finished < len(runs):
             item = await queue.get()
@@ -526,15 +531,17 @@ async def _sse(service: Service, req: GenerationRequest, rid: str, runs: list[Ru
                 yield _event(_stream_error(service, item).body)
                 yield "data: [DONE]\n\n"
                 return
-            if isinstance(item, tuple):  # (prompt index, a choice's last piece)
+            if isinstance(item, tuple):  # (prompt index, a choice's last piece, its reasoning tokens)
                 finished += 1
                 completion_tokens += item[1].completion_tokens
                 cached.append((item[0], item[1].cached_tokens))
+                if item[2] is not None:
+                    reasoning_tokens = (reasoning_tokens or 0) + item[2]
                 continue
             yield _event(item)
         if req.include_usage:
             yield _event(protocol.usage_chunk(req, rid, protocol.usage(prompt_tokens, completion_tokens,
-                                                                       _cached(cached))))
+                                                                       _cached(cached), reasoning_tokens)))
         yield "data: [DONE]\n\n"
     finally:
         for task in tasks:

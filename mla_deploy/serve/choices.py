@@ -174,6 +174,16 @@ class ChatReply:
                 text, calls = text + rest, calls + last
         return Sent(reasoning, text, calls, finish_reason)
 
+    def reasoning_tokens(self, outs: list[Out]) -> int | None:
+        """How many of the reply's tokens (`outs`, as sent) reason: those starting before the reasoning's end (its
+        closing tag's token included); None without a reasoning split."""
+        if self.split is None:
+            return None
+        if not self.split.thinking:
+            return 0
+        end = self.split.end if self.split.end is not None else len(self.split.text)
+        return sum(1 for out in outs if out.offset < end)
+
     def message(self) -> tuple[str | None, str | None, list[dict] | None]:
         """After the last piece: the message's reasoning_content, content and tool_calls (None: absent)."""
         reasoning = None if self.split is None else self.split.reasoning

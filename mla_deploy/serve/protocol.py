@@ -447,12 +447,17 @@ def new_id(kind: str) -> str:
     return ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+          reasoning_tokens: int | None = None) -> dict:
     """OpenAI's usage object; `cached_tokens`: prompt tokens whose cache entries a row already held (prefix caching),
-    OpenAI's prompt_tokens_details.cached_tokens."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    OpenAI's prompt_tokens_details.cached_tokens; `reasoning_tokens` (with a reasoning parser): the completion's
+    tokens of reasoning, completion_tokens_details.reasoning_tokens as OpenAI's and DeepSeek's APIs count them."""
+    use = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if reasoning_tokens is not None:
+        use["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return use
 
 
 def response(req: GenerationRequest, rid: str, choices: list[dict], use: dict) -> dict:
