@@ -357,3 +357,20 @@ def test_an_empty_chat_template_option_is_said_so(server):
     export_dir = str(server[1].engine.model.directory)
     result = CliRunner().invoke(main, ["serve", export_dir, "--port", "0", "--chat-template", " "])
     assert result.exit_code == 1 and "--chat-template: empty" in result.stderr, result.output
+
+
+@pytest.mark.parametrize("special, says", [(None, "has no tool-call tokens"),
+                                           (True, "special, and replies drop those"), (False, None)])
+def test_auto_needs_deepseeks_call_tokens_as_text_a_reply_keeps(tmp_path, special, says):
+    from tokenizers import AddedToken, Tokenizer, models
+
+    from mla_deploy.runtime.text import Tokenizer as ExportTokenizer
+    from mla_deploy.serve.tools import DEEPSEEK_TOKENS, why_no_calls
+
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    if special is not None:
+        (tokenizer.add_special_tokens if special else tokenizer.add_tokens)(
+            [AddedToken(t, special=special) for t in DEEPSEEK_TOKENS])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    found = why_no_calls(ExportTokenizer(tmp_path / "tokenizer.json"))
+    assert found is None if says is None else says in found

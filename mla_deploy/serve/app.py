@@ -35,7 +35,7 @@ from .choices import ChatReply, ChoiceText, Out, chat_logprobs, completion_logpr
 from .metrics import render_metrics
 from .protocol import APIError, GenerationRequest, bad
 from .reasoning import PARSERS, ReasoningSplit, reasoning_opened
-from .tools import CALLS_BEGIN, Tools, tool_reply, writes_deepseek_calls
+from .tools import Tools, tool_reply, why_no_calls
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 
@@ -154,11 +154,11 @@ class Service:
         """Validate against the export and queue every prompt's candidates together (one scheduler step admits
         them all): every refusal happens here, before a reply starts."""
         tools = req.tools
-        if tools is not None and tools.choice == "auto" and not writes_deepseek_calls(self.tokenizer):
-            raise bad(f'tool_choice: "auto" (the default with tools) lets the model write its own calls, and this '
-                      f"export's tokenizer has no tool-call tokens ({CALLS_BEGIN} ...) to write them with; use "
-                      '"required" or {"type": "function", "function": {"name": ...}} (generated under the '
-                      'functions\' schemas), or "none"', "tool_choice")
+        unreadable = why_no_calls(self.tokenizer) if tools is not None and tools.choice == "auto" else None
+        if unreadable:
+            raise bad(f'tool_choice: "auto" (the default with tools) lets the model write its own calls, and '
+                      f'{unreadable}; use "required" or {{"type": "function", "function": {{"name": ...}}}} '
+                      '(generated under the functions\' schemas), or "none"', "tool_choice")
         prompts = self._prompt_ids(req)
         limit = self.engine.model.max_seq_len
         for i, ids in enumerate(prompts):

@@ -206,13 +206,18 @@ def check_tool_messages(messages: list[dict]) -> None:
                       f"messages[{i}].tool_call_id")
 
 
-def writes_deepseek_calls(tokenizer) -> bool:
-    """The tokenizer has DeepSeek's tool-call tokens (module docstring) as tokens whose text a reply keeps (not
-    special ones, which decoding drops), so a model over it can write a call and the server read it."""
+def why_no_calls(tokenizer) -> str | None:
+    """Why a model over this tokenizer cannot write a call the server reads (None: it can): DeepSeek's tool-call
+    tokens (module docstring) must be in it as tokens whose text a reply keeps, not special ones, which decoding
+    drops."""
     if tokenizer is None:
-        return False
+        return "this export has no tokenizer to read calls with"
     ids = [tokenizer.token_id(t) for t in DEEPSEEK_TOKENS]
-    return all(i is not None and i not in tokenizer.special_ids for i in ids)
+    if any(i is None for i in ids):
+        return f"this export's tokenizer has no tool-call tokens ({CALLS_BEGIN} ...) to write them with"
+    if any(i in tokenizer.special_ids for i in ids):
+        return f"this export's tokenizer marks its tool-call tokens ({CALLS_BEGIN} ...) special, and replies drop those"
+    return None
 
 
 def deepseek_calls(text: str, names: tuple[str, ...]) -> tuple[str, list[ToolCall]] | None:
