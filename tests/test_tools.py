@@ -90,21 +90,18 @@ def test_required_calls_name_offered_functions_one_each_without_parallel_calls(c
             kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=120,
                       temperature=1.0, seed=seed, parallel_tool_calls=parallel)
             r = client.chat.completions.create(**kw)
-            if r.choices[0].finish_reason == "length":  # a long string may outrun max_tokens: sent as text
-                assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
-                continue
-            assert r.choices[0].finish_reason == "tool_calls"
-            calls = r.choices[0].message.tool_calls
-            assert len(calls) >= 1 and (parallel or len(calls) == 1)
-            for call in calls:
+            calls, reason = r.choices[0].message.tool_calls, r.choices[0].finish_reason
+            assert r.choices[0].message.content is None and len(calls) >= 1 and (parallel or len(calls) == 1)
+            assert reason in ("tool_calls", "length")  # a list cut by max_tokens: the calls written, the last cut
+            for call in calls[:-1] if reason == "length" else calls:
                 jsonschema.validate(json.loads(call.function.arguments), SCHEMA[call.function.name])
-                seen.add(call.function.name)
-            content, streamed, reason = _streamed(client.chat.completions.create(**kw, stream=True))
-            assert reason == "tool_calls" and content == ""
+                seen.add((call.function.name, reason))
+            content, streamed, streamed_reason = _streamed(client.chat.completions.create(**kw, stream=True))
+            assert streamed_reason == reason and content == ""
             assert [streamed[i][1:] for i in sorted(streamed)] == [[c.function.name, c.function.arguments]
-                                                                   for c in calls]
+                                                                   for c in calls]  # streamed as they came
             assert len({streamed[i][0] for i in streamed}) == len(calls)  # ids differ
-    assert seen  # at least one draw ended inside max_tokens
+    assert {reason for _, reason in seen} == {"tool_calls", "length"}  # complete lists, and complete calls of cut ones
 
 
 def test_a_conversation_passes_calls_and_results_back(client):
@@ -374,3 +371,32 @@ def test_auto_needs_deepseeks_call_tokens_as_text_a_reply_keeps(tmp_path, specia
     tokenizer.save(str(tmp_path / "tokenizer.json"))
     found = why_no_calls(ExportTokenizer(tmp_path / "tokenizer.json"))
     assert found is None if says is None else says in found
+
+
+LISTED = ('[{"name": "get_weather", "parameters": {"city": "P\\"aris}", "days": [1, {"a": "]"}]}}, '
+          '{"name": "search", "parameters": {}}]')
+
+
+def test_required_calls_stream_as_they_are_written_in_any_pieces():
+    from mla_deploy.serve.tools import scan_call_list
+
+    assert scan_call_list(LISTED[:30]) == ([], False)  # no name yet
+    assert scan_call_list(LISTED[:45]) == ([("get_weather", '{"city')], False)
+    whole = json.loads(LISTED)
+    assert scan_call_list(LISTED) == ([(c["name"], json.dumps(c["parameters"])) for c in whole], True)
+    assert scan_call_list('[{"name": "f", "arguments": {}}]') == ([], False)  # another layout: no calls
+    for size in (1, 2, 5, len(LISTED)):
+        reply, deltas = tool_reply(Tools(tuple(TOOLS), "required")), []
+        for i in range(0, len(LISTED), size):
+            deltas += reply.push(LISTED[i:i + size])[1]
+        rest, last, reason = reply.finish("stop")
+        joined = {}
+        for d in deltas + last:
+            if "id" in d:
+                assert d["index"] not in joined  # a call's id and name come once
+                joined[d["index"]] = [d["id"], d["function"]["name"], ""]
+            joined[d["index"]][2] += d["function"]["arguments"]
+        assert reason == "tool_calls" and rest == "" and reply.content is None
+        assert [joined[i] for i in sorted(joined)] == [[c["id"], c["function"]["name"], c["function"]["arguments"]]
+                                                       for c in reply.tool_calls]
+        assert [json.loads(c["function"]["arguments"]) for c in reply.tool_calls] == [c["parameters"] for c in whole]

@@ -4,13 +4,13 @@
   JSON grammar (runtime.grammar), so on any export with a tokenizer its arguments are a JSON object valid under the
   function's `parameters` schema (an object's, always: OpenAI's arguments are named). Named: the model writes the
   arguments object itself. Required: a list of {"name", "parameters"} objects, one function's each (at most one
-  with `parallel_tool_calls` false), as vLLM does.
+  with `parallel_tool_calls` false), as vLLM does. Both stream each call as it is written.
 - "auto" needs the model's own syntax for a call. DeepSeek's chat models write calls between tokens of their own:
       V2.5 / V3: <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\nARGS\\n```
                  <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
       V3.1:      <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>
                  ...<｜tool▁calls▁end｜>
-  read back here into tool calls, the text before them being the message's content. An export whose tokenizer has
+  read back here into tool calls, the text around them being the message's content. An export whose tokenizer has
   no such tokens can write no call, so "auto" is refused there with what to use instead (vLLM refuses it without a
   tool-call parser too).
 - The request's `tools` reach the chat template as transformers passes them; a template that does not use them
@@ -89,19 +89,6 @@ class Tools:
                for i, name in enumerate(self.names)]
         return {"type": "array", "minItems": 1, **({} if self.parallel else {"maxItems": 1}),
                 "items": one[0] if len(one) == 1 else {"anyOf": one}, "$defs": defs}
-
-    def forced_calls(self, text: str) -> list[ToolCall] | None:
-        """A forced call's generated text as calls; None where it is not one (cut by max_tokens)."""
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
-            return None
-        if self.named is not None:
-            return [ToolCall(self.named, text)] if isinstance(value, dict) else None
-        if not isinstance(value, list) or not all(isinstance(v, dict) and v.get("name") in self.names
-                                                  for v in value):
-            return None
-        return [ToolCall(v["name"], json.dumps(v.get("parameters", {}), ensure_ascii=False)) for v in value]
 
 
 DATA = ("const", "enum", "default", "examples")  # a schema's keywords whose values are JSON data, not schemas
@@ -264,8 +251,7 @@ def tool_reply(tools: Tools) -> "ToolReply":
 class ToolReply:
     """One choice's reply to a request with tools, as its text arrives: the content that may be sent now and the
     tool-call deltas of OpenAI's streamed form (`push`), then what is left, the finish_reason, and the whole message
-    (`content`, `tool_calls`) at `finish`. A reply whose calls do not parse (cut by max_tokens) is sent as the text
-    it is."""
+    (`content`, `tool_calls`) at `finish`."""
 
     def __init__(self, tools: Tools):
         self.tools, self.text, self.sent = tools, "", 0  # sent: characters of content sent
@@ -273,29 +259,102 @@ class ToolReply:
         self.tool_calls: list[dict] = []
 
     def push(self, text: str) -> tuple[str, list[dict]]:
-        """The content and tool-call deltas this piece of text allows to be sent: none until the end."""
-        self.text += text
-        return "", []
+        """The content and tool-call deltas this piece of text allows to be sent."""
+        raise NotImplementedError
 
     def finish(self, finish_reason: str) -> tuple[str, list[dict], str]:
         """The content and deltas left to send, and the finish_reason ("tool_calls" where calls were read)."""
-        content, calls = self._read()
-        if calls is None:
-            self.content = self.text
-            return self.text[self.sent:], [], finish_reason
-        self.content = content or None
-        self.tool_calls = [call.to_json() for call in calls]
-        return (content or "")[self.sent:], [{"index": i, **c} for i, c in enumerate(self.tool_calls)], "tool_calls"
-
-    def _read(self) -> tuple[str, list[ToolCall] | None]:
         raise NotImplementedError
 
 
 class RequiredCalls(ToolReply):
-    """tool_choice "required": the reply is a list of calls (Tools.schema), sent whole at the end."""
+    """tool_choice "required": the reply is a list of calls in the layout its grammar writes (Tools.schema), read
+    as it arrives: each call's id and name once its name is complete, then its arguments as they come. A list cut
+    by max_tokens keeps the calls written before the cut, the last one's arguments cut, as a named call's are."""
 
-    def _read(self) -> tuple[str, list[ToolCall] | None]:
-        return "", self.tools.forced_calls(self.text)
+    def __init__(self, tools: Tools):
+        super().__init__(tools)
+        self.ids: list[str] = []
+        self.sent_arguments: list[int] = []  # characters of each call's arguments sent
+
+    def push(self, text: str) -> tuple[str, list[dict]]:
+        self.text += text
+        return "", self._deltas(scan_call_list(self.text)[0])
+
+    def finish(self, finish_reason: str) -> tuple[str, list[dict], str]:
+        calls, closed = scan_call_list(self.text)
+        if not calls:  # not a list of calls after all: the reply is its text
+            self.content = self.text
+            return self.text, [], finish_reason
+        deltas = self._deltas(calls)
+        self.tool_calls = [{"id": self.ids[i], "type": "function", "function": {"name": name, "arguments": arguments}}
+                           for i, (name, arguments) in enumerate(calls)]
+        return "", deltas, "tool_calls" if closed else finish_reason
+
+    def _deltas(self, calls: list[tuple[str, str]]) -> list[dict]:
+        out = []
+        for index, (name, arguments) in enumerate(calls):
+            if index == len(self.ids):
+                self.ids.append(new_call_id())
+                self.sent_arguments.append(0)
+                out.append({"index": index, "id": self.ids[index], "type": "function",
+                            "function": {"name": name, "arguments": arguments}})
+            elif len(arguments) > self.sent_arguments[index]:
+                out.append({"index": index, "function": {"arguments": arguments[self.sent_arguments[index]:]}})
+            self.sent_arguments[index] = len(arguments)
+        return out
+
+
+ITEM_NAME, ITEM_ARGUMENTS = '{"name": "', '", "parameters": '  # a listed call's head, in json.dumps' separators
+
+
+def scan_call_list(text: str) -> tuple[list[tuple[str, str]], bool]:
+    """The calls the text of a "required" reply holds, read in the layout its grammar writes
+    ([{"name": "f", "parameters": {...}}, ...], with json.dumps' separators): ([(name, the arguments' text)],
+    whether the list is closed). A call appears once its name is complete; reading stops where the text ends or
+    leaves that layout."""
+    calls: list[tuple[str, str]] = []
+    at = _literal(text, 0, "[")
+    while at is not None:
+        if calls:
+            if text.startswith("]", at):
+                return calls, True
+            at = _literal(text, at, ", ")
+        at = None if at is None else _literal(text, at, ITEM_NAME)
+        end = -1 if at is None else text.find('"', at)
+        if end < 0:
+            break
+        name, at = text[at:end], _literal(text, end, ITEM_ARGUMENTS)
+        if at is None or not text.startswith("{", at):
+            break
+        stop = _json_value_end(text, at)
+        calls.append((name, text[at:stop]))
+        at = None if stop is None else _literal(text, stop, "}")
+    return calls, False
+
+
+def _literal(text: str, at: int, literal: str) -> int | None:
+    """Where `literal` ends when `text` holds it at `at`; None where the text ends before it or holds another."""
+    return at + len(literal) if text.startswith(literal, at) else None
+
+
+def _json_value_end(text: str, at: int) -> int | None:
+    """Where the JSON object or array starting at `at` ends (past its closing bracket); None where the text ends
+    first."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(at, len(text)):
+        c = text[i]
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (c == "\\", c != '"')
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
 
 
 class AutoCalls(ToolReply):
@@ -310,9 +369,16 @@ class AutoCalls(ToolReply):
         out, self.sent = self.text[self.sent:max(end, self.sent)], max(end, self.sent)
         return out, []
 
-    def _read(self) -> tuple[str, list[ToolCall] | None]:
+    def finish(self, finish_reason: str) -> tuple[str, list[dict], str]:
+        """A reply whose calls do not parse (cut by max_tokens) or name a function not offered is its text."""
         parsed = deepseek_calls(self.text, self.tools.names)
-        return parsed if parsed is not None else ("", None)
+        if parsed is None:
+            self.content = self.text
+            return self.text[self.sent:], [], finish_reason
+        content, calls = parsed
+        self.content = content or None
+        self.tool_calls = [call.to_json() for call in calls]
+        return content[self.sent:], [{"index": i, **c} for i, c in enumerate(self.tool_calls)], "tool_calls"
 
 
 class NamedCall(ToolReply):
