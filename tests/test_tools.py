@@ -400,3 +400,15 @@ def test_required_calls_stream_as_they_are_written_in_any_pieces():
         assert [joined[i] for i in sorted(joined)] == [[c["id"], c["function"]["name"], c["function"]["arguments"]]
                                                        for c in reply.tool_calls]
         assert [json.loads(c["function"]["arguments"]) for c in reply.tool_calls] == [c["parameters"] for c in whole]
+
+
+def test_a_function_named_like_a_mode_is_called_by_name():
+    from mla_deploy.serve.tools import NamedCall, parse_tools
+
+    body = {"tools": [{"type": "function", "function": {"name": mode}} for mode in ("auto", "none", "required")]}
+    for mode in ("auto", "none", "required"):
+        tools = parse_tools({**body, "tool_choice": {"type": "function", "function": {"name": mode}}}, "chat")
+        assert (tools.choice, tools.named, tools.forced) == ("named", mode, True)
+        assert isinstance(tool_reply(tools), NamedCall) and tools.schema() == {"type": "object", "properties": {},
+                                                                               "additionalProperties": False}
+        assert parse_tools({**body, "tool_choice": mode}, "chat").named is None

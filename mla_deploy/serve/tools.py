@@ -54,22 +54,20 @@ def new_call_id() -> str:
 
 @dataclass(frozen=True)
 class Tools:
-    """A chat request's tools and what it asks of them. `choice`: "none", "auto", "required" or a function's name."""
+    """A chat request's tools and what it asks of them: `choice` "none", "auto", "required", or "named" with the
+    function's name in `named` (which may itself be "auto": a name, not a mode)."""
     functions: tuple[dict, ...]  # each {"type": "function", "function": {...}}: the chat template's `tools`
     choice: str
     parallel: bool = True
+    named: str | None = None
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(f["function"]["name"] for f in self.functions)
 
     @property
-    def named(self) -> str | None:
-        return self.choice if self.choice not in ("none", "auto", "required") else None
-
-    @property
     def forced(self) -> bool:
-        return self.choice not in ("none", "auto")
+        return self.choice in ("required", "named")
 
     def parameters(self, name: str) -> dict:
         """A function's arguments schema: always an object, none at all where `parameters` is left out (OpenAI's
@@ -150,6 +148,7 @@ def parse_tools(body: dict, kind: str) -> Tools | None:
         if fn.get("description") is not None and not isinstance(fn["description"], str):
             raise bad(f"{where}.function.description: expected a string", "tools")
         functions.append({"type": "function", "function": fn})
+    named = None
     if choice is None:
         choice = "auto"
     elif isinstance(choice, dict):
@@ -160,14 +159,14 @@ def parse_tools(body: dict, kind: str) -> Tools | None:
         if fn["name"] not in seen:
             raise bad(f"tool_choice: function {fn['name']!r} is not in tools ({', '.join(sorted(seen))})",
                       "tool_choice")
-        choice = fn["name"]
+        choice, named = "named", fn["name"]
     elif choice not in ("none", "auto", "required"):
         raise bad(f'tool_choice: {json.dumps(choice)[:80]}; expected "none", "auto", "required" or '
                   '{"type": "function", "function": {"name": ...}}', "tool_choice")
     if parallel is not None and not isinstance(parallel, bool):
         raise bad(f"parallel_tool_calls: expected true or false, got {json.dumps(parallel)[:80]}",
                   "parallel_tool_calls")
-    return Tools(tuple(functions), choice, parallel is not False)
+    return Tools(tuple(functions), choice, parallel is not False, named)
 
 
 def check_tool_messages(messages: list[dict]) -> None:
