@@ -147,6 +147,9 @@ def test_usage_counts_the_reasoning_tokens(demo_export_dir):
                 whole = client.chat.completions.create(**kw).usage
                 streamed = [c.usage for c in client.chat.completions.create(
                     **kw, stream=True, stream_options={"include_usage": True}) if c.usage][0]
+                shaped = client.chat.completions.create(**{**kw, "n": 1}, response_format={"type": "json_object"})
+                assert (shaped.usage.completion_tokens_details is None) == (parser is None)
+                assert parser is None or shaped.usage.completion_tokens_details.reasoning_tokens == 0  # not split
                 for use in (whole, streamed):
                     details = use.completion_tokens_details
                     if parser is None:
@@ -154,3 +157,23 @@ def test_usage_counts_the_reasoning_tokens(demo_export_dir):
                     else:
                         assert details.reasoning_tokens == (use.completion_tokens if thinking else 0), use
                         assert use.completion_tokens == 24  # two choices of 12, neither ended early
+
+
+def test_reasoning_tokens_include_the_closing_tag():
+    from mla_deploy.runtime.scheduler import TokenEvent
+    from mla_deploy.serve.choices import Out
+
+    pieces = ["<think>", "Hmm", " ok", "</think>", "Hi", " there"]
+    for opened, expected in ((False, 4), (True, 4)):
+        reply, outs, offset = ChatReply(ReasoningSplit(opened), None, True), [], 0
+        for i, piece in enumerate(pieces):
+            outs.append(Out(TokenEvent(i, None, None), piece, offset))
+            offset += len(piece)
+            reply.push(piece, "stop" if i == len(pieces) - 1 else None)
+        assert reply.reasoning_tokens(outs) == expected and reply.message()[:2] == ("Hmm ok", "Hi there")
+    closed_at_once = ChatReply(ReasoningSplit(True), None, True)
+    closed_at_once.push("</think>Hi", "stop")
+    assert closed_at_once.reasoning_tokens([Out(TokenEvent(0, None, None), "</think>", 0),
+                                            Out(TokenEvent(1, None, None), "Hi", 8)]) == 1
+    assert ChatReply(None, None, True).reasoning_tokens([]) == 0  # a parser, but a reply under a grammar
+    assert ChatReply(None, None, False).reasoning_tokens([]) is None  # no parser: no count

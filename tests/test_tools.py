@@ -412,3 +412,14 @@ def test_a_function_named_like_a_mode_is_called_by_name():
         assert isinstance(tool_reply(tools), NamedCall) and tools.schema() == {"type": "object", "properties": {},
                                                                                "additionalProperties": False}
         assert parse_tools({**body, "tool_choice": mode}, "chat").named is None
+
+
+def test_a_required_list_cut_before_its_first_arguments_is_no_call_and_no_content():
+    from mla_deploy.serve.choices import ChatReply
+
+    reply = ChatReply(None, tool_reply(Tools(tuple(TOOLS), "required")))
+    sent = reply.push('[{"name": "search", "parameters": ', "length")
+    assert (sent.content, sent.tool_calls, sent.finish_reason) == ("", [], "length")
+    assert reply.message() == (None, None, None)
+    with pytest.raises(ValueError):
+        Tools(tuple(TOOLS), "named")  # a named choice names its function

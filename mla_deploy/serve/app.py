@@ -267,7 +267,7 @@ class Service:
         grammar = req.response_format is not None or req.tools is not None and req.tools.forced
         split = ReasoningSplit(req.reasoning_open) if self.reasoning_parser is not None and not grammar else None
         tools = tool_reply(req.tools) if req.tools is not None and req.tools.choice != "none" else None
-        return ChatReply(split, tools)
+        return ChatReply(split, tools, self.reasoning_parser is not None)
 
     def _prompt_ids(self, req: GenerationRequest) -> list[list[int]]:
         if req.kind == "chat":

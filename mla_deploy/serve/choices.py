@@ -19,7 +19,7 @@ from typing import NamedTuple
 from ..runtime.scheduler import TokenEvent
 from ..runtime.stop import StopStrings
 from ..runtime.text import TextStream, Tokenizer
-from .reasoning import ReasoningSplit
+from .reasoning import THINK_END, ReasoningSplit
 from .tools import ToolReply
 
 
@@ -153,8 +153,11 @@ class ChatReply:
     """A chat choice's text as it arrives, through the reasoning split (serve.reasoning) and then the tool-call
     reader (serve.tools) where the server and request ask for them: what to send now, and the whole message."""
 
-    def __init__(self, split: ReasoningSplit | None = None, tools: ToolReply | None = None):
-        self.split, self.tools, self.text = split, tools, ""
+    def __init__(self, split: ReasoningSplit | None = None, tools: ToolReply | None = None,
+                 counts_reasoning: bool = False):
+        """`counts_reasoning`: the server reads reasoning (a parser), so usage counts its tokens, 0 where this reply
+        is not split (under a grammar)."""
+        self.split, self.tools, self.text, self.counts_reasoning = split, tools, "", counts_reasoning
 
     def push(self, text: str, finish_reason: str | None = None) -> Sent:
         """What this piece lets the server send; the last piece carries the choice's finish_reason, which a tool
@@ -176,12 +179,12 @@ class ChatReply:
 
     def reasoning_tokens(self, outs: list[Out]) -> int | None:
         """How many of the reply's tokens (`outs`, as sent) reason: those starting before the reasoning's end (its
-        closing tag's token included); None without a reasoning split."""
-        if self.split is None:
+        closing tag's tokens included); None where the server reads no reasoning."""
+        if not self.counts_reasoning:
             return None
-        if not self.split.thinking:
+        if self.split is None or not self.split.thinking:
             return 0
-        end = self.split.end if self.split.end is not None else len(self.split.text)
+        end = len(self.split.text) if self.split.end is None else self.split.end + len(THINK_END)
         return sum(1 for out in outs if out.offset < end)
 
     def message(self) -> tuple[str | None, str | None, list[dict] | None]:

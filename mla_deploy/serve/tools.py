@@ -61,6 +61,10 @@ class Tools:
     parallel: bool = True
     named: str | None = None
 
+    def __post_init__(self):
+        if (self.choice == "named") != (self.named is not None):
+            raise ValueError(f"tool choice {self.choice!r} with named function {self.named!r}")
+
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(f["function"]["name"] for f in self.functions)
@@ -268,7 +272,7 @@ class ToolReply:
 
 class RequiredCalls(ToolReply):
     """tool_choice "required": the reply is a list of calls in the layout its grammar writes (Tools.schema), read
-    as it arrives: each call's id and name once its name is complete, then its arguments as they come. A list cut
+    as it arrives: each call's id and name once its arguments begin, then its arguments as they come. A list cut
     by max_tokens keeps the calls written before the cut, the last one's arguments cut, as a named call's are."""
 
     def __init__(self, tools: Tools):
@@ -282,9 +286,8 @@ class RequiredCalls(ToolReply):
 
     def finish(self, finish_reason: str) -> tuple[str, list[dict], str]:
         calls, closed = scan_call_list(self.text)
-        if not calls:  # not a list of calls after all: the reply is its text
-            self.content = self.text
-            return self.text, [], finish_reason
+        if not calls:  # cut before its first call's arguments began: no call, and no content (the reply is calls)
+            return "", [], finish_reason
         deltas = self._deltas(calls)
         self.tool_calls = [{"id": self.ids[i], "type": "function", "function": {"name": name, "arguments": arguments}}
                            for i, (name, arguments) in enumerate(calls)]
@@ -310,8 +313,8 @@ ITEM_NAME, ITEM_ARGUMENTS = '{"name": "', '", "parameters": '  # a listed call's
 def scan_call_list(text: str) -> tuple[list[tuple[str, str]], bool]:
     """The calls the text of a "required" reply holds, read in the layout its grammar writes
     ([{"name": "f", "parameters": {...}}, ...], with json.dumps' separators): ([(name, the arguments' text)],
-    whether the list is closed). A call appears once its name is complete; reading stops where the text ends or
-    leaves that layout."""
+    whether the list is closed). A call appears once its arguments begin; reading stops where the text ends or leaves
+    that layout."""
     calls: list[tuple[str, str]] = []
     at = _literal(text, 0, "[")
     while at is not None:
