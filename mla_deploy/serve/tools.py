@@ -42,10 +42,9 @@ class ToolCall:
     arguments: str  # a JSON object's text, as OpenAI sends it
     id: str = ""
 
-    def to_json(self, index: int | None = None) -> dict:
-        call = {"id": self.id or new_call_id(), "type": "function",
+    def to_json(self) -> dict:
+        return {"id": self.id or new_call_id(), "type": "function",
                 "function": {"name": self.name, "arguments": self.arguments}}
-        return call if index is None else {"index": index, **call}
 
 
 def new_call_id() -> str:
@@ -257,7 +256,7 @@ class ToolReply:
     (`content`, `tool_calls`) at `finish`."""
 
     def __init__(self, tools: Tools):
-        self.tools, self.text, self.sent = tools, "", 0  # sent: characters of content sent
+        self.tools, self.text = tools, ""
         self.content: str | None = None
         self.tool_calls: list[dict] = []
 
@@ -362,6 +361,10 @@ def _json_value_end(text: str, at: int) -> int | None:
 class AutoCalls(ToolReply):
     """tool_choice "auto": content streams up to DeepSeek's calls-begin token (a tail that may begin it is held
     back); the calls are read at the end, the text around them being the content."""
+
+    def __init__(self, tools: Tools):
+        super().__init__(tools)
+        self.sent = 0  # characters of content sent
 
     def push(self, text: str) -> tuple[str, list[dict]]:
         self.text += text
