@@ -46,15 +46,16 @@ def main() -> int:
     rng = np.random.default_rng(0)
     results = {"date": date.today().isoformat(), "cpu": cpu_model(), "threads": args.threads,
                "export": args.export.name, "command": " ".join(sys.argv), "points": []}
+    tokens = [int(x) for x in args.tokens.split(",")]
     for ctx in (int(c) for c in args.contexts.split(",")):
-        caches = CacheBuffers(cfg, 1, ctx + 16, model.max_seq_len, "cpu", model.cache_format)
+        caches = CacheBuffers(cfg, 1, ctx + max(tokens), model.max_seq_len, "cpu", model.cache_format)
         for array in caches.arrays.values():  # real values: never-written zero pages read faster than memory
             array[:] = rng.standard_normal(array.shape).astype(array.dtype)
         d = DecodeBinding(model.sessions["decode"], caches, 1, cfg.vocab_size)
         d.pos[:], d.write[:], d.ids[:] = ctx, ctx, 5
         lengths = np.array([ctx], np.int64)
         runs = {"decode": lambda: model.sessions["decode"].run_with_iobinding(d.binding)}
-        for t in (int(x) for x in args.tokens.split(",")):
+        for t in tokens:
             ids = rng.integers(3, cfg.vocab_size, (1, t))
             for form in ("verify", "prefill"):
                 runs[f"{form} T={t}"] = lambda ids=ids, form=form: verification_pass(model, caches, ids, lengths, form)

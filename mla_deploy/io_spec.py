@@ -26,10 +26,11 @@ The draft graph's caches (its MTP layer's) are in the same format.
 Query t of row b sits at slot write_indices[b] + t and attends to slots j <= that slot where
 attention_mask[b, j] = 1. No decompressed K or V appears in any input or output.
 
-The graphs: prefill (naive attention, any seq; absorbed over an int8 latent cache), decode (absorbed, seq = 1), verify
-(absorbed, any seq: speculative decoding's verification pass), and draft, the MTP module (layer index num_hidden_layers
-of a V3 checkpoint), whose input_ids are the tokens i + 1 and previous_hidden [batch, seq, hidden_size] the main model's
-hidden at i, over its own one-layer cache past_latent.{L} / past_rope.{L}, L = num_hidden_layers.
+The graphs: prefill (any seq; naive or absorbed attention, each call the cheaper; absorbed over an int8 latent cache),
+decode (absorbed, seq = 1), verify (absorbed, any seq: speculative decoding's verification pass), and draft, the MTP
+module (layer index num_hidden_layers of a V3 checkpoint), whose input_ids are the tokens i + 1 and previous_hidden
+[batch, seq, hidden_size] the main model's hidden at i, over its own one-layer cache past_latent.{L} / past_rope.{L},
+L = num_hidden_layers.
 
 A staged export (export --stages N) splits the decoder into N stages of contiguous layers, each with its own prefill
 and decode graph over the same contract, restricted to its layers' caches (past_latent.{i} for i in the stage's

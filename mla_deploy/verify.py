@@ -40,6 +40,9 @@ import torch
 from . import io_spec, kernels
 from .checkpoint import Checkpoint
 from .errors import ExportError, ProviderError
+from .export.absorb import AbsorbMode
+from .export.attention import ChunkCosts
+from .export.plan import PER_CHUNK
 from .export.precision import RoundedCheckpoint
 from .export.quantize import DequantizedCheckpoint, Quantization
 from .io_spec import CacheFormat
@@ -98,6 +101,16 @@ class VerifyReport:
     @property
     def passed(self) -> bool:
         return self.worst <= self.tolerance and self.token_agreement == 1.0
+
+
+def prompt_form(manifest: dict, cfg, tokens: int) -> AttentionForm:
+    """The attention form of the prefill graph's call on prompts of `tokens` (the longest) from an empty cache:
+    the manifest's, or for a per-chunk export what its If takes there (ChunkCosts)."""
+    form = manifest.get("prefill_attention", "naive")
+    if form == PER_CHUNK:
+        cheaper = ChunkCosts.of(cfg, AbsorbMode(manifest["absorb"])).absorbed_is_cheaper(tokens, tokens)
+        return AttentionForm.ABSORBED if cheaper else AttentionForm.NAIVE
+    return AttentionForm(form)
 
 
 def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = None, steps: int | None = DEFAULT_STEPS,
@@ -173,11 +186,23 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
         feed.update(prefilled)
         verify_logits = model.run(io_spec.VERIFY, feed)[io_spec.LOGITS]  # [b, steps, vocab]
 
+    # a prefill call that takes the absorbed form (ChunkCosts): the most generated tokens that one would, as a chunk
+    # over the prompts' caches (chunked prefill's branch that a prompt from an empty cache never takes)
+    chunk_logits, chunk = None, 0
+    if manifest.get("prefill_attention") == PER_CHUNK:
+        costs = ChunkCosts.of(cfg, AbsorbMode(manifest["absorb"]))
+        chunk = max((t for t in range(1, steps + 1) if costs.absorbed_is_cheaper(t, longest + t)), default=0)
+    if chunk:
+        feed = {io_spec.INPUT_IDS: tokens[:, :chunk], io_spec.POSITION_IDS: lens[:, None] + np.arange(chunk),
+                io_spec.ATTENTION_MASK: mask, io_spec.WRITE_INDICES: lens,
+                io_spec.LOGITS_POSITIONS: np.broadcast_to(np.arange(chunk), (b, chunk)).copy(), **prefilled}
+        chunk_logits = model.run(io_spec.PREFILL, feed)[io_spec.LOGITS]  # [b, chunk, vocab]
+
     # the torch source on the same inputs, one layer at a time
     ref_prefill, ref_steps, ref_hidden, _ = (t.numpy() for t in layerwise_logits(
         reference, torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(lens), torch.from_numpy(tokens),
         stored=None if cache == CacheFormat() else cache,
-        prefill_form=AttentionForm(manifest.get("prefill_attention", "naive")), hidden=True))
+        prefill_form=prompt_form(manifest, cfg, longest), hidden=True))
     valid = np.arange(longest)[None, :] < lens[:, None]
     prefill_diff = float(np.abs(prefill_logits - ref_prefill)[valid].max())
     report = VerifyReport(prefill_diff, [], 0.0, float(np.abs(ref_prefill[valid]).max()), rtol)
@@ -196,6 +221,11 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
         diff = float(np.abs(verify_logits - ref_steps).max())
         report.checks.append(diff)
         report.lines.append(f"verify   {steps} token{'s' * (steps != 1)} in one pass: max |Δlogit| {diff:.3e}")
+    if chunk_logits is not None:
+        diff = float(np.abs(chunk_logits - ref_steps[:, :chunk]).max())
+        report.checks.append(diff)
+        report.lines.append(f"prefill  {chunk} token{'s' * (chunk != 1)} after the prompts, absorbed: max |Δlogit| "
+                            f"{diff:.3e}")
     if model.has_draft:
         report.lines += check_draft(model, reference, ids, lens, tokens, prefill_hidden, report)
 

@@ -255,14 +255,16 @@ def test_verify_reports_every_step_of_a_right_export_and_passes(exported):
     assert report.lines[0].startswith("prefill  batch 3, lengths [13, 7, 3]") and report.rtol == 1e-4
     assert [line.split(":")[0] for line in report.lines[1:9]] == [f"decode   step {s:>3}" for s in range(1, 9)]
     assert report.lines[9].startswith("verify   8 tokens in one pass: max |Δlogit|")  # speculative decoding's pass
-    assert report.lines[10] == ("tokens   runtime greedy vs torch greedy: 24/24 agree, 0 more within the tolerance "
+    # the prefill graph's absorbed form: a chunk after the prompts
+    assert report.lines[10].startswith("prefill  8 tokens after the prompts, absorbed: max |Δlogit|")
+    assert report.lines[11] == ("tokens   runtime greedy vs torch greedy: 24/24 agree, 0 more within the tolerance "
                                 "of the source's own choice (near ties)")
     assert (
-        report.lines[11]
+        report.lines[12]
         == f"PASS: tolerance {report.tolerance:.3e} (rtol 0.0001 x logit scale {report.logit_scale:.2f})"
     )
     assert 0 < max(report.decode_max_abs) <= report.tolerance == 1e-4 * max(1.0, report.logit_scale)
-    assert len(report.checks) == 1 and max(report.checks) <= report.tolerance
+    assert len(report.checks) == 2 and max(report.checks) <= report.tolerance
 
 
 def test_an_explicit_rtol_replaces_the_dtype_default(exported):

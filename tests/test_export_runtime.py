@@ -238,6 +238,61 @@ def test_chunked_prefill_then_decode_equals_one_shot(exported, variant, chunk):
     assert chunked.token_ids == whole.token_ids
 
 
+@pytest.mark.parametrize("absorb", ABSORB)
+def test_prefill_takes_the_cheaper_form_over_the_slots_its_queries_see(exported, absorb, tmp_path):
+    """Each prefill call takes the form ChunkCosts finds cheaper for its T tokens over the slots they see: a prompt
+    from an empty cache the naive one, which decompresses only those slots through kv_b however large the capacity
+    (onnxruntime's profiler gives the shape it made); a few tokens after a cached history the absorbed one, whose
+    logits equal the decode graph's for the same tokens one at a time."""
+    import onnxruntime as ort
+
+    from mla_deploy import io_spec
+    from mla_deploy.export.absorb import AbsorbMode
+    from mla_deploy.export.attention import ChunkCosts
+
+    src = exported("v2_nolora_greedy_yarn", absorb)
+    model = ExportedModel(src)
+    cfg = model.config
+    costs = ChunkCosts.of(cfg, AbsorbMode(absorb))
+    graph = onnx.load(src / "prefill.onnx", load_external_data=False)
+    branch = next(n for n in graph.graph.node if n.op_type == "If")
+    expand = next(n.name for a in branch.attribute for n in a.g.node if "layers.0.attn.kv_b" in n.input)
+    options = model.session_options(io_spec.PREFILL)
+    options.enable_profiling, options.profile_file_prefix = True, str(tmp_path / "prefill")
+    session = ort.InferenceSession(str(src / "prefill.onnx"), options)
+
+    def call(ids, written, capacity, caches=None):
+        feed = prefill_feed(cfg, ids, capacity)
+        if caches:
+            feed.update(caches)
+        t = ids.shape[1]
+        feed[io_spec.WRITE_INDICES] = np.full(len(ids), written)
+        feed[io_spec.POSITION_IDS] = written + np.arange(t)[None].repeat(len(ids), 0)
+        return dict(zip([o.name for o in session.get_outputs()], session.run(None, feed)))
+
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 40))
+    assert not costs.absorbed_is_cheaper(40, 40) and costs.absorbed_is_cheaper(2, 42)
+    wide = call(prompt, 0, 256)
+    np.testing.assert_allclose(wide[io_spec.LOGITS], call(prompt, 0, 40)[io_spec.LOGITS], rtol=0, atol=1e-4)
+    caches = {io_spec.past_of(k): v for k, v in wide.items() if k.startswith("present_")}
+    after = call(np.array([[5, 6]]), 40, 256, caches)
+    events = json.loads(open(session.end_profiling()).read())
+    ran = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+    made = [e["args"]["output_type_shape"] for e in ran if e["name"] == f"{expand}_kernel_time"]
+    heads = cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    assert [list(m[0].values())[0] for m in made] == [[1, 40, heads], [1, 40, heads]]  # the prompt's two calls only
+    assert any("/absorbed/" in e["name"] for e in ran)
+
+    step, logits = dict(caches), []
+    for i, token in enumerate((5, 6)):
+        feed = {io_spec.INPUT_IDS: np.array([[token]]), io_spec.POSITION_IDS: np.array([[40 + i]]),
+                io_spec.ATTENTION_MASK: np.ones((1, 256), np.int64), io_spec.WRITE_INDICES: np.array([40 + i]), **step}
+        out = model.run(io_spec.DECODE, feed)
+        logits.append(out[io_spec.LOGITS][:, 0])
+        step = {io_spec.past_of(k): v for k, v in out.items() if k.startswith("present_")}
+    np.testing.assert_allclose(after[io_spec.LOGITS][0], np.concatenate(logits), rtol=0, atol=1e-4)
+
+
 def test_batched_rows_equal_rows_alone(exported, variant):
     model = ExportedModel(exported(variant))
     prompts = [[4, 8, 15, 16, 23, 42], [3], [50, 60, 70, 80, 90, 11, 12, 13, 14]]

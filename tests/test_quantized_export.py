@@ -145,7 +145,9 @@ def test_every_quantizable_weight_runs_through_the_plans_quantized_ops(checkpoin
         left = sorted(w.split(".")[-1] for w in float_weights & initializers)
         assert set(left) <= ({"kv_b", "router"} if quantized_ops == "kernel" else {"kv_b", "router", "uk", "uv"}), left
         per_head = [n for n in nodes if n.op_type == f"QBatchMatMul{q['bits']}"]
-        layers = cfg.num_hidden_layers if kind == "decode" and quantized_ops == "kernel" else 0
+        # (the prefill graph's absorbed branch too, where it chooses its form per call)
+        absorbed = kind == "decode" or manifest["prefill_attention"] == "per-chunk"
+        layers = cfg.num_hidden_layers if absorbed and quantized_ops == "kernel" else 0
         assert sorted(n.input[1].split(".")[-2] for n in per_head) == ["uk"] * layers + ["uv"] * layers, kind
         assert q["per_head_bits"] == (q["bits"] if quantized_ops == "kernel" else None)
         gathers = [n for n in nodes if n.op_type in ("Gather", "GatherBlockQuantized", "QGather4", "QGather6",

@@ -1,4 +1,5 @@
-"""The graphs over the io_spec contract, built from the plan: prefill (any number of new tokens, naive attention),
+"""The graphs over the io_spec contract, built from the plan: prefill (any number of new tokens, naive or absorbed
+attention per call),
 decode (one token, absorbed), verify (any number of tokens, absorbed: speculative decoding's verification pass) and
 draft (the MTP module of a V3 checkpoint: modeling/mtp.py); for one stage of a staged export, prefill and decode over
 the stage's layers."""
@@ -11,12 +12,12 @@ import onnx_ir as ir
 
 from .. import io_spec
 from ..config import MLAConfig
-from .attention import Caches, MLAttention, attention_bias
+from .attention import Caches, ChunkCosts, ChunkForm, MLAttention, attention_bias
 from .builder import Graph, Tensors
 from .linear import embedding, linear
 from .model import decoder, decoder_layer, vocabulary
 from .norm import RMSNorm
-from .plan import ExportPlan
+from .plan import PER_CHUNK, ExportPlan
 from .rope import rope_lookup
 from .weights import WeightsFile
 
@@ -32,14 +33,20 @@ def build_graph(kind: str, cfg: MLAConfig, t: Tensors, plan: ExportPlan, weights
     write_indices = inputs[io_spec.WRITE_INDICES]
     new = inputs.get(io_spec.INPUT_IDS, inputs.get(io_spec.HIDDEN_STATES))  # [b, T] or [b, T, d]: T new tokens
     bias = attention_bias(op, new, inputs[io_spec.ATTENTION_MASK], write_indices)  # [b, 1, T, cap]
+    chunk = None  # a prefill graph's naive attention: the slots the call's queries see, and the form it takes
+    if kind == io_spec.PREFILL and plan.prefill_attention in (PER_CHUNK, "naive"):
+        costs = ChunkCosts.of(cfg, plan.absorb) if plan.prefill_attention == PER_CHUNK else None
+        chunk = ChunkForm.build(op, costs, new, write_indices, bias)
     outputs: dict[str, ir.Value] = {}
 
     def attention(op, attn: MLAttention, h, cos, sin):
         i = attn.layer
         past = Caches(inputs[io_spec.past_latent(i)], inputs[io_spec.past_rope(i)],
                       inputs.get(io_spec.past_latent_scale(i)))
-        if kind == io_spec.PREFILL and plan.prefill_attention == "naive":
-            out, present = attn.naive(op, h, cos, sin, bias, past, write_indices)
+        if chunk and chunk.absorbed is not None:
+            out, present = attn.per_chunk(op, h, cos, sin, chunk, past, write_indices)
+        elif chunk:
+            out, present = attn.naive(op, h, cos, sin, chunk, past, write_indices)
         else:
             out, present = attn.absorbed(op, h, cos, sin, bias, past, write_indices, tokens=kind != io_spec.DECODE)
         outputs[io_spec.present_latent(i)], outputs[io_spec.present_rope(i)] = present.latent, present.rope

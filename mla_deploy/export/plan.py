@@ -51,7 +51,11 @@ The rules (each form measured against the others: docs/benchmarks.md):
   DequantizeLinear for an int8 latent), the portable form.
 - prefill attention: "absorbed" over an int8 cache where decode attention runs the kernel: a prefill chunk's
   queries against the cache as stored in mla_deploy.LatentAttentionChunkQ8, in integers, reading nothing but the
-  cache; "naive" otherwise, decompressing the whole cache into per-head keys and values each chunk, whose score
+  cache; "naive" where the fused matrices are quantized (the two forms would differ by their rounding); "per-chunk"
+  otherwise: each call's one If per layer takes the form ChunkCosts (export/attention.py) finds
+  cheaper for its T tokens over the slots they see: naive (the slots decompressed into per-head keys and values:
+  a prompt from an empty cache, a long chunk) or absorbed (the decode graph's core over T tokens: a few tokens
+  after a long cached history). Naive reads only the slots some query sees, never the whole capacity, whose score
   tensors [h, T, cap] alone are 553 MB a layer for a 512-token chunk over a 16k cache (docs/benchmarks.md).
 - draft: a checkpoint with a multi-token-prediction layer (DeepSeek-V3's layer num_hidden_layers) gets the draft
   graph (draft.onnx: the MTP module, speculative decoding's proposer), unless --no-draft; every export gets the
@@ -97,6 +101,7 @@ KERNEL_HEADS_BELOW = 16  # auto picks the kernel over float32 caches for fewer h
 # a row's latent cache (float32) at the export's maximum length beyond which decode attention takes the cache as the
 # A operand: 8192 slots of DeepSeek's 512-wide latent
 LONG_CACHE_BYTES = 16 * 2**20
+PER_CHUNK = "per-chunk"  # the prefill attention whose If takes the cheaper form each call (ChunkCosts)
 COMPUTE = "float32"  # what the layers compute in outside the float32 islands under --compute auto (module docstring)
 COMPUTES = ("auto", "float32", "float16")
 FLOAT32_ISLANDS = ("norm weights, rope tables, routers, per-head W^UK / W^UV, fused absorbed matrices (the math around "
@@ -214,7 +219,8 @@ class ExportPlan:
     quantized_ops: str | None  # quantized weights' ops: "kernel" or "onnxruntime"; None: float weights
     experts: str | None  # routed experts: "kernel", "qmoe", "moe" or "branches" (None: a model without any)
     decode_attention: str  # the decode attention core: "kernel" or "ops"
-    prefill_attention: str  # "naive" (decompressing the cache) or "absorbed" (the chunk kernel over an int8 cache)
+    prefill_attention: str  # "per-chunk" (naive or absorbed, each call the cheaper) or "absorbed" (the chunk kernel
+    # over an int8 cache)
     long_cache: bool  # decode attention multiplies probs by the cache as the A operand (LatentAttentionLong)
     max_seq_len: int
     draft: bool = False  # the MTP draft graph is written (the checkpoint has an MTP layer, and it was not refused)
@@ -250,7 +256,7 @@ class ExportPlan:
             quantized_ops=quantized_ops,
             experts=resolve_experts(cfg, options.experts, quantization, quantized_ops),
             decode_attention=decode_attention,
-            prefill_attention=prefill_attention(cache, decode_attention),
+            prefill_attention=prefill_attention(cache, decode_attention, absorb, quantization is not None),
             long_cache=long_cache(cfg, max_seq_len),
             max_seq_len=max_seq_len,
             draft=has_mtp and options.draft,
@@ -422,10 +428,13 @@ def resolve_decode_attention(cfg: MLAConfig, requested: str, cache_dtype: str = 
     return "kernel" if kernel_fits(cfg) and (few_heads or cache_dtype != "float32") else "ops"
 
 
-def prefill_attention(cache: io_spec.CacheFormat, decode_attention: str) -> str:
-    """The prefill graph's attention (module docstring): absorbed over an int8 cache the decode kernel reads, naive
-    otherwise."""
-    return "absorbed" if cache.scaled and decode_attention == "kernel" else "naive"
+def prefill_attention(cache: io_spec.CacheFormat, decode_attention: str, absorb: AbsorbMode, quantized: bool) -> str:
+    """The prefill graph's attention (module docstring): absorbed over an int8 cache the decode kernel reads; naive
+    where the fused matrices are quantized (after absorption: the absorbed form would differ from the naive one by
+    their rounding, and a prompt's result would hang on its chunking); chosen per call otherwise."""
+    if cache.scaled and decode_attention == "kernel":
+        return "absorbed"
+    return "naive" if absorb == AbsorbMode.FUSED and quantized else PER_CHUNK
 
 
 def long_cache(cfg: MLAConfig, max_seq_len: int) -> bool:
