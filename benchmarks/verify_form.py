@@ -1,6 +1,7 @@
-"""Which graph should run speculative decoding's verification pass: the prefill graph's chunked form (naive
-attention: every cached latent decompressed by kv_b) or the verify graph (the decode graph's absorbed attention over
-a token axis)? Times a pass of T tokens in each, beside one decode step, at several contexts, interleaved.
+"""A pass of T tokens over a cache of `context` tokens, as speculative decoding's verification and a chunk of
+chunked prefill make one: through the verify graph (the decode graph's absorbed attention over a token axis, always)
+and through the prefill graph (the form its rule picks for T tokens over those slots: naive or absorbed), beside one
+decode step, at several contexts, interleaved. Both return the logits of every position.
 
     flock /tmp/mla-cpu.lock .venv/bin/python benchmarks/verify_form.py EXPORT [--contexts 100,400,900]
         [--tokens 1,2,3,5,9] [--threads 2] [--repeats 15] [--json benchmarks/results/verify_form.json]

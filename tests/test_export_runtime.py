@@ -239,7 +239,8 @@ def test_chunked_prefill_then_decode_equals_one_shot(exported, variant, chunk):
 
 
 @pytest.mark.parametrize("absorb", ABSORB)
-def test_prefill_takes_the_cheaper_form_over_the_slots_its_queries_see(exported, absorb, tmp_path):
+@pytest.mark.parametrize("variant", ["v2_nolora_greedy_yarn", "v3_lora_group_yarn"])  # query from x, from c_q
+def test_prefill_takes_the_cheaper_form_over_the_slots_its_queries_see(exported, variant, absorb, tmp_path):
     """Each prefill call takes the form ChunkCosts finds cheaper for its T tokens over the slots they see: a prompt
     from an empty cache the naive one, which decompresses only those slots through kv_b however large the capacity
     (onnxruntime's profiler gives the shape it made); a few tokens after a cached history the absorbed one, whose
@@ -250,7 +251,7 @@ def test_prefill_takes_the_cheaper_form_over_the_slots_its_queries_see(exported,
     from mla_deploy.export.absorb import AbsorbMode
     from mla_deploy.export.attention import ChunkCosts
 
-    src = exported("v2_nolora_greedy_yarn", absorb)
+    src = exported(variant, absorb)
     model = ExportedModel(src)
     cfg = model.config
     costs = ChunkCosts.of(cfg, AbsorbMode(absorb))

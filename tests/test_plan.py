@@ -87,6 +87,20 @@ def test_auto_resolves_by_the_rules():
     assert ExportPlan.resolve(demo, ExportOptions(max_seq_len=16)).max_seq_len == 16
 
 
+def test_the_prefill_attention_follows_the_cache_and_the_absorbed_weights():
+    """Per call (the cheaper of naive and absorbed) but where the two forms would compute different values: over an
+    int8 cache the decode kernel reads, absorbed always; quantized fused matrices (rounded after absorption), naive."""
+    demo = Checkpoint(DEMO_CHECKPOINT).config
+
+    def form(**options) -> str:
+        return ExportPlan.resolve(demo, ExportOptions(**options)).prefill_attention
+
+    assert form() == form(absorb="fused") == form(quantize="int4") == form(dtype="bfloat16") == "per-chunk"
+    assert form(quantize="int4", absorb="factored") == form(cache_dtype="int8", decode_attention="ops") == "per-chunk"
+    assert form(quantize="int4", absorb="fused") == form(quantize="int8", absorb="fused") == "naive"
+    assert form(cache_dtype="int8") == "absorbed"
+
+
 def test_the_long_cache_form_follows_the_length(monkeypatch):
     cfg = Checkpoint(DEMO_CHECKPOINT).config  # d_c 64
     monkeypatch.setattr(plan_module, "LONG_CACHE_BYTES", 64 * 4 * 100)  # 100 slots of float32 latent

@@ -387,10 +387,13 @@ class MLAttention:
 
     def absorbed_core(self, op, x, cos, sin, bias, present: Caches, tokens: bool = False):
         """The query moves into latent space; attention reads ĉ directly; W^UV after. The decode graph: one token per
-        row (T = 1); `tokens`: any number T per row (a prefill chunk over an int8 cache, the verify and draft graphs),
-        each seeing the cache up to its own slot. The plan picks the absorbed form (fused or factored), the core
-        (mla_deploy.LatentAttention* for one token, LatentAttentionChunkQ8* for T over an int8 cache, or onnxruntime's
-        ops) and the long-cache form. Queries run as b·T rows of h heads: [b·T, h, ·] (in decode b·T = b)."""
+        row (T = 1); `tokens`: any number T per row (a prefill call that takes this form, the verify and draft
+        graphs), each seeing the cache up to its own slot. The plan picks the absorbed form (fused or factored), the
+        core (mla_deploy.LatentAttention* for one token, LatentAttentionChunk* / LatentAttentionChunkQ8* for T, or
+        onnxruntime's ops: latent_attention_core for one token, latent_attention_chunk_core for T) and the long-cache
+        form (one token). Queries run as b·T rows of h heads: [b·T, h, ·] (in decode b·T = b). The kernel ops read
+        only the slots each row sees; their ONNX bodies, where the library is not registered (CUDA), every slot of
+        `present`."""
         cfg, g, plan = self.cfg, self.g, self.g.plan
         h, dn, dr, dc, dv = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
                              cfg.kv_lora_rank, cfg.v_head_dim)

@@ -219,8 +219,8 @@ class ExportPlan:
     quantized_ops: str | None  # quantized weights' ops: "kernel" or "onnxruntime"; None: float weights
     experts: str | None  # routed experts: "kernel", "qmoe", "moe" or "branches" (None: a model without any)
     decode_attention: str  # the decode attention core: "kernel" or "ops"
-    prefill_attention: str  # "per-chunk" (naive or absorbed, each call the cheaper) or "absorbed" (the chunk kernel
-    # over an int8 cache)
+    prefill_attention: str  # "per-chunk" (naive or absorbed, each call the cheaper), "naive" (quantized fused
+    # matrices) or "absorbed" (the chunk kernel over an int8 cache)
     long_cache: bool  # decode attention multiplies probs by the cache as the A operand (LatentAttentionLong)
     max_seq_len: int
     draft: bool = False  # the MTP draft graph is written (the checkpoint has an MTP layer, and it was not refused)
@@ -318,8 +318,9 @@ class ExportPlan:
         return (f"absorb {self.absorb.value}; {weights} computed in {self.compute}; {caches}; "
                 f"decode attention in {core}" + (" (the cache as MatMul's A operand: long cache)" if self.long_cache
                                                  else "")
-                + ("; prefill attention absorbed in mla_deploy.LatentAttentionChunkQ8"
-                   if self.prefill_attention == "absorbed" else "")
+                + {"absorbed": "; prefill attention absorbed in mla_deploy.LatentAttentionChunkQ8",
+                   "naive": "; prefill attention naive",
+                   PER_CHUNK: "; prefill attention naive or absorbed, each call the cheaper"}[self.prefill_attention]
                 + (f"; routed experts in {experts.get(self.experts, self.experts)}" if self.experts else "")
                 + f"; max_seq_len {self.max_seq_len}" + ("; the MTP draft graph" if self.draft else "")
                 + (f"; {len(self.stages)} stages, layers " + ", ".join(f"{s.first_layer}-{s.end_layer - 1}"

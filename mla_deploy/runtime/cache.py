@@ -3,9 +3,10 @@
 Design (measured in benchmarks/): each layer owns two buffers [batch, capacity, width] (three for an int8 latent:
 its scales too; io_spec.CacheFormat) that are bound both as `past_*` input and `present_*` output. The graph's
 TensorScatter writes the new entries into them, so a decode step moves only the new token's 576 values per layer
-(and its scale), never the whole cache. Attention reads all `capacity` slots (later ones masked), so capacity grows in
-blocks as the sequence grows instead of being fixed at the maximum length: a step costs the
-context rounded up to a block, and a grow copies the cache once per block.
+(and its scale), never the whole cache. Decode attention in onnxruntime's ops reads all `capacity` slots (later ones
+masked; the kernel op and the prefill graph read only the slots a query sees), so capacity grows in blocks as the
+sequence grows instead of being fixed at the maximum length: a step costs the context rounded up to a block, and a
+grow copies the cache once per block.
 """
 
 from __future__ import annotations
