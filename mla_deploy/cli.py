@@ -141,6 +141,11 @@ def main(ctx, debug):
 @click.option("--decode-attention", type=click.Choice(["auto", "kernel", "ops"]), default="auto", show_default=True,
               help="The decode attention core: mla-deploy's LatentAttention kernel, or onnxruntime's ops (stock ONNX "
                    "that runs anywhere, CUDA included; docs/design.md).")
+@click.option("--prefill-attention", type=click.Choice(["auto", "per-chunk", "naive"]), default="auto",
+              show_default=True,
+              help="The prefill attention: each call the cheaper of the naive and absorbed forms (auto, where both "
+                   "compute the same values), or naive always (a GPU session then holds no absorbed weights; "
+                   "docs/design.md).")
 @click.option("--no-draft", is_flag=True,
               help="Leave out the MTP draft graph of a checkpoint with a multi-token-prediction layer.")
 @click.option("--stages", type=click.IntRange(min=1), default=1, show_default=True,
@@ -149,7 +154,8 @@ def main(ctx, debug):
 @click.option("--force", is_flag=True, help="Replace an earlier export at the output path (nothing else is ever "
               "replaced).")
 def export(checkpoint, out, absorb, dtype, compute, cache_dtype, max_seq_len, no_verify, steps, quantize, block_size,
-           accuracy_level, quantized_ops, head_bits, experts, decode_attention, no_draft, stages, force):
+           accuracy_level, quantized_ops, head_bits, experts, decode_attention, prefill_attention, no_draft, stages,
+           force):
     """Export CHECKPOINT (default: the bundled demo model) to prefill.onnx, decode.onnx and verify.onnx (and
     draft.onnx from a checkpoint with an MTP layer); with --stages N, N stage directories."""
     from .export import ExportOptions
@@ -175,7 +181,8 @@ def export(checkpoint, out, absorb, dtype, compute, cache_dtype, max_seq_len, no
                             accuracy_level=accuracy_level and int(accuracy_level),
                             head_bits=None if head_bits == "auto" else int(head_bits),
                             quantized_ops=quantized_ops, experts=experts, decode_attention=decode_attention,
-                            cache_dtype=cache_dtype, draft=not no_draft, stages=stages, compute=compute)
+                            prefill_attention=prefill_attention, cache_dtype=cache_dtype, draft=not no_draft,
+                            stages=stages, compute=compute)
     run_export(checkpoint, out, options, progress=progress, verify=None if no_verify else verify)
 
 

@@ -294,6 +294,19 @@ def test_prefill_takes_the_cheaper_form_over_the_slots_its_queries_see(exported,
     np.testing.assert_allclose(after[io_spec.LOGITS][0], np.concatenate(logits), rtol=0, atol=1e-4)
 
 
+def test_prefill_attention_naive_leaves_the_absorbed_form_out_of_the_prefill_graph(checkpoint_dir, tmp_path):
+    """`--prefill-attention naive`: no If, none of the absorbed weights in the prefill graph (a GPU session holds a
+    copy of every weight its graph reads), verified like the default."""
+    src, _ = checkpoint_dir("v2_nolora_greedy_yarn")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["export", str(src), "-o", str(out), "--prefill-attention", "naive"])
+    assert result.exit_code == 0 and "PASS" in result.output, result.output
+    assert json.loads((out / "manifest.json").read_text())["prefill_attention"] == "naive"
+    graph = onnx.load(out / "prefill.onnx", load_external_data=False).graph
+    assert not [n for n in graph.node if n.op_type == "If"]
+    assert not [i.name for i in graph.initializer if i.name.split(".")[-1] in ("uk", "uv", "q_nope", "q_rope")]
+
+
 def test_batched_rows_equal_rows_alone(exported, variant):
     model = ExportedModel(exported(variant))
     prompts = [[4, 8, 15, 16, 23, 42], [3], [50, 60, 70, 80, 90, 11, 12, 13, 14]]

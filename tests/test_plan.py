@@ -99,6 +99,12 @@ def test_the_prefill_attention_follows_the_cache_and_the_absorbed_weights():
     assert form(quantize="int4", absorb="factored") == form(cache_dtype="int8", decode_attention="ops") == "per-chunk"
     assert form(quantize="int4", absorb="fused") == form(quantize="int8", absorb="fused") == "naive"
     assert form(cache_dtype="int8") == "absorbed"
+    assert form(prefill_attention="naive") == form(cache_dtype="int8", prefill_attention="naive") == "naive"
+    assert form(quantize="int4", absorb="fused", prefill_attention="naive") == "naive"
+    with pytest.raises(ExportError, match="per-chunk: the quantized fused matrices"):
+        form(quantize="int4", absorb="fused", prefill_attention="per-chunk")
+    with pytest.raises(ExportError, match="--prefill-attention absorbed: expected one of auto, per-chunk, naive"):
+        form(prefill_attention="absorbed")
 
 
 def test_the_long_cache_form_follows_the_length(monkeypatch):

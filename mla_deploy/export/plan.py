@@ -51,7 +51,8 @@ The rules (each form measured against the others: docs/benchmarks.md):
   DequantizeLinear for an int8 latent), the portable form.
 - prefill attention: "absorbed" over an int8 cache where decode attention runs the kernel: a prefill chunk's
   queries against the cache as stored in mla_deploy.LatentAttentionChunkQ8, in integers, reading nothing but the
-  cache; "naive" where the fused matrices are quantized (the two forms would differ by their rounding); "per-chunk"
+  cache; "naive" where the fused matrices are quantized (the two forms would differ by their rounding), or where
+  --prefill-attention naive asks (a GPU session holds its own copy of every weight its graph reads); "per-chunk"
   otherwise: each call's one If per layer takes the form ChunkCosts (export/attention.py) finds
   cheaper for its T tokens over the slots they see: naive (the slots decompressed into per-head keys and values:
   a prompt from an empty cache, a long chunk) or absorbed (the decode graph's core over T tokens: a few tokens
@@ -95,6 +96,7 @@ BLOCK_SIZE = 32  # weights per quantization block (one scale each), unless --blo
 ACCURACY_LEVEL = 4  # a quantized export's MatMuls quantize their activations to int8 (0: float, exact)
 HEAD_BITS_INT4 = 6  # an int4 export's embedding and output layer on mla-deploy's kernels (module docstring, head bits)
 DECODE_ATTENTION = ("auto", "kernel", "ops")
+PREFILL_ATTENTION = ("auto", "per-chunk", "naive")
 CACHE_DTYPES = ("auto", *io_spec.FLOAT_CACHES, *io_spec.QUANTIZED_CACHES)
 DENSE_RATIO = 4
 KERNEL_HEADS_BELOW = 16  # auto picks the kernel over float32 caches for fewer heads than this
@@ -123,6 +125,7 @@ class ExportOptions:
     quantized_ops: str = "auto"  # a quantized export's ops: auto (= kernel), kernel, onnxruntime
     experts: str = "auto"  # routed experts: auto, kernel, qmoe (quantized), moe (float), branches (portable)
     decode_attention: str = "auto"  # the decode graph's attention core: auto, kernel, ops (portable)
+    prefill_attention: str = "auto"  # the prefill graph's: auto, per-chunk, naive (module docstring)
     cache_dtype: str = (
         "auto"  # the latent cache: auto (--dtype), float32, float16, bfloat16, int8 (io_spec.CacheFormat)
     )
@@ -145,6 +148,10 @@ class ExportOptions:
         if self.decode_attention not in DECODE_ATTENTION:
             raise ExportError(
                 f"--decode-attention {self.decode_attention}: expected one of {', '.join(DECODE_ATTENTION)}"
+            )
+        if self.prefill_attention not in PREFILL_ATTENTION:
+            raise ExportError(
+                f"--prefill-attention {self.prefill_attention}: expected one of {', '.join(PREFILL_ATTENTION)}"
             )
         if not isinstance(self.stages, int) or isinstance(self.stages, bool) or self.stages < 1:
             raise ExportError(f"--stages {self.stages!r}: expected a positive integer")
@@ -256,7 +263,8 @@ class ExportPlan:
             quantized_ops=quantized_ops,
             experts=resolve_experts(cfg, options.experts, quantization, quantized_ops),
             decode_attention=decode_attention,
-            prefill_attention=prefill_attention(cache, decode_attention, absorb, quantization is not None),
+            prefill_attention=resolve_prefill_attention(options.prefill_attention, cache, decode_attention, absorb,
+                                                        quantization is not None),
             long_cache=long_cache(cfg, max_seq_len),
             max_seq_len=max_seq_len,
             draft=has_mtp and options.draft,
@@ -332,6 +340,7 @@ class ExportPlan:
         length)."""
         return (f"{source_hash}|{self.absorb.value}|{self.dtype}|{self.max_seq_len}|{self.quantization}|"
                 f"{self.quantized_ops}|{self.experts}|{self.decode_attention}|{self.cache_dtype}|{self.draft}|{version}"
+                + ("|naive prefill" if self.prefill_attention == "naive" else "")
                 + "".join(f"|{s.first_layer}-{s.end_layer}" for s in self.stages))
 
     def manifest_fields(self, cfg: MLAConfig) -> dict:
@@ -429,13 +438,22 @@ def resolve_decode_attention(cfg: MLAConfig, requested: str, cache_dtype: str = 
     return "kernel" if kernel_fits(cfg) and (few_heads or cache_dtype != "float32") else "ops"
 
 
-def prefill_attention(cache: io_spec.CacheFormat, decode_attention: str, absorb: AbsorbMode, quantized: bool) -> str:
-    """The prefill graph's attention (module docstring): absorbed over an int8 cache the decode kernel reads; naive
-    where the fused matrices are quantized (after absorption: the absorbed form would differ from the naive one by
-    their rounding, and a prompt's result would hang on its chunking); chosen per call otherwise."""
+def resolve_prefill_attention(requested: str, cache: io_spec.CacheFormat, decode_attention: str, absorb: AbsorbMode,
+                              quantized: bool) -> str:
+    """The prefill graph's attention (module docstring). auto: absorbed over an int8 cache the decode kernel reads;
+    naive where the fused matrices are quantized (after absorption: the absorbed form would differ from the naive one
+    by their rounding, and a prompt's result would hang on its chunking); chosen per call otherwise. naive: always
+    (a prefill session then holds none of the absorbed weights: on a GPU, each session's own copy)."""
+    differ = absorb == AbsorbMode.FUSED and quantized
+    if requested == PER_CHUNK and differ:
+        raise ExportError("--prefill-attention per-chunk: the quantized fused matrices (rounded after absorption) "
+                          "would make the absorbed form differ from the naive one; use --absorb factored, or "
+                          "--prefill-attention naive")
+    if requested != "auto":
+        return requested
     if cache.scaled and decode_attention == "kernel":
         return "absorbed"
-    return "naive" if absorb == AbsorbMode.FUSED and quantized else PER_CHUNK
+    return "naive" if differ else PER_CHUNK
 
 
 def long_cache(cfg: MLAConfig, max_seq_len: int) -> bool:
