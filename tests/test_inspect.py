@@ -59,7 +59,8 @@ def test_the_report_says_how_attention_and_experts_run(exported):
     text = CliRunner().invoke(main, ["inspect", str(out)]).stdout
     line = next(line for line in text.splitlines() if line.startswith("plan"))
     assert line == ("plan       absorb fused; float32 weights computed in float32; float32 caches; decode attention in "
-                    "mla_deploy.LatentAttention; routed experts in one If per expert; max_seq_len 256")
+                    "mla_deploy.LatentAttention; prefill attention naive or absorbed, each call the cheaper; routed "
+                    "experts in one If per expert; max_seq_len 256")
 
 
 def test_deepseek_v2_lite_counts_are_its_published_ones():
