@@ -68,13 +68,6 @@ def attention_bias(op, input_ids: ir.Value, attention_mask: ir.Value, write_indi
     return op.Unsqueeze(bias, [1])  # [b, 1, T, cap]
 
 
-def visible_slots(op, input_ids: ir.Value, write_indices: ir.Value) -> ir.Value:
-    """[1]: the cache slots some query of the call sees, max(write_indices) + T; every later slot is masked for all
-    rows, so an attention that reads every slot it is given reads these first ones only."""
-    seq = op.Shape(input_ids, start=1, end=2)  # [T]
-    return op.Add(op.ReduceMax(write_indices, keepdims=1), seq)
-
-
 def first_slots(op, caches: Caches, slots: ir.Value) -> Caches:
     """The caches' first `slots` slots, [b, slots, ·]."""
     return Caches(*(None if c is None else op.Slice(c, [0], slots, [1]) for c in caches))
@@ -90,7 +83,7 @@ class ChunkCosts(NamedTuple):
                                                      the naive projections: factored d_c · (d_nope + d_v); fused,
                                                      whose matrices are wider, d_q · (d_c - d_nope) + d · (d_c - d_v)
     The absorbed form is the cheaper one for few tokens over many slots (a chat turn after a cached history, a chunk
-    of a long prompt), the naive one for a prompt from an empty cache (T = slots)."""
+    of a long prompt), with DeepSeek's widths the naive one for a prompt from an empty cache (T = slots)."""
 
     per_slot: int  # naive: slots · per_slot + T · slots · naive_pair
     naive_pair: int
@@ -115,7 +108,9 @@ class ChunkCosts(NamedTuple):
 
 class ChunkForm(NamedTuple):
     """A prefill call's attention form, decided once for every layer: whether the absorbed form is the cheaper
-    (ChunkCosts), the slots its queries see (visible_slots), the bias over the whole cache and over those slots."""
+    (ChunkCosts), the slots its queries see (max(write_indices) + T: every later slot is masked for every row, so an
+    attention that reads every slot it is given reads these first ones only), the bias over the whole cache and over
+    those slots."""
 
     absorbed: ir.Value | None  # bool [1]; None: naive always
     slots: ir.Value  # int64 [1]
@@ -126,11 +121,11 @@ class ChunkForm(NamedTuple):
     def build(cls, op, costs: ChunkCosts | None, input_ids: ir.Value, write_indices: ir.Value,
               bias: ir.Value) -> "ChunkForm":
         """ChunkCosts.absorbed_is_cheaper in int64, as exact as the Python rule (`costs` None: naive always)."""
-        slots = visible_slots(op, input_ids, write_indices)
+        t = op.Shape(input_ids, start=1, end=2)  # [T]
+        slots = op.Add(op.ReduceMax(write_indices, keepdims=1), t)
         visible_bias = op.Slice(bias, [0], slots, [3])
         if costs is None:
             return cls(None, slots, bias, visible_bias)
-        t = op.Shape(input_ids, start=1, end=2)
         absorbed = op.Mul(t, op.Add(op.Mul(slots, costs.absorbed_pair), costs.per_token))
         naive = op.Mul(slots, op.Add(op.Mul(t, costs.naive_pair), costs.per_slot))
         return cls(op.Less(absorbed, naive), slots, bias, visible_bias)
@@ -313,7 +308,7 @@ class MLAttention:
                       None if past.scale is None else op.TensorScatter(past.scale, new.scale, write_indices, axis=-2))
 
     def naive_core(self, op, x, cos, sin, bias, present: Caches, slots):
-        """Decompress K/V from the cache's first `slots` slots (visible_slots: those some query sees; bias
+        """Decompress K/V from the cache's first `slots` slots (ChunkForm: those some query sees; bias
         [b, 1, T, slots] cut to them), standard attention per head. Reading the whole capacity instead would cost
         every chunk the decompression of slots no query sees: a row's capacity is the longest row's."""
         cfg, g, t = self.cfg, self.g, self.t
