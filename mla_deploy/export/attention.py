@@ -109,12 +109,10 @@ class ChunkCosts(NamedTuple):
 class ChunkForm(NamedTuple):
     """A prefill call's attention form, decided once for every layer: whether the absorbed form is the cheaper
     (ChunkCosts), the slots its queries see (max(write_indices) + T: every later slot is masked for every row, so an
-    attention that reads every slot it is given reads these first ones only), the bias over the whole cache and over
-    those slots."""
+    attention that reads every slot it is given reads these first ones only) and the bias cut to them."""
 
     absorbed: ir.Value | None  # bool [1]; None: naive always
     slots: ir.Value  # int64 [1]
-    bias: ir.Value  # [b, 1, T, cap]
     visible_bias: ir.Value  # [b, 1, T, slots]
 
     @classmethod
@@ -125,10 +123,10 @@ class ChunkForm(NamedTuple):
         slots = op.Add(op.ReduceMax(write_indices, keepdims=1), t)
         visible_bias = op.Slice(bias, [0], slots, [3])
         if costs is None:
-            return cls(None, slots, bias, visible_bias)
+            return cls(None, slots, visible_bias)
         absorbed = op.Mul(t, op.Add(op.Mul(slots, costs.absorbed_pair), costs.per_token))
         naive = op.Mul(slots, op.Add(op.Mul(t, costs.naive_pair), costs.per_slot))
-        return cls(op.Less(absorbed, naive), slots, bias, visible_bias)
+        return cls(op.Less(absorbed, naive), slots, visible_bias)
 
 
 def latent_attention_core(op, q_latent: ir.Value, q_rope: ir.Value, caches: Caches, bias: ir.Value,
@@ -357,15 +355,14 @@ class MLAttention:
 
     def per_chunk(self, op, x, cos, sin, chunk: "ChunkForm", past: Caches, write_indices):
         """Prefill: the new entries written, then If(chunk.absorbed, absorbed_core, naive_core) (ChunkCosts: the
-        cheaper form for this call's T tokens and visible slots); the branches read the written caches."""
+        cheaper form for this call's T tokens and visible slots); both branches read the written caches' visible
+        slots only (the chunk kernel op would skip the others itself, but not its ONNX body, which runs where the
+        library is not registered: CUDA)."""
         present = self.write_cache(op, self.latent_and_rope(op, x, cos, sin), past, write_indices)
-        in_place = self.g.plan.decode_attention == "kernel"  # the kernel reads only the slots each row sees
 
         def absorbed(op):
-            if in_place:
-                return self.absorbed_core(op, x, cos, sin, chunk.bias, present, tokens=True)
-            return self.absorbed_core(op, x, cos, sin, chunk.visible_bias, first_slots(op, present, chunk.slots),
-                                      tokens=True)
+            seen = first_slots(op, present, chunk.slots)
+            return self.absorbed_core(op, x, cos, sin, chunk.visible_bias, seen, tokens=True)
 
         def naive(op):
             return self.naive_core(op, x, cos, sin, chunk.visible_bias, present, chunk.slots)
