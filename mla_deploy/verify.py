@@ -103,14 +103,12 @@ class VerifyReport:
         return self.worst <= self.tolerance and self.token_agreement == 1.0
 
 
-def prompt_form(manifest: dict, cfg, tokens: int) -> AttentionForm:
+def prompt_form(manifest: dict, costs: ChunkCosts | None, tokens: int) -> AttentionForm:
     """The attention form of the prefill graph's call on prompts of `tokens` (the longest) from an empty cache:
-    the manifest's, or for a per-chunk export what its If takes there (ChunkCosts)."""
-    form = manifest.get("prefill_attention", "naive")
-    if form == PER_CHUNK:
-        cheaper = ChunkCosts.of(cfg, AbsorbMode(manifest["absorb"])).absorbed_is_cheaper(tokens, tokens)
-        return AttentionForm.ABSORBED if cheaper else AttentionForm.NAIVE
-    return AttentionForm(form)
+    the manifest's, or for a per-chunk export (its `costs`) what its If takes there."""
+    if costs is not None:
+        return AttentionForm.ABSORBED if costs.absorbed_is_cheaper(tokens, tokens) else AttentionForm.NAIVE
+    return AttentionForm(manifest.get("prefill_attention", "naive"))
 
 
 def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = None, steps: int | None = DEFAULT_STEPS,
@@ -189,8 +187,9 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
     # a prefill call that takes the absorbed form (ChunkCosts): the most generated tokens that one would, as a chunk
     # over the prompts' caches (chunked prefill's branch that a prompt from an empty cache never takes)
     chunk_logits, chunk = None, 0
-    if manifest.get("prefill_attention") == PER_CHUNK:
-        costs = ChunkCosts.of(cfg, AbsorbMode(manifest["absorb"]))
+    costs = (ChunkCosts.of(cfg, AbsorbMode(manifest["absorb"])) if manifest.get("prefill_attention") == PER_CHUNK
+             else None)
+    if costs is not None:
         chunk = max((t for t in range(1, steps + 1) if costs.absorbed_is_cheaper(t, longest + t)), default=0)
     if chunk:
         feed = {io_spec.INPUT_IDS: tokens[:, :chunk], io_spec.POSITION_IDS: lens[:, None] + np.arange(chunk),
@@ -202,7 +201,7 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
     ref_prefill, ref_steps, ref_hidden, _ = (t.numpy() for t in layerwise_logits(
         reference, torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(lens), torch.from_numpy(tokens),
         stored=None if cache == CacheFormat() else cache,
-        prefill_form=prompt_form(manifest, cfg, longest), hidden=True))
+        prefill_form=prompt_form(manifest, costs, longest), hidden=True))
     valid = np.arange(longest)[None, :] < lens[:, None]
     prefill_diff = float(np.abs(prefill_logits - ref_prefill)[valid].max())
     report = VerifyReport(prefill_diff, [], 0.0, float(np.abs(ref_prefill[valid]).max()), rtol)

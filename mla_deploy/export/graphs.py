@@ -33,19 +33,21 @@ def build_graph(kind: str, cfg: MLAConfig, t: Tensors, plan: ExportPlan, weights
     write_indices = inputs[io_spec.WRITE_INDICES]
     new = inputs.get(io_spec.INPUT_IDS, inputs.get(io_spec.HIDDEN_STATES))  # [b, T] or [b, T, d]: T new tokens
     bias = attention_bias(op, new, inputs[io_spec.ATTENTION_MASK], write_indices)  # [b, 1, T, cap]
-    chunk = None  # a prefill graph's naive attention: the slots the call's queries see, and the form it takes
-    if kind == io_spec.PREFILL and plan.prefill_attention in (PER_CHUNK, "naive"):
-        costs = ChunkCosts.of(cfg, plan.absorb) if plan.prefill_attention == PER_CHUNK else None
-        chunk = ChunkForm.build(op, costs, new, write_indices, bias)
+    # the prefill graph's attention, but over an int8 cache the kernel reads: per call (the slots the queries see,
+    # and the form it takes) or naive always
+    form = plan.prefill_attention if kind == io_spec.PREFILL else None
+    if form in (PER_CHUNK, "naive"):
+        chunk = ChunkForm.build(op, ChunkCosts.of(cfg, plan.absorb) if form == PER_CHUNK else None, new,
+                                write_indices, bias)
     outputs: dict[str, ir.Value] = {}
 
     def attention(op, attn: MLAttention, h, cos, sin):
         i = attn.layer
         past = Caches(inputs[io_spec.past_latent(i)], inputs[io_spec.past_rope(i)],
                       inputs.get(io_spec.past_latent_scale(i)))
-        if chunk and chunk.absorbed is not None:
+        if form == PER_CHUNK:
             out, present = attn.per_chunk(op, h, cos, sin, chunk, past, write_indices)
-        elif chunk:
+        elif form == "naive":
             out, present = attn.naive(op, h, cos, sin, chunk, past, write_indices)
         else:
             out, present = attn.absorbed(op, h, cos, sin, bias, past, write_indices, tokens=kind != io_spec.DECODE)
