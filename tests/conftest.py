@@ -117,7 +117,7 @@ def exported(checkpoint_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def demo_export_dir(tmp_path_factory):
-    """The bundled demo model exported once (float32), for tests that serve it and leave it as it is."""
+    """The bundled demo model exported once (float32, default options), for tests that read it and leave it as is."""
     from mla_deploy.export import export
     from mla_deploy.presets import DEMO_CHECKPOINT
 

@@ -3,7 +3,6 @@
 import json
 import re
 
-import pytest
 import torch
 
 from mla_deploy.presets import DEMO_CHECKPOINT
@@ -14,15 +13,6 @@ from mla_deploy.runtime.complete import complete
 from mla_deploy.verify import verify_export
 
 DEMO = DEMO_CHECKPOINT
-
-
-@pytest.fixture(scope="module")
-def demo_export(tmp_path_factory):
-    from mla_deploy.export import ExportOptions, export
-
-    out = tmp_path_factory.mktemp("demo") / "export"
-    export(DEMO, out, ExportOptions())
-    return out
 
 
 def test_demo_is_a_small_ordinary_checkpoint():
@@ -47,33 +37,33 @@ def test_demo_matches_transformers_through_the_hf_loader():
     assert (got - ref).abs().max().item() < 1e-4
 
 
-def test_demo_export_verifies(demo_export):
-    report = verify_export(demo_export, DEMO, steps=16)
+def test_demo_export_verifies(demo_export_dir):
+    report = verify_export(demo_export_dir, DEMO, steps=16)
     assert report.passed, report.lines
 
 
-def test_model_card_heldout_loss_is_reproduced_by_eval(demo_export):
+def test_model_card_heldout_loss_is_reproduced_by_eval(demo_export_dir):
     card = json.loads((DEMO / "eval.json").read_text())
-    report = evaluate(demo_export, DEMO / "heldout.txt", window=card["window"])
+    report = evaluate(demo_export_dir, DEMO / "heldout.txt", window=card["window"])
     assert report.difference < 1e-4  # export and torch source agree
     assert abs(report.export_loss - card["loss"]) < 1e-4  # the model card's number
     assert report.tokens == card["tokens"]
 
 
-def test_demo_completes_python_like_text(demo_export):
-    out = complete(ExportedModel(demo_export), prompt="import os\n\n\ndef ", max_new_tokens=48,
+def test_demo_completes_python_like_text(demo_export_dir):
+    out = complete(ExportedModel(demo_export_dir), prompt="import os\n\n\ndef ", max_new_tokens=48,
                    sampling=SamplingParams())  # greedy (the export's generation_config.json samples)
     text = out["text"]
     assert len(out["token_ids"]) == 48
     assert re.match(r"\w+\([\w, =*]*\):\n    \S", text), text  # a signature, then an indented body
 
 
-def test_eval_loss_equals_torch_cross_entropy_computed_independently(demo_export, tmp_path):
+def test_eval_loss_equals_torch_cross_entropy_computed_independently(demo_export_dir, tmp_path):
     """The export's and the source's losses share their loss code; torch's cross_entropy does not."""
     window = 64
     text = tmp_path / "text.txt"
     text.write_text((DEMO / "heldout.txt").read_text()[:4000])
-    report = evaluate(demo_export, text, window=window)
+    report = evaluate(demo_export_dir, text, window=window)
     ids = Tokenizer(DEMO / "tokenizer.json").encode(text.read_text())
     n = (len(ids) - 1) // window
     assert (len(ids) - 1) % window, "the text must end in a partial window, which eval scores too"

@@ -10,7 +10,7 @@ import pytest
 lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness (lm-eval[api], a test dependency)")
 pytest.importorskip("fastapi", reason="the server needs the 'serve' extra")
 
-from test_serve import running_server  # noqa: E402
+from serving import running_server  # noqa: E402
 
 from mla_deploy import io_spec  # noqa: E402
 from mla_deploy.presets import DEMO_CHECKPOINT  # noqa: E402
@@ -20,15 +20,6 @@ from mla_deploy.runtime.scoring import log_softmax_nll  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TASK = "demo_next_line_tiny"
-
-
-@pytest.fixture(scope="module")
-def demo_export(tmp_path_factory):
-    from mla_deploy.export import export
-
-    out = tmp_path_factory.mktemp("lm_eval") / "demo"
-    export(DEMO_CHECKPOINT, out)
-    return out
 
 
 def loglikelihood(model: ExportedModel, tokenizer: Tokenizer, context: str, continuation: str) -> tuple[float, bool]:
@@ -45,14 +36,14 @@ def loglikelihood(model: ExportedModel, tokenizer: Tokenizer, context: str, cont
     return float(-log_softmax_nll(logits[rows], targets).sum()), bool((logits[rows].argmax(-1) == targets).all())
 
 
-def test_lm_eval_local_completions_against_serve_equals_the_python_api(demo_export, monkeypatch):
+def test_lm_eval_local_completions_against_serve_equals_the_python_api(demo_export_dir, monkeypatch):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     monkeypatch.chdir(ROOT)  # the task YAML names its data file relative to the repository root
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    with running_server(demo_export, max_batch=8) as (base, service):
+    with running_server(demo_export_dir, max_batch=8) as (base, service):
         args = (f"model=demo,base_url={base}/v1/completions,tokenizer={DEMO_CHECKPOINT},tokenizer_backend=huggingface,"
                 "max_length=1024,add_bos_token=True")
         results = simple_evaluate(model="local-completions", model_args=args, tasks=[TASK], batch_size=4,
@@ -60,7 +51,7 @@ def test_lm_eval_local_completions_against_serve_equals_the_python_api(demo_expo
                                   log_samples=True)
         answered = service.status_counts.get(200, 0)
     samples = results["samples"][TASK]
-    model, tokenizer = ExportedModel(demo_export), Tokenizer(DEMO_CHECKPOINT / "tokenizer.json")
+    model, tokenizer = ExportedModel(demo_export_dir), Tokenizer(DEMO_CHECKPOINT / "tokenizer.json")
     correct = 0
     assert len(samples) == 8 and answered == 8  # 8 documents x 4 choices, 4 prompts a request
     for sample in samples:

@@ -70,7 +70,7 @@ def test_a_reply_still_thinking_has_no_content_and_no_calls():
 
 openai = pytest.importorskip("openai", reason="the serve tests drive the server with the openai client (test extra)")
 pytest.importorskip("fastapi", reason="the server needs the 'serve' extra")
-from test_serve import MODEL, running_server  # noqa: E402
+from serving import MODEL, running_server  # noqa: E402
 
 
 THINKING = ("{{ bos_token }}{% for m in messages %}# {{ m.content }}\n{% endfor %}"

@@ -14,7 +14,6 @@ from mla_deploy import io_spec, kernels
 from mla_deploy.export import ExportOptions, export
 from mla_deploy.export.moe import routed_experts_function
 from mla_deploy.export.opset import OPSET
-from mla_deploy.presets import DEMO_CHECKPOINT
 from mla_deploy.runtime import ExportedModel, Generator, RuntimeOptions, SamplingParams
 from mla_deploy.runtime.feeds import prefill_feed
 from mla_deploy.safetensors_io import bf16_to_float32, float32_to_bf16
@@ -214,29 +213,22 @@ def test_routed_experts_refuse_malformed_inputs_by_name(shapes, message):
             session.run(None, feed)
 
 
-@pytest.fixture(scope="module")
-def demo_export(tmp_path_factory):
-    out = tmp_path_factory.mktemp("kernel-demo") / "out"
-    export(DEMO_CHECKPOINT, out, ExportOptions(), progress=lambda m: None)
-    return out
-
-
 @needs_library
-def test_the_demo_export_runs_its_experts_in_the_kernel_and_its_function_body_alike(demo_export, tmp_path):
+def test_the_demo_export_runs_its_experts_in_the_kernel_and_its_function_body_alike(demo_export_dir, tmp_path):
     """The float32 demo picks "kernel" (one RoutedExperts per MoE layer, strips in weights.bin); registered, onnxruntime
     keeps the nodes; not, it inlines the body. Prefill at 9 tokens and batched decode at 3 rows: the same logits to
     float32 summation order, the same greedy tokens."""
     op_type = kernels.ROUTED_EXPERTS["float32"]
-    saved = onnx.load(demo_export / "decode.onnx", load_external_data=False)
+    saved = onnx.load(demo_export_dir / "decode.onnx", load_external_data=False)
     assert sorted(f.name for f in saved.functions) == sorted([op_type, kernels.LATENT_ATTENTION["float32"]])
-    on, off = ExportedModel(demo_export), ExportedModel(demo_export, RuntimeOptions(kernels=False))
+    on, off = ExportedModel(demo_export_dir), ExportedModel(demo_export_dir, RuntimeOptions(kernels=False))
     assert on.manifest["experts"] == "kernel"
     moe_layers = on.config.num_hidden_layers - on.config.first_k_dense_replace
     assert on.manifest["graphs"][io_spec.DECODE]["op_counts"][f"{kernels.DOMAIN}::{op_type}"] == moe_layers
     for kind in (io_spec.PREFILL, io_spec.DECODE):
         so = on.session_options()
         so.optimized_model_filepath = str(tmp_path / f"{kind}.onnx")
-        ort.InferenceSession(str(demo_export / on.manifest["graphs"][kind]["file"]), so, providers=on.providers)
+        ort.InferenceSession(str(demo_export_dir / on.manifest["graphs"][kind]["file"]), so, providers=on.providers)
         assert op_type in {
             n.op_type for n in onnx.load(so.optimized_model_filepath, load_external_data=False).graph.node
         }

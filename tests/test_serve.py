@@ -5,7 +5,6 @@ import json
 import socket
 import threading
 import time
-from contextlib import contextmanager
 
 import httpx2 as httpx  # the HTTP client the openai package itself uses
 import pytest
@@ -13,68 +12,23 @@ import pytest
 openai = pytest.importorskip("openai", reason="the serve tests drive the server with the openai client (test extra)")
 pytest.importorskip("fastapi", reason="the server needs the 'serve' extra")
 
+from serving import MODEL, greedy, running_server  # noqa: E402
+
 from mla_deploy.presets import DEMO_CHECKPOINT  # noqa: E402
 from mla_deploy.runtime import ExportedModel  # noqa: E402
-from mla_deploy.runtime.chat import ChatTemplate  # noqa: E402
 from mla_deploy.runtime.engine import Engine  # noqa: E402
 from mla_deploy.serve.app import Service, create_app  # noqa: E402
 
-MODEL = "demo"
-
 
 @pytest.fixture(scope="module")
-def demo_export(tmp_path_factory):
-    from mla_deploy.export import export
-
-    out = tmp_path_factory.mktemp("serve") / "demo"
-    export(DEMO_CHECKPOINT, out)
-    return out
-
-
-@contextmanager
-def running_server(export_dir, **engine_args):
-    """A real uvicorn server on a free port, on a thread; yields (base_url, service)."""
-    import uvicorn
-
-    api_key, instance = engine_args.pop("api_key", None), engine_args.pop("instance", None)
-    limit, template = engine_args.pop("max_body_bytes", 64 * 1024), engine_args.pop("chat_template", None)
-    parser = engine_args.pop("reasoning_parser", None)
-    template = None if template is None else ChatTemplate.from_export(export_dir, template)
-    service = Service(Engine(ExportedModel(export_dir), **engine_args), MODEL, api_key, max_body_bytes=limit,
-                      chat_template=template, reasoning_parser=parser)
-    service.instance = instance  # a Ray Serve replica's id
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning", access_log=False))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", service
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        service.engine.close()
-        sock.close()
-
-
-@pytest.fixture(scope="module")
-def server(demo_export):
-    with running_server(demo_export, max_batch=16) as s:
+def server(demo_export_dir):
+    with running_server(demo_export_dir, max_batch=16) as s:
         yield s
 
 
 @pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def greedy(**kw):
-    """Plain greedy: the demo's generation_config.json also sets a repetition penalty, which greedy keeps."""
-    return dict(model=MODEL, temperature=0, extra_body={"repetition_penalty": 1.0}, **kw)
 
 
 def test_completion_streamed_and_not_give_the_same_text_and_usage(client):
@@ -382,8 +336,8 @@ def test_vllms_extra_fields_are_served_or_refused_never_ignored(server, client):
                       ).status_code == 200
 
 
-def test_api_key_guards_every_route_but_health(demo_export):
-    with running_server(demo_export, max_batch=2, api_key="sesame") as (base, _):
+def test_api_key_guards_every_route_but_health(demo_export_dir):
+    with running_server(demo_export_dir, max_batch=2, api_key="sesame") as (base, _):
         assert httpx.get(base + "/health").status_code == 200
         for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions")):
             r = httpx.request(method, base + path, json={"model": MODEL, "prompt": "x"})
@@ -395,8 +349,8 @@ def test_api_key_guards_every_route_but_health(demo_export):
         assert good.completions.create(prompt="x", max_tokens=2, **greedy()).usage.completion_tokens == 2
 
 
-def test_a_full_queue_answers_429_with_retry_after(demo_export):
-    with running_server(demo_export, max_batch=1, max_queue=1) as (base, service):
+def test_a_full_queue_answers_429_with_retry_after(demo_export_dir):
+    with running_server(demo_export_dir, max_batch=1, max_queue=1) as (base, service):
         scheduler = service.engine.scheduler
         gate, step = threading.Event(), scheduler.step
         scheduler.step = lambda **kw: (
@@ -421,10 +375,10 @@ def test_a_full_queue_answers_429_with_retry_after(demo_export):
         assert first[0].status_code == 200 and first[0].json()["usage"]["completion_tokens"] == 4
 
 
-def test_an_engine_failing_mid_stream_ends_the_stream_with_an_openai_error(demo_export):
+def test_an_engine_failing_mid_stream_ends_the_stream_with_an_openai_error(demo_export_dir):
     """The 200 and the first chunks are out when the scheduler fails: the stream ends with an error event and
     [DONE], which OpenAI's SDK raises as an APIError (a dropped connection would read as a network fault)."""
-    with running_server(demo_export, max_batch=2) as (base, service):
+    with running_server(demo_export_dir, max_batch=2) as (base, service):
         scheduler, steps = service.engine.scheduler, []
         step = scheduler.step
 
@@ -476,10 +430,10 @@ def test_tokens_that_arrive_together_leave_as_one_chunk(server):
 
 
 @pytest.mark.parametrize("instance", [None, "replica-7"], ids=["server", "ray-replica"])
-def test_a_client_leaving_a_plain_request_frees_its_rows(demo_export, instance):
+def test_a_client_leaving_a_plain_request_frees_its_rows(demo_export_dir, instance):
     """A non-streamed request whose client gives up: its rows are freed within the handler's next look (0.5 s), on a
     Ray Serve replica too, whose X-MLA-Replica header must not hide the disconnect."""
-    with running_server(demo_export, max_batch=4, instance=instance) as (base, service):
+    with running_server(demo_export_dir, max_batch=4, instance=instance) as (base, service):
         step = service.engine.scheduler.step
         service.engine.scheduler.step = lambda *a, **k: (time.sleep(0.01), step(*a, **k))[1]
         quick = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1})
@@ -494,8 +448,8 @@ def test_a_client_leaving_a_plain_request_frees_its_rows(demo_export, instance):
         assert service.engine.scheduler.stats.finished["cancelled"] == 2
 
 
-def test_metrics_count_a_stop_string_as_a_stop_and_a_refused_request_once(demo_export):
-    with running_server(demo_export, max_batch=1, max_queue=2) as (base, service):
+def test_metrics_count_a_stop_string_as_a_stop_and_a_refused_request_once(demo_export_dir):
+    with running_server(demo_export_dir, max_batch=1, max_queue=2) as (base, service):
         finished = service.engine.scheduler.stats.finished
         full = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "class Stack:\n",
                                                             "max_tokens": 40, "temperature": 0}).json()
@@ -527,10 +481,10 @@ def test_metrics_count_a_stop_string_as_a_stop_and_a_refused_request_once(demo_e
             t.join(30)
 
 
-def test_one_choice_failing_ends_the_others_too(demo_export):
+def test_one_choice_failing_ends_the_others_too(demo_export_dir):
     """A bug in one choice's text handling is a 500; the request's other choices stop there and free their rows
     (a finished gather cancels nothing: they ran on to max_tokens)."""
-    with running_server(demo_export, max_batch=4) as (base, service):
+    with running_server(demo_export_dir, max_batch=4) as (base, service):
         step = service.engine.scheduler.step
         service.engine.scheduler.step = lambda *a, **k: (time.sleep(0.01), step(*a, **k))[1]
         pieces = service.pieces
@@ -551,7 +505,7 @@ def test_one_choice_failing_ends_the_others_too(demo_export):
             time.sleep(0.02)
 
 
-def test_a_shutdown_answers_every_client(demo_export, monkeypatch):
+def test_a_shutdown_answers_every_client(demo_export_dir, monkeypatch):
     """SIGTERM (uvicorn's handle_exit): queued requests are answered at once with a 503, the running ones get the
     grace period less a second and then end with an OpenAI error (a stream: its error event and [DONE]); the
     server then exits. (uvicorn alone let the grace period run out and cancelled: plain-text 500s, cut streams.)"""
@@ -563,7 +517,7 @@ def test_a_shutdown_answers_every_client(demo_export, monkeypatch):
 
     monkeypatch.setattr(server_module, "GRACE_S", 2.0)
     monkeypatch.setattr(server_module, "ANSWER_S", 1.0)
-    service = Service(Engine(ExportedModel(demo_export), max_batch=1), MODEL, None)
+    service = Service(Engine(ExportedModel(demo_export_dir), max_batch=1), MODEL, None)
     step = service.engine.scheduler.step
     service.engine.scheduler.step = lambda *a, **k: (time.sleep(0.01), step(*a, **k))[1]
     sock = socket.socket()

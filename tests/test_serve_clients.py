@@ -12,7 +12,7 @@ import pytest
 openai = pytest.importorskip("openai", reason="the serve tests drive the server with the openai client (test extra)")
 pytest.importorskip("fastapi", reason="the server needs the 'serve' extra")
 
-from test_serve import MODEL, greedy, running_server  # noqa: E402
+from serving import MODEL, greedy, running_server  # noqa: E402
 
 from mla_deploy.presets import DEMO_CHECKPOINT  # noqa: E402
 from mla_deploy.runtime import Generator, SamplingParams, Tokenizer  # noqa: E402
@@ -37,17 +37,8 @@ SCHEMAS = [
 
 
 @pytest.fixture(scope="module")
-def demo_export(tmp_path_factory):
-    from mla_deploy.export import export
-
-    out = tmp_path_factory.mktemp("clients") / "demo"
-    export(DEMO_CHECKPOINT, out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def server(demo_export):
-    with running_server(demo_export, max_batch=16) as s:
+def server(demo_export_dir):
+    with running_server(demo_export_dir, max_batch=16) as s:
         yield s
 
 

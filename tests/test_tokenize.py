@@ -5,7 +5,7 @@ import pytest
 
 openai = pytest.importorskip("openai", reason="the serve tests drive the server with the openai client (test extra)")
 pytest.importorskip("fastapi", reason="the server needs the 'serve' extra")
-from test_serve import MODEL, running_server  # noqa: E402
+from serving import MODEL, running_server  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ openai = pytest.importorskip("openai", reason="the serve tests drive the server 
 pytest.importorskip("fastapi", reason="the server needs the 'serve' extra")
 jsonschema = pytest.importorskip("jsonschema")
 
-from test_serve import MODEL, running_server  # noqa: E402
+from serving import MODEL, running_server  # noqa: E402
 
 from mla_deploy.runtime.chat import ChatTemplate  # noqa: E402
 from mla_deploy.serve.tools import (  # noqa: E402
