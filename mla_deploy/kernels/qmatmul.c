@@ -13,8 +13,8 @@
  *
  * A product runs in tiles of R rows x G groups (R·G 16-column accumulators in registers across all of K): each
  * weight run is unpacked once per tile and multiplied by R rows from registers, each activation broadcast once per
- * tile and used by G groups. One row (decode) takes 4 groups at once, whose independent sums hide vpdpbusd's
- * latency while the weights stream at the memory bandwidth.
+ * tile and used by G groups. Up to 8 rows (decode, batched decode) take one group and every row: a single stream
+ * through the weight, its runs unpacked once for all the rows; more rows (prefill) 6 x 2 (tile_shape).
  */
 #include "qmatmul.h"
 
@@ -430,15 +430,13 @@ typedef void (*TileFn)(const Tile *);
     case (BITS) * 10000 + (G) * 100 + (R):                                                                           \
         return level == 4 ? int_##PATH##_##R##_##G##_##BITS : float_##PATH##_##R##_##G##_##BITS;
 
-/* AVX-512: 4 groups for up to 3 rows, 2 for up to 6, 1 for up to 12 */
+/* AVX-512: 2 groups for up to 6 rows, 1 for up to 8 */
 #define SHAPES_AVX512(X, BITS)                                                                                       \
-    X(avx512, TARGET_AVX512, 1, 4, BITS) X(avx512, TARGET_AVX512, 2, 4, BITS) X(avx512, TARGET_AVX512, 3, 4, BITS)   \
     X(avx512, TARGET_AVX512, 1, 2, BITS) X(avx512, TARGET_AVX512, 2, 2, BITS) X(avx512, TARGET_AVX512, 3, 2, BITS)   \
     X(avx512, TARGET_AVX512, 4, 2, BITS) X(avx512, TARGET_AVX512, 5, 2, BITS) X(avx512, TARGET_AVX512, 6, 2, BITS)   \
     X(avx512, TARGET_AVX512, 1, 1, BITS) X(avx512, TARGET_AVX512, 2, 1, BITS) X(avx512, TARGET_AVX512, 3, 1, BITS)   \
     X(avx512, TARGET_AVX512, 4, 1, BITS) X(avx512, TARGET_AVX512, 5, 1, BITS) X(avx512, TARGET_AVX512, 6, 1, BITS)   \
-    X(avx512, TARGET_AVX512, 7, 1, BITS) X(avx512, TARGET_AVX512, 8, 1, BITS) X(avx512, TARGET_AVX512, 9, 1, BITS)   \
-    X(avx512, TARGET_AVX512, 10, 1, BITS) X(avx512, TARGET_AVX512, 11, 1, BITS) X(avx512, TARGET_AVX512, 12, 1, BITS)
+    X(avx512, TARGET_AVX512, 7, 1, BITS) X(avx512, TARGET_AVX512, 8, 1, BITS)
 /* AVX2 (16 registers): 1 group, up to 4 rows */
 #define SHAPES_AVX2(X, BITS)                                                                                         \
     X(avx2, TARGET_AVX2, 1, 1, BITS) X(avx2, TARGET_AVX2, 2, 1, BITS) X(avx2, TARGET_AVX2, 3, 1, BITS)               \
@@ -470,22 +468,21 @@ static TileFn tile_fn(Isa isa, int level, int bits, int rows, int groups) {
     return NULL;
 }
 
-/* Rows and groups of the main tile for a product of `rows` rows. AVX-512, measured on one Zen 4 core (K 2048,
- * int4, block 32): up to 8 rows (batched decode, the weights streamed from memory) 3 x 4 tiles keep 4 streams of
- * runs in flight and ran 10 % faster than 6 x 2 or 8 x 1; more rows (prefill, the column tile's runs in L1/L2 for
- * every row tile) 6 x 2 ran at 73 % of one vpdpbusd per cycle against 68 % for 12 x 1 and 64 % for 8 x 1. One or
- * two rows (decode, and most routed experts' rows) read one group at a time instead, a single stream through the
- * weight that prefetch_ahead runs ahead of: on one Zen 5 core from memory (benchmarks/qmatmul_core.c, K 2048 and
- * 1408, 64-400 MB) int4 28-32 GB/s against 20-28 GB/s for 4 groups (before the prefetch; 38 GB/s with it), int8
- * 32-38 against 30-35 GB/s with the prefetch (6 of 6 runs; without it 4 groups had been ahead); the int4 v2lite-2L
- * decode step, whose head is int8, 0.75-0.97x the time at batch 1 (6 of 6 alternating pairs). */
+/* Rows and groups of the main tile for a product of `rows` rows. AVX-512: up to 8 rows (decode and batched decode,
+ * most routed experts' rows) take every row in one tile of one group, a single stream through the weight that
+ * prefetch_ahead runs ahead of, each run unpacked once for all the rows. On one Zen 5 core from memory
+ * (benchmarks/qmatmul_core.c, K 2048 and 1408, 64-400 MB) one row read int4 at 28-32 GB/s against 20-28 GB/s for
+ * 4 groups at once (before the prefetch; 38 GB/s with it), int8 at 32-38 against 30-35 GB/s; on a Zen 4 core
+ * (family 25 model 17, 64 MiB of int4, two runs each) 8 rows 8.1-8.2 ms against 10.0-11.2 ms for 3 x 4 tiles, 5 rows
+ * 6.6-6.9 against 7.3-8.2, int6 8 rows 10.8 against 12.7-15.5, K 1408 (an expert's fc2) 5.4-5.5 against 6.8-7.0,
+ * 3 rows and int8 even. More rows (prefill, the column tile's runs in L1/L2 for every row tile): 6 x 2 ran at 73 %
+ * of one vpdpbusd per cycle against 68 % for 12 x 1 and 64 % for 8 x 1. AVX2 (16 registers): up to 4 rows, one
+ * group. */
 static void tile_shape(Isa isa, int64_t rows, int *r, int *g) {
     if (isa == ISA_AVX2) {
         *r = rows < 4 ? (int)rows : 4, *g = 1;
-    } else if (rows <= 2) {
-        *r = (int)rows, *g = 1;
     } else if (rows <= 8) {
-        *r = rows < 3 ? (int)rows : 3, *g = 4;
+        *r = (int)rows, *g = 1;
     } else {
         *r = 6, *g = 2;
     }
@@ -503,7 +500,7 @@ void qmatmul_rows_groups(Isa isa, const QWeight *w, const QActs *a, int64_t r0, 
     Tile t = {.w = w, .level = a->level};
     for (int64_t g = g0; g < g1;) {
         int groups = main_groups;
-        while (groups > g1 - g) groups /= 2; /* 4, 2 or 1 */
+        while (groups > g1 - g) groups /= 2; /* 2 or 1 */
         t.g = g;
         t.last = g + groups == w->groups ? (int)(w->n - (w->groups - 1) * QCOLS) : QCOLS;
         for (int64_t r = r0; r < r1; r += main_rows) {
