@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
 
 import click
 
-from .cli_options import (_parse_ids, _parse_ints, _parse_modes, _ray_address_option, _session_config_option,
-                          _speculation, _speculation_options, _utf8)
+from .cli_options import (_parse_ids, _parse_ints, _parse_modes, _ray_address_option, _sampling_options,
+                          _session_config_option, _speculation, _speculation_options, _utf8)
 from .errors import MLADeployError, missing_extra
 from .presets import DEMO_CHECKPOINT
 
@@ -192,18 +194,7 @@ def export(checkpoint, out, absorb, dtype, compute, cache_dtype, max_seq_len, no
               help="Prompt text (needs the export's tokenizer).")
 @click.option("--prompt-ids", default=None, help="Prompt as comma-separated token ids, e.g. 1,2,3.")
 @click.option("-n", "--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option("--temperature", type=click.FloatRange(min=0), default=None,
-              help="0 is greedy. Default for this and the next four: the export's generation_config.json, else "
-                   "greedy with no filters.")
-@click.option("--top-k", type=click.IntRange(min=0), default=None,
-              help="Sample from the k likeliest tokens; 0 is off.")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None,
-              help="Nucleus sampling mass; 1 is off.")
-@click.option("--min-p", type=click.FloatRange(0, 1), default=None,
-              help="Keep the tokens with at least this fraction of the likeliest one's probability; 0 is off.")
-@click.option("--repetition-penalty", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="1 is off; > 1 discourages repeats.")
-@click.option("--seed", type=click.IntRange(min=0), default=None, help="Seed for sampling (reproducible runs).")
+@_sampling_options
 @click.option("--provider", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--threads", type=click.IntRange(min=0), default=0, show_default=True,
               help="onnxruntime intra-op threads; 0 is one per physical core.")
@@ -283,6 +274,96 @@ def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_
     click.echo(f"[{len(result['token_ids'])} tokens, prefill {result['prefill_ms']:.1f} ms, decode "
                f"{result['decode_tokens_per_s']:.1f} tok/s{drafts}; loaded in {model.load_seconds:.1f} s"
                + (f", {memory.describe()}" if memory else "") + "]", err=True)
+
+
+@main.command()
+@click.argument("export_dir", type=click.Path(path_type=Path))
+@click.option("--system", default=None, callback=lambda ctx, param, value: _utf8(value),
+              help="A system message the conversation starts with.")
+@click.option("--chat-template", default=None,
+              help="A Jinja chat template used in place of the export's (tokenizer_config.json chat_template): a "
+                   "file, or the template itself.")
+@click.option("-n", "--max-new-tokens", type=click.IntRange(min=1), default=512, show_default=True,
+              help="The most tokens a reply generates.")
+@_sampling_options
+@click.option("--provider", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--threads", type=click.IntRange(min=0), default=0, show_default=True,
+              help="onnxruntime intra-op threads; 0 is one per physical core.")
+@_session_config_option
+@_speculation_options
+def chat(export_dir, system, chat_template, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty,
+         seed, provider, threads, session_config, speculative, draft_tokens):
+    """Chat with EXPORT_DIR in the terminal, through its chat template: a line is a message (end a line with \\ to
+    go on to the next), /reset starts again, /exit or Ctrl-D ends. A turn prefills only its new tokens: the
+    conversation before it stays in the cache. Ctrl-C ends a reply where it is."""
+    from .runtime import ExportedModel, RuntimeOptions
+    from .runtime.chat import ChatTemplate
+    from .runtime.conversation import Conversation
+
+    given = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+                 seed=seed)
+    speculation = _speculation(speculative, draft_tokens)
+    model = ExportedModel(export_dir, RuntimeOptions(provider=provider, threads=threads, session_config=session_config))
+    template = None if chat_template is None else ChatTemplate.from_export(export_dir, chat_template)
+    conversation = Conversation(model, model.generation.override(**given), max_new_tokens, system, template,
+                                speculation)
+    stdin = click.get_text_stream("stdin")
+    click.echo(f"[{export_dir}: loaded in {model.load_seconds:.1f} s; /reset starts again, /exit ends]", err=True)
+    while True:
+        message = _read_message(stdin)
+        if message is None or message.strip() == "/exit":
+            return
+        if message.strip() == "/reset":
+            conversation.reset()
+            click.echo("[the conversation starts again]", err=True)
+            continue
+        if not message.strip():
+            continue
+        try:
+            with _interrupt_flag() as interrupted:
+                turn = conversation.say(message, lambda text: click.echo(text, nl=False), interrupted)
+        except MLADeployError as e:  # the conversation outgrew the context: said, and the chat goes on
+            click.echo(f"error: {e}", err=True)
+            continue
+        click.echo()
+        new = turn.prompt_tokens - turn.cached_tokens
+        click.echo(f"[{len(turn.token_ids)} tokens, {turn.finish_reason}; prompt {turn.prompt_tokens} tokens, "
+                   f"{new} prefilled, {turn.cached_tokens} from the cache; first token {turn.first_token_ms:.0f} ms, "
+                   f"{turn.decode_tokens_per_s:.1f} tok/s]", err=True)
+
+
+def _read_message(stdin) -> str | None:
+    """The next message from stdin: a line, joined with the next while it ends in a backslash; None at the end of
+    the input or on Ctrl-C."""
+    lines = []
+    try:
+        while True:
+            click.echo("> " if not lines else ". ", nl=False, err=True)
+            line = stdin.readline()
+            if not line:
+                return "\n".join(lines) if lines else None
+            line = line.rstrip("\n")
+            if not line.endswith("\\"):
+                return "\n".join(lines + [line])
+            lines.append(line[:-1])
+    except KeyboardInterrupt:
+        click.echo(err=True)
+        return None
+
+
+@contextlib.contextmanager
+def _interrupt_flag():
+    """Ctrl-C while the body runs sets a flag (asked between scheduler steps) instead of raising (only the main
+    thread can take the signal)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+    pressed = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+    try:
+        yield lambda: bool(pressed)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @main.command(name="inspect")

@@ -27,6 +27,27 @@ def _draft_tokens(ctx, param, value):
     return value
 
 
+def _sampling_options(f):  # run and chat
+    options = [
+        click.option("--temperature", type=click.FloatRange(min=0), default=None,
+                     help="0 is greedy. Default for this and the next four: the export's generation_config.json, "
+                          "else greedy with no filters."),
+        click.option("--top-k", type=click.IntRange(min=0), default=None,
+                     help="Sample from the k likeliest tokens; 0 is off."),
+        click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None,
+                     help="Nucleus sampling mass; 1 is off."),
+        click.option("--min-p", type=click.FloatRange(0, 1), default=None,
+                     help="Keep the tokens with at least this fraction of the likeliest one's probability; 0 is off."),
+        click.option("--repetition-penalty", type=click.FloatRange(min=0, min_open=True), default=None,
+                     help="1 is off; > 1 discourages repeats."),
+        click.option("--seed", type=click.IntRange(min=0), default=None,
+                     help="Seed for sampling (reproducible runs)."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
 def _speculation_options(f):  # run and serve
     f = click.option("--draft-tokens", type=click.IntRange(min=1), default=4, show_default=True, callback=_draft_tokens,
                      help="Most tokens proposed per step with --speculative (fewer where the measured step costs and "

@@ -1,0 +1,117 @@
+"""A chat over one cache row (runtime.conversation, `mla-deploy chat`): each turn prefills only what is new, and
+replies as the whole conversation prefilled from scratch would."""
+
+import json
+import re
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from mla_deploy.cli import main
+from mla_deploy.errors import InputError, MLADeployError
+from mla_deploy.runtime import ExportedModel, Generator, SamplingParams
+from mla_deploy.runtime.conversation import Conversation
+
+GREEDY = SamplingParams()
+ASKS = ["read a file and count its lines", "now sort the lines\nand print them"]
+
+
+@pytest.fixture(scope="module")
+def model(demo_export_dir):
+    return ExportedModel(demo_export_dir)
+
+
+def alone(model, conversation, messages, n):
+    """The reply the whole conversation's prompt gets prefilled from scratch, the stop token left out."""
+    prompt = conversation.template.prompt_ids(messages, conversation.tokenizer)
+    tokens = Generator(model, GREEDY).generate([prompt], n).token_ids[0]
+    return prompt, [t for t in tokens if t not in model.stop_token_ids]
+
+
+def test_each_turn_prefills_only_its_new_tokens_and_replies_as_a_fresh_prompt(model):
+    chat = Conversation(model, GREEDY, max_new_tokens=12, system="You write Python.")
+    before = None  # the turn before: its prompt's and reply's lengths
+    for ask in ASKS:
+        messages = chat.messages + [{"role": "user", "content": ask}]
+        prompt, expected = alone(model, chat, messages, 12)
+        pieces = []
+        turn = chat.say(ask, on_text=pieces.append)
+        assert turn.token_ids == expected
+        assert "".join(pieces) == turn.text == chat.tokenizer.decode(expected)
+        assert turn.prompt_tokens == len(prompt)
+        if before is None:
+            assert turn.cached_tokens == 0
+        else:  # the turn before's prompt and reply were in the row: only the new message's tokens are prefilled
+            assert turn.cached_tokens >= sum(before) - 1
+            assert turn.prompt_tokens - turn.cached_tokens < len(prompt) - before[0]
+        before = (len(prompt), len(turn.token_ids))
+        assert chat.messages[-2:] == [{"role": "user", "content": ask}, {"role": "assistant", "content": turn.text}]
+    assert chat.messages[0] == {"role": "system", "content": "You write Python."}
+
+
+def test_reset_starts_again_from_the_system_message(model):
+    chat = Conversation(model, GREEDY, max_new_tokens=8)
+    first = chat.say(ASKS[0])
+    chat.say(ASKS[1])
+    chat.reset()
+    assert chat.messages == []
+    again = chat.say(ASKS[0])
+    assert again.token_ids == first.token_ids
+    assert again.cached_tokens > 0  # the same prompt's slots are still in the row
+
+
+def test_an_interrupted_reply_ends_where_it_is_and_stays_in_the_conversation(model):
+    chat = Conversation(model, GREEDY, max_new_tokens=64)
+    pieces = []
+    turn = chat.say(ASKS[0], pieces.append, interrupted=lambda: len(pieces) >= 3)
+    assert turn.finish_reason == "cancelled"
+    assert 1 <= len(turn.token_ids) < 64
+    assert chat.messages[-1] == {"role": "assistant", "content": turn.text}
+    _, expected = alone(model, chat, chat.messages[:1], len(turn.token_ids))
+    assert turn.token_ids == expected  # the reply's start, as an uninterrupted one
+
+
+def test_a_reply_stops_at_the_context_and_a_conversation_past_it_is_refused(model):
+    chat = Conversation(model, GREEDY, max_new_tokens=512)
+    long = " ".join(["lines"] * 2000)
+    with pytest.raises(InputError, match=r"the conversation is \d+ tokens, and the model's context 1024: no room"):
+        chat.say(long)
+    assert chat.messages == []  # the refused message is not kept
+    near = " ".join(["x"] * 1000)
+    prompt = chat.template.prompt_ids([{"role": "user", "content": near}], chat.tokenizer)
+    assert len(prompt) < model.max_seq_len
+    turn = chat.say(near)
+    assert len(turn.token_ids) + (turn.finish_reason == "stop") <= model.max_seq_len - len(prompt)
+
+
+def test_an_export_without_a_chat_template_or_tokenizer_is_refused_by_name(demo_export_dir, tmp_path):
+    copy = tmp_path / "no-template"
+    shutil.copytree(demo_export_dir, copy)
+    config = json.loads((copy / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (copy / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(InputError, match="no chat template .* give one"):
+        Conversation(ExportedModel(copy))
+    (copy / "tokenizer.json").unlink()  # the manifest names one: said as a file missing
+    with pytest.raises(MLADeployError, match="tokenizer.json: cannot read tokenizer"):
+        Conversation(ExportedModel(copy))
+
+
+def test_the_chat_command_streams_replies_and_says_what_came_from_the_cache(demo_export_dir, model):
+    typed = f"{ASKS[0]}\n{ASKS[1].replace(chr(10), chr(92) + chr(10))}\n/reset\n\n{ASKS[0]}\n/exit\nnever read\n"
+    result = CliRunner().invoke(main, ["chat", str(demo_export_dir), "--temperature", "0", "--repetition-penalty",
+                                       "1", "-n", "10", "--speculative", "off"], input=typed)
+    assert result.exit_code == 0, result.output
+    chat = Conversation(model, GREEDY, max_new_tokens=10)
+    replies = [chat.say(ASKS[0]).text, chat.say(ASKS[1]).text]
+    assert result.stdout == f"{replies[0]}\n{replies[1]}\n{replies[0]}\n"
+    cached = [int(n) for n in re.findall(r"(\d+) from the cache", result.stderr)]
+    assert cached[0] == 0 and cached[1] > 0 and cached[2] > 0 and len(cached) == 3
+    assert "[the conversation starts again]" in result.stderr
+
+
+def test_the_chat_command_says_why_it_cannot_start(tmp_path):
+    result = CliRunner().invoke(main, ["chat", str(tmp_path / "missing")])
+    assert result.exit_code != 0
+    assert "missing" in result.stderr and "Traceback" not in result.output
