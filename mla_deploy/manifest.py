@@ -127,6 +127,10 @@ def cache_format(manifest: dict) -> io_spec.CacheFormat:
 def check_files(directory: Path, manifest: dict, check_weights: str = "sampled") -> None:
     """Every file the manifest names exists; graph hashes match; the weights file's size and blocks match
     (all blocks, or a sample of a large file: mla_deploy.integrity); of every stage, for a staged export."""
+    for name in manifest.get("tokenizer") or []:  # copied from the checkpoint by the export
+        if not (directory / name).is_file():
+            raise ExportLoadError(f"{directory / name}: missing (the manifest lists it among the export's tokenizer "
+                                  "files)")
     if is_staged(manifest):
         for index in range(len(manifest["stages"])):
             check_files(*read_stage(directory, manifest, index), check_weights)

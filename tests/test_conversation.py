@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from mla_deploy.cli import main
-from mla_deploy.errors import InputError, MLADeployError
+from mla_deploy.errors import InputError
 from mla_deploy.runtime import ExportedModel, Generator, SamplingParams
 from mla_deploy.runtime.conversation import Conversation
 
@@ -93,8 +93,11 @@ def test_an_export_without_a_chat_template_or_tokenizer_is_refused_by_name(demo_
     (copy / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(InputError, match="no chat template .* give one"):
         Conversation(ExportedModel(copy))
-    (copy / "tokenizer.json").unlink()  # the manifest names one: said as a file missing
-    with pytest.raises(MLADeployError, match="tokenizer.json: cannot read tokenizer"):
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["tokenizer"] = []  # an export of a checkpoint that came without one
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    (copy / "tokenizer.json").unlink()
+    with pytest.raises(InputError, match="no tokenizer"):
         Conversation(ExportedModel(copy))
 
 

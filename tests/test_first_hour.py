@@ -76,6 +76,16 @@ def test_check_reads_every_block_of_an_intact_export(demo_export):
     assert f"graphs and {blocks} weight blocks" in result.stdout
 
 
+def test_a_tokenizer_file_missing_from_an_export_is_named_by_check_and_at_load(demo_export, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(demo_export, copy)
+    (copy / "tokenizer.json").unlink()
+    check = CliRunner().invoke(main, ["check", str(copy)])
+    assert check.exit_code == 1 and "tokenizer.json: missing (the manifest lists it" in check.stderr, check.output
+    with pytest.raises(ExportLoadError, match="tokenizer.json: missing"):
+        ExportedModel(copy)
+
+
 def small_blocks(path, monkeypatch, block_bytes=32 * 1024):
     """Re-describe a weights file with 32 KiB blocks and no whole-file check, so it looks 'large'."""
     monkeypatch.setattr(integrity, "BLOCK_BYTES", block_bytes)
