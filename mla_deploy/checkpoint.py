@@ -103,7 +103,7 @@ class Checkpoint:
         if not self.directory.is_dir():
             raise CheckpointError(f"{self.directory}: checkpoint directory does not exist")
         self.config = MLAConfig.from_hf_json(self.directory / "config.json")
-        raw_config = read_json(self.directory / "config.json", CheckpointError, "config.json")
+        raw_config = read_json(self.directory / "config.json", CheckpointError, "model config")
         self.fp8_block = fp8.block_size(raw_config, str(self.directory / "config.json"))  # None: not an FP8 checkpoint
         self.files = _safetensors_files(self.directory)
         self.notes: list[str] = []

@@ -133,7 +133,7 @@ class MLAConfig:
     # ---- reading an HF config.json ----
     @classmethod
     def from_hf_json(cls, path: str | Path) -> "MLAConfig":
-        raw = read_json(path, ConfigError, "config.json")
+        raw = read_json(path, ConfigError, "model config (is this a checkpoint directory?)")
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a JSON object")
         return cls.from_hf_dict(raw, source=str(path))

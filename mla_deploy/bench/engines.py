@@ -276,14 +276,20 @@ class TransformersEngine(TorchEngine):
     def load(self, graphs=None):
         import torch
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as transformers_logging
 
         from ..config import MLAConfig
 
         torch.set_num_threads(self.threads)
         self.cfg = MLAConfig.from_hf_json(Path(self.checkpoint) / "config.json")
-        self.model = AutoModelForCausalLM.from_pretrained(
-            self.checkpoint, dtype=torch.float32, attn_implementation="sdpa"
-        ).eval()
+        verbosity = transformers_logging.get_verbosity()
+        transformers_logging.set_verbosity_error()  # its load report lists the MTP layer it does not build
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(
+                self.checkpoint, dtype=torch.float32, attn_implementation="sdpa"
+            ).eval()
+        finally:
+            transformers_logging.set_verbosity(verbosity)
 
     def prefill_tokens_per_s(self, n: int) -> float:
         import torch

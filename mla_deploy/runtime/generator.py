@@ -397,8 +397,13 @@ def check_prompts(prompts, max_new_tokens: int, vocab: int, limit: int, least: i
                 raise InputError(f"prompt {r}, position {i}: token id {t} is outside the vocabulary [0, {vocab})")
         if len(row) + max_new_tokens > limit:
             raise InputError(
-                f"prompt {r}: {len(row)} prompt tokens + {max_new_tokens} new tokens = {len(row) + max_new_tokens} "
+                f"prompt {r}: {_tokens(len(row), 'prompt token')} + {_tokens(max_new_tokens, 'new token')} = "
+                f"{len(row) + max_new_tokens} "
                 f"exceeds the export's maximum length {limit}"
             )
         rows.append([int(t) for t in row])
     return rows
+
+
+def _tokens(n: int, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "s")

@@ -383,7 +383,7 @@ def _messages(value) -> list[dict]:
         if content is None and m["role"] == "assistant":
             content = ""
         if not isinstance(content, str):
-            raise bad(f"messages[{i}].content: expected a string", f"messages[{i}].content")
+            raise bad(f"messages[{i}].content: expected a string or a list of text parts", f"messages[{i}].content")
         out.append({**m, "content": content})
     return out
 
