@@ -300,9 +300,14 @@ def chat(export_dir, system, chat_template, max_new_tokens, temperature, top_k, 
     from .runtime.chat import ChatTemplate
     from .runtime.conversation import Conversation
 
+    from .manifest import is_staged, read_manifest
+
     given = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
                  seed=seed)
     speculation = _speculation(speculative, draft_tokens)
+    if is_staged(read_manifest(export_dir)):
+        raise click.UsageError(f"{export_dir}: a staged export (export --stages N) chats through `mla-deploy serve` "
+                               "and OpenAI's chat route; chat runs a whole export in this process")
     model = ExportedModel(export_dir, RuntimeOptions(provider=provider, threads=threads, session_config=session_config))
     template = None if chat_template is None else ChatTemplate.from_export(export_dir, chat_template)
     conversation = Conversation(model, model.generation.override(**given), max_new_tokens, system, template,

@@ -118,3 +118,7 @@ def test_the_chat_command_says_why_it_cannot_start(tmp_path):
     result = CliRunner().invoke(main, ["chat", str(tmp_path / "missing")])
     assert result.exit_code != 0
     assert "missing" in result.stderr and "Traceback" not in result.output
+    staged = tmp_path / "staged"
+    assert CliRunner().invoke(main, ["export", "-o", str(staged), "--stages", "2", "--no-verify"]).exit_code == 0
+    result = CliRunner().invoke(main, ["chat", str(staged)], input="hello\n")
+    assert result.exit_code == 2 and "a staged export (export --stages N) chats through" in result.stderr
