@@ -25,6 +25,10 @@ def table(result: BenchResult) -> str:
         lines.append(f"{r['engine']:<20}{r['ctx']:>7}{r['batch']:>6}{r['step_ms']:>10.2f}{r['tokens_per_s']:>9.1f}"
                      f"{frac:>10}{r['cache_bytes_per_token']:>13}{r['rss_mb']:>8}")
     lines.append(
+        "(of limit: the bytes a step reads (weights and cache) x steps/s over the highest bandwidth probed above; "
+        "weights that fit in the CPU's caches, as the demo's do, read faster than memory: above 1.00)"
+    )
+    lines.append(
         "(rss MB: resident memory the engine added: the absorbed exports, loaded side by side, show what their "
         "load added; the others the growth from their load through that point)"
     )
