@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import signal
 import sys
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -294,16 +292,18 @@ def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_
 def chat(export_dir, system, chat_template, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty,
          seed, provider, threads, session_config, speculative, draft_tokens):
     """Chat with EXPORT_DIR in the terminal, through its chat template: a line is a message (end a line with \\ to
-    go on to the next), /reset starts again, /exit or Ctrl-D ends. A turn prefills only its new tokens: the
-    conversation before it stays in the cache. Ctrl-C ends a reply where it is."""
-    from .runtime import ExportedModel, RuntimeOptions
+    go on to the next), /reset starts again, /exit or Ctrl-D ends, /help lists the commands. A turn prefills only
+    its new tokens: the conversation before it stays in the cache; its oldest turns make room when the context
+    fills. Ctrl-C ends a reply where it is."""
+    from .manifest import is_staged, read_manifest
+    from .runtime import ExportedModel, RuntimeOptions, SamplingParams
     from .runtime.chat import ChatTemplate
     from .runtime.conversation import Conversation
-
-    from .manifest import is_staged, read_manifest
+    from .terminal_chat import chat_loop
 
     given = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
                  seed=seed)
+    SamplingParams(**{k: v for k, v in given.items() if v is not None}).validate()  # bad flags fail before loading
     speculation = _speculation(speculative, draft_tokens)
     if is_staged(read_manifest(export_dir)):
         raise click.UsageError(f"{export_dir}: a staged export (export --stages N) chats through `mla-deploy serve` "
@@ -312,63 +312,8 @@ def chat(export_dir, system, chat_template, max_new_tokens, temperature, top_k, 
     template = None if chat_template is None else ChatTemplate.from_export(export_dir, chat_template)
     conversation = Conversation(model, model.generation.override(**given), max_new_tokens, system, template,
                                 speculation)
-    stdin = click.get_text_stream("stdin")
-    click.echo(f"[{export_dir}: loaded in {model.load_seconds:.1f} s; /reset starts again, /exit ends]", err=True)
-    while True:
-        message = _read_message(stdin)
-        if message is None or message.strip() == "/exit":
-            return
-        if message.strip() == "/reset":
-            conversation.reset()
-            click.echo("[the conversation starts again]", err=True)
-            continue
-        if not message.strip():
-            continue
-        try:
-            with _interrupt_flag() as interrupted:
-                turn = conversation.say(message, lambda text: click.echo(text, nl=False), interrupted)
-        except MLADeployError as e:  # the conversation outgrew the context: said, and the chat goes on
-            click.echo(f"error: {e}", err=True)
-            continue
-        click.echo()
-        new = turn.prompt_tokens - turn.cached_tokens
-        click.echo(f"[{len(turn.token_ids)} tokens, {turn.finish_reason}; prompt {turn.prompt_tokens} tokens, "
-                   f"{new} prefilled, {turn.cached_tokens} from the cache; first token {turn.first_token_ms:.0f} ms, "
-                   f"{turn.decode_tokens_per_s:.1f} tok/s]", err=True)
-
-
-def _read_message(stdin) -> str | None:
-    """The next message from stdin: a line, joined with the next while it ends in a backslash; None at the end of
-    the input or on Ctrl-C."""
-    lines = []
-    try:
-        while True:
-            click.echo("> " if not lines else ". ", nl=False, err=True)
-            line = stdin.readline()
-            if not line:
-                return "\n".join(lines) if lines else None
-            line = line.rstrip("\n")
-            if not line.endswith("\\"):
-                return "\n".join(lines + [line])
-            lines.append(line[:-1])
-    except KeyboardInterrupt:
-        click.echo(err=True)
-        return None
-
-
-@contextlib.contextmanager
-def _interrupt_flag():
-    """Ctrl-C while the body runs sets a flag (asked between scheduler steps) instead of raising (only the main
-    thread can take the signal)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield lambda: False
-        return
-    pressed = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
-    try:
-        yield lambda: bool(pressed)
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    click.echo(f"[{export_dir}: loaded in {model.load_seconds:.1f} s; /help lists the commands]", err=True)
+    chat_loop(conversation)
 
 
 @main.command(name="inspect")

@@ -129,8 +129,8 @@ def check_files(directory: Path, manifest: dict, check_weights: str = "sampled")
     (all blocks, or a sample of a large file: mla_deploy.integrity); of every stage, for a staged export."""
     for name in manifest.get("tokenizer") or []:  # copied from the checkpoint by the export
         if not (directory / name).is_file():
-            raise ExportLoadError(f"{directory / name}: missing (the manifest lists it among the export's tokenizer "
-                                  "files)")
+            raise ExportLoadError(f"{directory / name}: missing (the manifest lists it among the tokenizer and "
+                                  "generation files copied from the checkpoint)")
     if is_staged(manifest):
         for index in range(len(manifest["stages"])):
             check_files(*read_stage(directory, manifest, index), check_weights)

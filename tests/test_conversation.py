@@ -72,10 +72,10 @@ def test_an_interrupted_reply_ends_where_it_is_and_stays_in_the_conversation(mod
     assert turn.token_ids == expected  # the reply's start, as an uninterrupted one
 
 
-def test_a_reply_stops_at_the_context_and_a_conversation_past_it_is_refused(model):
+def test_a_reply_stops_at_the_context_and_a_message_past_it_is_refused(model):
     chat = Conversation(model, GREEDY, max_new_tokens=512)
     long = " ".join(["lines"] * 2000)
-    with pytest.raises(InputError, match=r"the conversation is \d+ tokens, and the model's context 1024: no room"):
+    with pytest.raises(InputError, match=r"the conversation \d+ tokens, and the model's context is 1024: no room"):
         chat.say(long)
     assert chat.messages == []  # the refused message is not kept
     near = " ".join(["x"] * 1000)
@@ -83,6 +83,45 @@ def test_a_reply_stops_at_the_context_and_a_conversation_past_it_is_refused(mode
     assert len(prompt) < model.max_seq_len
     turn = chat.say(near)
     assert len(turn.token_ids) + (turn.finish_reason == "stop") <= model.max_seq_len - len(prompt)
+
+
+def test_the_first_token_is_out_before_the_first_decode_step(model):
+    chat = Conversation(model, GREEDY, max_new_tokens=6)
+    decode_steps = []
+    turn = chat.say(ASKS[0], lambda text: decode_steps.append(chat.scheduler.stats.decode_steps))
+    assert decode_steps[0] == 0 and len(turn.token_ids) >= 2
+    assert turn.first_token_ms > 0 and turn.decode_tokens_per_s > 0
+
+
+def test_a_failing_reader_frees_the_row_for_the_next_turn(model):
+    chat = Conversation(model, GREEDY, max_new_tokens=300)
+    pieces = []
+
+    def closed_pipe(text):
+        pieces.append(text)
+        if len(pieces) == 2:
+            raise BrokenPipeError
+
+    with pytest.raises(BrokenPipeError):
+        chat.say(ASKS[0], closed_pipe)
+    assert not chat.scheduler.has_work() and chat.messages == []
+    generated = chat.scheduler.stats.generated_tokens
+    turn = chat.say(ASKS[1])
+    assert turn.token_ids == alone(model, chat, chat.messages[:-1], 300)[1]
+    assert chat.scheduler.stats.generated_tokens - generated == len(turn.token_ids) + (turn.finish_reason == "stop")
+
+
+def test_the_oldest_turns_make_room_for_the_next_reply(model):
+    chat = Conversation(model, GREEDY, max_new_tokens=200, system="You write Python.")
+    asks = [" ".join([f"step {i}"] * 120) for i in range(4)]  # ~250 tokens each
+    turns = [chat.say(ask) for ask in asks]
+    assert turns[0].dropped_turns == 0 and sum(t.dropped_turns for t in turns) >= 1
+    users = [m["content"] for m in chat.messages if m["role"] == "user"]
+    assert asks[0] not in users and users[-1] == asks[-1] and chat.messages[0]["role"] == "system"
+    prompt = chat.template.prompt_ids(chat.messages[:-1], chat.tokenizer)
+    assert len(prompt) + 200 <= model.max_seq_len  # the last reply had its whole budget
+    _, expected = alone(model, chat, chat.messages[:-1], 200)
+    assert turns[-1].token_ids == expected and turns[-1].prompt_tokens == len(prompt)
 
 
 def test_an_export_without_a_chat_template_or_tokenizer_is_refused_by_name(demo_export_dir, tmp_path):
@@ -102,7 +141,8 @@ def test_an_export_without_a_chat_template_or_tokenizer_is_refused_by_name(demo_
 
 
 def test_the_chat_command_streams_replies_and_says_what_came_from_the_cache(demo_export_dir, model):
-    typed = f"{ASKS[0]}\n{ASKS[1].replace(chr(10), chr(92) + chr(10))}\n/reset\n\n{ASKS[0]}\n/exit\nnever read\n"
+    typed = (f"{ASKS[0]}\n{ASKS[1].replace(chr(10), chr(92) + chr(10))}\n/reset\n\n/nonsense\n/help\n"
+             f"caf\xe9 not UTF-8\n{ASKS[0]}\n/bye\nnever read\n").encode("latin-1")
     result = CliRunner().invoke(main, ["chat", str(demo_export_dir), "--temperature", "0", "--repetition-penalty",
                                        "1", "-n", "10", "--speculative", "off"], input=typed)
     assert result.exit_code == 0, result.output
@@ -112,6 +152,13 @@ def test_the_chat_command_streams_replies_and_says_what_came_from_the_cache(demo
     cached = [int(n) for n in re.findall(r"(\d+) from the cache", result.stderr)]
     assert cached[0] == 0 and cached[1] > 0 and cached[2] > 0 and len(cached) == 3
     assert "[the conversation starts again]" in result.stderr
+    assert "[unknown command /nonsense: /help lists them]" in result.stderr and "/reset  start" in result.stderr
+    assert "[the line is not UTF-8 text: dropped]" in result.stderr
+
+
+def test_the_chat_command_refuses_bad_sampling_before_loading(tmp_path):
+    result = CliRunner().invoke(main, ["chat", str(tmp_path / "not-loaded"), "--temperature", "inf"])
+    assert result.exit_code != 0 and "temperature" in result.stderr and "not-loaded" not in result.stderr
 
 
 def test_the_chat_command_says_why_it_cannot_start(tmp_path):

@@ -468,7 +468,7 @@ static OrtStatus *compute_qmatmul_any(const QKernel *node, OrtKernelContext *con
     OrtKernelContext *pool = pool_for(context, p.m * node->k * node->n);
     p.row_chunk = 32;
     if (scratch) status = parallel_for(pool, run_quantize, (size_t)((p.m + p.row_chunk - 1) / p.row_chunk), &p);
-    /* tasks: heads x row chunks x column chunks (multiples of 4 groups, one row's tile), about 16 of them in all */
+    /* tasks: heads x row chunks x column chunks (multiples of 4 groups: whole tiles of every shape), about 16 in all */
     p.row_chunk = PRODUCT_ROWS;
     p.rows_chunks = (p.head_rows + PRODUCT_ROWS - 1) / PRODUCT_ROWS;
     int64_t row_tasks = p.heads * p.rows_chunks;

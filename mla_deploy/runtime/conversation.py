@@ -33,7 +33,8 @@ class Turn:
     prompt_tokens: int  # the whole conversation, rendered
     cached_tokens: int  # of those, found in the row's cache (not prefilled)
     first_token_ms: float
-    decode_tokens_per_s: float
+    decode_tokens_per_s: float  # tokens after the first over the time from the first to the last
+    dropped_turns: int = 0  # the conversation's oldest turns dropped to leave room in the context for this reply
 
 
 class Conversation:
@@ -66,40 +67,65 @@ class Conversation:
     def say(self, content: str, on_text: Callable[[str], None] | None = None,
             interrupted: Callable[[], bool] = lambda: False) -> Turn:
         """The model's reply to the user message `content`, its text handed to `on_text` as it is generated; the
-        message and the reply join the conversation. `interrupted()`, asked between scheduler steps, ends the reply
-        where it is (finish_reason "cancelled"; what was generated stays in the conversation). InputError where the
-        conversation leaves no room for a reply in the model's context (reset() starts again)."""
-        messages = self.messages + [{"role": "user", "content": content}]
+        message and the reply join the conversation. Where the conversation would leave less room in the model's
+        context than max_new_tokens, its oldest turns are dropped (the system message stays) until it does or none is
+        left; InputError where even then no token fits. `interrupted()`, asked between scheduler steps, ends the
+        reply where it is (finish_reason "cancelled"; what was generated stays in the conversation, a reply with no
+        token yet drops the turn)."""
+        messages, dropped = self._fitted(self.messages + [{"role": "user", "content": content}])
         prompt = self.template.prompt_ids(messages, self.tokenizer)
         room = self.model.max_seq_len - len(prompt)
         if room < 1:
-            raise InputError(f"the conversation is {len(prompt)} tokens, and the model's context "
-                             f"{self.model.max_seq_len}: no room for a reply; start again (reset)")
+            raise InputError(f"the message makes the conversation {len(prompt)} tokens, and the model's context is "
+                             f"{self.model.max_seq_len}: no room for a reply")
         events: list[TokenEvent | Finished] = []
         request = Request(prompt, min(self.max_new_tokens, room), events.append, self.sampling, self.stop_ids)
         self.scheduler.add(request)
-        stream, tokens, finished = TextStream(self.tokenizer), [], None
-        t0, first = time.perf_counter(), None
-        while finished is None:
-            if interrupted():
-                self.scheduler.cancel(request)  # the next step ends it
-            self.scheduler.step()
+        stream, tokens, times, finished = TextStream(self.tokenizer), [], [], []
+        t0 = time.perf_counter()
+
+        def hand_over() -> None:  # after each phase of a step: the prefill's first token is out before the decode
+            now = time.perf_counter()
             for event in events:
                 if isinstance(event, Finished):
-                    finished = event
+                    finished.append(event)
                     continue
-                first = first or time.perf_counter()
+                times.append(now)
                 if event.token not in self.stop_ids:
                     tokens.append(event.token)
                     if on_text is not None:
                         on_text(stream.push(event.token))
             events.clear()
+
+        try:
+            while not finished:
+                if interrupted():
+                    self.scheduler.cancel(request)  # the next step ends it
+                self.scheduler.step(hand_over)
+        except BaseException:  # on_text failing (a closed pipe), or the scheduler: the row is freed for the next turn
+            self.scheduler.cancel(request)
+            while self.scheduler.has_work():
+                self.scheduler.step()
+            raise
         if on_text is not None:
             on_text(stream.flush())
-        done = time.perf_counter()
         text = self.tokenizer.decode(tokens)
-        self.messages = messages + [{"role": "assistant", "content": text}]
-        first = first or done
-        decoded = finished.completion_tokens - 1
-        return Turn(text, tokens, finished.reason, finished.prompt_tokens, finished.cached_tokens,
-                    round((first - t0) * 1e3, 3), round(decoded / (done - first), 2) if decoded > 0 else 0.0)
+        if tokens or finished[0].reason != "cancelled":
+            self.messages = messages + [{"role": "assistant", "content": text}]
+        first = (times[0] - t0) * 1e3 if times else 0.0
+        span = times[-1] - times[0] if len(times) > 1 else 0.0
+        return Turn(text, tokens, finished[0].reason, finished[0].prompt_tokens, finished[0].cached_tokens,
+                    round(first, 3), round((len(times) - 1) / span, 2) if span > 0 else 0.0, dropped)
+
+    def _fitted(self, messages: list[dict]) -> tuple[list[dict], int]:
+        """`messages` without as many of its oldest turns (a user message and what follows it up to the next) as it
+        takes to leave max_new_tokens of the context free, or all of them but the last message; and how many."""
+        first = len(self.system)
+        dropped = 0
+        while True:
+            room = self.model.max_seq_len - len(self.template.prompt_ids(messages, self.tokenizer))
+            later = [i for i in range(first + 1, len(messages)) if messages[i]["role"] == "user"]
+            if room >= self.max_new_tokens or not later:
+                return messages, dropped
+            messages = messages[:first] + messages[later[0]:]
+            dropped += 1
