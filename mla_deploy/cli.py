@@ -11,8 +11,8 @@ from pathlib import Path
 
 import click
 
-from .cli_options import (_parse_ids, _parse_ints, _parse_modes, _ray_address_option, _sampling_options,
-                          _session_config_option, _speculation, _speculation_options, _utf8)
+from .cli_options import (_parse_ids, _parse_ints, _parse_modes, _ray_address_option, _sampling_given,
+                          _sampling_options, _session_config_option, _speculation, _speculation_options, _utf8)
 from .errors import MLADeployError, missing_extra
 from .presets import DEMO_CHECKPOINT
 
@@ -220,13 +220,12 @@ def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_
         draft_tokens, ray_address, as_json):
     """Generate from EXPORT_DIR, streaming the text as it is produced."""
     from .manifest import is_staged, read_manifest
-    from .runtime import ExportedModel, RuntimeOptions, SamplingParams
+    from .runtime import ExportedModel, RuntimeOptions
     from .runtime.complete import complete
 
     ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
-    given = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-                 seed=seed)
-    SamplingParams(**{k: v for k, v in given.items() if v is not None}).validate()  # bad flags fail before loading
+    given = _sampling_given(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                            repetition_penalty=repetition_penalty, seed=seed)
     speculation = _speculation(speculative, draft_tokens)
     if decode_only and speculative == "auto":
         speculation = _speculation("off", draft_tokens)  # a decode-only model holds no verify graph
@@ -296,14 +295,13 @@ def chat(export_dir, system, chat_template, max_new_tokens, temperature, top_k, 
     its new tokens: the conversation before it stays in the cache; its oldest turns make room when the context
     fills. Ctrl-C ends a reply where it is."""
     from .manifest import is_staged, read_manifest
-    from .runtime import ExportedModel, RuntimeOptions, SamplingParams
+    from .runtime import ExportedModel, RuntimeOptions
     from .runtime.chat import ChatTemplate
     from .runtime.conversation import Conversation
     from .terminal_chat import chat_loop
 
-    given = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-                 seed=seed)
-    SamplingParams(**{k: v for k, v in given.items() if v is not None}).validate()  # bad flags fail before loading
+    given = _sampling_given(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                            repetition_penalty=repetition_penalty, seed=seed)
     speculation = _speculation(speculative, draft_tokens)
     if is_staged(read_manifest(export_dir)):
         raise click.UsageError(f"{export_dir}: a staged export (export --stages N) chats through `mla-deploy serve` "

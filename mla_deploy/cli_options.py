@@ -48,6 +48,14 @@ def _sampling_options(f):  # run and chat
     return f
 
 
+def _sampling_given(**flags) -> dict:
+    """The sampling flags as given (None: not set, the export's default), checked before anything loads."""
+    from .runtime import SamplingParams
+
+    SamplingParams(**{k: v for k, v in flags.items() if v is not None}).validate()
+    return flags
+
+
 def _speculation_options(f):  # run and serve
     f = click.option("--draft-tokens", type=click.IntRange(min=1), default=4, show_default=True, callback=_draft_tokens,
                      help="Most tokens proposed per step with --speculative (fewer where the measured step costs and "

@@ -72,8 +72,7 @@ class Conversation:
         left; InputError where even then no token fits. `interrupted()`, asked between scheduler steps, ends the
         reply where it is (finish_reason "cancelled"; what was generated stays in the conversation, a reply with no
         token yet drops the turn)."""
-        messages, dropped = self._fitted(self.messages + [{"role": "user", "content": content}])
-        prompt = self.template.prompt_ids(messages, self.tokenizer)
+        messages, prompt, dropped = self._fitted(self.messages + [{"role": "user", "content": content}])
         room = self.model.max_seq_len - len(prompt)
         if room < 1:
             raise InputError(f"the message makes the conversation {len(prompt)} tokens, and the model's context is "
@@ -117,15 +116,16 @@ class Conversation:
         return Turn(text, tokens, finished[0].reason, finished[0].prompt_tokens, finished[0].cached_tokens,
                     round(first, 3), round((len(times) - 1) / span, 2) if span > 0 else 0.0, dropped)
 
-    def _fitted(self, messages: list[dict]) -> tuple[list[dict], int]:
+    def _fitted(self, messages: list[dict]) -> tuple[list[dict], list[int], int]:
         """`messages` without as many of its oldest turns (a user message and what follows it up to the next) as it
-        takes to leave max_new_tokens of the context free, or all of them but the last message; and how many."""
+        takes to leave max_new_tokens of the context free, or all of them but the last message; its prompt ids; and
+        how many turns went."""
         first = len(self.system)
         dropped = 0
         while True:
-            room = self.model.max_seq_len - len(self.template.prompt_ids(messages, self.tokenizer))
+            prompt = self.template.prompt_ids(messages, self.tokenizer)
             later = [i for i in range(first + 1, len(messages)) if messages[i]["role"] == "user"]
-            if room >= self.max_new_tokens or not later:
-                return messages, dropped
+            if self.model.max_seq_len - len(prompt) >= self.max_new_tokens or not later:
+                return messages, prompt, dropped
             messages = messages[:first] + messages[later[0]:]
             dropped += 1
