@@ -138,9 +138,11 @@ def main(ctx, debug):
                    "--quantized-ops onnxruntime, else branches (one If per expert: stock ONNX that runs anywhere, "
                    "CUDA included; docs/precision.md); moe: onnxruntime's MoE over float experts, no control flow "
                    "(for CUDA; slow on the CPU: docs/gpu.md).")
-@click.option("--decode-attention", type=click.Choice(["auto", "kernel", "ops"]), default="auto", show_default=True,
-              help="The decode attention core: mla-deploy's LatentAttention kernel, or onnxruntime's ops (stock ONNX "
-                   "that runs anywhere, CUDA included; docs/design.md).")
+@click.option("--decode-attention", type=click.Choice(["auto", "kernel", "avx512", "ops"]), default="auto",
+              show_default=True,
+              help="The decode attention core: mla-deploy's LatentAttention kernel, onnxruntime's ops (stock ONNX "
+                   "that runs anywhere, CUDA included), or avx512: the kernel on CPUs with AVX-512, the ops elsewhere "
+                   "(auto's choice for float32 caches at 16 heads or more; docs/design.md).")
 @click.option("--prefill-attention", type=click.Choice(["auto", "per-chunk", "naive"]), default="auto",
               show_default=True,
               help="The prefill attention: each call the cheaper of the naive and absorbed forms (auto, where both "

@@ -97,7 +97,7 @@ def _kernel_ops(graphs: dict) -> dict | None:
     if not any(ops.values()):
         return None
     library = kernels.library()
-    return {"ops": ops, "library": str(library) if library else None}
+    return {"ops": ops, "library": str(library) if library else None, "isa": kernels.isa()}
 
 
 def _plan(recorded: dict) -> str:
@@ -159,6 +159,10 @@ def format_report(r: dict) -> list[str]:
                "function bodies, on float32 copies of the weights made at load" +
                ("; RoutedExperts' body runs every expert on every token" if any(
                    "RoutedExperts" in op for ops in k["ops"].values() for op in ops) else ""))
+        if k["library"] and any(op.endswith("Avx512") for ops in k["ops"].values() for op in ops):
+            how += ("; the *Avx512 attention ops run the kernel on this CPU (AVX-512)" if k["isa"] == "avx512" else
+                    f"; the *Avx512 attention ops run onnxruntime's ops on this CPU (the kernels run {k['isa']} "
+                    "code here)")
         lines.append(f"kernels    {counts}; {how}")
     q = r.get("quantization")
     if q:

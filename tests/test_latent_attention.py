@@ -7,6 +7,7 @@ ops."""
 import dataclasses
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
@@ -22,6 +23,7 @@ from mla_deploy.export.opset import OPSET
 from mla_deploy.presets import DEMO_CHECKPOINT
 from mla_deploy.runtime import ExportedModel, Generator, SamplingParams
 from mla_deploy.runtime.feeds import prefill_feed
+from mla_deploy.runtime.speculative import DraftPolicy, Speculation
 from mla_deploy.safetensors_io import bf16_to_float32, float32_to_bf16
 
 import kernel_levels
@@ -254,17 +256,66 @@ def test_the_choice_follows_heads_cache_dtype_and_widths():
     demo = MLAConfig.from_hf_json(DEMO_CHECKPOINT / "config.json")  # 4 heads, d_c 64, d_r 16
     v2lite = MLAConfig.from_hf_json(DEMO_CHECKPOINT.parent / "presets" / "v2lite.json")  # 16 heads
     assert resolve_decode_attention(demo, "auto") == "kernel"
-    assert resolve_decode_attention(v2lite, "auto") == "ops"  # 16 heads over float32 caches: MLAS wins
+    assert resolve_decode_attention(v2lite, "auto") == "avx512"  # 16 heads over float32 caches: by CPU
     assert resolve_decode_attention(v2lite, "auto", cache_dtype="bfloat16") == "kernel"  # no cast of the cache
     assert resolve_decode_attention(v2lite, "auto", cache_dtype="float16") == "kernel"
     assert resolve_decode_attention(v2lite, "kernel") == "kernel"  # asked for
     assert resolve_decode_attention(demo, "ops") == "ops"
     odd = dataclasses.replace(demo, kv_lora_rank=40)
     assert resolve_decode_attention(odd, "auto", cache_dtype="float16") == "ops"
-    with pytest.raises(ExportError, match="needs kv_lora_rank a multiple of 16 and qk_rope_head_dim of 8 .* 40 and 16"):
-        resolve_decode_attention(odd, "kernel")
-    with pytest.raises(ExportError, match="expected one of auto, kernel, ops"):
+    assert resolve_decode_attention(odd, "auto") == "ops"
+    for asked in ("kernel", "avx512"):
+        with pytest.raises(ExportError, match=f"--decode-attention {asked} needs kv_lora_rank a multiple of 16 and "
+                                              "qk_rope_head_dim of 8 .* 40 and 16"):
+            resolve_decode_attention(odd, asked)
+    assert resolve_decode_attention(demo, "avx512") == "avx512"  # asked for
+    with pytest.raises(ExportError, match="avx512 chooses by CPU over float32 caches; over bfloat16 caches the kernel "
+                                          "runs on every CPU"):
+        resolve_decode_attention(v2lite, "avx512", cache_dtype="bfloat16")
+    with pytest.raises(ExportError, match="expected one of auto, kernel, avx512, ops"):
         resolve_decode_attention(demo, "fused")
+
+
+@pytest.fixture(scope="module")
+def avx512_demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("avx512-demo") / "out"
+    export(DEMO_CHECKPOINT, out, ExportOptions(decode_attention="avx512"), progress=lambda m: None)
+    return out
+
+
+def _optimized_op_types(model: ExportedModel, kind: str, path) -> set[str]:
+    so = model.session_options(kind)
+    so.optimized_model_filepath = str(path)
+    ort.InferenceSession(str(model.directory / model.manifest["graphs"][kind]["file"]), so, providers=model.providers)
+    return {node.op_type for node in onnx.load(str(path), load_external_data=False).graph.node}
+
+
+@needs_library
+@pytest.mark.parametrize("isa", kernel_levels.params())
+def test_the_avx512_choice_runs_the_kernel_only_where_the_kernels_run_avx512(avx512_demo, demo_export_dir, isa,
+                                                                             tmp_path, monkeypatch):
+    """decode_attention="avx512" (auto's over float32 caches at 16 heads and more) writes the decode graph's kernel
+    under the name the library registers only at its AVX-512 level: there onnxruntime keeps the nodes, at every other
+    level (MLA_DEPLOY_ISA) it inlines their bodies, onnxruntime's MatMuls. The verify graph's T tokens a row run the
+    ops. Either way the export decodes the demo export's greedy tokens (its kernel's), 3 rows of different lengths,
+    also through verification passes of prompt-lookup drafts."""
+    monkeypatch.setenv("MLA_DEPLOY_ISA", isa)
+    model, reference = ExportedModel(avx512_demo), ExportedModel(demo_export_dir)
+    assert (model.manifest["decode_attention"], reference.manifest["decode_attention"]) == ("avx512", "kernel")
+    name = kernels.LATENT_ATTENTION_AVX512[False]  # the demo's 1024 positions: no long-cache form
+    assert model.manifest["graphs"]["decode"]["op_counts"][f"{kernels.DOMAIN}::{name}"] == 4
+    ops = _optimized_op_types(model, "decode", tmp_path / "decode.onnx")
+    assert (name in ops) == (isa == "avx512") and "MatMul" in ops, sorted(ops)
+    assert not any("LatentAttention" in op for op in model.manifest["graphs"]["verify"]["op_counts"])
+    prompts = [[1, 17, 300, 42, 17, 300, 42, 17], [1, 5], [1, 900, 901, 902, 900, 901, 902, 900]]
+    plain = Generator(reference, SamplingParams(), stop_token_ids=()).generate(prompts, 16).token_ids
+    assert Generator(model, SamplingParams(), stop_token_ids=()).generate(prompts, 16).token_ids == plain
+    monkeypatch.setattr(DraftPolicy, "lengths",  # draft whatever the proposer has, whatever the costs say
+                        lambda self, acceptance, available: [0 if a is None else n
+                                                             for a, n in zip(acceptance, available)])
+    drafted = Generator(model, SamplingParams(), stop_token_ids=(), speculation=Speculation("lookup", 3)).generate(
+        prompts, 16)
+    assert drafted.token_ids == plain and drafted.speculation.proposed > 0
 
 
 @needs_library

@@ -31,6 +31,7 @@ OPTION_SETS = {
     "float16 computed in float16": ExportOptions(dtype="float16", compute="float16", experts="moe", absorb="fused"),
     "int4 head4": ExportOptions(quantize="int4", head_bits=4, absorb="fused", block_size=16, accuracy_level=0),
     "int8 short": ExportOptions(quantize="int8", max_seq_len=64),
+    "int4 attention by CPU": ExportOptions(quantize="int4", decode_attention="avx512"),
     "int8 onnxruntime": ExportOptions(quantize="int8", quantized_ops="onnxruntime", dtype="float16"),
 }
 
@@ -50,7 +51,8 @@ def test_the_manifest_records_the_plan_and_the_graphs_follow_it(tiny, tmp_path, 
         assert spec["dtype"] == plan.cache_dtype
     decode = manifest["graphs"]["decode"]["op_counts"]
     kernel_ops = {op.split("::")[1] for op in decode if op.startswith("mla_deploy::")}
-    assert any(op.startswith("LatentAttention") for op in kernel_ops) == (plan.decode_attention == "kernel")
+    assert any(op.startswith("LatentAttention") for op in kernel_ops) == (plan.decode_attention != "ops")
+    assert any(op.endswith("Avx512") for op in kernel_ops) == (plan.decode_attention == "avx512")
     assert any("RoutedExperts" in op for op in kernel_ops) == (plan.experts == "kernel")
     assert any(op.startswith(("QMatMul", "QGather")) for op in kernel_ops) == (plan.quantized_ops == "kernel")
     assert ("com.microsoft::MatMulNBits" in decode) == (plan.quantized_ops == "onnxruntime")
@@ -128,7 +130,7 @@ def test_a_manifest_without_the_long_cache_field_reads_back_by_the_rule(tiny, tm
     [
         (ExportOptions(dtype="float8"), "--dtype float8: dtype 'float8': expected one of float32, float16, bfloat16"),
         (ExportOptions(experts="dense"), "--experts dense: expected one of auto, qmoe, kernel, moe, branches"),
-        (ExportOptions(decode_attention="fast"), "--decode-attention fast: expected one of auto, kernel, ops"),
+        (ExportOptions(decode_attention="fast"), "--decode-attention fast: expected one of auto, kernel, avx512, ops"),
         (ExportOptions(quantize="int3"), "--quantize int3: expected one of int4, int8"),
         (ExportOptions(head_bits=4), "--head-bits 4: the embedding and output layer keep"),
         (ExportOptions(quantized_ops="kernel"), "--quantized-ops kernel: chooses the ops of quantized weights"),

@@ -168,12 +168,18 @@ def probs_at_latent(op, logits, bias, latent, long_cache: bool) -> ir.Value:
     return op.MatMul(probs, latent)  # [b, h, cap] @ [b, cap, d_c] -> [b, h, d_c]
 
 
-def latent_attention_op(cache: io_spec.CacheFormat | str, long_cache: bool, chunk: bool = False) -> str:
+def latent_attention_op(cache: io_spec.CacheFormat | str, long_cache: bool, chunk: bool = False,
+                        avx512: bool = False) -> str:
     """The kernel op's name for these caches: LatentAttention* over float caches (by their dtype), LatentAttentionQ8*
     over an int8 latent (by the rope's dtype); *Long* where the cache can outgrow the long-cache size a row;
     LatentAttentionChunk* / LatentAttentionChunkQ8* for T query tokens a row (a prefill chunk over an int8 latent,
-    the verify and draft graphs)."""
+    the verify and draft graphs); `avx512` (one query a row over float32 caches): the names registered only where the
+    kernels run AVX-512 code."""
     cache = io_spec.CacheFormat.of(cache)
+    if avx512:
+        if cache.latent != "float32" or cache.rope != "float32" or chunk:
+            raise ValueError(f"the AVX-512-only attention ops take one query a row over float32 caches, not {cache}")
+        return kernels.LATENT_ATTENTION_AVX512[long_cache]
     if chunk:
         return (kernels.LATENT_ATTENTION_CHUNK_Q8[cache.rope] if cache.scaled
                 else kernels.LATENT_ATTENTION_CHUNK[cache.latent])
@@ -209,10 +215,11 @@ def latent_attention_chunk_core(op, q_latent: ir.Value, q_rope: ir.Value, caches
 
 
 def latent_attention_function(cache: io_spec.CacheFormat | str, long_cache: bool, width: int | None = None,
-                              chunk: bool = False) -> ir.Function:
+                              chunk: bool = False, avx512: bool = False) -> ir.Function:
     """The body of the kernel op over `cache` (latent_attention_op; an int8 latent's d_c = `width`, DequantizeLinear's
     block; LatentAttentionLong*: a cache that can outgrow the long-cache size a row, multiplied as MatMul's A
-    operand; a `chunk`'s queries [b, T, h, ·]): what onnxruntime runs where the kernel library is not registered."""
+    operand; a `chunk`'s queries [b, T, h, ·]; `avx512`: the op registered only on AVX-512 CPUs): what onnxruntime
+    runs where the kernel library does not register the op."""
     cache = io_spec.CacheFormat.of(cache)
     latent, rope = DATA_TYPES[cache.latent], DATA_TYPES[cache.rope]
 
@@ -250,7 +257,7 @@ def latent_attention_function(cache: io_spec.CacheFormat | str, long_cache: bool
 
         inputs = {"q_latent": FLOAT, "q_rope": FLOAT, "latent": latent, "rope": rope, "bias": FLOAT}
         stored = f"{cache.latent} caches"
-    return kernel_function(latent_attention_op(cache, long_cache, chunk), inputs, "out", body,
+    return kernel_function(latent_attention_op(cache, long_cache, chunk, avx512), inputs, "out", body,
                            f"out = softmax(q_latent · latent + q_rope · rope + bias) @ latent over {stored} "
                            "(the queries already scaled). mla-deploy's kernel library reads the caches as stored and "
                            "only the slots each row sees; this body, where that is not registered, reads every slot"
@@ -409,7 +416,10 @@ class MLAttention:
         q_pe = rope(op, g.to_float(op, q_pe), cos, sin, heads=h)  # [b, T, h·d_r], each token's cos / sin
         q_pe = op.Reshape(q_pe, [rows, h, dr])  # [b, T, h·d_r] -> [b·T, h, d_r]
         cache = plan.cache_format
-        kernel = plan.decode_attention == "kernel"
+        # "avx512": the kernel for one query a row; T tokens a row run onnxruntime's ops, whose one MatMul of a row's
+        # T·h queries reads the cache once (the kernel reads it per query: 1.3x slower at 17 tokens over 16k slots)
+        avx512 = plan.decode_attention == "avx512" and not tokens
+        kernel = plan.decode_attention == "kernel" or avx512
         if kernel or tokens:  # the softmax scale on the queries: h·(d_c + d_r) products, not h·cap
             q_latent, q_pe = op.Mul(q_latent, self.scale), op.Mul(q_pe, self.scale)
         if tokens:  # each row's tokens [b, T, h, ·], with their causal bias [b, 1, T, cap]
@@ -418,8 +428,8 @@ class MLAttention:
             q_pe = op.Reshape(q_pe, op.Concat(head_shape, [dr], axis=0))
         if kernel:
             stored = (present.latent, present.scale, present.rope) if cache.scaled else (present.latent, present.rope)
-            o_latent = g.kernel_op(op, latent_attention_op(cache, plan.long_cache, tokens),
-                                   lambda: latent_attention_function(cache, plan.long_cache, dc, tokens),
+            o_latent = g.kernel_op(op, latent_attention_op(cache, plan.long_cache, tokens, avx512),
+                                   lambda: latent_attention_function(cache, plan.long_cache, dc, tokens, avx512),
                                    q_latent, q_pe, *stored, bias)  # [b, h, d_c] or [b, T, h, d_c]
         elif tokens:  # the kernel op's ONNX body: the T·h queries of a row as the rows of one MatMul, the softmax
             # along the last axis (over [b, cap, T, h] along the cache's axis it took 80 ms of a full-size V2-Lite

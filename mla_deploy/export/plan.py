@@ -47,8 +47,14 @@ The rules (each form measured against the others: docs/benchmarks.md):
   the caches as stored and only the slots each row sees; LatentAttentionQ8 over an int8 latent) where its widths fit
   the kernel's blocks (d_c a multiple of 16, d_r of 8), for half and int8 caches always (onnxruntime's ops would
   widen the whole cache to float32 in every layer of every step) and for float32 caches below KERNEL_HEADS_BELOW
-  heads (at 16 heads MLAS's 16-column panels win); "ops" otherwise: onnxruntime's MatMul, Softmax, MatMul (after
-  DequantizeLinear for an int8 latent), the portable form.
+  heads; "avx512" for float32 caches at KERNEL_HEADS_BELOW heads and more: the kernel under the names
+  LatentAttention*Avx512, which the kernel library registers only where its kernels run AVX-512 code, so that on
+  other CPUs onnxruntime runs the ops' function bodies (MLAS's 16-column panels win there at 16 heads, by 10-20 % on
+  an AVX2-only CPU, and lose by 20-30 % to the kernel's 16-lane code on AVX-512 CPUs): the one choice an export
+  leaves to the CPU it runs on. Under "avx512" T tokens a row (verification passes, the draft, a prefill chunk's
+  absorbed form) run the ops, whose one MatMul of a row's T·h queries reads the cache once where the kernel reads
+  it per query. "ops" otherwise: onnxruntime's MatMul, Softmax, MatMul (after DequantizeLinear for an int8 latent),
+  the portable form.
 - prefill attention: "absorbed" over an int8 cache where decode attention runs the kernel: a prefill chunk's
   queries against the cache as stored in mla_deploy.LatentAttentionChunkQ8, in integers, reading nothing but the
   cache; "naive" where the fused matrices are quantized (the two forms would differ by their rounding), or where
@@ -95,11 +101,11 @@ SCALE_DTYPE = {"kernel": "float16", "onnxruntime": "float32"}
 BLOCK_SIZE = 32  # weights per quantization block (one scale each), unless --block-size says otherwise
 ACCURACY_LEVEL = 4  # a quantized export's MatMuls quantize their activations to int8 (0: float, exact)
 HEAD_BITS_INT4 = 6  # an int4 export's embedding and output layer on mla-deploy's kernels (module docstring, head bits)
-DECODE_ATTENTION = ("auto", "kernel", "ops")
+DECODE_ATTENTION = ("auto", "kernel", "avx512", "ops")
 PREFILL_ATTENTION = ("auto", "per-chunk", "naive")
 CACHE_DTYPES = ("auto", *io_spec.FLOAT_CACHES, *io_spec.QUANTIZED_CACHES)
 DENSE_RATIO = 4
-KERNEL_HEADS_BELOW = 16  # auto picks the kernel over float32 caches for fewer heads than this
+KERNEL_HEADS_BELOW = 16  # auto picks the kernel over float32 caches for fewer heads than this, avx512 from it
 # a row's latent cache (float32) at the export's maximum length beyond which decode attention takes the cache as the
 # A operand: 8192 slots of DeepSeek's 512-wide latent
 LONG_CACHE_BYTES = 16 * 2**20
@@ -124,7 +130,7 @@ class ExportOptions:
     head_bits: int | None = None  # a quantized export's embedding and output layer: 4, 6 or 8; None: head_bits()
     quantized_ops: str = "auto"  # a quantized export's ops: auto (= kernel), kernel, onnxruntime
     experts: str = "auto"  # routed experts: auto, kernel, qmoe (quantized), moe (float), branches (portable)
-    decode_attention: str = "auto"  # the decode graph's attention core: auto, kernel, ops (portable)
+    decode_attention: str = "auto"  # the decode graph's attention core: auto, kernel, avx512, ops (portable)
     prefill_attention: str = "auto"  # the prefill graph's: auto, per-chunk, naive (module docstring)
     cache_dtype: str = (
         "auto"  # the latent cache: auto (--dtype), float32, float16, bfloat16, int8 (io_spec.CacheFormat)
@@ -225,7 +231,7 @@ class ExportPlan:
     quantization: Quantization | None  # bits, block, accuracy level, head bits, scale dtype; None: float weights
     quantized_ops: str | None  # quantized weights' ops: "kernel" or "onnxruntime"; None: float weights
     experts: str | None  # routed experts: "kernel", "qmoe", "moe" or "branches" (None: a model without any)
-    decode_attention: str  # the decode attention core: "kernel" or "ops"
+    decode_attention: str  # the decode attention core: "kernel", "avx512" (the kernel on AVX-512 CPUs) or "ops"
     prefill_attention: str  # "per-chunk" (naive or absorbed, each call the cheaper), "naive" (quantized fused
     # matrices) or "absorbed" (the chunk kernel over an int8 cache)
     long_cache: bool  # decode attention multiplies probs by the cache as the A operand (LatentAttentionLong)
@@ -317,7 +323,9 @@ class ExportPlan:
                    f"scales, accuracy_level {q.accuracy_level}) in {ops[self.quantized_ops]}" if q
                    else f"{self.dtype} weights")
         kernel = "mla_deploy.LatentAttentionQ8" if self.cache_format.scaled else "mla_deploy.LatentAttention"
-        core = {"kernel": kernel, "ops": "onnxruntime's MatMul-Softmax-MatMul"}[self.decode_attention]
+        ops = "onnxruntime's MatMul-Softmax-MatMul"
+        core = {"kernel": kernel, "avx512": f"{kernel} on AVX-512 CPUs, {ops} elsewhere and for T tokens a row",
+                "ops": ops}[self.decode_attention]
         caches = (f"int8 latent cache (a float32 scale per token and layer), {self.rope_dtype} rope cache"
                   if self.cache_format.scaled else f"{self.cache_dtype} caches" if self.cache_dtype == self.rope_dtype
                   else f"{self.cache_dtype} latent cache, {self.rope_dtype} rope cache")
@@ -429,13 +437,17 @@ def resolve_decode_attention(cfg: MLAConfig, requested: str, cache_dtype: str = 
     """The decode attention core (module docstring), for a latent cache stored in `cache_dtype`."""
     if requested not in DECODE_ATTENTION:
         raise ExportError(f"--decode-attention {requested}: expected one of {', '.join(DECODE_ATTENTION)}")
-    if requested == "kernel" and not kernel_fits(cfg):
-        raise ExportError(f"--decode-attention kernel needs kv_lora_rank a multiple of 16 and qk_rope_head_dim of 8 "
-                          f"(this config: {cfg.kv_lora_rank} and {cfg.qk_rope_head_dim}); use 'ops'")
+    if requested in ("kernel", "avx512") and not kernel_fits(cfg):
+        raise ExportError(f"--decode-attention {requested} needs kv_lora_rank a multiple of 16 and qk_rope_head_dim "
+                          f"of 8 (this config: {cfg.kv_lora_rank} and {cfg.qk_rope_head_dim}); use 'ops'")
+    if requested == "avx512" and cache_dtype != "float32":
+        raise ExportError(f"--decode-attention avx512 chooses by CPU over float32 caches; over {cache_dtype} caches "
+                          "the kernel runs on every CPU: use 'kernel' or 'auto'")
     if requested != "auto":
         return requested
-    few_heads = cfg.num_attention_heads < KERNEL_HEADS_BELOW
-    return "kernel" if kernel_fits(cfg) and (few_heads or cache_dtype != "float32") else "ops"
+    if not kernel_fits(cfg):
+        return "ops"
+    return "kernel" if cfg.num_attention_heads < KERNEL_HEADS_BELOW or cache_dtype != "float32" else "avx512"
 
 
 def resolve_prefill_attention(requested: str, cache: io_spec.CacheFormat, decode_attention: str, absorb: AbsorbMode,

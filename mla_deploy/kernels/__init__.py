@@ -14,7 +14,9 @@ call once the expert has two tokens, and multiplies float32 only; this op reads 
 
 `mla_deploy.LatentAttention` (latent_attention.c; `LatentAttentionF16` / `LatentAttentionBF16` for half caches): the
 absorbed decode attention's core, softmax(q_latent · latent + q_rope · rope + bias) @ latent, reading the caches as
-stored and only the slots each row sees (export.plan chooses it).
+stored and only the slots each row sees (export.plan chooses it). `LatentAttentionAvx512` (and its Long form) is
+the float32 kernel under a name registered only where the kernels run AVX-512 code (`isa()`): elsewhere onnxruntime
+runs its body, its own MatMuls.
 
 `mla_deploy.QMatMul4` / `QMatMul6` / `QMatMul8` (qmatmul.c): Y [..., N] = A [..., K] @ W for an int4 / int6 / int8
 block-quantized W (int6: a head at llama.cpp's q6_K size)
@@ -46,6 +48,7 @@ them.
 
 from __future__ import annotations
 
+import ctypes
 import importlib.machinery
 import os
 from pathlib import Path
@@ -73,6 +76,9 @@ LATENT_ATTENTION_LONG = {dtype: name.replace("Attention", "AttentionLong") for d
 LATENT_ATTENTION_CHUNK = {
     dtype: name.replace("Attention", "AttentionChunk") for dtype, name in LATENT_ATTENTION.items()
 }
+# the float32 kernel under names the library registers only where its kernels run AVX-512 code (elsewhere
+# onnxruntime runs their function bodies: export.plan's decode attention "avx512"), by the long-cache form
+LATENT_ATTENTION_AVX512 = {False: "LatentAttentionAvx512", True: "LatentAttentionLongAvx512"}
 # over an int8 latent cache with a scale per entry, by the rope cache's dtype (latent_attention_q8.c)
 LATENT_ATTENTION_Q8 = {
     "float32": "LatentAttentionQ8",
@@ -108,6 +114,15 @@ def library() -> Path | None:
         if path.is_file():
             return path
     return None
+
+
+def isa() -> str | None:
+    """The instruction-set level the library's kernels run in this process (the CPU's, capped by MLA_DEPLOY_ISA), as
+    dispatch.c decides it; None where the library was not built."""
+    path = library()
+    if path is None:
+        return None
+    return ISA_LEVELS[ctypes.CDLL(str(path)).MlaDeployIsa()]
 
 
 def column_strips(w_in_out: np.ndarray) -> np.ndarray:

@@ -9,7 +9,9 @@
  *                    (latent_attention.h; LatentAttentionF16 / BF16 with the caches in half precision;
  *                    LatentAttentionLong* the same kernels under other names, whose function bodies suit long caches;
  *                    LatentAttentionChunk*: T query tokens a row [b, T, h, ·], bias [b, 1, T, cap], the verify and
- *                    draft graphs)
+ *                    draft graphs; LatentAttentionAvx512, LatentAttentionLongAvx512: the float32 kernels again,
+ *                    registered only where the kernels run AVX-512 code, so that elsewhere onnxruntime runs their
+ *                    function bodies, its own MatMuls, faster there at 16 heads and more)
  *   LatentAttentionQ8 (q_latent, q_rope, latent int8 [b, cap, d_c], latent_scale float32 [b, cap, 1],
  *                      rope float32 [b, cap, d_r], bias) -> float32 [b, h, d_c]   (latent_attention_q8.h;
  *                      Q8F16 / Q8BF16 with the rope cache in half precision; LatentAttentionLongQ8* likewise;
@@ -614,6 +616,8 @@ OP_FUNCTIONS(long_bf16, compute_latent_attention, STRIP_BF16, "LatentAttentionLo
 OP_FUNCTIONS(chunk_f32, compute_latent_attention, STRIP_F32, "LatentAttentionChunk")
 OP_FUNCTIONS(chunk_f16, compute_latent_attention, STRIP_F16, "LatentAttentionChunkF16")
 OP_FUNCTIONS(chunk_bf16, compute_latent_attention, STRIP_BF16, "LatentAttentionChunkBF16")
+OP_FUNCTIONS(avx512_f32, compute_latent_attention, STRIP_F32, "LatentAttentionAvx512")
+OP_FUNCTIONS(avx512_long_f32, compute_latent_attention, STRIP_F32, "LatentAttentionLongAvx512")
 
 static ONNXTensorElementDataType input_f16(const OrtCustomOp *op, size_t i) {
     (void)op;
@@ -724,6 +728,9 @@ static OrtCustomOp ops[] = {CPU_OP(name_f16, input_f16, two, compute_f16), CPU_O
                             CPU_OP(name_chunk_f32, input_float, five, compute_chunk_f32),
                             CPU_OP(name_chunk_f16, attention_f16, five, compute_chunk_f16),
                             CPU_OP(name_chunk_bf16, attention_bf16, five, compute_chunk_bf16)};
+/* registered only at ISA_AVX512 (RegisterCustomOps) */
+static OrtCustomOp avx512_ops[] = {CPU_OP(name_avx512_f32, input_float, five, compute_avx512_f32),
+                                   CPU_OP(name_avx512_long_f32, input_float, five, compute_avx512_long_f32)};
 static OrtCustomOp quantized_ops[] = {
     KERNEL_OP(name_qmatmul4, qmatmul_input, three, create_quantized, compute_qmatmul, destroy_quantized),
     KERNEL_OP(name_qmatmul6, qmatmul_input, three, create_quantized, compute_qmatmul, destroy_quantized),
@@ -746,8 +753,9 @@ static OrtCustomOp quantized_ops[] = {
     KERNEL_OP(name_chunk_q8_bf16, q8_bf16, six, create, compute_chunk_q8_bf16, destroy)};
 
 /* Every op has a plain C path, so the library registers on any x86-64 CPU; each kernel runs the path of the level
- * read as onnxruntime creates it (MLA_DEPLOY_ISA caps it: dispatch.h). On an onnxruntime older than the ABI slots
- * used it registers nothing and the graphs run the ops' function bodies. */
+ * read as onnxruntime creates it (MLA_DEPLOY_ISA caps it: dispatch.h). The *Avx512 attention ops are registered only
+ * where that level, read here, is ISA_AVX512. On an onnxruntime older than the ABI slots used it registers nothing
+ * and the graphs run the ops' function bodies. */
 __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
     api = base->GetApi(ORT_ABI_VERSION);
     if (!api) return NULL;
@@ -757,5 +765,7 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
         status = ORT_FN(api, OrtCustomOpDomainAddFn, ORT_CustomOpDomain_Add)(domain, &ops[i]);
     for (size_t i = 0; !status && i < sizeof(quantized_ops) / sizeof(quantized_ops[0]); i++)
         status = ORT_FN(api, OrtCustomOpDomainAddFn, ORT_CustomOpDomain_Add)(domain, &quantized_ops[i]);
+    for (size_t i = 0; !status && mla_isa() == ISA_AVX512 && i < sizeof(avx512_ops) / sizeof(avx512_ops[0]); i++)
+        status = ORT_FN(api, OrtCustomOpDomainAddFn, ORT_CustomOpDomain_Add)(domain, &avx512_ops[i]);
     return status ? status : ORT_FN(api, OrtAddCustomOpDomainFn, ORT_AddCustomOpDomain)(options, domain);
 }

@@ -26,6 +26,9 @@ Isa mla_isa(void) {
 
 const char *mla_isa_name(Isa isa) { return NAMES[isa]; }
 
+/* mla_isa() for Python (mla_deploy.kernels.isa): the level a kernel created now runs */
+__attribute__((visibility("default"))) int MlaDeployIsa(void) { return (int)mla_isa(); }
+
 int mla_cpu_has_avx512bf16(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512bf16");
