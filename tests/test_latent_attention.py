@@ -306,7 +306,19 @@ def test_the_avx512_choice_runs_the_kernel_only_where_the_kernels_run_avx512(avx
     assert model.manifest["graphs"]["decode"]["op_counts"][f"{kernels.DOMAIN}::{name}"] == 4
     ops = _optimized_op_types(model, "decode", tmp_path / "decode.onnx")
     assert (name in ops) == (isa == "avx512") and "MatMul" in ops, sorted(ops)
-    assert not any("LatentAttention" in op for op in model.manifest["graphs"]["verify"]["op_counts"])
+    others = {kind: graph["op_counts"] for kind, graph in model.manifest["graphs"].items() if kind != "decode"}
+    assert {"prefill", "verify"} <= set(others)
+    assert not any("LatentAttention" in op for counts in others.values() for op in counts), others
+    assert kernels.isa() == isa
+    from click.testing import CliRunner
+
+    from mla_deploy.cli import main
+
+    result = CliRunner().invoke(main, ["inspect", str(avx512_demo)])
+    assert result.exit_code == 0, result.output
+    report = " ".join(result.output.split())  # the kernels line, unwrapped
+    assert ("run the kernel in this process" in report) == (isa == "avx512"), report
+    assert (f"run onnxruntime's ops in this process (the kernels run {isa} code here)" in report) == (isa != "avx512")
     prompts = [[1, 17, 300, 42, 17, 300, 42, 17], [1, 5], [1, 900, 901, 902, 900, 901, 902, 900]]
     plain = Generator(reference, SamplingParams(), stop_token_ids=()).generate(prompts, 16).token_ids
     assert Generator(model, SamplingParams(), stop_token_ids=()).generate(prompts, 16).token_ids == plain
@@ -360,3 +372,11 @@ def test_the_export_command_takes_both_choices(tmp_path):
         refused = CliRunner().invoke(main, ["export", str(ckpt), "-o", str(tmp_path / "no"), option, value])
         assert refused.exit_code == 2 and option in refused.output and f"'{value}' is not one of" in refused.output
         assert not (tmp_path / "no").exists()
+
+
+@needs_library
+def test_a_library_built_before_the_level_query_reads_as_unknown(monkeypatch):
+    """kernels.isa() over a library without MlaDeployIsa (built from older sources): None, which inspect reports as
+    a library to rebuild, not an AttributeError."""
+    monkeypatch.setattr(kernels.ctypes, "CDLL", lambda path: object())
+    assert kernels.isa() is None

@@ -118,11 +118,11 @@ def library() -> Path | None:
 
 def isa() -> str | None:
     """The instruction-set level the library's kernels run in this process (the CPU's, capped by MLA_DEPLOY_ISA), as
-    dispatch.c decides it; None where the library was not built."""
+    dispatch.c decides it; None where the library was not built, or was built from sources without MlaDeployIsa
+    (rebuild it: `pip install -e .` or `python setup.py build_ext --inplace`)."""
     path = library()
-    if path is None:
-        return None
-    return ISA_LEVELS[ctypes.CDLL(str(path)).MlaDeployIsa()]
+    level = getattr(ctypes.CDLL(str(path)), "MlaDeployIsa", None) if path is not None else None
+    return None if level is None else ISA_LEVELS[level()]
 
 
 def column_strips(w_in_out: np.ndarray) -> np.ndarray:

@@ -765,7 +765,8 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
         status = ORT_FN(api, OrtCustomOpDomainAddFn, ORT_CustomOpDomain_Add)(domain, &ops[i]);
     for (size_t i = 0; !status && i < sizeof(quantized_ops) / sizeof(quantized_ops[0]); i++)
         status = ORT_FN(api, OrtCustomOpDomainAddFn, ORT_CustomOpDomain_Add)(domain, &quantized_ops[i]);
-    for (size_t i = 0; !status && mla_isa() == ISA_AVX512 && i < sizeof(avx512_ops) / sizeof(avx512_ops[0]); i++)
-        status = ORT_FN(api, OrtCustomOpDomainAddFn, ORT_CustomOpDomain_Add)(domain, &avx512_ops[i]);
+    if (mla_isa() == ISA_AVX512)
+        for (size_t i = 0; !status && i < sizeof(avx512_ops) / sizeof(avx512_ops[0]); i++)
+            status = ORT_FN(api, OrtCustomOpDomainAddFn, ORT_CustomOpDomain_Add)(domain, &avx512_ops[i]);
     return status ? status : ORT_FN(api, OrtAddCustomOpDomainFn, ORT_AddCustomOpDomain)(options, domain);
 }

@@ -26,7 +26,7 @@ Isa mla_isa(void) {
 
 const char *mla_isa_name(Isa isa) { return NAMES[isa]; }
 
-/* mla_isa() for Python (mla_deploy.kernels.isa): the level a kernel created now runs */
+/* mla_isa() for Python (mla_deploy.kernels.isa): the level of a kernel created at this point */
 __attribute__((visibility("default"))) int MlaDeployIsa(void) { return (int)mla_isa(); }
 
 int mla_cpu_has_avx512bf16(void) {
