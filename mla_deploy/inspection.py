@@ -160,10 +160,13 @@ def format_report(r: dict) -> list[str]:
                ("; RoutedExperts' body runs every expert on every token" if any(
                    "RoutedExperts" in op for ops in k["ops"].values() for op in ops) else ""))
         if k["library"] and any(op.endswith("Avx512") for ops in k["ops"].values() for op in ops):
-            how += ("; the *Avx512 attention ops run the kernel in this process (AVX-512)" if k["isa"] == "avx512"
-                    else "; the *Avx512 attention ops run onnxruntime's ops: the library here predates them (rebuild "
-                    "it)" if k["isa"] is None else f"; the *Avx512 attention ops run onnxruntime's ops in this process "
-                    f"(the kernels run {k['isa']} code here)")
+            if k["isa"] == "avx512":
+                how += "; the *Avx512 attention ops run the kernel in this process (AVX-512)"
+            elif k["isa"] is None:
+                how += "; the *Avx512 attention ops run onnxruntime's ops: the library here predates them (rebuild it)"
+            else:
+                how += (f"; the *Avx512 attention ops run onnxruntime's ops in this process (the kernels run "
+                        f"{k['isa']} code here)")
         lines.append(f"kernels    {counts}; {how}")
     q = r.get("quantization")
     if q:

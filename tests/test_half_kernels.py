@@ -24,6 +24,7 @@ from mla_deploy.runtime.feeds import prefill_feed
 from mla_deploy.safetensors_io import bf16_to_float32, float32_to_bf16
 
 import kernel_levels
+from optimized_graph import optimized_op_types
 
 BUILT = kernels.library() is not None
 needs_library = pytest.mark.skipif(not BUILT, reason="the kernel library did not build on this machine (no compiler)")
@@ -190,15 +191,6 @@ def half_demo(tmp_path_factory):
     return get
 
 
-def _optimized_op_types(model: ExportedModel, kind: str, tmp_path) -> set[str]:
-    so = model.session_options()
-    so.optimized_model_filepath = str(tmp_path / f"{kind}.optimized.onnx")
-    graph = model.directory / model.manifest["graphs"][kind]["file"]
-    ort.InferenceSession(str(graph), so, providers=model.providers)
-    optimized = onnx.load(so.optimized_model_filepath, load_external_data=False)
-    return {node.op_type for node in optimized.graph.node}
-
-
 @needs_library
 @pytest.mark.parametrize("isa", kernel_levels.params())
 @pytest.mark.parametrize("dtype", sorted(HALF))
@@ -217,8 +209,8 @@ def test_a_half_export_runs_the_kernel_and_its_function_body_alike(half_demo, dt
     assert sum(n.op_type == experts for n in saved.graph.node) == 3  # the demo's MoE layers
     assert sum(n.op_type == attention for n in saved.graph.node) == 4  # its layers' attention, on the half caches
     on, off = ExportedModel(out), ExportedModel(out, RuntimeOptions(kernels=False))
-    assert {op_type, experts, attention} <= _optimized_op_types(on, io_spec.DECODE, tmp_path)
-    assert not {op_type, experts, attention} & _optimized_op_types(off, io_spec.DECODE, tmp_path)
+    assert {op_type, experts, attention} <= optimized_op_types(on, io_spec.DECODE, tmp_path)
+    assert not {op_type, experts, attention} & optimized_op_types(off, io_spec.DECODE, tmp_path)
     feed = prefill_feed(on.config, np.array([[1, 17, 300, 42, 9, 77, 5]]), cache_dtype=dtype)
     logits = [m.run(io_spec.PREFILL, feed)[io_spec.LOGITS] for m in (on, off)]
     scale = float(np.abs(logits[1]).max())

@@ -7,7 +7,6 @@ ops."""
 import dataclasses
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
@@ -27,6 +26,7 @@ from mla_deploy.runtime.speculative import DraftPolicy, Speculation
 from mla_deploy.safetensors_io import bf16_to_float32, float32_to_bf16
 
 import kernel_levels
+from optimized_graph import optimized_op_types
 
 needs_library = pytest.mark.skipif(kernels.library() is None,
                                    reason="the kernel library did not build on this machine (no compiler)")
@@ -283,13 +283,6 @@ def avx512_demo(tmp_path_factory):
     return out
 
 
-def _optimized_op_types(model: ExportedModel, kind: str, path) -> set[str]:
-    so = model.session_options(kind)
-    so.optimized_model_filepath = str(path)
-    ort.InferenceSession(str(model.directory / model.manifest["graphs"][kind]["file"]), so, providers=model.providers)
-    return {node.op_type for node in onnx.load(str(path), load_external_data=False).graph.node}
-
-
 @needs_library
 @pytest.mark.parametrize("isa", kernel_levels.params())
 def test_the_avx512_choice_runs_the_kernel_only_where_the_kernels_run_avx512(avx512_demo, demo_export_dir, isa,
@@ -304,7 +297,7 @@ def test_the_avx512_choice_runs_the_kernel_only_where_the_kernels_run_avx512(avx
     assert (model.manifest["decode_attention"], reference.manifest["decode_attention"]) == ("avx512", "kernel")
     name = kernels.LATENT_ATTENTION_AVX512[False]  # the demo's 1024 positions: no long-cache form
     assert model.manifest["graphs"]["decode"]["op_counts"][f"{kernels.DOMAIN}::{name}"] == 4
-    ops = _optimized_op_types(model, "decode", tmp_path / "decode.onnx")
+    ops = optimized_op_types(model, "decode", tmp_path)
     assert (name in ops) == (isa == "avx512") and "MatMul" in ops, sorted(ops)
     others = {kind: graph["op_counts"] for kind, graph in model.manifest["graphs"].items() if kind != "decode"}
     assert {"prefill", "verify"} <= set(others)

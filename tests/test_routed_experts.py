@@ -20,6 +20,7 @@ from mla_deploy.safetensors_io import bf16_to_float32, float32_to_bf16
 from mla_deploy.verify import verify_export
 
 import kernel_levels
+from optimized_graph import optimized_op_types
 
 needs_library = pytest.mark.skipif(kernels.library() is None,
                                    reason="the kernel library did not build on this machine (no compiler)")
@@ -226,12 +227,7 @@ def test_the_demo_export_runs_its_experts_in_the_kernel_and_its_function_body_al
     moe_layers = on.config.num_hidden_layers - on.config.first_k_dense_replace
     assert on.manifest["graphs"][io_spec.DECODE]["op_counts"][f"{kernels.DOMAIN}::{op_type}"] == moe_layers
     for kind in (io_spec.PREFILL, io_spec.DECODE):
-        so = on.session_options()
-        so.optimized_model_filepath = str(tmp_path / f"{kind}.onnx")
-        ort.InferenceSession(str(demo_export_dir / on.manifest["graphs"][kind]["file"]), so, providers=on.providers)
-        assert op_type in {
-            n.op_type for n in onnx.load(so.optimized_model_filepath, load_external_data=False).graph.node
-        }
+        assert op_type in optimized_op_types(on, kind, tmp_path)
     feed = prefill_feed(on.config, np.array([[1, 17, 300, 42, 9, 77, 5, 1000, 3]]))
     logits = [m.run(io_spec.PREFILL, feed)[io_spec.LOGITS] for m in (on, off)]
     assert float(np.abs(logits[0] - logits[1]).max()) <= 1e-4 * float(np.abs(logits[1]).max())
