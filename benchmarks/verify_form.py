@@ -1,9 +1,10 @@
 """A pass of T tokens over a cache of `context` tokens, as speculative decoding's verification and a chunk of
 chunked prefill make one: through the verify graph (the decode graph's absorbed attention over a token axis, always)
 and through the prefill graph (the form its rule picks for T tokens over those slots: naive or absorbed), beside one
-decode step, at several contexts, interleaved. Both return the logits of every position.
+decode step, at several contexts, interleaved. Both return the logits of every position. Given several exports (of
+the same checkpoint: two builds of the graphs, two sets of options), each form of each, interleaved the same way.
 
-    flock /tmp/mla-cpu.lock .venv/bin/python benchmarks/verify_form.py EXPORT [--contexts 100,400,900]
+    flock /tmp/mla-cpu.lock .venv/bin/python benchmarks/verify_form.py EXPORT [EXPORT ...] [--contexts 100,400,900]
         [--tokens 1,2,3,5,9] [--threads 2] [--repeats 15] [--json benchmarks/results/verify_form.json]
 
 Both forms' sessions prepack their weights (a few-row MatMul over an unpacked weight repacks it on every call), so
@@ -17,6 +18,7 @@ import argparse
 import json
 import sys
 import time
+from functools import partial
 from datetime import date
 from pathlib import Path
 
@@ -34,32 +36,38 @@ def main() -> int:
     from mla_deploy.runtime.speculative import verification_pass
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("export", type=Path)
+    ap.add_argument("exports", type=Path, nargs="+")
     ap.add_argument("--contexts", default="100,400,900")
     ap.add_argument("--tokens", default="1,2,3,5,9")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    model = ExportedModel(args.export, RuntimeOptions(threads=args.threads, prepack=True),
-                          graphs=("prefill", "decode", "verify"))
-    cfg = model.config
+    models = {path.name if len(args.exports) > 1 else "": ExportedModel(
+        path, RuntimeOptions(threads=args.threads, prepack=True), graphs=("prefill", "decode", "verify"))
+        for path in args.exports}
+    if len(models) != len(args.exports):
+        ap.error("the exports' directory names must differ: they name the figures")
+    cfg = next(iter(models.values())).config
     rng = np.random.default_rng(0)
     results = {"date": date.today().isoformat(), "cpu": cpu_model(), "threads": args.threads,
-               "export": args.export.name, "command": " ".join(sys.argv), "points": []}
+               "exports": [path.name for path in args.exports], "command": " ".join(sys.argv), "points": []}
     tokens = [int(x) for x in args.tokens.split(",")]
     for ctx in (int(c) for c in args.contexts.split(",")):
-        caches = CacheBuffers(cfg, 1, ctx + max(tokens), model.max_seq_len, "cpu", model.cache_format)
-        for array in caches.arrays.values():  # real values: never-written zero pages read faster than memory
-            array[:] = rng.standard_normal(array.shape).astype(array.dtype)
-        d = DecodeBinding(model.sessions["decode"], caches, 1, cfg.vocab_size)
-        d.pos[:], d.write[:], d.ids[:] = ctx, ctx, 5
-        lengths = np.array([ctx], np.int64)
-        runs = {"decode": lambda: model.sessions["decode"].run_with_iobinding(d.binding)}
-        for t in tokens:
-            ids = rng.integers(3, cfg.vocab_size, (1, t))
-            for form in ("verify", "prefill"):
-                runs[f"{form} T={t}"] = lambda ids=ids, form=form: verification_pass(model, caches, ids, lengths, form)
+        runs = {}
+        for label, model in models.items():
+            caches = CacheBuffers(cfg, 1, ctx + max(tokens), model.max_seq_len, "cpu", model.cache_format)
+            for array in caches.arrays.values():  # real values: never-written zero pages read faster than memory
+                array[:] = rng.standard_normal(array.shape).astype(array.dtype)
+            d = DecodeBinding(model.sessions["decode"], caches, 1, cfg.vocab_size)
+            d.pos[:], d.write[:], d.ids[:] = ctx, ctx, 5
+            lengths = np.array([ctx], np.int64)
+            name = f"{label} " if label else ""
+            runs[f"{name}decode"] = partial(model.sessions["decode"].run_with_iobinding, d.binding)
+            for t in tokens:
+                ids = rng.integers(3, cfg.vocab_size, (1, t))
+                for form in ("verify", "prefill"):
+                    runs[f"{name}{form} T={t}"] = partial(verification_pass, model, caches, ids, lengths, form)
         best = {name: float("inf") for name in runs}
         for _ in range(args.repeats):  # interleaved: each repeat visits every form once
             for name, run in runs.items():

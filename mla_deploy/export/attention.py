@@ -173,13 +173,13 @@ def latent_attention_op(cache: io_spec.CacheFormat | str, long_cache: bool, chun
     """The kernel op's name for these caches: LatentAttention* over float caches (by their dtype), LatentAttentionQ8*
     over an int8 latent (by the rope's dtype); *Long* where the cache can outgrow the long-cache size a row;
     LatentAttentionChunk* / LatentAttentionChunkQ8* for T query tokens a row (a prefill chunk over an int8 latent,
-    the verify and draft graphs); `avx512` (one query a row over float32 caches): the names registered only where the
-    kernels run AVX-512 code."""
+    the verify and draft graphs); `avx512` (float32 caches): the names registered only where the kernels run AVX-512
+    code."""
     cache = io_spec.CacheFormat.of(cache)
     if avx512:
-        if cache.latent != "float32" or cache.rope != "float32" or chunk:
-            raise ValueError(f"the AVX-512-only attention ops take one query a row over float32 caches, not {cache}")
-        return kernels.LATENT_ATTENTION_AVX512[long_cache]
+        if cache.latent != "float32" or cache.rope != "float32":
+            raise ValueError(f"the AVX-512-only attention ops take float32 caches, not {cache}")
+        return kernels.LATENT_ATTENTION_CHUNK_AVX512 if chunk else kernels.LATENT_ATTENTION_AVX512[long_cache]
     if chunk:
         return (kernels.LATENT_ATTENTION_CHUNK_Q8[cache.rope] if cache.scaled
                 else kernels.LATENT_ATTENTION_CHUNK[cache.latent])
@@ -369,7 +369,7 @@ class MLAttention:
 
         def absorbed(op):
             seen = first_slots(op, present, chunk.slots)
-            return self.absorbed_core(op, x, cos, sin, chunk.visible_bias, seen, tokens=True)
+            return self.absorbed_core(op, x, cos, sin, chunk.visible_bias, seen, tokens=True, prefill=True)
 
         def naive(op):
             return self.naive_core(op, x, cos, sin, chunk.visible_bias, present, chunk.slots)
@@ -384,14 +384,15 @@ class MLAttention:
         then_branch, else_branch = branches
         return op.If(chunk.absorbed, then_branch=then_branch, else_branch=else_branch), present
 
-    def absorbed_core(self, op, x, cos, sin, bias, present: Caches, tokens: bool = False):
+    def absorbed_core(self, op, x, cos, sin, bias, present: Caches, tokens: bool = False, prefill: bool = False):
         """The query moves into latent space; attention reads ĉ directly; W^UV after. The decode graph: one token per
-        row (T = 1); `tokens`: any number T per row (a prefill call that takes this form, the verify and draft
-        graphs), each seeing the cache up to its own slot. The plan picks the absorbed form (fused or factored), the
-        core (mla_deploy.LatentAttention* for one token, LatentAttentionChunk* / LatentAttentionChunkQ8* for T, or
-        onnxruntime's ops: latent_attention_core for one token, latent_attention_chunk_core for T) and the long-cache
-        form (one token). Queries run as b·T rows of h heads: [b·T, h, ·] (in decode b·T = b). The kernel ops read
-        only the slots each row sees; their ONNX bodies, where the library is not registered (CUDA), every slot of
+        row (T = 1); `tokens`: any number T per row (the verify and draft graphs, and a prefill call that takes this
+        form: `prefill`), each seeing the cache up to its own slot. The plan picks the absorbed form (fused or
+        factored), the core (mla_deploy.LatentAttention* for one token, LatentAttentionChunk* /
+        LatentAttentionChunkQ8* for T, under "avx512" their *Avx512 names but in a prefill call, or onnxruntime's
+        ops: latent_attention_core for one token, latent_attention_chunk_core for T) and the long-cache form (one
+        token). Queries run as b·T rows of h heads: [b·T, h, ·] (in decode b·T = b). The kernel ops read only the
+        slots each row sees; their ONNX bodies, where the library is not registered (CUDA), every slot of
         `present`."""
         cfg, g, plan = self.cfg, self.g, self.g.plan
         h, dn, dr, dc, dv = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
@@ -416,9 +417,9 @@ class MLAttention:
         q_pe = rope(op, g.to_float(op, q_pe), cos, sin, heads=h)  # [b, T, h·d_r], each token's cos / sin
         q_pe = op.Reshape(q_pe, [rows, h, dr])  # [b, T, h·d_r] -> [b·T, h, d_r]
         cache = plan.cache_format
-        # "avx512": the kernel for one query a row; T tokens a row run onnxruntime's ops, whose one MatMul of a row's
-        # T·h queries reads the cache once (the kernel reads it per query: 1.3x slower at 17 tokens over 16k slots)
-        avx512 = plan.decode_attention == "avx512" and not tokens
+        # "avx512": the kernel for the decode, verify and draft graphs; a prefill chunk (T up to the chunk length)
+        # runs onnxruntime's ops, whose one MatMul of a row's T·h queries is ahead of the kernel from ~12 tokens
+        avx512 = plan.decode_attention == "avx512" and not prefill
         kernel = plan.decode_attention == "kernel" or avx512
         if kernel or tokens:  # the softmax scale on the queries: h·(d_c + d_r) products, not h·cap
             q_latent, q_pe = op.Mul(q_latent, self.scale), op.Mul(q_pe, self.scale)

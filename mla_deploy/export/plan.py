@@ -52,10 +52,11 @@ The rules (each form measured against the others: docs/benchmarks.md):
   other CPUs onnxruntime runs the ops' function bodies (MLAS's 16-column panels win there at 16 heads, by 10-20 % on
   an AVX2-only CPU, and lose by 20-30 % to the kernel's 16-lane code on AVX-512 CPUs): the one choice an export
   leaves to the CPU it runs on (AVX-512 with VNNI: the library's avx512 level; heads a multiple of 16, the
-  kernel's 16-lane blocks; measured at 16 heads). Under "avx512" T tokens a row (verification passes, the draft's
-  batched rows, a prefill chunk's absorbed form) run the ops, whose one MatMul of a row's T·h queries reads the cache
-  once where the kernel reads it per query (the kernel is ahead at T = 2, even at 5, behind from 17). "ops"
-  otherwise: onnxruntime's MatMul, Softmax, MatMul (after DequantizeLinear for an int8 latent), the portable form.
+  kernel's 16-lane blocks; measured at 16 heads). Under "avx512" the verify and draft graphs (T tokens a row) take
+  the kernel too, as LatentAttentionChunkAvx512, which multiplies up to 8 of a row's tokens' queries by each slot
+  together; a prefill chunk's absorbed form (T up to the chunk length) runs the ops, whose one MatMul of a row's
+  T·h queries is ahead from about 12 tokens on one thread. "ops" otherwise: onnxruntime's MatMul, Softmax, MatMul
+  (after DequantizeLinear for an int8 latent), the portable form.
 - prefill attention: "absorbed" over an int8 cache where decode attention runs the kernel: a prefill chunk's
   queries against the cache as stored in mla_deploy.LatentAttentionChunkQ8, in integers, reading nothing but the
   cache; "naive" where the fused matrices are quantized (the two forms would differ by their rounding), or where
@@ -326,8 +327,8 @@ class ExportPlan:
         kernel = "mla_deploy.LatentAttentionQ8" if self.cache_format.scaled else "mla_deploy.LatentAttention"
         ops = "onnxruntime's MatMul-Softmax-MatMul"
         avx512 = kernels.LATENT_ATTENTION_AVX512[self.long_cache]
-        core = {"kernel": kernel, "avx512": f"mla_deploy.{avx512} (the kernel on AVX-512 CPUs, {ops} elsewhere; T "
-                                            "tokens a row in the ops)", "ops": ops}[self.decode_attention]
+        core = {"kernel": kernel, "avx512": f"mla_deploy.{avx512} (the kernel on AVX-512 CPUs, {ops} elsewhere; a "
+                                            "prefill chunk in the ops)", "ops": ops}[self.decode_attention]
         caches = (f"int8 latent cache (a float32 scale per token and layer), {self.rope_dtype} rope cache"
                   if self.cache_format.scaled else f"{self.cache_dtype} caches" if self.cache_dtype == self.rope_dtype
                   else f"{self.cache_dtype} latent cache, {self.rope_dtype} rope cache")

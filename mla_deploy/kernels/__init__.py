@@ -77,8 +77,10 @@ LATENT_ATTENTION_CHUNK = {
     dtype: name.replace("Attention", "AttentionChunk") for dtype, name in LATENT_ATTENTION.items()
 }
 # the float32 kernel under names the library registers only where its kernels run AVX-512 code (elsewhere
-# onnxruntime runs their function bodies: export.plan's decode attention "avx512"), by the long-cache form
+# onnxruntime runs their function bodies: export.plan's decode attention "avx512"), by the long-cache form; and for
+# T query tokens a row (the verify and draft graphs)
 LATENT_ATTENTION_AVX512 = {False: "LatentAttentionAvx512", True: "LatentAttentionLongAvx512"}
+LATENT_ATTENTION_CHUNK_AVX512 = "LatentAttentionChunkAvx512"
 # over an int8 latent cache with a scale per entry, by the rope cache's dtype (latent_attention_q8.c)
 LATENT_ATTENTION_Q8 = {
     "float32": "LatentAttentionQ8",

@@ -9,9 +9,9 @@
  *                    (latent_attention.h; LatentAttentionF16 / BF16 with the caches in half precision;
  *                    LatentAttentionLong* the same kernels under other names, whose function bodies suit long caches;
  *                    LatentAttentionChunk*: T query tokens a row [b, T, h, ·], bias [b, 1, T, cap], the verify and
- *                    draft graphs; LatentAttentionAvx512, LatentAttentionLongAvx512: the float32 kernels again,
- *                    registered only where the kernels run AVX-512 code, so that elsewhere onnxruntime runs their
- *                    function bodies, its own MatMuls, faster there at 16 heads and more)
+ *                    draft graphs; LatentAttentionAvx512, LatentAttentionLongAvx512, LatentAttentionChunkAvx512:
+ *                    the float32 kernels again, registered only where the kernels run AVX-512 code, so that elsewhere
+ *                    onnxruntime runs their function bodies, its own MatMuls, faster there at 16 heads and more)
  *   LatentAttentionQ8 (q_latent, q_rope, latent int8 [b, cap, d_c], latent_scale float32 [b, cap, 1],
  *                      rope float32 [b, cap, d_r], bias) -> float32 [b, h, d_c]   (latent_attention_q8.h;
  *                      Q8F16 / Q8BF16 with the rope cache in half precision; LatentAttentionLongQ8* likewise;
@@ -229,7 +229,7 @@ static OrtStatus *compute_latent_attention(OrtKernelContext *context, StripKind 
     if (job.capacity == 0) return error(op, "the cache has no slots");
     if (latent_attention_plan(&job)) return error(op, "out of memory for the partial results");
     status = parallel_for(pool_for(context, job.rows * job.capacity * job.heads * (job.latent + job.rope)),
-                          run_latent_range, (size_t)(job.rows * job.splits), &job);
+                          run_latent_range, (size_t)latent_attention_tasks(&job), &job);
     if (!status) /* the ranges' partial results summed per head: splits x d_c multiply-adds a task */
         status = parallel_for(pool_for(context, job.rows * job.heads * job.splits * job.latent), run_latent_combine,
                               (size_t)(job.rows * job.heads), &job);
@@ -618,6 +618,7 @@ OP_FUNCTIONS(chunk_f16, compute_latent_attention, STRIP_F16, "LatentAttentionChu
 OP_FUNCTIONS(chunk_bf16, compute_latent_attention, STRIP_BF16, "LatentAttentionChunkBF16")
 OP_FUNCTIONS(avx512_f32, compute_latent_attention, STRIP_F32, "LatentAttentionAvx512")
 OP_FUNCTIONS(avx512_long_f32, compute_latent_attention, STRIP_F32, "LatentAttentionLongAvx512")
+OP_FUNCTIONS(avx512_chunk_f32, compute_latent_attention, STRIP_F32, "LatentAttentionChunkAvx512")
 
 static ONNXTensorElementDataType input_f16(const OrtCustomOp *op, size_t i) {
     (void)op;
@@ -730,7 +731,8 @@ static OrtCustomOp ops[] = {CPU_OP(name_f16, input_f16, two, compute_f16), CPU_O
                             CPU_OP(name_chunk_bf16, attention_bf16, five, compute_chunk_bf16)};
 /* registered only at ISA_AVX512 (RegisterCustomOps) */
 static OrtCustomOp avx512_ops[] = {CPU_OP(name_avx512_f32, input_float, five, compute_avx512_f32),
-                                   CPU_OP(name_avx512_long_f32, input_float, five, compute_avx512_long_f32)};
+                                   CPU_OP(name_avx512_long_f32, input_float, five, compute_avx512_long_f32),
+                                   CPU_OP(name_avx512_chunk_f32, input_float, five, compute_avx512_chunk_f32)};
 static OrtCustomOp quantized_ops[] = {
     KERNEL_OP(name_qmatmul4, qmatmul_input, three, create_quantized, compute_qmatmul, destroy_quantized),
     KERNEL_OP(name_qmatmul6, qmatmul_input, three, create_quantized, compute_qmatmul, destroy_quantized),

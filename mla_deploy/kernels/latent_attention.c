@@ -126,6 +126,7 @@ INLINE void weighted_rows(const int nh, const float *p, int64_t n, const void *c
 
 #define OS16 12 /* slots per register block of the AVX-512 scores: 12 accumulators of 16 heads */
 #define OH16 8  /* heads per register block of the AVX-512 p @ latent, each 32 columns */
+#define GROUP_COLUMNS 128 /* queries a grouped task takes (its packed queries, scores and cache range in a 1 MiB L2) */
 
 /* outer_scores for 16 heads (one register) and ns <= OS16 slots */
 INLINE512 void outer_scores16(const int ns, const float *qt, int64_t heads, int64_t h0, const void *const *latent,
@@ -156,6 +157,49 @@ KERNEL512 static void outer_scores_avx512(const float *qt, int64_t heads, const 
         for (; i + OS16 <= n; i += OS16)
             outer_scores16(OS16, qt, heads, h0, latent + i, dc, rope + i, dr, score + i, n);
         for (; i < n; i++) outer_scores16(1, qt, heads, h0, latent + i, dc, rope + i, dr, score + i, n);
+    }
+}
+
+/* outer_scores16 for 32 query columns (two registers) from c0 of `columns` a packed row, and ns <= OS16 slots: a
+ * chunk's T·h queries read each slot's values once per 32 of them */
+INLINE512 void outer_scores32(const int ns, const float *qt, int64_t columns, int64_t c0, const void *const *latent,
+                              int64_t dc, const void *const *rope, int64_t dr, float *score, int64_t n) {
+    __m512 acc[OS16][2];
+    for (int s = 0; s < ns; s++) acc[s][0] = acc[s][1] = _mm512_setzero_ps();
+    for (int part = 0; part < 2; part++) {
+        const void *const *rows = part ? rope : latent;
+        int64_t width = part ? dr : dc;
+        const float *q = qt + (part ? dc : 0) * columns + c0;
+        for (int64_t k = 0; k < width; k++, q += columns) {
+            __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16);
+            for (int s = 0; s < ns; s++) {
+                __m512 a = _mm512_set1_ps(((const float *)rows[s])[k]);
+                acc[s][0] = _mm512_fmadd_ps(a, q0, acc[s][0]);
+                acc[s][1] = _mm512_fmadd_ps(a, q1, acc[s][1]);
+            }
+        }
+    }
+    float tmp[OS16][32];
+    for (int s = 0; s < ns; s++) _mm512_storeu_ps(tmp[s], acc[s][0]), _mm512_storeu_ps(tmp[s] + 16, acc[s][1]);
+    for (int j = 0; j < 32; j++)
+        for (int s = 0; s < ns; s++) score[(c0 + j) * n + s] = tmp[s][j];
+}
+
+/* the scores of a chunk's `columns` queries (T·h, a multiple of 16) and the n slots, float32 caches: 32 columns a
+ * panel, a last one of 16 */
+KERNEL512 static void chunk_scores_avx512(const float *qt, int64_t columns, const void *const *latent, int64_t dc,
+                                          const void *const *rope, int64_t dr, float *score, int64_t n) {
+    for (int64_t c0 = 0; c0 < columns; c0 += 32) {
+        int64_t i = 0;
+        if (columns - c0 >= 32) {
+            for (; i + OS16 <= n; i += OS16)
+                outer_scores32(OS16, qt, columns, c0, latent + i, dc, rope + i, dr, score + i, n);
+            for (; i < n; i++) outer_scores32(1, qt, columns, c0, latent + i, dc, rope + i, dr, score + i, n);
+        } else {
+            for (; i + OS16 <= n; i += OS16)
+                outer_scores16(OS16, qt, columns, c0, latent + i, dc, rope + i, dr, score + i, n);
+            for (; i < n; i++) outer_scores16(1, qt, columns, c0, latent + i, dc, rope + i, dr, score + i, n);
+        }
     }
 }
 
@@ -203,13 +247,24 @@ int latent_attention_plan(LatentAttention *job) {
     if (!(job->partial = malloc((partial + packed) * sizeof(float) + (size_t)job->rows))) return -1;
     job->q_packed = outer ? job->partial + partial : NULL;
     job->blind = (uint8_t *)(job->partial + partial + packed);
-    for (int64_t r = 0; outer && r < job->rows; r++) { /* [k][h]: the latent's d_c values, then the rope's d_r */
-        float *qt = job->q_packed + r * (job->latent + job->rope) * job->heads;
+    /* [k][h] a query row (grouped: [k][g·h] a group of g query rows, column t·h + head): the latent's d_c values,
+     * then the rope's d_r */
+    job->group = 1;
+    if (latent_attention_grouped(job)) { /* T in groups of at most GROUP_COLUMNS / h rows, as even as they go */
+        int64_t most = GROUP_COLUMNS / job->heads > 1 ? GROUP_COLUMNS / job->heads : 1;
+        int64_t groups = (job->queries + most - 1) / most;
+        job->group = (job->queries + groups - 1) / groups;
+    }
+    for (int64_t r = 0; outer && r < job->rows; r++) {
+        const int64_t t = r % job->queries, g0 = t - t % job->group; /* the group's first token */
+        const int64_t columns = (job->queries - g0 < job->group ? job->queries - g0 : job->group) * job->heads;
+        float *qt = job->q_packed + (r - t + g0) * (job->latent + job->rope) * job->heads;
         for (int64_t h = 0; h < job->heads; h++) {
+            const int64_t c = (t - g0) * job->heads + h;
             const float *ql = job->q_latent + (r * job->heads + h) * job->latent;
             const float *qr = job->q_rope + (r * job->heads + h) * job->rope;
-            for (int64_t k = 0; k < job->latent; k++) qt[k * job->heads + h] = ql[k];
-            for (int64_t k = 0; k < job->rope; k++) qt[(job->latent + k) * job->heads + h] = qr[k];
+            for (int64_t k = 0; k < job->latent; k++) qt[k * columns + c] = ql[k];
+            for (int64_t k = 0; k < job->rope; k++) qt[(job->latent + k) * columns + c] = qr[k];
         }
     }
     for (int64_t r = 0; r < job->rows; r++) {
@@ -282,6 +337,95 @@ static void range_scalar(LatentAttention *job, int64_t task) {
     free(score);
 }
 
+/* softmax over one head's n scores of a range: p = e^(score + added - max) in place; stats = {max, sum of p} */
+KERNEL static void softmax_range(float *p, const float *added, int64_t n, float *stats) {
+    int64_t i = 0;
+    __m256 most = _mm256_set1_ps(-INFINITY);
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_add_ps(_mm256_loadu_ps(p + i), _mm256_loadu_ps(added + i));
+        _mm256_storeu_ps(p + i, v);
+        most = _mm256_max_ps(most, v);
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    float top = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))), sum;
+    for (; i < n; i++) top = fmaxf(top, p[i] += added[i]);
+    i = 0;
+    __m256 total = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), _mm256_set1_ps(top)));
+        _mm256_storeu_ps(p + i, e);
+        total = _mm256_add_ps(total, e);
+    }
+    sum = hsum(total);
+    for (; i < n; i++) sum += p[i] = expf(p[i] - top);
+    stats[0] = top, stats[1] = sum;
+}
+
+/* part[h, 0 .. d_c) = sum over the n slots of p[h * n + i] * latent_i, for every head (rows d_c + 2 apart) */
+KERNEL static void weighted(Isa isa, const float *p, int64_t heads, int64_t n, const void *const *latent, int64_t dc,
+                            int kind, float *part) {
+    if (isa == ISA_AVX512 && weighted_avx512(p, heads, n, latent, dc, kind, part, dc + 2)) return;
+    for (int64_t h0 = 0; h0 < heads; h0 += OHB) {
+        int nh = heads - h0 < OHB ? (int)(heads - h0) : OHB;
+        for (int64_t d0 = 0; d0 < dc; d0 += 16) {
+            if (nh == OHB)
+                weighted_rows(OHB, p + h0 * n, n, latent, d0, kind, part + h0 * (dc + 2), dc + 2);
+            else if (nh == 4)
+                weighted_rows(4, p + h0 * n, n, latent, d0, kind, part + h0 * (dc + 2), dc + 2);
+            else
+                for (int h = 0; h < nh; h++)
+                    weighted_rows(1, p + (h0 + h) * n, n, latent, d0, kind, part + (h0 + h) * (dc + 2), dc + 2);
+        }
+    }
+}
+
+/* A group of a chunk's query rows (latent_attention_plan: at most GROUP_COLUMNS queries) over one slot range at once
+ * (task = range * groups + cache row * its groups + group; float32 caches, AVX-512, h a multiple of 16): the slots any
+ * of them sees, their scores as one outer product of the group's packed queries, then per query row its bias (a slot
+ * it does not see: p = 0), softmax and p @ latent. */
+KERNEL512 static void range_grouped(LatentAttention *job, int64_t task) {
+    const void *latent[LATENT_SPLIT], *rope[LATENT_SPLIT];
+    float added[LATENT_SPLIT];
+    int64_t slot[LATENT_SPLIT], n = 0;
+    const int64_t per_row = (job->queries + job->group - 1) / job->group, groups = job->rows / job->queries * per_row;
+    const int64_t heads = job->heads, dc = job->latent, dr = job->rope, cap = job->capacity;
+    const int64_t range = task / groups, cache_row = task % groups / per_row, g0 = task % per_row * job->group;
+    const int64_t t_count = job->queries - g0 < job->group ? job->queries - g0 : job->group, columns = t_count * heads;
+    const int64_t s0 = range * LATENT_SPLIT, s1 = s0 + LATENT_SPLIT < cap ? s0 + LATENT_SPLIT : cap;
+    const int64_t first = cache_row * job->queries + g0;
+    int any_blind = 0;
+    for (int64_t t = 0; t < t_count; t++) any_blind |= job->blind[first + t];
+    for (int64_t s = s0; s < s1; s++) {
+        int seen = any_blind;
+        for (int64_t t = 0; !seen && t < t_count; t++) seen = job->bias[(first + t) * cap + s] > -FLT_MAX;
+        if (seen) {
+            latent[n] = (const float *)job->latent_cache + (cache_row * cap + s) * dc;
+            rope[n] = (const float *)job->rope_cache + (cache_row * cap + s) * dr;
+            slot[n++] = s;
+        }
+    }
+    float *score = n ? malloc(sizeof(float) * (size_t)(columns * n)) : NULL;
+    if (n && !score) __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);
+    if (score) chunk_scores_avx512(job->q_packed + first * (dc + dr) * heads, columns, latent, dc, rope, dr, score, n);
+    for (int64_t t = 0; t < t_count; t++) {
+        const int64_t row = first + t;
+        const float *bias = job->bias + row * cap;
+        float *part = job->partial + (row * job->splits + range) * heads * (dc + 2);
+        int seen = 0;
+        for (int64_t i = 0; score && i < n; i++) seen |= (added[i] = job->blind[row] ? 0.0f : bias[slot[i]]) > -FLT_MAX;
+        if (!seen) { /* none of this range's slots for this query row */
+            for (int64_t h = 0; h < heads; h++) part[h * (dc + 2) + dc] = -INFINITY, part[h * (dc + 2) + dc + 1] = 0.0f;
+            continue;
+        }
+        float *p = score + t * heads * n;
+        if (job->blind[row]) memset(p, 0, sizeof(float) * (size_t)(heads * n)); /* equal scores: the plain mean */
+        for (int64_t h = 0; h < heads; h++) softmax_range(p + h * n, added, n, part + h * (dc + 2) + dc);
+        weighted(ISA_AVX512, p, heads, n, latent, dc, STRIP_F32, part);
+    }
+    free(score);
+}
+
 KERNEL static void range_of(LatentAttention *job, int64_t task, int kind) {
     const void *latent[LATENT_SPLIT], *rope[LATENT_SPLIT];
     float added[LATENT_SPLIT];
@@ -319,34 +463,8 @@ KERNEL static void range_of(LatentAttention *job, int64_t task, int kind) {
                               sc, n);
             }
         }
-    for (int64_t h = 0; h < heads; h++) { /* softmax over this range: p = e^(score - max), their sum */
-        float *p = score + h * n, top = -INFINITY, sum = 0.0f;
-        for (int64_t i = 0; i < n; i++) top = fmaxf(top, p[i] += added[i]);
-        int64_t i = 0;
-        __m256 total = _mm256_setzero_ps();
-        for (; i + 8 <= n; i += 8) {
-            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), _mm256_set1_ps(top)));
-            _mm256_storeu_ps(p + i, e);
-            total = _mm256_add_ps(total, e);
-        }
-        sum = hsum(total);
-        for (; i < n; i++) sum += p[i] = expf(p[i] - top);
-        part[h * (dc + 2) + dc] = top, part[h * (dc + 2) + dc + 1] = sum;
-    }
-    if (!(job->isa == ISA_AVX512 && weighted_avx512(score, heads, n, latent, dc, kind, part, dc + 2)))
-        for (int64_t h0 = 0; h0 < heads; h0 += OHB) {
-            int nh = heads - h0 < OHB ? (int)(heads - h0) : OHB;
-            for (int64_t d0 = 0; d0 < dc; d0 += 16) {
-                if (nh == OHB)
-                    weighted_rows(OHB, score + h0 * n, n, latent, d0, kind, part + h0 * (dc + 2), dc + 2);
-                else if (nh == 4)
-                    weighted_rows(4, score + h0 * n, n, latent, d0, kind, part + h0 * (dc + 2), dc + 2);
-                else
-                    for (int h = 0; h < nh; h++)
-                        weighted_rows(1, score + (h0 + h) * n, n, latent, d0, kind, part + (h0 + h) * (dc + 2),
-                                      dc + 2);
-            }
-        }
+    for (int64_t h = 0; h < heads; h++) softmax_range(score + h * n, added, n, part + h * (dc + 2) + dc);
+    weighted(job->isa, score, heads, n, latent, dc, kind, part);
     free(score);
 }
 
@@ -354,7 +472,21 @@ KERNEL static void range_f32(LatentAttention *job, int64_t task) { range_of(job,
 KERNEL static void range_f16(LatentAttention *job, int64_t task) { range_of(job, task, STRIP_F16); }
 KERNEL static void range_bf16(LatentAttention *job, int64_t task) { range_of(job, task, STRIP_BF16); }
 
+int latent_attention_grouped(const LatentAttention *job) {
+    return job->queries > 1 && job->kind == STRIP_F32 && job->isa == ISA_AVX512 && job->heads % 16 == 0 &&
+           job->latent % 32 == 0;
+}
+
+int64_t latent_attention_tasks(const LatentAttention *job) {
+    if (!latent_attention_grouped(job)) return job->rows * job->splits;
+    return job->rows / job->queries * ((job->queries + job->group - 1) / job->group) * job->splits;
+}
+
 void latent_attention_range(LatentAttention *job, int64_t task) {
+    if (latent_attention_grouped(job)) {
+        range_grouped(job, task);
+        return;
+    }
     task = task % job->rows * job->splits + task / job->rows; /* range-major (the header) as row * splits + range */
     if (job->isa == ISA_SCALAR) {
         range_scalar(job, task);

@@ -30,15 +30,24 @@ typedef struct {
     int64_t splits;                              /* slot ranges per row */
     uint8_t *blind;                              /* [b·T]: the query row sees no slot (every slot then counts, bias 0) */
     float *partial;                              /* [b·T, splits, h, d_c + 2]: sum p * latent, max, sum p */
-    float *q_packed;                             /* [b·T, d_c + d_r, h]: the queries by column (float32 caches, h % 8 == 0) */
+    float *q_packed;                             /* [b·T, d_c + d_r, h]: the queries by column (float32 caches, h % 8 == 0;
+                                                    grouped: [d_c + d_r, g·h] a group of g query rows) */
+    int64_t group;                               /* grouped: query rows a task takes (the plan's) */
     int failed;                                  /* a task could not get its scratch memory */
 } LatentAttention;
 
 /* Allocate the partial results and find the blind rows. 0 on success, -1 out of memory. */
 int latent_attention_plan(LatentAttention *job);
 void latent_attention_release(LatentAttention *job);
+/* A chunk's T query rows of a cache row go together (grouped), in groups of up to 128 queries (8 rows of 16 heads):
+ * float32 caches at the AVX-512 level, heads a multiple of 16. A group's queries are packed [d_c + d_r, g·h], so each
+ * slot's values are read once for the group's queries (a verification pass's or a draft's tokens). */
+int latent_attention_grouped(const LatentAttention *job);
+/* The range tasks: rows · splits, or groups · splits where grouped (after latent_attention_plan). */
+int64_t latent_attention_tasks(const LatentAttention *job);
 /* One slot range of one query row: task = range * rows + row (the query rows of one range one after another, while
- * its cache rows are warm: a chunk's T tokens read the same cache row). Tasks are independent. */
+ * its cache rows are warm: a chunk's T tokens read the same cache row). Grouped: task = range * groups + group, its
+ * query rows. Tasks are independent. */
 void latent_attention_range(LatentAttention *job, int64_t task);
 /* The flash-decoding combine both latent attention kernels share: head task % heads of row task / heads, out[row, h]
  * from the row's `splits` partial results [splits, heads, d_c + 2] (sum p · latent, max, sum p), each rescaled by
