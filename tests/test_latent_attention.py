@@ -176,22 +176,24 @@ def _check(rng, b, h, dc, dr, cap, lengths, holes, threads, library, dtype, long
 
 # (rows, tokens a row, heads, d_c, d_r, capacity, each row's first token's slot): a verification pass at batch 1, a
 # batch whose rows start at different lengths (one at slot 0), heads off the blocks and ranges crossed by the tokens;
-# at 16 heads over float32 caches the AVX-512 level takes a row's tokens in groups of up to 8 (17: three groups, one
-# row's first token seeing no slot at all: start -1)
+# at 16 heads and more over float32 caches the AVX-512 level takes a row's tokens in groups of up to 128 queries (17
+# tokens of 16 heads: three groups, one row's first token seeing no slot at all: start -1; 32 heads: groups of 4)
 CHUNKS = [(1, 5, 4, 64, 16, 256, [100]), (3, 4, 5, 32, 8, 300, [0, 254, 40]), (2, 9, 16, 512, 64, 600, [590, 3]),
-          (2, 17, 16, 64, 16, 700, [-1, 650])]
+          (2, 17, 16, 64, 16, 700, [-1, 650]), (1, 6, 32, 64, 8, 300, [200])]
 
 
 @pytest.mark.parametrize("isa", PATHS)
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("b,t,h,dc,dr,cap,starts", CHUNKS)
-def test_the_chunk_form_gives_each_token_its_own_causal_attention(b, t, h, dc, dr, cap, starts, dtype, isa,
+@pytest.mark.parametrize("holes", [False, True])
+def test_the_chunk_form_gives_each_token_its_own_causal_attention(b, t, h, dc, dr, cap, starts, holes, dtype, isa,
                                                                    monkeypatch):
     """LatentAttentionChunk*: T query tokens a cache row [b, T, h, ·], token j of row r seeing the slots up to
     starts[r] + j (bias [b, 1, T, cap]); each against the float64 reference over its row's cache, and exactly the
     one-token op's output for the same query and bias row, but where a row's tokens go in groups (the AVX-512 level
     over float32 caches at 16 heads: the slots any of a group sees, each token's own ones weighted), which sums the
-    same products in another order: there within the reference's bound of it."""
+    same products in another order: there within the reference's bound of it. With holes, slots masked inside
+    every token's length (attention_mask zeros), on one thread."""
     library = _forced(isa, monkeypatch)
     rng = np.random.default_rng(cap + t)
     ql = rng.standard_normal((b, t, h, dc)).astype(np.float32) * 0.3
@@ -202,17 +204,19 @@ def test_the_chunk_form_gives_each_token_its_own_causal_attention(b, t, h, dc, d
     for r, start in enumerate(starts):
         for j in range(t):
             bias[r, 0, j, : start + j + 1] = 0.0
+            if holes:
+                bias[r, 0, j, 1 : start + j : 3] = NOT_SEEN
     feed = {"q_latent": ort.OrtValue.ortvalue_from_numpy(ql), "q_rope": ort.OrtValue.ortvalue_from_numpy(qr),
             "latent": latent_value, "rope": rope_value, "bias": ort.OrtValue.ortvalue_from_numpy(bias)}
-    out = _session(dtype, library, 2, chunk=True).run_with_ort_values(["out"], feed)[0].numpy()
+    out = _session(dtype, library, 1 if holes else 2, chunk=True).run_with_ort_values(["out"], feed)[0].numpy()
     assert out.dtype == np.float32 and out.shape == (b, t, h, dc)
     rows = lambda x: np.repeat(x, t, axis=0)  # noqa: E731 - each cache row once per token
     exact, bound = _reference(ql.reshape(b * t, h, dc), qr.reshape(b * t, h, dr), rows(latent), rows(rope),
                               bias.transpose(0, 2, 1, 3).reshape(b * t, 1, 1, cap))
     assert np.all(np.abs(out.reshape(b * t, h, dc) - exact) <= bound)
-    one, grouped = _session(dtype, library, 2), isa == "avx512" and dtype == "float32" and h % 16 == 0
+    one, grouped = _session(dtype, library, 2), isa == "avx512" and dtype == "float32" and h % 16 == 0 and dc % 32 == 0
     bound = bound.reshape(b, t, h, dc)
-    for j in range(t if library else 0):  # the kernel: the same arithmetic a query row, whatever the rows beside it
+    for j in range(t if library else 0):  # the kernel: one token's arithmetic, or a group's (its slots' union)
         token = {"q_latent": ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(ql[:, j])),
                  "q_rope": ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(qr[:, j])),
                  "latent": latent_value, "rope": rope_value,

@@ -285,9 +285,31 @@ def cache_copy(caches: CacheBuffers) -> CacheBuffers:
 def test_verification_pass_equals_single_decode_steps(exported):
     """k + 1 tokens in one pass over the cache give the logits and the cache rows of k + 1 decode steps."""
     model = ExportedModel(exported(VARIANT))
-    prompt, tokens = [5, 9, 3, 7, 2, 8, 1], np.array([[11, 4, 19, 6, 30]])
+    hidden = pass_against_steps(model, [5, 9, 3, 7, 2, 8, 1], np.array([[11, 4, 19, 6, 30]]), 64)
+    assert hidden is None  # the final hidden state is an output of an export with a draft graph only
+
+
+def test_a_pass_at_16_heads_equals_single_decode_steps_in_the_cpus_attention(tmp_path):
+    """At 16 heads over float32 caches the export leaves the attention to the CPU (decode attention "avx512"): on an
+    AVX-512 CPU the kernel, whose verification pass takes a row's tokens in groups (17 tokens: three) over the slots
+    any of them sees, across two slot ranges here; elsewhere onnxruntime's ops. Either way the pass gives the decode
+    steps' logits and cache rows."""
+    from mla_deploy.export import ExportOptions, export
+    from mla_deploy.presets import preset_config, write_random_checkpoint
+
+    ckpt = write_random_checkpoint({**preset_config("tiny-v3"), "num_attention_heads": 16}, tmp_path / "ckpt", seed=1)
+    result = export(ckpt, tmp_path / "out", ExportOptions(), progress=lambda m: None)
+    assert result.manifest["decode_attention"] == "avx512"
+    model = ExportedModel(tmp_path / "out")
+    rng = np.random.default_rng(0)
+    pass_against_steps(model, rng.integers(3, 200, 250).tolist(), rng.integers(3, 200, (1, 17)), 300)
+
+
+def pass_against_steps(model: ExportedModel, prompt: list[int], tokens: np.ndarray, capacity: int):
+    """The verification pass of `tokens` after `prompt` against as many decode steps: logits and cache rows; the
+    pass's final hidden state."""
     n, k1 = len(prompt), tokens.shape[1]
-    stepped = prefilled(model, prompt, 64)
+    stepped = prefilled(model, prompt, capacity)
     passed = cache_copy(stepped)
     d = DecodeBinding(model.sessions[io_spec.DECODE], stepped, 1, model.config.vocab_size)
     step_logits = []
@@ -298,9 +320,9 @@ def test_verification_pass_equals_single_decode_steps(exported):
     logits, hidden = verification_pass(model, passed, tokens, np.array([n]))
     scale = max(1.0, float(np.abs(step_logits).max()))
     assert np.abs(logits[0] - np.stack(step_logits)).max() < 1e-4 * scale
-    assert hidden is None  # the final hidden state is an output of an export with a draft graph only
     for name in stepped.arrays:
         assert np.abs(stepped.arrays[name][0, : n + k1] - passed.arrays[name][0, : n + k1]).max() < 1e-4
+    return hidden
 
 
 def test_rollback_is_the_length_alone(exported):

@@ -350,10 +350,11 @@ class MLAttention:
         o = op.Reshape(o, [0, 0, h * dv])  # [b, T, h, d_v] -> [b, T, h·d_v]
         return linear(g, op, g.to_compute(op, o), f"{self.name}.o", lambda: t(self.hf + "o_proj.weight").T)
 
-    def absorbed(self, op, x, cos, sin, bias, past: Caches, write_indices, tokens: bool = False):
+    def absorbed(self, op, x, cos, sin, bias, past: Caches, write_indices, tokens: bool = False,
+                 prefill: bool = False):
         """The new entries written, then absorbed_core."""
         present = self.write_cache(op, self.latent_and_rope(op, x, cos, sin), past, write_indices)
-        return self.absorbed_core(op, x, cos, sin, bias, present, tokens), present
+        return self.absorbed_core(op, x, cos, sin, bias, present, tokens, prefill), present
 
     def naive(self, op, x, cos, sin, chunk: "ChunkForm", past: Caches, write_indices):
         """Prefill in the naive form always: the new entries written, then naive_core."""
@@ -418,7 +419,8 @@ class MLAttention:
         q_pe = op.Reshape(q_pe, [rows, h, dr])  # [b, T, h·d_r] -> [b·T, h, d_r]
         cache = plan.cache_format
         # "avx512": the kernel for the decode, verify and draft graphs; a prefill chunk (T up to the chunk length)
-        # runs onnxruntime's ops, whose one MatMul of a row's T·h queries is ahead of the kernel from ~12 tokens
+        # runs onnxruntime's ops, whose one MatMul of a row's T·h queries is ahead at long chunks (at 17 tokens over
+        # 16k slots by 8 %, docs/benchmarks.md)
         avx512 = plan.decode_attention == "avx512" and not prefill
         kernel = plan.decode_attention == "kernel" or avx512
         if kernel or tokens:  # the softmax scale on the queries: h·(d_c + d_r) products, not h·cap

@@ -55,8 +55,8 @@ The rules (each form measured against the others: docs/benchmarks.md):
   kernel's 16-lane blocks; measured at 16 heads). Under "avx512" the verify and draft graphs (T tokens a row) take
   the kernel too, as LatentAttentionChunkAvx512, which multiplies up to 8 of a row's tokens' queries by each slot
   together; a prefill chunk's absorbed form (T up to the chunk length) runs the ops, whose one MatMul of a row's
-  T·h queries is ahead from about 12 tokens on one thread. "ops" otherwise: onnxruntime's MatMul, Softmax, MatMul
-  (after DequantizeLinear for an int8 latent), the portable form.
+  T·h queries is ahead at long chunks (by 8 % at 17 tokens over 16k slots, one thread). "ops" otherwise:
+  onnxruntime's MatMul, Softmax, MatMul (after DequantizeLinear for an int8 latent), the portable form.
 - prefill attention: "absorbed" over an int8 cache where decode attention runs the kernel: a prefill chunk's
   queries against the cache as stored in mla_deploy.LatentAttentionChunkQ8, in integers, reading nothing but the
   cache; "naive" where the fused matrices are quantized (the two forms would differ by their rounding), or where
@@ -326,7 +326,7 @@ class ExportPlan:
                    else f"{self.dtype} weights")
         kernel = "mla_deploy.LatentAttentionQ8" if self.cache_format.scaled else "mla_deploy.LatentAttention"
         ops = "onnxruntime's MatMul-Softmax-MatMul"
-        avx512 = kernels.LATENT_ATTENTION_AVX512[self.long_cache]
+        avx512 = f"{kernels.LATENT_ATTENTION_AVX512[self.long_cache]} / {kernels.LATENT_ATTENTION_CHUNK_AVX512}"
         core = {"kernel": kernel, "avx512": f"mla_deploy.{avx512} (the kernel on AVX-512 CPUs, {ops} elsewhere; a "
                                             "prefill chunk in the ops)", "ops": ops}[self.decode_attention]
         caches = (f"int8 latent cache (a float32 scale per token and layer), {self.rope_dtype} rope cache"

@@ -3,10 +3,14 @@
  * for float32 caches and heads a multiple of 8, outer products of each slot's values with the queries packed by
  * column; the softmax's exponentials 8 at a time; then p @ latent for 6 heads x 16 columns at a time. At the AVX-512
  * level the outer products (16 heads a register, 12 slots) and p @ latent (8 heads x 32 columns) run 16 lanes wide:
- * each lane adds the same products in the same order, so the bits are the AVX2 code's, at half the instructions (at
+ * each lane adds the same products in the same order, so one query a row gets the AVX2 code's bits, at half the
+ * instructions (at
  * 16 heads and 16k slots, one thread: 4.4-4.6 against 7.0-7.2 ms; onnxruntime's MatMuls 5.3-5.5). onnxruntime's
- * MatMuls multiply the same shapes as batched GEMMs and read every slot of the capacity. The plain C path computes
- * the same range one product at a time. */
+ * MatMuls multiply the same shapes as batched GEMMs and read every slot of the capacity. T query tokens a row over
+ * float32 caches go in groups at the AVX-512 level (range_grouped; heads a multiple of 16, d_c of 32): one outer
+ * product of a group's queries, two registers of 16 a slot block, reads each slot once a group; its softmax runs
+ * over the slots any token of the group sees, so its sums take another order than one token's alone. The plain C
+ * path computes the same range one product at a time. */
 #include "latent_attention.h"
 
 #include <float.h>
@@ -126,7 +130,8 @@ INLINE void weighted_rows(const int nh, const float *p, int64_t n, const void *c
 
 #define OS16 12 /* slots per register block of the AVX-512 scores: 12 accumulators of 16 heads */
 #define OH16 8  /* heads per register block of the AVX-512 p @ latent, each 32 columns */
-#define GROUP_COLUMNS 128 /* queries a grouped task takes (its packed queries, scores and cache range in a 1 MiB L2) */
+#define GROUP_COLUMNS 128 /* queries a grouped task takes: its packed queries, scores and cache range ~1 MiB at
+                             DeepSeek's widths (Zen 4's L2) */
 
 /* outer_scores for 16 heads (one register) and ns <= OS16 slots */
 INLINE512 void outer_scores16(const int ns, const float *qt, int64_t heads, int64_t h0, const void *const *latent,
@@ -344,7 +349,7 @@ KERNEL static void softmax_range(float *p, const float *added, int64_t n, float 
     for (; i + 8 <= n; i += 8) {
         __m256 v = _mm256_add_ps(_mm256_loadu_ps(p + i), _mm256_loadu_ps(added + i));
         _mm256_storeu_ps(p + i, v);
-        most = _mm256_max_ps(most, v);
+        most = _mm256_max_ps(v, most); /* a NaN score left out, as fmaxf leaves it */
     }
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
@@ -412,15 +417,22 @@ KERNEL512 static void range_grouped(LatentAttention *job, int64_t task) {
         const int64_t row = first + t;
         const float *bias = job->bias + row * cap;
         float *part = job->partial + (row * job->splits + range) * heads * (dc + 2);
-        int seen = 0;
-        for (int64_t i = 0; score && i < n; i++) seen |= (added[i] = job->blind[row] ? 0.0f : bias[slot[i]]) > -FLT_MAX;
+        int seen = 0, unseen = 0;
+        for (int64_t i = 0; score && i < n; i++) {
+            added[i] = job->blind[row] ? 0.0f : bias[slot[i]];
+            seen |= added[i] > -FLT_MAX, unseen |= !(added[i] > -FLT_MAX);
+        }
         if (!seen) { /* none of this range's slots for this query row */
             for (int64_t h = 0; h < heads; h++) part[h * (dc + 2) + dc] = -INFINITY, part[h * (dc + 2) + dc + 1] = 0.0f;
             continue;
         }
         float *p = score + t * heads * n;
         if (job->blind[row]) memset(p, 0, sizeof(float) * (size_t)(heads * n)); /* equal scores: the plain mean */
-        for (int64_t h = 0; h < heads; h++) softmax_range(p + h * n, added, n, part + h * (dc + 2) + dc);
+        for (int64_t h = 0; h < heads; h++) {
+            softmax_range(p + h * n, added, n, part + h * (dc + 2) + dc);
+            for (int64_t i = 0; unseen && i < n; i++) /* e^-87.3 (exp8's floor), left out of the sum (>= 1) */
+                if (!(added[i] > -FLT_MAX)) p[h * n + i] = 0.0f;
+        }
         weighted(ISA_AVX512, p, heads, n, latent, dc, STRIP_F32, part);
     }
     free(score);
