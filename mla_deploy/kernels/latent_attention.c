@@ -130,6 +130,8 @@ INLINE void weighted_rows(const int nh, const float *p, int64_t n, const void *c
 
 #define OS16 12 /* slots per register block of the AVX-512 scores: 12 accumulators of 16 heads */
 #define OH16 8  /* heads per register block of the AVX-512 p @ latent, each 32 columns */
+#define GROUP_TASKS 16 /* grouped: at least these many range tasks with slots to read, where the tokens allow (a
+                          many-core pool's threads; a short cache then takes smaller groups) */
 #define GROUP_COLUMNS 128 /* queries a grouped task takes: its packed queries, scores and cache range ~1 MiB at
                              DeepSeek's widths (Zen 4's L2) */
 
@@ -252,14 +254,28 @@ int latent_attention_plan(LatentAttention *job) {
     if (!(job->partial = malloc((partial + packed) * sizeof(float) + (size_t)job->rows))) return -1;
     job->q_packed = outer ? job->partial + partial : NULL;
     job->blind = (uint8_t *)(job->partial + partial + packed);
-    /* [k][h] a query row (grouped: [k][g·h] a group of g query rows, column t·h + head): the latent's d_c values,
-     * then the rope's d_r */
+    int64_t busy = 0; /* the ranges a query row sees any slot of, summed over the cache rows (grouped) */
+    for (int64_t row = 0; row < job->rows / job->queries; row++) {
+        int64_t extent = 0; /* past the last slot any of the row's queries sees */
+        for (int64_t r = row * job->queries; r < (row + 1) * job->queries; r++) {
+            const float *bias = job->bias + r * job->capacity;
+            int64_t s = 0, last = job->capacity;
+            while (s < job->capacity && !(bias[s] > -FLT_MAX)) s++;
+            job->blind[r] = s == job->capacity;
+            while (!job->blind[r] && !(bias[last - 1] > -FLT_MAX)) last--;
+            extent = last > extent ? last : extent;
+        }
+        busy += (extent + LATENT_SPLIT - 1) / LATENT_SPLIT;
+    }
     job->group = 1;
     if (latent_attention_grouped(job)) { /* T in groups of at most GROUP_COLUMNS / h rows, as even as they go */
         int64_t most = GROUP_COLUMNS / job->heads > 1 ? GROUP_COLUMNS / job->heads : 1;
         int64_t groups = (job->queries + most - 1) / most;
+        while (groups < job->queries && busy * groups < GROUP_TASKS) groups++; /* a short cache: smaller groups */
         job->group = (job->queries + groups - 1) / groups;
     }
+    /* [k][h] a query row (grouped: [k][g·h] a group of g query rows, column t·h + head): the latent's d_c values,
+     * then the rope's d_r */
     for (int64_t r = 0; outer && r < job->rows; r++) {
         const int64_t t = r % job->queries, g0 = t - t % job->group; /* the group's first token */
         const int64_t columns = (job->queries - g0 < job->group ? job->queries - g0 : job->group) * job->heads;
@@ -271,12 +287,6 @@ int latent_attention_plan(LatentAttention *job) {
             for (int64_t k = 0; k < job->latent; k++) qt[k * columns + c] = ql[k];
             for (int64_t k = 0; k < job->rope; k++) qt[(job->latent + k) * columns + c] = qr[k];
         }
-    }
-    for (int64_t r = 0; r < job->rows; r++) {
-        const float *bias = job->bias + r * job->capacity;
-        int64_t s = 0;
-        while (s < job->capacity && !(bias[s] > -FLT_MAX)) s++;
-        job->blind[r] = s == job->capacity;
     }
     return 0;
 }

@@ -42,7 +42,9 @@ void latent_attention_release(LatentAttention *job);
 /* A chunk's T query rows of a cache row go together (grouped), in groups of up to 128 queries (8 rows of 16 heads):
  * float32 caches at the AVX-512 level, heads a multiple of 16, d_c of 32, whatever the op's name. A group's queries
  * are packed [d_c + d_r, g·h], so each slot's values are read once for the group's queries (a verification pass's or
- * a draft's tokens); a group's softmax runs over the slots any of its tokens sees (another token's: p = 0). */
+ * a draft's tokens); a group's softmax runs over the slots any of its tokens sees (another token's: p = 0). Where
+ * few slot ranges hold a seen slot (a short cache), the groups are smaller, down to one token, so that a call still
+ * makes GROUP_TASKS tasks with slots to read for a many-core pool. */
 int latent_attention_grouped(const LatentAttention *job);
 /* The range tasks: rows · splits, or groups · splits where grouped (after latent_attention_plan). */
 int64_t latent_attention_tasks(const LatentAttention *job);
