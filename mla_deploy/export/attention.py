@@ -350,11 +350,10 @@ class MLAttention:
         o = op.Reshape(o, [0, 0, h * dv])  # [b, T, h, d_v] -> [b, T, h·d_v]
         return linear(g, op, g.to_compute(op, o), f"{self.name}.o", lambda: t(self.hf + "o_proj.weight").T)
 
-    def absorbed(self, op, x, cos, sin, bias, past: Caches, write_indices, tokens: bool = False,
-                 prefill: bool = False):
+    def absorbed(self, op, x, cos, sin, bias, past: Caches, write_indices, tokens: bool = False):
         """The new entries written, then absorbed_core."""
         present = self.write_cache(op, self.latent_and_rope(op, x, cos, sin), past, write_indices)
-        return self.absorbed_core(op, x, cos, sin, bias, present, tokens, prefill), present
+        return self.absorbed_core(op, x, cos, sin, bias, present, tokens), present
 
     def naive(self, op, x, cos, sin, chunk: "ChunkForm", past: Caches, write_indices):
         """Prefill in the naive form always: the new entries written, then naive_core."""
@@ -370,7 +369,7 @@ class MLAttention:
 
         def absorbed(op):
             seen = first_slots(op, present, chunk.slots)
-            return self.absorbed_core(op, x, cos, sin, chunk.visible_bias, seen, tokens=True, prefill=True)
+            return self.absorbed_core(op, x, cos, sin, chunk.visible_bias, seen, tokens=True)
 
         def naive(op):
             return self.naive_core(op, x, cos, sin, chunk.visible_bias, present, chunk.slots)
@@ -385,12 +384,12 @@ class MLAttention:
         then_branch, else_branch = branches
         return op.If(chunk.absorbed, then_branch=then_branch, else_branch=else_branch), present
 
-    def absorbed_core(self, op, x, cos, sin, bias, present: Caches, tokens: bool = False, prefill: bool = False):
+    def absorbed_core(self, op, x, cos, sin, bias, present: Caches, tokens: bool = False):
         """The query moves into latent space; attention reads ĉ directly; W^UV after. The decode graph: one token per
         row (T = 1); `tokens`: any number T per row (the verify and draft graphs, and a prefill call that takes this
-        form: `prefill`), each seeing the cache up to its own slot. The plan picks the absorbed form (fused or
+        form), each seeing the cache up to its own slot. The plan picks the absorbed form (fused or
         factored), the core (mla_deploy.LatentAttention* for one token, LatentAttentionChunk* /
-        LatentAttentionChunkQ8* for T, under "avx512" their *Avx512 names but in a prefill call, or onnxruntime's
+        LatentAttentionChunkQ8* for T, under "avx512" their *Avx512 names but in the prefill graph, or onnxruntime's
         ops: latent_attention_core for one token, latent_attention_chunk_core for T) and the long-cache form (one
         token). Queries run as b·T rows of h heads: [b·T, h, ·] (in decode b·T = b). The kernel ops read only the
         slots each row sees; their ONNX bodies, where the library is not registered (CUDA), every slot of
@@ -421,7 +420,7 @@ class MLAttention:
         # "avx512": the kernel for the decode, verify and draft graphs; a prefill chunk (T up to the chunk length)
         # runs onnxruntime's ops, whose one MatMul of a row's T·h queries is ahead at long chunks (at 17 tokens over
         # 16k slots by 8 %, docs/benchmarks.md)
-        avx512 = plan.decode_attention == "avx512" and not prefill
+        avx512 = plan.decode_attention == "avx512" and g.kind != io_spec.PREFILL
         kernel = plan.decode_attention == "kernel" or avx512
         if kernel or tokens:  # the softmax scale on the queries: h·(d_c + d_r) products, not h·cap
             q_latent, q_pe = op.Mul(q_latent, self.scale), op.Mul(q_pe, self.scale)

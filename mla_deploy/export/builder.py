@@ -81,6 +81,7 @@ class Graph:
 
     def __init__(self, name: str, weights: WeightsFile, plan: ExportPlan):
         opsets = {"": OPSET, "com.microsoft": 1}  # FusedMatMul in decode attention; QMoE, MatMulNBits
+        self.kind = name  # io_spec's graph kind (prefill, decode, ...)
         self.builder = GraphBuilder(ir.Graph([], [], nodes=[], opset_imports=opsets, name=name))
         self.op = self.builder.op
         self.weights = weights

@@ -50,8 +50,7 @@ def build_graph(kind: str, cfg: MLAConfig, t: Tensors, plan: ExportPlan, weights
         elif form == "naive":
             out, present = attn.naive(op, h, cos, sin, chunk, past, write_indices)
         else:
-            out, present = attn.absorbed(op, h, cos, sin, bias, past, write_indices, tokens=kind != io_spec.DECODE,
-                                         prefill=kind == io_spec.PREFILL)
+            out, present = attn.absorbed(op, h, cos, sin, bias, past, write_indices, tokens=kind != io_spec.DECODE)
         outputs[io_spec.present_latent(i)], outputs[io_spec.present_rope(i)] = present.latent, present.rope
         if present.scale is not None:
             outputs[io_spec.present_latent_scale(i)] = present.scale

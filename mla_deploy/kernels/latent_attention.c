@@ -135,42 +135,11 @@ INLINE void weighted_rows(const int nh, const float *p, int64_t n, const void *c
 #define GROUP_COLUMNS 128 /* queries a grouped task takes: its packed queries, scores and cache range ~1 MiB at
                              DeepSeek's widths (Zen 4's L2) */
 
-/* outer_scores for 16 heads (one register) and ns <= OS16 slots */
-INLINE512 void outer_scores16(const int ns, const float *qt, int64_t heads, int64_t h0, const void *const *latent,
-                              int64_t dc, const void *const *rope, int64_t dr, float *score, int64_t n) {
-    __m512 acc[OS16];
-    for (int s = 0; s < ns; s++) acc[s] = _mm512_setzero_ps();
-    for (int part = 0; part < 2; part++) {
-        const void *const *rows = part ? rope : latent;
-        int64_t width = part ? dr : dc;
-        const float *q = qt + (part ? dc : 0) * heads + h0;
-        for (int64_t k = 0; k < width; k++, q += heads) {
-            __m512 q0 = _mm512_loadu_ps(q);
-            for (int s = 0; s < ns; s++)
-                acc[s] = _mm512_fmadd_ps(_mm512_set1_ps(((const float *)rows[s])[k]), q0, acc[s]);
-        }
-    }
-    float tmp[OS16][16];
-    for (int s = 0; s < ns; s++) _mm512_storeu_ps(tmp[s], acc[s]);
-    for (int j = 0; j < 16; j++)
-        for (int s = 0; s < ns; s++) score[(h0 + j) * n + s] = tmp[s][j];
-}
-
-/* the scores of every head (a multiple of 16) and the n slots, float32 caches */
-KERNEL512 static void outer_scores_avx512(const float *qt, int64_t heads, const void *const *latent, int64_t dc,
-                                          const void *const *rope, int64_t dr, float *score, int64_t n) {
-    for (int64_t h0 = 0; h0 < heads; h0 += 16) {
-        int64_t i = 0;
-        for (; i + OS16 <= n; i += OS16)
-            outer_scores16(OS16, qt, heads, h0, latent + i, dc, rope + i, dr, score + i, n);
-        for (; i < n; i++) outer_scores16(1, qt, heads, h0, latent + i, dc, rope + i, dr, score + i, n);
-    }
-}
-
-/* outer_scores16 for 32 query columns (two registers) from c0 of `columns` a packed row, and ns <= OS16 slots: a
- * chunk's T·h queries read each slot's values once per 32 of them */
-INLINE512 void outer_scores32(const int ns, const float *qt, int64_t columns, int64_t c0, const void *const *latent,
-                              int64_t dc, const void *const *rope, int64_t dr, float *score, int64_t n) {
+/* outer_scores 16 lanes wide: np (1 or 2) registers of 16 queries from c0 of `columns` a packed row (a query row's
+ * heads, or a group's queries) and ns <= OS16 slots; np and ns constant where inlined */
+INLINE512 void outer_scores16(const int np, const int ns, const float *qt, int64_t columns, int64_t c0,
+                              const void *const *latent, int64_t dc, const void *const *rope, int64_t dr, float *score,
+                              int64_t n) {
     __m512 acc[OS16][2];
     for (int s = 0; s < ns; s++) acc[s][0] = acc[s][1] = _mm512_setzero_ps();
     for (int part = 0; part < 2; part++) {
@@ -178,34 +147,39 @@ INLINE512 void outer_scores32(const int ns, const float *qt, int64_t columns, in
         int64_t width = part ? dr : dc;
         const float *q = qt + (part ? dc : 0) * columns + c0;
         for (int64_t k = 0; k < width; k++, q += columns) {
-            __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16);
+            __m512 q0 = _mm512_loadu_ps(q), q1 = np == 2 ? _mm512_loadu_ps(q + 16) : q0;
             for (int s = 0; s < ns; s++) {
                 __m512 a = _mm512_set1_ps(((const float *)rows[s])[k]);
                 acc[s][0] = _mm512_fmadd_ps(a, q0, acc[s][0]);
-                acc[s][1] = _mm512_fmadd_ps(a, q1, acc[s][1]);
+                if (np == 2) acc[s][1] = _mm512_fmadd_ps(a, q1, acc[s][1]);
             }
         }
     }
     float tmp[OS16][32];
-    for (int s = 0; s < ns; s++) _mm512_storeu_ps(tmp[s], acc[s][0]), _mm512_storeu_ps(tmp[s] + 16, acc[s][1]);
-    for (int j = 0; j < 32; j++)
+    for (int s = 0; s < ns; s++) {
+        _mm512_storeu_ps(tmp[s], acc[s][0]);
+        if (np == 2) _mm512_storeu_ps(tmp[s] + 16, acc[s][1]);
+    }
+    for (int j = 0; j < 16 * np; j++)
         for (int s = 0; s < ns; s++) score[(c0 + j) * n + s] = tmp[s][j];
 }
 
-/* the scores of a chunk's `columns` queries (T·h, a multiple of 16) and the n slots, float32 caches: 32 columns a
- * panel, a last one of 16 */
-KERNEL512 static void chunk_scores_avx512(const float *qt, int64_t columns, const void *const *latent, int64_t dc,
-                                          const void *const *rope, int64_t dr, float *score, int64_t n) {
-    for (int64_t c0 = 0; c0 < columns; c0 += 32) {
+/* the scores of `columns` queries a packed row (a multiple of 16) and the n slots, float32 caches: `wide` panels of
+ * 32 (a chunk's groups: each slot read once per 32 queries; a last panel of 16), else of 16 (a query row's heads) */
+KERNEL512 static void outer_scores_avx512(const float *qt, int64_t columns, int wide, const void *const *latent,
+                                          int64_t dc, const void *const *rope, int64_t dr, float *score, int64_t n) {
+    for (int64_t c0 = 0; c0 < columns;) {
         int64_t i = 0;
-        if (columns - c0 >= 32) {
-            for (; i + OS16 <= n; i += OS16)
-                outer_scores32(OS16, qt, columns, c0, latent + i, dc, rope + i, dr, score + i, n);
-            for (; i < n; i++) outer_scores32(1, qt, columns, c0, latent + i, dc, rope + i, dr, score + i, n);
+        if (wide && columns - c0 >= 32) {
+            for (; i + OS16 <= n; i += OS16) outer_scores16(2, OS16, qt, columns, c0, latent + i, dc, rope + i, dr,
+                                                           score + i, n);
+            for (; i < n; i++) outer_scores16(2, 1, qt, columns, c0, latent + i, dc, rope + i, dr, score + i, n);
+            c0 += 32;
         } else {
-            for (; i + OS16 <= n; i += OS16)
-                outer_scores16(OS16, qt, columns, c0, latent + i, dc, rope + i, dr, score + i, n);
-            for (; i < n; i++) outer_scores16(1, qt, columns, c0, latent + i, dc, rope + i, dr, score + i, n);
+            for (; i + OS16 <= n; i += OS16) outer_scores16(1, OS16, qt, columns, c0, latent + i, dc, rope + i, dr,
+                                                           score + i, n);
+            for (; i < n; i++) outer_scores16(1, 1, qt, columns, c0, latent + i, dc, rope + i, dr, score + i, n);
+            c0 += 16;
         }
     }
 }
@@ -246,6 +220,30 @@ KERNEL512 static int weighted_avx512(const float *p, int64_t heads, int64_t n, c
     return 1;
 }
 
+/* A grouped call's query rows a group: T in groups of at most GROUP_COLUMNS / h rows, as even as they go, smaller
+ * (down to one) where fewer than GROUP_TASKS range tasks would have a slot to read (a short cache). After the blind
+ * rows are found. */
+static int64_t group_rows(const LatentAttention *job) {
+    int64_t busy = 0; /* the ranges any query row of a cache row sees a slot of, summed over the cache rows */
+    for (int64_t row = 0; row < job->rows / job->queries; row++) {
+        int64_t extent = 0; /* past the last slot any of the row's queries sees */
+        for (int64_t r = row * job->queries; r < (row + 1) * job->queries; r++) {
+            const float *bias = job->bias + r * job->capacity;
+            int64_t last = job->capacity;
+            while (!job->blind[r] && !(bias[last - 1] > -FLT_MAX)) last--;
+            extent = last > extent ? last : extent;
+        }
+        busy += (extent + LATENT_SPLIT - 1) / LATENT_SPLIT;
+    }
+    int64_t most = GROUP_COLUMNS / job->heads > 1 ? GROUP_COLUMNS / job->heads : 1;
+    int64_t groups = (job->queries + most - 1) / most;
+    while (groups < job->queries && busy * groups < GROUP_TASKS) groups++;
+    return (job->queries + groups - 1) / groups;
+}
+
+/* a cache row's groups of query rows (group_rows) */
+static inline int64_t row_groups(const LatentAttention *job) { return (job->queries + job->group - 1) / job->group; }
+
 int latent_attention_plan(LatentAttention *job) {
     job->splits = (job->capacity + LATENT_SPLIT - 1) / LATENT_SPLIT;
     size_t partial = (size_t)(job->rows * job->splits * job->heads * (job->latent + 2));
@@ -254,26 +252,13 @@ int latent_attention_plan(LatentAttention *job) {
     if (!(job->partial = malloc((partial + packed) * sizeof(float) + (size_t)job->rows))) return -1;
     job->q_packed = outer ? job->partial + partial : NULL;
     job->blind = (uint8_t *)(job->partial + partial + packed);
-    int64_t busy = 0; /* the ranges a query row sees any slot of, summed over the cache rows (grouped) */
-    for (int64_t row = 0; row < job->rows / job->queries; row++) {
-        int64_t extent = 0; /* past the last slot any of the row's queries sees */
-        for (int64_t r = row * job->queries; r < (row + 1) * job->queries; r++) {
-            const float *bias = job->bias + r * job->capacity;
-            int64_t s = 0, last = job->capacity;
-            while (s < job->capacity && !(bias[s] > -FLT_MAX)) s++;
-            job->blind[r] = s == job->capacity;
-            while (!job->blind[r] && !(bias[last - 1] > -FLT_MAX)) last--;
-            extent = last > extent ? last : extent;
-        }
-        busy += (extent + LATENT_SPLIT - 1) / LATENT_SPLIT;
+    for (int64_t r = 0; r < job->rows; r++) {
+        const float *bias = job->bias + r * job->capacity;
+        int64_t s = 0;
+        while (s < job->capacity && !(bias[s] > -FLT_MAX)) s++;
+        job->blind[r] = s == job->capacity;
     }
-    job->group = 1;
-    if (latent_attention_grouped(job)) { /* T in groups of at most GROUP_COLUMNS / h rows, as even as they go */
-        int64_t most = GROUP_COLUMNS / job->heads > 1 ? GROUP_COLUMNS / job->heads : 1;
-        int64_t groups = (job->queries + most - 1) / most;
-        while (groups < job->queries && busy * groups < GROUP_TASKS) groups++; /* a short cache: smaller groups */
-        job->group = (job->queries + groups - 1) / groups;
-    }
+    job->group = latent_attention_grouped(job) ? group_rows(job) : 1;
     /* [k][h] a query row (grouped: [k][g·h] a group of g query rows, column t·h + head): the latent's d_c values,
      * then the rope's d_r */
     for (int64_t r = 0; outer && r < job->rows; r++) {
@@ -403,7 +388,7 @@ KERNEL512 static void range_grouped(LatentAttention *job, int64_t task) {
     const void *latent[LATENT_SPLIT], *rope[LATENT_SPLIT];
     float added[LATENT_SPLIT];
     int64_t slot[LATENT_SPLIT], n = 0;
-    const int64_t per_row = (job->queries + job->group - 1) / job->group, groups = job->rows / job->queries * per_row;
+    const int64_t per_row = row_groups(job), groups = job->rows / job->queries * per_row;
     const int64_t heads = job->heads, dc = job->latent, dr = job->rope, cap = job->capacity;
     const int64_t range = task / groups, cache_row = task % groups / per_row, g0 = task % per_row * job->group;
     const int64_t t_count = job->queries - g0 < job->group ? job->queries - g0 : job->group, columns = t_count * heads;
@@ -422,7 +407,8 @@ KERNEL512 static void range_grouped(LatentAttention *job, int64_t task) {
     }
     float *score = n ? malloc(sizeof(float) * (size_t)(columns * n)) : NULL;
     if (n && !score) __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);
-    if (score) chunk_scores_avx512(job->q_packed + first * (dc + dr) * heads, columns, latent, dc, rope, dr, score, n);
+    if (score) outer_scores_avx512(job->q_packed + first * (dc + dr) * heads, columns, 1, latent, dc, rope, dr, score,
+                                   n);
     for (int64_t t = 0; t < t_count; t++) {
         const int64_t row = first + t;
         const float *bias = job->bias + row * cap;
@@ -457,8 +443,8 @@ KERNEL static void range_of(LatentAttention *job, int64_t task, int kind) {
     const float *ql = job->q_latent + row * heads * dc, *qr = job->q_rope + row * heads * job->rope;
     if (job->blind[row]) memset(score, 0, sizeof(float) * (size_t)(heads * n)); /* equal scores: the plain mean */
     else if (job->q_packed && job->isa == ISA_AVX512 && heads % 16 == 0)
-        outer_scores_avx512(job->q_packed + row * (dc + job->rope) * heads, heads, latent, dc, rope, job->rope, score,
-                            n);
+        outer_scores_avx512(job->q_packed + row * (dc + job->rope) * heads, heads, 0, latent, dc, rope, job->rope,
+                            score, n);
     else if (job->q_packed) { /* float32 caches, heads a multiple of 8: outer products, 16 (or 8) heads a panel */
         const float *qt = job->q_packed + row * (dc + job->rope) * heads;
         int np = heads % 16 == 0 ? 2 : 1;
@@ -501,7 +487,7 @@ int latent_attention_grouped(const LatentAttention *job) {
 
 int64_t latent_attention_tasks(const LatentAttention *job) {
     if (!latent_attention_grouped(job)) return job->rows * job->splits;
-    return job->rows / job->queries * ((job->queries + job->group - 1) / job->group) * job->splits;
+    return job->rows / job->queries * row_groups(job) * job->splits;
 }
 
 void latent_attention_range(LatentAttention *job, int64_t task) {
