@@ -290,8 +290,13 @@ def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_
               help="onnxruntime intra-op threads; 0 is one per physical core.")
 @_session_config_option
 @_speculation_options
+@click.option("--cache-reuse", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Once the context fills and the oldest turns are dropped, move the later turns' cache entries up "
+                   "past them (their roped keys re-rotated) instead of prefilling them again: runs of at least N "
+                   "tokens; an approximation (they were computed seeing the dropped turns), as llama.cpp's "
+                   "--cache-reuse. 0: off.")
 def chat(export_dir, system, chat_template, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty,
-         seed, provider, threads, session_config, speculative, draft_tokens):
+         seed, provider, threads, session_config, speculative, draft_tokens, cache_reuse):
     """Chat with EXPORT_DIR in the terminal, through its chat template: a line is a message (end a line with \\ to
     go on to the next), /reset starts again, /exit or Ctrl-D ends, /help lists the commands. A turn prefills only
     its new tokens: the conversation before it stays in the cache; its oldest turns make room when the context
@@ -311,7 +316,7 @@ def chat(export_dir, system, chat_template, max_new_tokens, temperature, top_k, 
     model = ExportedModel(export_dir, RuntimeOptions(provider=provider, threads=threads, session_config=session_config))
     template = None if chat_template is None else ChatTemplate.from_export(export_dir, chat_template)
     conversation = Conversation(model, model.generation.override(**given), max_new_tokens, system, template,
-                                speculation)
+                                speculation, cache_reuse)
     click.echo(f"[{export_dir}: loaded in {model.load_seconds:.1f} s; /help lists the commands]", err=True)
     chat_loop(conversation)
 
@@ -439,6 +444,11 @@ def bench(quick, preset, checkpoint, contexts, batches, engines, steps, threads,
               help="Start a prompt from the cache slots a row holds for its first tokens (a chat's earlier turns, a "
                    "shared system prompt); off: every prompt prefilled whole, its numbers independent of what ran "
                    "before. A staged export prefills every prompt whole.")
+@click.option("--cache-reuse", type=click.IntRange(min=0), default=0, show_default=True,
+              help="With prefix caching, also reuse runs of at least N cached tokens that a prompt continues with "
+                   "after dropping some (a client's chat history cut from the front): moved up, their roped keys "
+                   "re-rotated, as llama.cpp's --cache-reuse; an approximation, as they were computed seeing the "
+                   "dropped tokens. 0: off; CPU provider only.")
 @click.option("--chat-template", default=None,
               help="A Jinja chat template used in place of the export's (tokenizer_config.json chat_template): a "
                    "file, or the template itself, as vLLM's --chat-template; e.g. one that renders the request's "
@@ -464,7 +474,7 @@ def bench(quick, preset, checkpoint, contexts, batches, engines, steps, threads,
 @_ray_address_option
 @click.option("--micro-batches", type=click.IntRange(min=1), default=None,
               help="A staged export: groups of rows in flight through the stages together (default: one per stage).")
-def serve(export_dir, host, port, max_batch, max_queue, prefill_chunk, prefix_caching, chat_template,
+def serve(export_dir, host, port, max_batch, max_queue, prefill_chunk, prefix_caching, cache_reuse, chat_template,
           reasoning_parser, api_key, model_name, threads, prepack, spin, ray_replicas, provider, session_config,
           speculative, draft_tokens, ray_address, micro_batches):
     """Serve EXPORT_DIR over HTTP with OpenAI's completions and chat routes, batching requests continuously."""
@@ -480,6 +490,11 @@ def serve(export_dir, host, port, max_batch, max_queue, prefill_chunk, prefix_ca
                                "one Ray actor per stage (serve it without --ray-replicas)")
     if staged:
         _no_staged_speculation(speculative)
+    if cache_reuse and (staged or not prefix_caching or provider != "cpu"):
+        raise click.UsageError("--cache-reuse moves cached tokens of a row on the CPU provider with prefix caching; "
+                               + ("a staged export prefills every prompt whole" if staged else
+                                  "--no-prefix-caching reuses none" if not prefix_caching else
+                                  f"--provider {provider} keeps the caches in device memory"))
     if micro_batches is not None and not staged:
         raise click.UsageError("--micro-batches: only a staged export (export --stages N) has stages to pipeline")
     if ray_address is not None and not (staged or ray_replicas):
@@ -490,7 +505,7 @@ def serve(export_dir, host, port, max_batch, max_queue, prefill_chunk, prefix_ca
 
         serve_on_ray(export_dir, ray_replicas, host, port, max_batch, max_queue, api_key, model_name, options,
                      _speculation(speculative, draft_tokens), ray_address, prefill_chunk, prefix_caching,
-                     chat_template, reasoning_parser)
+                     chat_template, reasoning_parser, cache_reuse)
         return
     from .serve.server import build_service, listening_socket
     from .serve.server import serve as run_server
@@ -499,7 +514,7 @@ def serve(export_dir, host, port, max_batch, max_queue, prefill_chunk, prefix_ca
     try:
         service = build_service(export_dir, max_batch, max_queue, api_key, model_name, options, prefill_chunk,
                                 _speculation(speculative, draft_tokens), ray_address, micro_batches, prefix_caching,
-                                chat_template, reasoning_parser)
+                                chat_template, reasoning_parser, cache_reuse)
     except BaseException:
         sock.close()
         raise

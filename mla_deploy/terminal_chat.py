@@ -62,8 +62,10 @@ def chat_loop(conversation: Conversation, stdin=None) -> None:
 def describe(turn: Turn) -> str:
     """The line after a reply: its length and end, what its prompt cost, its speed."""
     dropped = f"; the {turn.dropped_turns} oldest turns dropped to fit the context" if turn.dropped_turns else ""
+    shifted = f" ({turn.shifted_tokens} moved up)" if turn.shifted_tokens else ""
     return (f"[{len(turn.token_ids)} tokens, {turn.finish_reason}; prompt {turn.prompt_tokens} tokens, "
-            f"{turn.prompt_tokens - turn.cached_tokens} prefilled, {turn.cached_tokens} from the cache{dropped}; "
+            f"{turn.prompt_tokens - turn.cached_tokens} prefilled, {turn.cached_tokens} from the cache{shifted}"
+            f"{dropped}; "
             f"first token {turn.first_token_ms:.0f} ms, {turn.decode_tokens_per_s:.1f} tok/s]")
 
 

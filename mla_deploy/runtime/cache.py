@@ -11,13 +11,17 @@ grow copies the cache once per block.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 import onnxruntime as ort
 
 from .. import io_spec
 from ..config import MLAConfig
 from ..errors import InputError
-from .dtypes import ONNX, device_value, numpy_dtype, ort_value, to_device, to_host
+from ..rope import shifted_keys
+from .dtypes import ONNX, as_float32, device_value, from_float32, numpy_dtype, ort_value, to_device, to_host
+from .prefix import Moved
 
 BLOCK = 256  # slots added per growth step
 
@@ -78,6 +82,22 @@ class CacheBuffers:
             raise ValueError("copy_slots: resident caches are not copied between rows")
         for array in self.arrays.values():
             array[row, :slots] = array[source, :slots]
+
+    def move_slots(self, source: int, row: int, runs: Sequence[Moved]) -> None:
+        """Row `row`'s slots [to, to + length) of every cache become row `source`'s [start, start + length), run by
+        run in order, the roped keys moved by to - start positions (rope.shifted_keys; the latent and its scales
+        carry no position): a cache shift for reuse past a common start (runtime.prefix.moved_runs). In place when
+        `source` is `row`: a run only moves left, past what the runs before it wrote. Host caches only."""
+        if self.resident:
+            raise ValueError("move_slots: resident caches are not shifted")
+        for t in self.tensors:
+            array = self.arrays[t.past]
+            for run in runs:
+                moved = array[source, run.start : run.start + run.length]
+                if t.role == "rope" and run.to != run.start:
+                    keys = shifted_keys(as_float32(moved, t.dtype), self.cfg, run.to - run.start)
+                    moved = from_float32(keys, t.dtype)
+                array[row, run.to : run.to + run.length] = moved
 
     def bind(self, binding: ort.IOBinding, rows: slice | None = None) -> list[ort.OrtValue]:
         """Bind every cache as both the past input and the present output: in-place update. `rows` binds only those

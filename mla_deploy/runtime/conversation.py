@@ -35,15 +35,18 @@ class Turn:
     first_token_ms: float
     decode_tokens_per_s: float  # tokens after the first over the time from the first to the last
     dropped_turns: int = 0  # the conversation's oldest turns dropped to leave room in the context for this reply
+    shifted_tokens: int = 0  # of cached_tokens, those moved up past the dropped turns (cache_reuse)
 
 
 class Conversation:
     def __init__(self, model: ExportedModel, sampling: SamplingParams | None = None, max_new_tokens: int = 512,
                  system: str | None = None, template: ChatTemplate | None = None,
-                 speculation: Speculation | None = None):
+                 speculation: Speculation | None = None, cache_reuse: int = 0):
         """`sampling`: the export's generation_config.json by default (model.generation); `template`: the export's
         chat template by default (runtime.chat); `max_new_tokens`: the most a reply generates (fewer where the
-        model's context ends first)."""
+        model's context ends first); `cache_reuse`: once turns are dropped, the later turns' cache entries move up
+        past them instead of being prefilled again, runs of at least this many tokens (the Scheduler's option, an
+        approximation: 0, off, by default)."""
         self.tokenizer = Tokenizer.from_export(model.directory, model.manifest)
         if self.tokenizer is None:
             raise InputError(f"{model.directory}: this export has no tokenizer (tokenizer.json) to write messages with")
@@ -58,7 +61,8 @@ class Conversation:
         self.stop_ids = frozenset(model.stop_token_ids)
         self.system = [] if system is None else [{"role": "system", "content": system}]
         self.messages: list[dict] = list(self.system)
-        self.scheduler = Scheduler(model, max_batch=1, speculation=speculation, prefix_caching=True)
+        self.scheduler = Scheduler(model, max_batch=1, speculation=speculation, prefix_caching=True,
+                                   cache_reuse=cache_reuse)
 
     def reset(self) -> None:
         """Start again from the system message (the cache keeps the old turns until a new prompt overwrites them)."""
@@ -114,7 +118,8 @@ class Conversation:
         first = (times[0] - t0) * 1e3 if times else 0.0
         span = times[-1] - times[0] if len(times) > 1 else 0.0
         return Turn(text, tokens, finished[0].reason, finished[0].prompt_tokens, finished[0].cached_tokens,
-                    round(first, 3), round((len(times) - 1) / span, 2) if span > 0 else 0.0, dropped)
+                    round(first, 3), round((len(times) - 1) / span, 2) if span > 0 else 0.0, dropped,
+                    finished[0].shifted_tokens)
 
     def _fitted(self, messages: list[dict]) -> tuple[list[dict], list[int], int]:
         """`messages` without as many of its oldest turns (a user message and what follows it up to the next) as it

@@ -1,8 +1,8 @@
 """Graph I/O arrays in every dtype the graphs take (the caches': io_spec.CacheFormat).
 
 numpy has no bfloat16, so a bfloat16 cache is a uint16 array of its bit patterns (bfloat16 is float32's upper
-half: `safetensors_io.bf16_to_float32` reads it), handed to onnxruntime as bfloat16. The runtime never does
-arithmetic on caches, it only allocates, copies and binds them.
+half: `safetensors_io.bf16_to_float32` reads it), handed to onnxruntime as bfloat16. The runtime allocates, copies
+and binds caches; its one arithmetic on them is a cache shift's rotation of roped keys (runtime.cache), in float32.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ..errors import ProviderError
+from ..safetensors_io import bf16_to_float32, float32_to_bf16
 
 NUMPY = {"int64": np.int64, "int8": np.int8, "float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 ONNX = {"int64": 7, "int8": 3, "float32": 1, "float16": 10, "bfloat16": 16}  # ONNX TensorProto element types
@@ -20,6 +21,16 @@ _BFLOAT16 = ONNX["bfloat16"]
 def numpy_dtype(dtype: str) -> np.dtype:
     """A graph I/O dtype name -> the numpy dtype its arrays have here."""
     return np.dtype(NUMPY[dtype])
+
+
+def as_float32(array: np.ndarray, dtype: str) -> np.ndarray:
+    """Float cache values of graph dtype `dtype` (bfloat16 as bit patterns) as float32."""
+    return bf16_to_float32(array) if dtype == "bfloat16" else array.astype(np.float32)
+
+
+def from_float32(values: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values as a float cache of graph dtype `dtype` stores them, rounded to nearest (even)."""
+    return float32_to_bf16(values) if dtype == "bfloat16" else values.astype(numpy_dtype(dtype))
 
 
 def ort_value(array: np.ndarray, dtype: str, device: str = "cpu") -> ort.OrtValue:

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
+from ..errors import InputError
 from .chain import StagedExport
 from .scheduler import Finished, PromptLogprobs, QueueFull, Request, Scheduler, TokenEvent
 from .staged_scheduler import StagedScheduler
@@ -68,17 +69,21 @@ class EngineStats:
 class Engine:
     def __init__(self, model: ExportedModel, max_batch: int = 16, max_queue: int = 256, prefill_chunk: int = 256,
                  speculation: Speculation | None = None, micro_batches: int | None = None,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, cache_reuse: int = 0):
         """`model`: an ExportedModel, or a staged export's stage chain (runtime.chain.StageChain,
         runtime.stages.StagedModel: runtime.staged_scheduler, `micro_batches` groups of rows in flight, every prompt
         prefilled whole); `speculation`: the scheduler's (runtime.speculative); a request opts out with
-        speculate=False; `prefix_caching`: the Scheduler's (runtime.prefix)."""
+        speculate=False; `prefix_caching`, `cache_reuse`: the Scheduler's (runtime.prefix)."""
         self.model = model
         if isinstance(model, StagedExport):  # a stage chain: its stages hold the caches
+            if cache_reuse:
+                raise InputError(f"cache_reuse={cache_reuse}: a staged export prefills every prompt whole, so it "
+                                 "reuses no cached tokens")
             self.scheduler: Scheduler = StagedScheduler(model, max_batch, max_queue, prefill_chunk, speculation,
                                                         micro_batches)
         else:
-            self.scheduler = Scheduler(model, max_batch, max_queue, prefill_chunk, speculation, prefix_caching)
+            self.scheduler = Scheduler(model, max_batch, max_queue, prefill_chunk, speculation, prefix_caching,
+                                       cache_reuse)
         self.stats = EngineStats()
         self._lock = threading.Condition()
         self._inbox: list[Request] = []

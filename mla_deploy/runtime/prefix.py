@@ -15,12 +15,24 @@ computed by the prefill.
 
 A reused slot may hold numbers computed in another chunking (a reply decoded token by token) than a fresh
 prefill's: equal within float rounding, not bit for bit, as in vLLM; the scheduler's `prefix_caching=False` gives a
-prompt's numbers independent of what ran before. numpy only.
+prompt's numbers independent of what ran before.
+
+Cache reuse past the common start (the scheduler's `cache_reuse`, off by default; llama.cpp's server calls it
+`--cache-reuse`): a prompt that drops tokens from the middle of what a row holds (a chat's oldest turns, dropped to
+leave room in the context) continues with runs of the row's later tokens. Those slots move left to where the prompt
+has them, and their roped keys rotate by the same number of positions (rope.shifted_keys); the latent c_kv carries
+no position, so it moves as it is, which is what makes this cheap for MLA. A moved slot still holds what its token
+computed while it saw the dropped tokens: an approximation of a fresh prefill (the common start's slots stay exact),
+which is why it is asked for, and only runs of at least `cache_reuse` tokens move.
+numpy only.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 NONE = np.zeros(0, np.int64)  # a row holding nothing
 
@@ -55,3 +67,31 @@ def reusable_slots(prompt: np.ndarray, held: np.ndarray, draft_written: int | No
         if limit is not None:
             slots = min(slots, common - 1, limit)
     return max(slots, 0)
+
+
+@dataclass(frozen=True)
+class Moved:
+    """A run of slots a prompt reuses at another place: the row's slots [start, start + length) become the prompt's
+    [to, to + length), their keys moved by to - start positions (to <= start: tokens before them were dropped)."""
+    start: int
+    to: int
+    length: int
+
+
+def moved_runs(prompt: np.ndarray, held: np.ndarray, reused: int, least: int) -> list[Moved]:
+    """Past the `reused` slots of the common start: the runs of at least `least` of `held`'s later tokens that
+    continue `prompt`, in order, each the first such run after the one before it (llama.cpp server's scan for
+    `--cache-reuse`). The prompt positions they fill are [reused, reused + their total): the prefill goes on from
+    there. The prompt's last token is never reused (its logits sample the first token)."""
+    runs: list[Moved] = []
+    to, start, end = reused, reused, len(prompt) - 1
+    while to + least <= end and start + least <= len(held):
+        windows = sliding_window_view(held[start:], least)  # [len(held) - start - least + 1, least], no copy
+        hits = np.flatnonzero((windows == prompt[to : to + least]).all(axis=1))
+        if not len(hits):
+            break
+        start += int(hits[0])
+        length = least + common_length(prompt[to + least : end], held[start + least :])
+        runs.append(Moved(start, to, length))
+        to, start = to + length, start + length
+    return runs

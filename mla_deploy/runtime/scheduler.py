@@ -6,7 +6,8 @@ and the two sessions. Each `step()`:
   2. admits queued requests into free rows (lowest row first, so the occupied rows stay a prefix), with prefix
      caching (runtime.prefix, the default) starting from the longest start of the prompt any row's cache holds
      (copied into the row; caches resident on a device: a free row's reused in place), the reused slots not
-     prefilled again;
+     prefilled again; with `cache_reuse`, also runs of a row's later tokens that the prompt continues with after
+     dropping some, moved left with their keys re-rotated (runtime.prefix.moved_runs);
   3. prefills admitted prompts chunk by chunk, chunks starting while fewer than `prefill_chunk` tokens were
      prefilled this step (so about one chunk's worth a step), so a long prompt is spread over several steps
      while the running streams keep decoding between them;
@@ -50,7 +51,7 @@ from .generator import check_prompts
 from .grammar import Constraint, allowed_tokens
 from .draft import MTPDrafter
 from .history import appended
-from .prefix import NONE, common_length, held_tokens, reusable_slots
+from .prefix import NONE, Moved, common_length, held_tokens, moved_runs, reusable_slots
 from .sampling import SamplingParams, sample
 from .session import ExportedModel
 from .speculative import (PRIOR_ACCEPTANCE, DraftPolicy, Speculation, SpeculationStats, accept_row, lookup,
@@ -81,6 +82,7 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens whose cache entries a row already held (prefix caching), not prefilled
+    shifted_tokens: int = 0  # of those, the ones moved to earlier positions (cache_reuse past the common start)
 
 
 @dataclass
@@ -102,6 +104,7 @@ class Request:
     row: int | None = None
     prefilled: int = 0
     cached: int = 0  # its first prompt tokens found in a cache row (prefix caching), not prefilled
+    shifted: int = 0  # of those, the ones moved from later slots (cache_reuse)
     generated: list[int] = field(default_factory=list)
     pending: int | None = None  # the last sampled token, not yet in the cache
     history: np.ndarray | None = None  # prompt and output so far: a view of _tokens' first slots
@@ -133,6 +136,7 @@ class SchedulerStats:
     prefill_tokens: int = 0
     generated_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens reused from a cache row instead of prefilled (prefix caching)
+    shifted_tokens: int = 0  # of those, the ones moved to earlier slots (cache_reuse)
     speculation: SpeculationStats = field(default_factory=SpeculationStats)
     finished: dict = field(default_factory=lambda: {"stop": 0, "length": 0, "cancelled": 0})
 
@@ -145,15 +149,18 @@ KEPT_TAIL = 16
 
 class Scheduler:
     def __init__(self, model: ExportedModel, max_batch: int = 16, max_queue: int = 256, prefill_chunk: int = 256,
-                 speculation: Speculation | None = None, prefix_caching: bool = True):
+                 speculation: Speculation | None = None, prefix_caching: bool = True, cache_reuse: int = 0):
         """`prefix_caching`: a prompt starts from the cache slots a row holds for its first tokens (runtime.prefix);
-        False: every prompt is prefilled whole, its numbers independent of what ran before."""
+        False: every prompt is prefilled whole, its numbers independent of what ran before. `cache_reuse`: with
+        prefix caching, also reuse runs of at least this many of a row's later tokens that the prompt continues
+        with, shifted left (runtime.prefix.moved_runs: an approximation, so 0, off, by default)."""
         if io_spec.PREFILL not in model.sessions:
             raise InputError("the scheduler prefills prompts with the prefill graph: load the model with both graphs")
         self._rows_and_queue(model, max_batch, max_queue, prefill_chunk)
         self.prefix_caching = bool(prefix_caching)
         self.caches = CacheBuffers(model.config, max_batch, 1, model.max_seq_len, model.device, model.cache_format,
                                    resident=model.resident_caches)
+        self.cache_reuse = self._checked_cache_reuse(cache_reuse)
         self._decode: DecodeBinding | None = None
         self.speculation = (speculation or Speculation()).resolve(model)
         self.drafter = MTPDrafter(model, max_batch) if self.speculation.mode == "mtp" else None
@@ -173,12 +180,23 @@ class Scheduler:
         self.model, self.max_batch, self.max_queue, self.prefill_chunk = model, max_batch, max_queue, prefill_chunk
         self.lengths = np.zeros(max_batch, np.int64)  # tokens held in each row's cache
         self.rows: list[Request | None] = [None] * max_batch
-        self.prefix_caching = False
+        self.prefix_caching, self.cache_reuse = False, 0
         self.held: list[np.ndarray] = [NONE] * max_batch  # a free row's tokens in slots [0, lengths[row])
         self.held_scores: list[tuple[list, int] | None] = [None] * max_batch  # its prompt logprobs, and their k
         self.freed_at = np.zeros(max_batch, np.int64)  # when each row was last freed, in requests finished
         self.waiting: deque[Request] = deque()
         self.stats = SchedulerStats()
+
+    def _checked_cache_reuse(self, least: int) -> int:
+        if not isinstance(least, int) or isinstance(least, bool) or least < 0:
+            raise InputError(f"cache_reuse={least!r}: must be a non-negative integer (the shortest run of cached "
+                             "tokens moved; 0: off)")
+        if least and not self.prefix_caching:
+            raise InputError("cache_reuse: reusing cached tokens past a prompt's common start needs prefix caching")
+        if least and self.caches.resident:
+            raise InputError(f"cache_reuse: shifting cached keys runs on host caches, and this model's caches are "
+                             f"resident on {self.model.device}; prefix caching still reuses a common start there")
+        return least
 
     # ---- requests ----
     def check(self, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
@@ -261,8 +279,9 @@ class Scheduler:
             if twin in waits:
                 later.append(request)
                 continue
-            row, source, slots = self._place(request, held)
-            if self._awaits_a_prefill(request, slots):
+            row, source, slots, runs = self._place(request, held)
+            shifted = sum(run.length for run in runs)
+            if self._awaits_a_prefill(request, slots + shifted):
                 waits.add(twin)
                 later.append(request)
                 continue
@@ -273,7 +292,8 @@ class Scheduler:
             if self.drafter is not None and slots:  # the draft's pairs stay valid one short of the common start
                 draft_slots = min(slots, reusable_slots(request.prompt_array, held[source],  # built by _place
                                                         int(self.drafter.written[source])))
-            overwrites = source != row or len(self.held[row]) - slots >= KEPT_TAIL  # what `row` holds past `slots`
+            # what `row` holds past `slots`, overwritten or moved
+            overwrites = source != row or bool(runs) or len(self.held[row]) - slots >= KEPT_TAIL
             if self.prefix_caching and overwrites and not self.caches.resident:
                 held.pop(self._keep_hold(row, source), None)
             self.rows[row], request.row = request, row
@@ -281,8 +301,12 @@ class Scheduler:
             held.pop(row, None)
             if source != row:
                 self.caches.copy_slots(source, row, slots)
-            self.lengths[row] = request.prefilled = request.cached = slots
-            self.stats.cached_tokens += slots
+            if runs:
+                self.caches.move_slots(source, row, runs)
+            self.lengths[row] = request.prefilled = request.cached = slots + shifted
+            request.shifted = shifted
+            self.stats.cached_tokens += slots + shifted
+            self.stats.shifted_tokens += shifted
             if self.drafter is not None:
                 self.drafter.reset(row)
                 if draft_slots:  # kept for a later request that drafts, whether or not this one does
@@ -306,15 +330,17 @@ class Scheduler:
                     return True
         return False
 
-    def _place(self, request: Request, held: dict[int, np.ndarray]) -> tuple[int, int, int]:
-        """(the free row `request` goes to, the row whose slots it starts from, how many). It goes to the lowest free
-        row, so the occupied rows stay a prefix (a decode pass covers every row up to the highest occupied one).
-        With prefix caching it starts from the longest reusable start any row holds: copied there (host caches), or,
-        for caches resident on a device, a free row's reused in place wherever it is. A request for its prompt's
-        logprobs starts only from a row that kept its own prompt's, as many per position. `held`: rows' held tokens
-        already built in this step's admissions, added to."""
+    def _place(self, request: Request, held: dict[int, np.ndarray]) -> tuple[int, int, int, list[Moved]]:
+        """(the free row `request` goes to, the row whose slots it starts from, how many of its first, the runs of
+        its later slots moved after them). It goes to the lowest free row, so the occupied rows stay a prefix (a
+        decode pass covers every row up to the highest occupied one). With prefix caching it starts from the longest
+        reusable start any row holds: copied there (host caches), or, for caches resident on a device, a free row's
+        reused in place wherever it is; with cache_reuse, counting the runs that row's later tokens add (not for a
+        request that drafts with the MTP head, or asks for its prompt's logprobs: those stop at the common start).
+        A request for its prompt's logprobs starts only from a row that kept its own prompt's, as many per position.
+        `held`: rows' held tokens already built in this step's admissions, added to."""
         free = [r for r, q in enumerate(self.rows) if q is None]
-        best = (free[0], free[0], 0)
+        best: tuple[int, int, int, list[Moved]] = (free[0], free[0], 0, [])
         if not self.prefix_caching:
             return best
         prompt, k = request.prompt_array, request.prompt_logprobs
@@ -328,8 +354,11 @@ class Scheduler:
                 held[source] = self._held(source)
             slots = reusable_slots(prompt, held[source], int(self.drafter.written[source]) if mtp else None,
                                    None if scores is None else len(scores))
-            if slots > best[2]:
-                best = (source if self.caches.resident else free[0], source, slots)
+            runs = []
+            if self.cache_reuse and not mtp and k is None:
+                runs = moved_runs(prompt, held[source], slots, self.cache_reuse)
+            if slots + sum(run.length for run in runs) > best[2] + sum(run.length for run in best[3]):
+                best = (source if self.caches.resident else free[0], source, slots, runs)
         return best
 
     def _keep_hold(self, row: int, source: int) -> int | None:
@@ -601,7 +630,8 @@ class Scheduler:
             request.row = None
         request.pending = None
         self.stats.finished[reason] += 1
-        request.emit(Finished(reason, len(request.prompt_ids), len(request.generated), request.cached))
+        request.emit(Finished(reason, len(request.prompt_ids), len(request.generated), request.cached,
+                              request.shifted))
 
     def _longest(self, hi: int) -> int:
         """The most slots an occupied row below `hi` holds (0: none)."""

@@ -28,10 +28,11 @@ from .server import build_service
 class Replica:
     def __init__(self, export_dir: str, max_batch: int, max_queue: int, api_key: str | None, model_name: str | None,
                  options: RuntimeOptions, speculation: Speculation | None = None, prefill_chunk: int = 256,
-                 prefix_caching: bool = True, chat_template: str | None = None, reasoning_parser: str | None = None):
+                 prefix_caching: bool = True, chat_template: str | None = None, reasoning_parser: str | None = None,
+                 cache_reuse: int = 0):
         self.service = build_service(export_dir, max_batch, max_queue, api_key, model_name, options, prefill_chunk,
                                      speculation, prefix_caching=prefix_caching, chat_template=chat_template,
-                                     reasoning_parser=reasoning_parser)
+                                     reasoning_parser=reasoning_parser, cache_reuse=cache_reuse)
         self.service.instance = serve.get_replica_context().replica_id.unique_id
 
     def __serve_build_asgi_app__(self):
@@ -47,7 +48,7 @@ class Replica:
 def deployment(export_dir: str | Path, replicas: int, max_batch: int = 16, max_queue: int = 256,
                api_key: str | None = None, model_name: str | None = None, options: RuntimeOptions | None = None,
                speculation: Speculation | None = None, prefill_chunk: int = 256, prefix_caching: bool = True,
-               chat_template: str | Path | None = None, reasoning_parser: str | None = None):
+               chat_template: str | Path | None = None, reasoning_parser: str | None = None, cache_reuse: int = 0):
     """The bound Ray Serve application. Each replica reserves an equal share of the CPUs and runs onnxruntime on
     that many threads (unless options.threads says otherwise), so replicas do not fight over cores."""
     cpus = max(1, (os.cpu_count() or 1) // replicas)
@@ -63,7 +64,7 @@ def deployment(export_dir: str | Path, replicas: int, max_batch: int = 16, max_q
                                    prefill_chunk, prefix_caching,
                                    chat_template if chat_template is None or is_inline_template(chat_template)
                                    else str(Path(chat_template).resolve()),
-                                   reasoning_parser)
+                                   reasoning_parser, cache_reuse)
 
 
 def app(args: dict):
@@ -77,7 +78,7 @@ def serve_on_ray(export_dir, replicas: int, host: str, port: int, max_batch: int
                  api_key: str | None, model_name: str | None, options: RuntimeOptions,
                  speculation: Speculation | None = None, address: str | None = None, prefill_chunk: int = 256,
                  prefix_caching: bool = True, chat_template: str | Path | None = None,
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None, cache_reuse: int = 0) -> None:
     """Start a local Ray instance (or join `address`, else RAY_ADDRESS), run the replicas, and block until
     interrupted."""
     import ray
@@ -91,7 +92,7 @@ def serve_on_ray(export_dir, replicas: int, host: str, port: int, max_batch: int
     try:
         serve.start(http_options={"host": host, "port": port})
         serve.run(deployment(export_dir, replicas, max_batch, max_queue, api_key, model_name, options, speculation,
-                             prefill_chunk, prefix_caching, chat_template, reasoning_parser),
+                             prefill_chunk, prefix_caching, chat_template, reasoning_parser, cache_reuse),
                   name="mla-deploy", route_prefix="/", blocking=True)
     finally:  # Ctrl-C or SIGTERM: take the replicas and a Ray instance started here down with us
         serve.shutdown()

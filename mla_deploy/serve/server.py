@@ -23,12 +23,14 @@ def build_service(export_dir: str | Path, max_batch: int = 16, max_queue: int = 
                   model_name: str | None = None, options: RuntimeOptions | None = None,
                   prefill_chunk: int = 256, speculation: Speculation | None = None, ray_address: str | None = None,
                   micro_batches: int | None = None, prefix_caching: bool = True,
-                  chat_template: str | Path | None = None, reasoning_parser: str | None = None) -> Service:
-    """`speculation`: the engine's (runtime.speculative), which a request may opt out of; `prefix_caching`: the
-    scheduler's (runtime.prefix); `chat_template`: a Jinja file in place of the export's template, read before the
-    model loads; `reasoning_parser`: serve.reasoning's. A staged export (export --stages N) loads as one Ray actor
-    per stage (runtime.stages, the 'ray' extra; `ray_address`: the cluster to join, default a local Ray instance),
-    `micro_batches` groups of rows in flight (default: one per stage), every prompt prefilled whole."""
+                  chat_template: str | Path | None = None, reasoning_parser: str | None = None,
+                  cache_reuse: int = 0) -> Service:
+    """`speculation`: the engine's (runtime.speculative), which a request may opt out of; `prefix_caching`,
+    `cache_reuse`: the scheduler's (runtime.prefix); `chat_template`: a Jinja file in place of the export's
+    template, read before the model loads; `reasoning_parser`: serve.reasoning's. A staged export (export --stages
+    N) loads as one Ray actor per stage (runtime.stages, the 'ray' extra; `ray_address`: the cluster to join,
+    default a local Ray instance), `micro_batches` groups of rows in flight (default: one per stage), every prompt
+    prefilled whole."""
     # a bad template is said before the weights load
     template = None if chat_template is None else ChatTemplate.from_export(export_dir, chat_template)
     if is_staged(read_manifest(export_dir)):
@@ -42,7 +44,8 @@ def build_service(export_dir: str | Path, max_batch: int = 16, max_queue: int = 
         model = ExportedModel(export_dir, options)
     try:
         engine = Engine(model, max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk,
-                        speculation=speculation, micro_batches=micro_batches, prefix_caching=prefix_caching)
+                        speculation=speculation, micro_batches=micro_batches, prefix_caching=prefix_caching,
+                        cache_reuse=cache_reuse)
     except BaseException:
         _shutdown(model)
         raise
