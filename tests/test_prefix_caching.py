@@ -285,17 +285,22 @@ def test_serve_hands_its_prefix_caching_and_prefill_chunk_to_the_scheduler_in_on
     built = []
     monkeypatch.setattr(server, "build_service", lambda *args: built.append(args) or SimpleNamespace(model_name="m"))
     monkeypatch.setattr(server, "serve", lambda *args: None)
-    for flags, expected in (([], True), (["--no-prefix-caching"], False)):
+    for flags, expected in (([], (True, 0)), (["--no-prefix-caching"], (False, 0)),
+                            (["--cache-reuse", "16"], (True, 16))):
         result = CliRunner().invoke(main, ["serve", str(export_dir), "--port", "0", "--prefill-chunk", "64", *flags])
         assert result.exit_code == 0, result.output
-        assert (built[-1][6], built[-1][10]) == (64, expected)  # build_service's prefill_chunk, prefix_caching
+        # build_service's prefill_chunk, prefix_caching, cache_reuse
+        assert (built[-1][6], built[-1][10], built[-1][13]) == (64, *expected)
     ray = pytest.importorskip("mla_deploy.serve.ray", reason="--ray-replicas needs the 'ray' extra")
     on_ray = []
     monkeypatch.setattr(ray, "serve_on_ray", lambda *args: on_ray.append(args))
     result = CliRunner().invoke(main, ["serve", str(export_dir), "--ray-replicas", "2", "--prefill-chunk", "64",
                                        "--no-prefix-caching"])
     assert result.exit_code == 0, result.output
-    assert on_ray[-1][11:13] == (64, False)  # serve_on_ray's prefill_chunk, prefix_caching
+    assert on_ray[-1][11:13] == (64, False) and on_ray[-1][15] == 0  # prefill_chunk, prefix_caching, cache_reuse
+    result = CliRunner().invoke(main, ["serve", str(export_dir), "--ray-replicas", "2", "--cache-reuse", "16"])
+    assert result.exit_code == 0, result.output
+    assert on_ray[-1][12] is True and on_ray[-1][15] == 16
 
 
 def test_occupied_rows_stay_a_prefix_whatever_the_free_rows_hold(model):
