@@ -198,6 +198,8 @@ def test_ray_options_are_refused_where_nothing_runs_on_ray(exports):
     assert result.exit_code == 2 and "already runs as one Ray actor per stage" in result.stderr
     result = CliRunner().invoke(main, ["serve", str(exports["whole"]), "--micro-batches", "2"])
     assert result.exit_code == 2 and "only a staged export" in result.stderr
+    result = CliRunner().invoke(main, ["serve", str(exports["2"]), "--cache-reuse", "16"])
+    assert result.exit_code == 2 and "a staged export prefills every prompt whole" in result.stderr, result.output
     for command in (["run", str(exports["whole"]), "--prompt-ids", "5,6"], ["serve", str(exports["whole"])]):
         result = CliRunner().invoke(main, [*command, "--ray-address", "auto"])  # was ignored: it ran in process
         assert result.exit_code == 2 and result.stderr.startswith("error: --ray-address: only a staged export"), \
