@@ -90,15 +90,16 @@ def rope_tables(cfg: MLAConfig, n_positions: int) -> tuple[np.ndarray, np.ndarra
     return (np.cos(freqs) * factor).astype(np.float32), (np.sin(freqs) * factor).astype(np.float32)
 
 
-def shifted_keys(k_pe: np.ndarray, cfg: MLAConfig, delta: int) -> np.ndarray:
-    """Cached roped keys [..., d_r] (rotate-half layout, attention factor folded in) moved by `delta` positions:
-    RoPE's rotation by delta·θ_i, x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, the attention factor left as it is
-    (it scales the cached key once, whatever its position). A key at position p becomes the key at p + delta up to
-    float32 rounding: the cached one was rotated by fl(p·θ_i), this by delta·θ_i in float64, so the two angles
-    differ by at most p·θ_i's rounding (|Δangle| <= 2^-24 · p·θ_0). RoPE is relative, so scores between queries
-    and keys all moved alike are unchanged. float32 out."""
+def shifted_keys(k_pe: np.ndarray, cfg: MLAConfig, delta: int | np.ndarray) -> np.ndarray:
+    """Cached roped keys [..., d_r] (rotate-half layout, attention factor folded in) moved by `delta` positions (one
+    number, or one per key: [...]): RoPE's rotation by delta·θ_i, x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, the
+    attention factor left as it is (it scales the cached key once, whatever its position). A key at position p
+    becomes the key at p + delta up to float32 rounding: the cached one was rotated by fl(p·θ_i), this by delta·θ_i
+    in float64, where a key roped at p + delta would be by fl((p + delta)·θ_i), so the angles differ by p·θ_i's and
+    (p + delta)·θ_i's roundings (|Δangle| <= 2^-23 · p·θ_0). RoPE is relative, so scores between queries and keys
+    all moved alike are unchanged. float32 out."""
     half = cfg.qk_rope_head_dim // 2
-    angles = np.float64(delta) * inv_freq(cfg).astype(np.float64)  # [d_r/2]
+    angles = np.multiply.outer(np.asarray(delta, np.float64), inv_freq(cfg).astype(np.float64))  # [..., d_r/2]
     cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
     x1, x2 = k_pe[..., :half].astype(np.float32), k_pe[..., half:].astype(np.float32)
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

@@ -260,3 +260,43 @@ def test_the_chat_command_moves_the_later_turns_up_and_says_so(demo_export_dir):
                                        "--speculative", "off", "--cache-reuse", "32"], input=asks)
     assert result.exit_code == 0, result.output
     assert "moved up); the 1 oldest turns dropped" in result.stderr
+
+
+def test_a_free_rows_history_moves_to_another_row_before_its_slots_move_up(model):
+    rng = np.random.default_rng(6)
+    start, dropped, kept, new, more = (rng.integers(3, 4000, k) for k in (20, 30, 40, 10, 6))
+    scheduler = Scheduler(model, max_batch=2, prefill_chunk=32, cache_reuse=8)
+    finish(scheduler, np.concatenate([start, dropped, kept]), 4)
+    moved = finish(scheduler, np.concatenate([start, kept, new]), 4)  # row 0's slots move; its history goes to row 1
+    assert moved.finished.shifted_tokens == 40
+    again = finish(scheduler, np.concatenate([start, dropped, kept, more]), 4)
+    assert (again.finished.cached_tokens, again.finished.shifted_tokens) == (90, 0)  # found whole, not moved
+
+
+@pytest.fixture
+def always_draft(monkeypatch):
+    from mla_deploy.runtime.speculative import DraftPolicy
+
+    monkeypatch.setattr(DraftPolicy, "lengths",
+                        lambda self, acc, avail: [0 if a is None else n for a, n in zip(acc, avail)])
+
+
+def test_with_the_mtp_draft_only_requests_that_do_not_draft_move_slots_and_no_draft_pair_is_stale(model,
+                                                                                                  always_draft):
+    """The draft's cache is not moved: a request drafting with the MTP head reuses the common start alone (one
+    short of it), and one that does not draft moves slots but leaves the draft's pairs at the common start, so the
+    next drafting request generates what a fresh prefill does."""
+    from mla_deploy.runtime.speculative import Speculation
+
+    rng = np.random.default_rng(7)
+    start, dropped, kept, new, extra = (rng.integers(3, 4000, k) for k in (20, 30, 40, 16, 8))
+    scheduler = Scheduler(model, max_batch=1, prefill_chunk=32, speculation=Speculation("mtp", 2), cache_reuse=8)
+    finish(scheduler, np.concatenate([start, dropped, kept]), 6)
+    drafting = finish(scheduler, np.concatenate([start, kept, new]), 6)
+    assert (drafting.finished.cached_tokens, drafting.finished.shifted_tokens) == (19, 0)
+    plain = finish(scheduler, np.concatenate([start, new, extra]), 6, speculate=False)  # `kept` dropped
+    assert plain.finished.shifted_tokens == 16 and scheduler.stats.speculation.proposed > 0
+    prompt = np.concatenate([start, new, extra, [5, 6, 7]])
+    after = finish(scheduler, prompt, 6)  # the draft's pairs end at the common start: nothing moved is drafted from
+    assert (after.finished.cached_tokens, after.finished.shifted_tokens) == (19, 0)
+    assert after.tokens == finish(Scheduler(model, max_batch=1, prefix_caching=False), prompt, 6).tokens

@@ -84,20 +84,20 @@ class CacheBuffers:
             array[row, :slots] = array[source, :slots]
 
     def move_slots(self, source: int, row: int, runs: Sequence[Moved]) -> None:
-        """Row `row`'s slots [to, to + length) of every cache become row `source`'s [start, start + length), run by
-        run in order, the roped keys moved by to - start positions (rope.shifted_keys; the latent and its scales
-        carry no position): a cache shift for reuse past a common start (runtime.prefix.moved_runs). In place when
-        `source` is `row`: a run only moves left, past what the runs before it wrote. Host caches only."""
+        """Row `row`'s slots [to, to + length) of every cache become row `source`'s [start, start + length), for
+        each run, the roped keys moved by to - start positions (rope.shifted_keys; the latent and its scales carry no
+        position): a cache shift for reuse past a common start (runtime.prefix.moved_runs). Every run's slots are
+        gathered before any is written, so `source` may be `row`. Host caches only."""
         if self.resident:
             raise ValueError("move_slots: resident caches are not shifted")
+        start = np.concatenate([np.arange(run.start, run.start + run.length) for run in runs])
+        to = np.concatenate([np.arange(run.to, run.to + run.length) for run in runs])
         for t in self.tensors:
             array = self.arrays[t.past]
-            for run in runs:
-                moved = array[source, run.start : run.start + run.length]
-                if t.role == "rope" and run.to != run.start:
-                    keys = shifted_keys(as_float32(moved, t.dtype), self.cfg, run.to - run.start)
-                    moved = from_float32(keys, t.dtype)
-                array[row, run.to : run.to + run.length] = moved
+            moved = array[source, start]  # a copy
+            if t.role == "rope":
+                moved = from_float32(shifted_keys(as_float32(moved, t.dtype), self.cfg, to - start), t.dtype)
+            array[row, to] = moved
 
     def bind(self, binding: ort.IOBinding, rows: slice | None = None) -> list[ort.OrtValue]:
         """Bind every cache as both the past input and the present output: in-place update. `rows` binds only those

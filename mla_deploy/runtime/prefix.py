@@ -85,13 +85,27 @@ def moved_runs(prompt: np.ndarray, held: np.ndarray, reused: int, least: int) ->
     there. The prompt's last token is never reused (its logits sample the first token)."""
     runs: list[Moved] = []
     to, start, end = reused, reused, len(prompt) - 1
-    while to + least <= end and start + least <= len(held):
-        windows = sliding_window_view(held[start:], least)  # [len(held) - start - least + 1, least], no copy
-        hits = np.flatnonzero((windows == prompt[to : to + least]).all(axis=1))
-        if not len(hits):
+    while to + least <= end:
+        found = _first_run(held, start, prompt[to : to + least])
+        if found is None:
             break
-        start += int(hits[0])
-        length = least + common_length(prompt[to + least : end], held[start + least :])
-        runs.append(Moved(start, to, length))
-        to, start = to + length, start + length
+        length = least + common_length(prompt[to + least : end], held[found + least :])
+        runs.append(Moved(found, to, length))
+        to, start = to + length, found + length
     return runs
+
+
+SEARCH_BLOCK = 4096  # held positions compared per step of a run's search: the cost follows the distance to the run
+
+
+def _first_run(held: np.ndarray, start: int, tokens: np.ndarray) -> int | None:
+    """The first position from `start` where `held` holds `tokens`, or None."""
+    least = len(tokens)
+    while start + least <= len(held):
+        stop = min(len(held), start + SEARCH_BLOCK + least - 1)
+        windows = sliding_window_view(held[start:stop], least)  # [stop - start - least + 1, least], no copy
+        hits = np.flatnonzero((windows == tokens).all(axis=1))
+        if len(hits):
+            return start + int(hits[0])
+        start = stop - least + 1
+    return None

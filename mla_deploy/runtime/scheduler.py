@@ -37,6 +37,7 @@ then Finished. A request for 0 new tokens (prompt logprobs only) finishes after 
 from __future__ import annotations
 
 import itertools
+import operator
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -187,9 +188,13 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.stats = SchedulerStats()
 
-    def _checked_cache_reuse(self, least: int) -> int:
-        if not isinstance(least, int) or isinstance(least, bool) or least < 0:
-            raise InputError(f"cache_reuse={least!r}: must be a non-negative integer (the shortest run of cached "
+    def _checked_cache_reuse(self, given: int) -> int:
+        try:
+            least = -1 if isinstance(given, bool) else operator.index(given)
+        except TypeError:
+            least = -1
+        if least < 0:
+            raise InputError(f"cache_reuse={given!r}: must be a non-negative integer (the shortest run of cached "
                              "tokens moved; 0: off)")
         if least and not self.prefix_caching:
             raise InputError("cache_reuse: reusing cached tokens past a prompt's common start needs prefix caching")
@@ -357,7 +362,9 @@ class Scheduler:
             runs = []
             if self.cache_reuse and not mtp and k is None:
                 runs = moved_runs(prompt, held[source], slots, self.cache_reuse)
-            if slots + sum(run.length for run in runs) > best[2] + sum(run.length for run in best[3]):
+            # the most slots reused, and of those the longest exact start
+            if (slots + sum(run.length for run in runs), slots) > (best[2] + sum(run.length for run in best[3]),
+                                                                    best[2]):
                 best = (source if self.caches.resident else free[0], source, slots, runs)
         return best
 
