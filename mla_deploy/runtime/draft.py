@@ -18,7 +18,8 @@ import numpy as np
 
 from .. import io_spec
 from .cache import CacheBuffers
-from .speculative import MAX_DRAFT_TOKENS
+
+MAX_DRAFT_TOKENS = 16  # the most tokens a pass drafts (runtime.speculative's bound): chained drafts' spare slots
 
 
 class MTPDrafter:

@@ -27,10 +27,11 @@ import numpy as np
 
 from .. import io_spec
 from ..errors import InputError
+from .cache import CacheBuffers, DecodeBinding
+from .draft import MAX_DRAFT_TOKENS, MTPDrafter
 from .sampling import SamplingParams, adjusted_logits, distribution, draw, uniform
 
 MODES = ("auto", "off", "lookup", "mtp")
-MAX_DRAFT_TOKENS = 16
 PRIOR_ACCEPTANCE = 0.6  # a row's acceptance estimate before its first verification
 ACCEPTANCE_MEMORY = 0.7  # each verification moves the estimate 30 % of the way to what it saw
 REVISIT = 0.05  # each step a row drafts nothing moves its estimate 5 % of the way back to the prior
@@ -244,9 +245,6 @@ MEASURE_SECONDS = 0.01
 def measure_costs(model, rows: int, k: int, mtp: bool, context: int = 64, repeats: int = 3) -> Costs:
     """Time each step form for `rows` rows at `context` tokens, the fastest of `repeats` runs each; cached on the
     model per (rows, k, mtp)."""
-    from .cache import CacheBuffers, DecodeBinding
-    from .draft import MTPDrafter
-
     key = (rows, k, mtp)
     cache = model.__dict__.setdefault("_speculation_costs", {})
     if key in cache:

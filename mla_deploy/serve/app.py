@@ -33,7 +33,8 @@ from ..runtime.text import Tokenizer
 from . import protocol
 from .choices import ChatReply, ChoiceText, Out, chat_logprobs, completion_logprobs
 from .metrics import render_metrics
-from .protocol import APIError, GenerationRequest, bad
+from .errors import APIError, bad
+from .protocol import GenerationRequest
 from .reasoning import PARSERS, ReasoningSplit, reasoning_opened
 from .tools import Tools, tool_reply, why_no_calls
 

@@ -12,30 +12,9 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .tools import Tools
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers or {}
-
-    @property
-    def body(self) -> dict:
-        # OpenAI's types: a request the server will not take, whatever its status, is an invalid_request_error (the
-        # code says which: invalid_api_key, model_not_found, context_length_exceeded)
-        kind = "invalid_request_error" if self.status in (400, 401, 404, 405, 413) else {
-            429: "rate_limit_error", 503: "service_unavailable"}.get(self.status, "server_error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-
-
-def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param, code)
-
+from .errors import bad
+from .tools import Tools, check_tool_messages, parse_tools
 
 MAX_CHOICES = 128  # n and best_of, as OpenAI bounds them
 REFUSED = {  # fields this server does not implement: a 400 naming them, never silently ignored
@@ -178,7 +157,6 @@ def _check_unicode(value, path: str) -> None:
 
 
 def parse_request(body: dict, kind: str) -> GenerationRequest:
-    from .tools import check_tool_messages, parse_tools  # serve.tools words its errors with this module's bad()
 
     model = _model(body)
     for name, why in REFUSED.items():

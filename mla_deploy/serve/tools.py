@@ -25,7 +25,7 @@ import uuid
 from dataclasses import dataclass
 
 from ..runtime.stop import partial_suffix
-from .protocol import bad
+from .errors import bad
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name (fullmatch)
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # `parameters` left out: {}
