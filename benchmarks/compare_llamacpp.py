@@ -71,6 +71,13 @@ EXPORTS = {  # our exports, by name: ExportOptions beyond block 32
 }
 
 
+# bytes a parameter takes in each file the script makes: GGUF's blocks of 32 (q8_0: 32 codes and a float16 scale;
+# q4_0: 16 bytes of codes and a scale), ours as measured on the full-size V2-Lite (int4 9.2-9.5 GB for 15.7 B, its
+# head and embedding at 4-8 bits; int8 with its 8-bit head), rounded up
+BYTES_PER_PARAMETER = {"f32": 4, "f16": 2, "q8_0": 34 / 32, "q4_0": 18 / 32,
+                       "float32": 4, "float16": 2, "int8": 1.1, "int4": 0.62, "int4-head8": 0.62, "int4-head4": 0.62}
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -313,6 +320,7 @@ def main() -> int:
         d.mkdir(parents=True, exist_ok=True)
     from mla_deploy.presets import build_preset
 
+    check_disk(args, models, pairs)
     checkpoint = args.checkpoint or build_preset(args.preset, models / args.preset)  # reused once written
     tree = llama_tree(work)
     bins = build(work, tree)
@@ -353,6 +361,29 @@ def main() -> int:
     print_table(results, contexts)
     chart(results, contexts, models / "results.png")
     return 0
+
+
+def check_disk(args, models: Path, pairs: list[tuple[str, str | None]]) -> None:
+    """Say how much disk the files still to be made take (the checkpoint, the converted GGUF and its quantized kinds,
+    our exports; all at once at the peak), and refuse when it is not free: a disk that fills half-way through a
+    conversion leaves a broken file and every other process on the machine without room."""
+    from mla_deploy.config import MLAConfig
+    from mla_deploy.presets import checkpoint_bytes, preset_config, random_checkpoint_bytes
+
+    raw = json.loads((args.checkpoint / "config.json").read_text()) if args.checkpoint else preset_config(args.preset)
+    params = checkpoint_bytes(MLAConfig.from_hf_dict(raw), 1)
+    need = 0 if args.checkpoint or (models / args.preset / "config.json").exists() else random_checkpoint_bytes(raw)
+    kinds = {kind for kind, _ in pairs}
+    if not all((models / f"model-{kind}.gguf").exists() for kind in kinds):
+        made = kinds | ({args.convert} if not (models / f"model-{args.convert}.gguf").exists() else set())
+        need += sum(params * BYTES_PER_PARAMETER[k] for k in made if not (models / f"model-{k}.gguf").exists())
+    need += sum(params * BYTES_PER_PARAMETER[ours] for _, ours in pairs
+                if ours is not None and not (models / f"export-{ours}" / "manifest.json").exists())
+    free = shutil.disk_usage(models).free
+    log(f"disk: {need / 1e9:.1f} GB to make in {models} ({free / 1e9:.1f} GB free)")
+    if need > free:
+        raise SystemExit(f"{models}: the files still to make take about {need / 1e9:.1f} GB and {free / 1e9:.1f} GB "
+                         "are free; free some, or pass --models on a larger disk (--checkpoint an existing one)")
 
 
 def page_in(path: Path) -> None:
