@@ -90,6 +90,8 @@ class CacheBuffers:
         gathered before any is written, so `source` may be `row`. Host caches only."""
         if self.resident:
             raise ValueError("move_slots: resident caches are not shifted")
+        if not runs:
+            return
         start = np.concatenate([np.arange(run.start, run.start + run.length) for run in runs])
         to = np.concatenate([np.arange(run.to, run.to + run.length) for run in runs])
         for t in self.tensors:
