@@ -4,9 +4,8 @@
  * column; the softmax's exponentials 8 at a time; then p @ latent for 6 heads x 16 columns at a time. At the AVX-512
  * level the outer products (16 heads a register, 12 slots) and p @ latent (8 heads x 32 columns) run 16 lanes wide:
  * each lane adds the same products in the same order, so one query a row gets the AVX2 code's bits, at half the
- * instructions (at
- * 16 heads and 16k slots, one thread: 4.4-4.6 against 7.0-7.2 ms; onnxruntime's MatMuls 5.3-5.5). onnxruntime's
- * MatMuls multiply the same shapes as batched GEMMs and read every slot of the capacity. T query tokens a row over
+ * instructions (at 16 heads and 16k slots, one thread: 4.4-4.6 against 7.0-7.2 ms; onnxruntime's MatMuls 5.3-5.5).
+ * onnxruntime's MatMuls multiply the same shapes as batched GEMMs and read every slot of the capacity. T query tokens a row over
  * float32 caches go in groups at the AVX-512 level (range_grouped; heads a multiple of 16, d_c of 32): one outer
  * product of a group's queries, two registers of 16 a slot block, reads each slot once a group; its softmax runs
  * over the slots any token of the group sees, so its sums take another order than one token's alone. The plain C

@@ -95,6 +95,11 @@ def moved_runs(prompt: np.ndarray, held: np.ndarray, reused: int, least: int) ->
     return runs
 
 
+def moved_tokens(runs: list[Moved]) -> int:
+    """The prompt tokens `runs` fill."""
+    return sum(run.length for run in runs)
+
+
 SEARCH_BLOCK = 4096  # held positions compared per step of a run's search: the cost follows the distance to the run
 
 

@@ -52,7 +52,7 @@ from .generator import check_prompts
 from .grammar import Constraint, allowed_tokens
 from .draft import MTPDrafter
 from .history import appended
-from .prefix import NONE, Moved, common_length, held_tokens, moved_runs, reusable_slots
+from .prefix import NONE, Moved, common_length, held_tokens, moved_runs, moved_tokens, reusable_slots
 from .sampling import SamplingParams, sample
 from .session import ExportedModel
 from .speculative import (PRIOR_ACCEPTANCE, DraftPolicy, Speculation, SpeculationStats, accept_row, lookup,
@@ -285,7 +285,7 @@ class Scheduler:
                 later.append(request)
                 continue
             row, source, slots, runs = self._place(request, held)
-            shifted = sum(run.length for run in runs)
+            shifted = moved_tokens(runs)
             if self._awaits_a_prefill(request, slots + shifted):
                 waits.add(twin)
                 later.append(request)
@@ -346,6 +346,7 @@ class Scheduler:
         `held`: rows' held tokens already built in this step's admissions, added to."""
         free = [r for r, q in enumerate(self.rows) if q is None]
         best: tuple[int, int, int, list[Moved]] = (free[0], free[0], 0, [])
+        ranked = (0, 0)  # best's slots reused and its exact start: the most reused, then the longest exact start
         if not self.prefix_caching:
             return best
         prompt, k = request.prompt_array, request.prompt_logprobs
@@ -362,10 +363,9 @@ class Scheduler:
             runs = []
             if self.cache_reuse and not mtp and k is None:
                 runs = moved_runs(prompt, held[source], slots, self.cache_reuse)
-            # the most slots reused, and of those the longest exact start
-            if (slots + sum(run.length for run in runs), slots) > (best[2] + sum(run.length for run in best[3]),
-                                                                    best[2]):
-                best = (source if self.caches.resident else free[0], source, slots, runs)
+            rank = (slots + moved_tokens(runs), slots)
+            if rank > ranked:
+                best, ranked = (source if self.caches.resident else free[0], source, slots, runs), rank
         return best
 
     def _keep_hold(self, row: int, source: int) -> int | None:
