@@ -251,6 +251,16 @@ BAD_REQUESTS = [
     ("token id outside vocabulary", {"model": MODEL, "prompt": [1, 99999]}, 400, "prompt"),
     ("stream not a bool", {"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream"),
     ("logprobs too many", {"model": MODEL, "prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    ("temperature past float's range", {"model": MODEL, "prompt": "x", "temperature": 10**400}, 400, "temperature"),
+    ("logit_bias past float's range", {"model": MODEL, "prompt": "x", "logit_bias": {"5": -(10**400)}}, 400,
+     "logit_bias[5]"),
+    ("an integer past Python's digit limit", b'{"model": "demo", "prompt": "x", "seed": 1' + b"0" * 5000 + b"}", 400,
+     None),
+    ("arrays nested past the parser's depth", b'{"model": "demo", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400,
+     None),
+    ("chat's top_logprobs", {"model": MODEL, "prompt": "x", "logprobs": 2, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("chat's max_completion_tokens", {"model": MODEL, "prompt": "x", "max_completion_tokens": 5}, 400,
+     "max_completion_tokens"),
 ]
 
 
@@ -266,10 +276,13 @@ def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving(serve
         base + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}
     )
     assert chat.status_code == 400 and "role" in chat.json()["error"]["message"]
-    for field, value in (("top_logprobs", 2), ("tool_choice", "auto")):
+    for field, value in (("top_logprobs", 2), ("tool_choice", "auto"), ("echo", True), ("best_of", 2)):
         chat = httpx.post(base + "/v1/chat/completions",
                           json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], field: value})
         assert chat.status_code == 400 and chat.json()["error"]["param"] == field, field
+    idle = {"echo": False, "best_of": 1, "max_tokens": 1}  # the completions fields at values asking for nothing
+    user = [{"role": "user", "content": "x"}]
+    assert httpx.post(base + "/v1/chat/completions", json={"model": MODEL, "messages": user, **idle}).status_code == 200
     surrogate = httpx.post(base + "/v1/chat/completions", headers={"content-type": "application/json"},
                            content=b'{"model": "demo", "messages": [{"role": "user", "content": "\\ud800"}]}')
     assert surrogate.status_code == 400 and "lone surrogate" in surrogate.json()["error"]["message"]
@@ -427,6 +440,19 @@ def test_tokens_that_arrive_together_leave_as_one_chunk(server):
     cut = run(["return"], [events])
     assert len(cut) == 1 and cut[0].finish_reason == "stop" and cut[0].text == "def add(a, b):\n    "
     assert "".join(o.text for o in cut[0].tokens) == cut[0].text
+
+
+def test_every_chunk_of_a_reply_carries_the_requests_timestamp(monkeypatch):
+    """OpenAI stamps a reply once: a stream that crosses a second keeps its `created`."""
+    from mla_deploy.serve import protocol
+
+    clock = iter(range(1000, 2000, 7))
+    monkeypatch.setattr(protocol.time, "time", lambda: next(clock))
+    for kind, body in (("completion", {"prompt": "x"}), ("chat", {"messages": [{"role": "user", "content": "x"}]})):
+        req = protocol.parse_request({"model": MODEL, "stream": True, **body}, kind)
+        stamps = [protocol.chunk(req, "r", 0, "a", first=True)["created"], protocol.chunk(req, "r", 0, "b")["created"],
+                  protocol.usage_chunk(req, "r", {})["created"], protocol.response(req, "r", [], {})["created"]]
+        assert stamps == [req.created] * 4
 
 
 @pytest.mark.parametrize("instance", [None, "replica-7"], ids=["server", "ray-replica"])

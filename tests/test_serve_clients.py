@@ -111,11 +111,24 @@ def test_echo_with_generation_returns_prompt_then_completion(client):
     assert "".join(c.choices[0].text for c in streamed) == text
 
 
-def test_logprobs_zero_gives_the_chosen_tokens_and_empty_top_lists(client):
+def test_logprobs_zero_gives_the_chosen_tokens_alone(client):
     r = client.completions.create(prompt="import ", max_tokens=5, logprobs=0, **greedy())
     lp = r.choices[0].logprobs
     assert len(lp.token_logprobs) == 5 and all(isinstance(v, float) and v <= 0 for v in lp.token_logprobs)
-    assert lp.top_logprobs == [{}] * 5 and "".join(lp.tokens) == r.choices[0].text
+    assert lp.top_logprobs == [{t: v} for t, v in zip(lp.tokens, lp.token_logprobs)]  # OpenAI's and vLLM's
+    assert "".join(lp.tokens) == r.choices[0].text
+
+
+def test_top_logprobs_hold_a_sampled_token_outside_the_top_k(client):
+    """OpenAI: "the API will always return the logprob of the sampled token, so there may be up to logprobs+1
+    elements"; a hot sample picks tokens outside the top 1, each then listed beside it."""
+    r = client.completions.create(model=MODEL, prompt="import ", max_tokens=24, logprobs=1, temperature=2.0, seed=3)
+    lp = r.choices[0].logprobs
+    outside = 0
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert logprob in top.values() and 1 <= len(top) <= 2
+        outside += len(top) == 2
+    assert outside > 0  # at temperature 2 some of the 24 draws leave the likeliest token
 
 
 def test_top_logprobs_keep_every_candidate_of_a_unicode_prompt(client, tokenizer):
@@ -124,7 +137,8 @@ def test_top_logprobs_keep_every_candidate_of_a_unicode_prompt(client, tokenizer
     prompt = "naïve café — 日本語のテキスト, ünïcödé ✓"
     r = client.completions.create(prompt=prompt, max_tokens=4, echo=True, logprobs=5, **greedy())
     lp = r.choices[0].logprobs
-    assert all(len(top) == 5 for top in lp.top_logprobs[1:])
+    assert all(len(top) in (5, 6) for top in lp.top_logprobs[1:])  # the prompt's own token beside the 5 likeliest
+    assert all(t in top.values() for t, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:]))
     assert any(k.startswith("bytes:\\x") for top in lp.top_logprobs[1:] for k in top)
     assert "".join(lp.tokens) == r.choices[0].text and r.choices[0].text.startswith(prompt)
     for key in (k for top in lp.top_logprobs[1:] for k in top if k.startswith("bytes:")):

@@ -120,12 +120,21 @@ def sent_logprob(lp: float | None) -> float | None:
 
 
 def completion_logprobs(tokenizer: Tokenizer | None, outs: list[Out]) -> dict:
-    """OpenAI completions' logprobs: tokens (joining to the text), token_logprobs, top_logprobs, text_offset."""
+    """OpenAI completions' logprobs: tokens (joining to the text), token_logprobs, top_logprobs, text_offset. Each
+    top_logprobs entry holds the k likeliest and the token itself where it is not among them (up to k + 1, as
+    OpenAI's and vLLM's)."""
+    def top(event) -> dict | None:
+        if event.top_logprobs is None:
+            return None
+        entries = list(event.top_logprobs)
+        if event.logprob is not None and all(t != event.token for t, _ in entries):
+            entries.append((event.token, event.logprob))
+        return {token_key(tokenizer, t): sent_logprob(lp) for t, lp in entries}
+
     return {
         "tokens": [o.text for o in outs],
         "token_logprobs": [sent_logprob(o.event.logprob) for o in outs],
-        "top_logprobs": [None if o.event.top_logprobs is None else
-                         {token_key(tokenizer, t): sent_logprob(lp) for t, lp in o.event.top_logprobs} for o in outs],
+        "top_logprobs": [top(o.event) for o in outs],
         "text_offset": [o.offset for o in outs],
     }
 

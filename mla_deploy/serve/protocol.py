@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -39,6 +40,19 @@ REFUSED_UNLESS = {
     "guided_choice": (),
     "guided_grammar": (),
     "structured_outputs": (),
+}
+
+# fields of the other route: a 400 saying which field this route takes instead, unless the value asks for nothing
+OTHER_ROUTE = {
+    "chat": {
+        "echo": ((False,), "a completions field (vLLM's chat echo, which prepends the last message, is not "
+                           "supported); use /v1/completions to echo a prompt"),
+        "best_of": ((1,), "a completions field; use /v1/completions, or n for several replies"),
+    },
+    "completion": {
+        "top_logprobs": ((), "a chat field; completions take logprobs: k for the k likeliest tokens"),
+        "max_completion_tokens": ((), "a chat field; completions take max_tokens"),
+    },
 }
 
 
@@ -78,6 +92,7 @@ class GenerationRequest:
     ignore_eos: bool = False  # vLLM's field: the model's end-of-sequence ids do not stop it (stop ids still do)
     include_stop_str: bool = False  # vLLM's include_stop_str_in_output: the text ends with the stop string it met
     min_tokens: int = 0  # vLLM's: no stop id or stop string ends the reply before this many tokens
+    created: int = field(default_factory=lambda: int(time.time()))  # every reply and chunk's timestamp, one a request
 
     @property
     def candidates(self) -> int:
@@ -128,32 +143,41 @@ def parse_body(raw: bytes) -> dict:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad(f"request body is not valid JSON ({e})") from None
+    except ValueError:  # Python's limit on an integer's digits (sys.get_int_max_str_digits)
+        raise bad(f"request body: a number of more than {sys.get_int_max_str_digits()} digits") from None
+    except RecursionError:
+        raise bad("request body is not valid JSON: its arrays and objects nest too deeply") from None
     if not isinstance(body, dict):
         raise bad("request body must be a JSON object")
-    _check_unicode(body, "")
+    _check_unicode(body)
     return body
 
 
-def _check_unicode(value, path: str) -> None:
+def _check_unicode(body: dict) -> None:
     """A lone surrogate ("\\ud800" in the JSON) decodes to a str with no UTF-8 form: refused here, naming its field,
-    before a tokenizer or the reply's encoder meets it."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            name = path or "body"
-            raise bad(
-                f"{name}: not valid UTF-8 text: character {e.start} is a lone surrogate "
-                f"({ascii(value[e.start])}); send a valid Unicode string",
-                path.split("[")[0].split(".")[0] or None,
-            ) from None
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _check_unicode(k, path)
-            _check_unicode(v, f"{path}.{k}" if path else k)
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            _check_unicode(v, f"{path}[{i}]")
+    before a tokenizer or the reply's encoder meets it. A walk with its own stack: any depth json.loads took."""
+    todo = [(body, "")]
+    while todo:
+        value, path = todo.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise bad(
+                    f"{path or 'body'}: not valid UTF-8 text: character {e.start} is a lone surrogate "
+                    f"({ascii(value[e.start])}); send a valid Unicode string",
+                    path.split("[")[0].split(".")[0] or None,
+                ) from None
+        elif isinstance(value, dict):  # pushed last first: the first bad field in the body's order is named
+            todo += reversed([pair for k, v in value.items()
+                              for pair in ((k, path), (v, f"{path}.{k}" if path else k))])
+        elif isinstance(value, list):
+            todo += reversed([(v, f"{path}[{i}]") for i, v in enumerate(value)])
+
+
+def _asks_nothing(value, idle: tuple) -> bool:
+    """An unsupported field left out, null, or one of the values that ask for nothing (true is not 1 here)."""
+    return value is None or any(isinstance(value, bool) == isinstance(v, bool) and value == v for v in idle)
 
 
 def parse_request(body: dict, kind: str) -> GenerationRequest:
@@ -164,9 +188,12 @@ def parse_request(body: dict, kind: str) -> GenerationRequest:
             raise bad(f"{name}: {why} by this server", name)
     for name, idle in REFUSED_UNLESS.items():
         value = body.get(name)
-        if value is not None and not any(isinstance(value, bool) == isinstance(v, bool) and value == v for v in idle):
+        if not _asks_nothing(value, idle):
             raise bad(f"{name}: {json.dumps(value)[:80]} is not supported by this server"
                       + (f" (only {json.dumps(idle[0])})" if idle else "; leave the field out"), name)
+    for name, (idle, why) in OTHER_ROUTE[kind].items():
+        if not _asks_nothing(body.get(name), idle):
+            raise bad(f"{name}: {why}", name)
     req = GenerationRequest(kind, model)
     req.tools = parse_tools(body, kind)
     if kind == "completion":
@@ -405,8 +432,14 @@ def _number(value, name: str, lo: float, hi: float, open_low: bool = False) -> f
     """A finite number in [lo, hi] ((lo, hi] with `open_low`), or None where the field is absent."""
     if value is None:
         return None
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise bad(f"{name}: expected a number, got {json.dumps(value)}", name)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise bad(f"{name}: expected a number, got {json.dumps(value)[:80]}", name)
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an integer past float's range
+        finite = False
+    if not finite:
+        raise bad(f"{name}: {json.dumps(value)[:80]} is not a finite number in [{lo:g}, {hi:g}]", name)
     if not (lo < value if open_low else lo <= value) or value > hi:
         raise bad(f"{name}: {value} is out of range; must be in {'(' if open_low else '['}{lo:g}, {hi:g}]", name)
     return float(value)
@@ -485,4 +518,4 @@ def usage_chunk(req: GenerationRequest, rid: str, use: dict) -> dict:
 def _envelope(req: GenerationRequest, rid: str, chat_object: str) -> dict:
     """The fields every reply and chunk starts with; completions' object is always "text_completion"."""
     obj = "text_completion" if req.kind == "completion" else chat_object
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": req.model}
+    return {"id": rid, "object": obj, "created": req.created, "model": req.model}
