@@ -128,11 +128,14 @@ class Checkpoint:
         return bool(self.mtp_names())
 
     def tensor(self, name: str) -> np.ndarray:
-        """One tensor as float32, in the HF per-expert naming (an FP8 weight dequantized with its block scales)."""
+        """One tensor as float32, in the HF per-expert naming (an FP8 weight dequantized with its block scales);
+        CheckpointError where it holds NaN or infinity."""
         file, stored, rows = self._where[name]
         if name in self._scales:
-            return self._fp8_tensor(name)
-        arr = file.float32(stored) if rows is None else _packed_rows(file, stored, rows)
+            arr = self._fp8_tensor(name)
+        else:
+            arr = file.float32(stored) if rows is None else _packed_rows(file, stored, rows)
+        _check_finite(arr, name, self.directory)
         return arr
 
     def _fp8_tensor(self, name: str) -> np.ndarray:
@@ -261,6 +264,24 @@ class Checkpoint:
         if orphans:
             raise CheckpointError(f"{where}: {orphans[0]}_scale_inv has no float8_e4m3fn weight to scale")
         self._scales = {n: self._scales[n] for n in fp8_weights}
+
+
+FINITE_CHUNK = 1 << 22  # elements a finiteness check looks at at once: a 4 MB mask, not one as large as the tensor
+
+
+def _check_finite(arr: np.ndarray, name: str, directory: Path) -> None:
+    """CheckpointError naming `name` where it holds NaN or infinity: every logit it reaches would be NaN, and an
+    export of it would sample arbitrary tokens."""
+    flat = arr.reshape(-1)
+    for start in range(0, flat.size, FINITE_CHUNK):
+        part = flat[start:start + FINITE_CHUNK]
+        bad = ~np.isfinite(part)
+        if bad.any():
+            count = int(bad.sum()) + sum(int((~np.isfinite(flat[s:s + FINITE_CHUNK])).sum())
+                                         for s in range(start + FINITE_CHUNK, flat.size, FINITE_CHUNK))
+            first = np.unravel_index(start + int(np.argmax(bad)), arr.shape)
+            raise CheckpointError(f"{directory}: {name} holds {count} non-finite value(s) (NaN or infinity), the "
+                                  f"first {float(flat[start + int(np.argmax(bad))])} at {list(map(int, first))}")
 
 
 def _packed_rows(file: SafetensorsFile, stored: str, rows) -> np.ndarray:

@@ -41,6 +41,11 @@ class StageFailedError(MLADeployError):
     """A stage of a staged export that stopped answering (its Ray actor or node died): the rows it held are lost."""
 
 
+class ModelOutputError(MLADeployError):
+    """A model whose output cannot be sampled: logits that hold NaN or infinity (weights that do, or arithmetic that
+    overflowed its precision)."""
+
+
 def read_json(path, error: type[MLADeployError], what: str):
     """Parse a JSON file, or raise `error` naming the file: missing, unreadable or not JSON."""
     import json

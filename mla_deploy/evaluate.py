@@ -88,6 +88,7 @@ def evaluate(
     progress: Callable[[str], None] = lambda msg: None,
 ) -> EvalReport:
     model = ExportedModel(export_dir)
+    model.require_whole("eval")
     tokenizer = Tokenizer.from_export(export_dir, model.manifest)
     if tokenizer is None:
         raise InputError(f"{export_dir}: export has no tokenizer; eval needs one to read text")

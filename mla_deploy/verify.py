@@ -129,6 +129,8 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
     exact = RuntimeOptions(provider=provider, prepack=False, kernels=exact_attention)
     model = (StageChain(export_dir, exact, model_class=FloatActivations) if staged
              else FloatActivations(export_dir, exact))
+    if not staged:
+        model.require_whole("verify")
     manifest = model.manifest
     source = Path(checkpoint_dir or manifest["source"]["path"])
     ckpt = Checkpoint(source)

@@ -102,6 +102,23 @@ def test_missing_tensor_named(checkpoint_dir, tmp_path):
         Checkpoint(d)
 
 
+@pytest.mark.parametrize("value", [np.nan, -np.inf])
+def test_a_non_finite_weight_is_refused_by_name(checkpoint_dir, tmp_path, value):
+    """Every logit it reached would be NaN, and an export of it would sample arbitrary tokens."""
+    d = copy_checkpoint(checkpoint_dir, tmp_path)
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+
+    def damage(s):
+        s[name] = np.array(s[name], np.float32)
+        s[name][3, 5] = value
+
+    rewrite_weights(d, damage)
+    ckpt = Checkpoint(d)  # shapes are checked on open, values as each tensor is read
+    ckpt.tensor("model.norm.weight")
+    with pytest.raises(CheckpointError, match=rf"{name} holds 1 non-finite value\(s\) .* at \[3, 5\]"):
+        ckpt.tensor(name)
+
+
 def test_wrong_shape_and_unexpected_listed_together(checkpoint_dir, tmp_path):
     d = copy_checkpoint(checkpoint_dir, tmp_path)
 

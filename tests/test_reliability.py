@@ -330,6 +330,60 @@ def test_corrupt_graph_with_matching_hash_named(exported, tmp_path):
         ExportedModel(d)
 
 
+def test_non_finite_logits_are_refused_not_sampled(exported, tmp_path):
+    """A NaN in the final norm's weight makes every logit NaN: the Generator, the Scheduler (its first token and a
+    greedy row's argmax) and `run` say so by name instead of returning an arbitrary token."""
+    import onnx
+
+    from mla_deploy.errors import ModelOutputError
+    from mla_deploy.integrity import block_digests
+    from mla_deploy.runtime.scheduler import Request, Scheduler
+
+    d = tmp_path / "export"
+    shutil.copytree(exported(VARIANT), d)
+    graph = onnx.load(d / "decode.onnx", load_external_data=False).graph
+    norm, = [{e.key: e.value for e in t.external_data} for t in graph.initializer if t.name == "final_norm"]
+    with open(d / norm["location"], "r+b") as f:
+        f.seek(int(norm["offset"]) + 4 * 7)
+        f.write(np.float32(np.nan).tobytes())
+    manifest = json.loads((d / "manifest.json").read_text())  # a weight exported so, not a damaged file
+    manifest["weights"]["block_digests"] = block_digests(d / norm["location"])
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    model = ExportedModel(d)
+    for params in (SamplingParams(), SamplingParams(temperature=0.8, seed=1), SamplingParams(repetition_penalty=1.2)):
+        with pytest.raises(ModelOutputError, match=r"the model's logits hold NaN \(row 0 of 1\)"):
+            Generator(model, params, stop_token_ids=()).generate([[5, 6, 7]], 3)
+    scheduler = Scheduler(model, max_batch=2)
+    scheduler.add(Request([5, 6, 7], 3, lambda event: None))
+    with pytest.raises(ModelOutputError, match="logits hold NaN"):
+        for _ in range(10):
+            scheduler.step()
+    result = CliRunner().invoke(main, ["run", str(d), "--prompt-ids", "5,6,7", "-n", "2"])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert result.output.strip().splitlines()[-1].startswith("error: the model's logits hold NaN"), result.output
+
+
+def test_the_logits_check_reads_each_row_and_guards_speculation_too():
+    """finite() names the first bad row; a masked (-inf) logit passes; accept_row's plain greedy argmax is checked."""
+    from mla_deploy.errors import ModelOutputError
+    from mla_deploy.runtime.sampling import finite
+    from mla_deploy.runtime.speculative import accept_row
+
+    logits = np.zeros((3, 10), np.float32)
+    logits[1, 4] = -np.inf  # a masked logit is a probability of 0, not an error
+    assert finite(logits) is logits
+    for row, value, what in ((2, np.nan, "NaN"), (0, np.inf, "infinite values")):
+        bad = logits.copy()
+        bad[row, 3] = value
+        with pytest.raises(ModelOutputError, match=f"hold {what} \\(row {row} of 3\\)"):
+            finite(bad)
+        with pytest.raises(ModelOutputError):
+            accept_row(bad, [1, 1], SamplingParams(), np.array([1]), None, np.random.default_rng(0))
+    empty = np.full((1, 10), -np.inf, np.float32)  # no finite value at all: nothing to sample
+    with pytest.raises(ModelOutputError, match="infinite values"):
+        finite(empty)
+
+
 def test_newer_manifest_version_refused(exported, tmp_path):
     d = tmp_path / "export"
     shutil.copytree(exported(VARIANT), d)

@@ -189,6 +189,30 @@ def test_inspect_reports_every_stage(exports):
     assert "2 stages, layers 0-1, 2-3" in "\n".join(format_report(report))
 
 
+def test_one_stage_directory_is_refused_where_the_whole_model_is_needed(exports):
+    """A stage's graphs take or give hidden states: generation, serving, verify and eval over one name the staged
+    export to pass instead of failing inside onnxruntime."""
+    from click.testing import CliRunner
+
+    from mla_deploy.cli import main
+    from mla_deploy.runtime.scheduler import Scheduler
+
+    staged = exports["2"]
+    for index in (0, 1):
+        model = ExportedModel(staged / f"stage-{index}")  # a stage loads (StageChain and the Ray actors do so)
+        said = rf"stage-{index}: stage {index} of 2 \(layers \d+-\d+\) of a staged export; "
+        with pytest.raises(ExportLoadError, match=said + r"generation runs the whole model: pass the staged export's"):
+            Generator(model)
+        with pytest.raises(ExportLoadError, match=said + "serving runs the whole model"):
+            Scheduler(model)
+        for command in (["run", str(staged / f"stage-{index}"), "--prompt-ids", "5,6", "-n", "2"],
+                        ["verify", str(staged / f"stage-{index}")]):
+            result = CliRunner().invoke(main, command)
+            assert result.exit_code != 0 and "Traceback" not in result.output, result.output
+            assert f"of a staged export; {command[0] if command[0] == 'verify' else 'generation'} runs the whole " \
+                   f"model: pass the staged export's directory ({staged})" in result.output, result.output
+
+
 def test_ray_options_are_refused_where_nothing_runs_on_ray(exports):
     from click.testing import CliRunner
 

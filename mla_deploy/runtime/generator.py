@@ -79,6 +79,7 @@ class Generator:
         in place of prompt lookup, called with a row's tokens so far (prompt and output, the last not yet in the
         cache) and the most drafts it may give; it returns up to that many token ids (a retrieval index, or a
         benchmark's replay of known output); acceptance checks them as any draft."""
+        model.require_whole("generation")
         self.model = model
         self.sampling = (model.generation.sampling if sampling is None else sampling).validate()
         self.speculation = (speculation or Speculation()).resolve(model)

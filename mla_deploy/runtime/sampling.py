@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import InputError
+from ..errors import InputError, ModelOutputError
 
 NUCLEUS_RATIOS = (2.0**-7, 2.0**-14)  # top-p first looks for the nucleus among tokens this likely x the likeliest
 NUCLEUS_MAX_CANDIDATES = 8192  # ... unless there are more of them than this (nucleus_ids())
@@ -174,11 +174,25 @@ def uniform(rng: np.random.Generator | Sequence[np.random.Generator], rows: int)
     return np.maximum(u, np.finfo(np.float64).tiny)
 
 
+def finite(logits: np.ndarray) -> np.ndarray:
+    """logits [b, vocab] as the model gave them, or ModelOutputError where a row holds NaN or +inf, or no finite
+    value at all (a row's max is then NaN or infinite: one reduction, not a whole isfinite mask): an argmax or a draw
+    from such a row would be an arbitrary token, sampled silently."""
+    peak = logits.max(-1)
+    if not np.isfinite(peak).all():
+        row = int(np.flatnonzero(~np.isfinite(peak))[0])
+        what = "NaN" if np.isnan(logits[row]).any() else "infinite values"
+        raise ModelOutputError(
+            f"the model's logits hold {what} (row {row} of {len(logits)}): its weights hold non-finite values or its "
+            "arithmetic overflowed (float16 compute); `mla-deploy verify EXPORT` compares the export with its source")
+    return logits
+
+
 def adjusted_logits(logits: np.ndarray, params: SamplingParams, history: list[np.ndarray],
                     counts: Sequence[np.ndarray] | None = None, allowed: np.ndarray | None = None) -> np.ndarray:
     """float64 logits after the repetition penalty, presence and frequency penalties, logit_bias and the mask, in
-    that order: what greedy takes the argmax of."""
-    logits = apply_repetition_penalty(logits.astype(np.float64), history, params.repetition_penalty)
+    that order: what greedy takes the argmax of (the model's own logits checked finite first)."""
+    logits = apply_repetition_penalty(finite(logits).astype(np.float64), history, params.repetition_penalty)
     if params.counts_tokens:
         logits = apply_presence_frequency(logits, counts, params.presence_penalty, params.frequency_penalty)
     logits = apply_logit_bias(logits, params.logit_bias)

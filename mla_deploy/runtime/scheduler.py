@@ -53,7 +53,7 @@ from .grammar import Constraint, allowed_tokens
 from .draft import MTPDrafter
 from .history import appended
 from .prefix import NONE, Moved, common_length, held_tokens, moved_runs, moved_tokens, reusable_slots
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, finite, sample
 from .session import ExportedModel
 from .speculative import (PRIOR_ACCEPTANCE, DraftPolicy, Speculation, SpeculationStats, accept_row, lookup,
                           measure_cost_model, updated_acceptance, verification_pass, WallClock)
@@ -155,6 +155,7 @@ class Scheduler:
         False: every prompt is prefilled whole, its numbers independent of what ran before. `cache_reuse`: with
         prefix caching, also reuse runs of at least this many of a row's later tokens that the prompt continues
         with, shifted left (runtime.prefix.moved_runs: an approximation, so 0, off, by default)."""
+        model.require_whole("serving")
         if io_spec.PREFILL not in model.sessions:
             raise InputError("the scheduler prefills prompts with the prefill graph: load the model with both graphs")
         self._rows_and_queue(model, max_batch, max_queue, prefill_chunk)
@@ -523,7 +524,8 @@ class Scheduler:
         first_row): one argmax for every plain greedy row, one sample() per sampling setting for the others (each
         row drawing from its own generator)."""
         plain = [r for r in decoding if _plain_greedy(r)]
-        chosen = dict(zip((r.id for r in plain), logits[[r.row - first_row for r in plain]].argmax(-1).tolist()))
+        chosen = dict(zip((r.id for r in plain),
+                          finite(logits[[r.row - first_row for r in plain]]).argmax(-1).tolist()))
         alike: dict[SamplingParams, list[Request]] = {}  # the other rows by their sampling, seeds aside
         for r in decoding:
             if r.id not in chosen:

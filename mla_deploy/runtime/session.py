@@ -162,6 +162,16 @@ class ExportedModel:
                     self.sessions = {**self.sessions, kind: self._session(kind)}  # readers see the old or the new dict
                     self.populated_bytes += self._populate(skip=mapped)
 
+    def require_whole(self, what: str) -> None:
+        """ExportLoadError where this directory holds one stage of a staged export, which `what` cannot run: its
+        graphs take or give hidden states, not tokens and logits."""
+        stage = self.stage
+        if stage.count > 1:
+            raise ExportLoadError(
+                f"{self.directory}: stage {stage.index} of {stage.count} (layers {stage.first_layer}-"
+                f"{stage.end_layer - 1}) of a staged export; {what} runs the whole model: pass the staged export's "
+                f"directory ({self.directory.parent})")
+
     def run(self, kind: str, feed: dict) -> dict:
         """One checked call of a graph (prefill, decode, verify, draft); outputs by name (new arrays, the feed left
         unchanged). Bound through IO binding, so bfloat16 caches (uint16 bit patterns here: runtime.dtypes) pass both

@@ -29,7 +29,7 @@ from .. import io_spec
 from ..errors import InputError
 from .cache import CacheBuffers, DecodeBinding
 from .draft import MAX_DRAFT_TOKENS, MTPDrafter
-from .sampling import SamplingParams, adjusted_logits, distribution, draw, uniform
+from .sampling import SamplingParams, adjusted_logits, distribution, draw, finite, uniform
 
 MODES = ("auto", "off", "lookup", "mtp")
 PRIOR_ACCEPTANCE = 0.6  # a row's acceptance estimate before its first verification
@@ -311,7 +311,7 @@ def accept_row(logits: np.ndarray, drafts: Sequence[int], params: SamplingParams
     (module docstring). `history` and `counts` are the row's before this step (not changed here)."""
     m = len(drafts)
     if params.greedy and params.plain:  # the model's own argmax: one pass over every position
-        best = logits.argmax(-1)
+        best = finite(logits).argmax(-1)
         a = 0
         while a < m and drafts[a] == best[a]:
             a += 1
