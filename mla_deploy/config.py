@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ConfigError, read_json
+from .errors import ConfigError, read_json_object
 
 MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 ROPE_TYPES = ("default", "yarn")
@@ -133,9 +133,7 @@ class MLAConfig:
     # ---- reading an HF config.json ----
     @classmethod
     def from_hf_json(cls, path: str | Path) -> "MLAConfig":
-        raw = read_json(path, ConfigError, "model config (is this a checkpoint directory?)")
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: expected a JSON object")
+        raw = read_json_object(path, ConfigError, "model config (is this a checkpoint directory?)")
         return cls.from_hf_dict(raw, source=str(path))
 
     @classmethod

@@ -61,6 +61,20 @@ def read_json(path, error: type[MLADeployError], what: str):
         raise error(f"{path}: corrupt {what}, not valid JSON ({e})") from None
 
 
+def json_type(value) -> str:
+    """The JSON name of a parsed value's type."""
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
+            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def read_json_object(path, error: type[MLADeployError], what: str) -> dict:
+    """read_json of a file that must hold one JSON object (a config), or `error` naming the file."""
+    value = read_json(path, error, what)
+    if not isinstance(value, dict):
+        raise error(f"{path}: {what} must be a JSON object, not {json_type(value)}")
+    return value
+
+
 # Optional dependencies by top-level module: the extra that installs each (pyproject.toml).
 EXTRAS = {"torch": "export", "onnx": "export", "onnxscript": "export", "onnx_ir": "export", "tqdm": "export",
           "psutil": "bench", "matplotlib": "bench", "transformers": "bench",

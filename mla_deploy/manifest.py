@@ -126,27 +126,43 @@ def cache_format(manifest: dict) -> io_spec.CacheFormat:
 
 def check_files(directory: Path, manifest: dict, check_weights: str = "sampled") -> None:
     """Every file the manifest names exists; graph hashes match; the weights file's size and blocks match
-    (all blocks, or a sample of a large file: mla_deploy.integrity); of every stage, for a staged export."""
+    (all blocks, or a sample of a large file: mla_deploy.integrity); of every stage, for a staged export. One
+    ExportLoadError names every file that fails, not the first alone."""
+    problems = _file_problems(directory, manifest, check_weights)
+    if len(problems) > 1:
+        raise ExportLoadError(f"{len(problems)} files fail their check: " + " | ".join(problems))
+    if problems:
+        raise ExportLoadError(problems[0])
+
+
+def _file_problems(directory: Path, manifest: dict, check_weights: str) -> list[str]:
+    problems = []
     for name in manifest.get("tokenizer") or []:  # copied from the checkpoint by the export
         if not (directory / name).is_file():
-            raise ExportLoadError(f"{directory / name}: missing (the manifest lists it among the tokenizer and "
-                                  "generation files copied from the checkpoint)")
+            problems.append(f"{directory / name}: missing (the manifest lists it among the tokenizer and generation "
+                            "files copied from the checkpoint)")
     if is_staged(manifest):
         for index in range(len(manifest["stages"])):
-            check_files(*read_stage(directory, manifest, index), check_weights)
-        return
+            try:
+                problems += _file_problems(*read_stage(directory, manifest, index), check_weights)
+            except ExportLoadError as e:  # the stage's manifest unreadable, or another export's stage
+                problems.append(str(e))
+        return problems
     for kind, entry in manifest["graphs"].items():
         path = directory / entry["file"]
         if not path.is_file():
-            raise ExportLoadError(f"{path}: missing {kind} graph")
-        if entry.get("sha256") != file_sha256(path):
-            raise ExportLoadError(
-                f"{path}: does not match the manifest (sha256 differs): corrupted or from another export"
-            )
+            problems.append(f"{path}: missing {kind} graph")
+        elif entry.get("sha256") != file_sha256(path):
+            problems.append(f"{path}: does not match the manifest (sha256 differs): corrupted or from another export")
     weights = directory / manifest["weights"]["file"]
     if not weights.is_file():
-        raise ExportLoadError(f"{weights}: missing external weight data")
-    integrity.check_weights(weights, manifest["weights"], check_weights)
+        problems.append(f"{weights}: missing external weight data")
+    else:
+        try:
+            integrity.check_weights(weights, manifest["weights"], check_weights)
+        except ExportLoadError as e:
+            problems.append(str(e))
+    return problems
 
 
 def check_export(directory: str | Path) -> dict:

@@ -64,3 +64,22 @@ def test_generation_config_sampling_defaults_include_min_p(tmp_path):
     defaults = GenerationDefaults.from_export(tmp_path)
     assert (defaults.sampling.temperature, defaults.sampling.top_p, defaults.sampling.min_p) == (0.6, 0.95, 0.05)
     assert defaults.override(min_p=0.0).min_p == 0.0 and defaults.eos_token_ids == (2,)
+
+
+@pytest.mark.parametrize("file, text, message", [
+    ("generation_config.json", "[1]", "generation config must be a JSON object, not an array"),
+    ("tokenizer_config.json", "[1]", "tokenizer config must be a JSON object, not an array"),
+    ("tokenizer_config.json", '{"chat_template": 5}', "chat_template must be a Jinja template .* not 5"),
+    ("tokenizer_config.json", '{"chat_template": [{"name": "default"}]}', "chat_template must be a Jinja template"),
+    ("tokenizer_config.json", '{"chat_template": "{{ x }}", "bos_token": 1}', "bos_token must be a string"),
+])
+def test_config_files_of_the_wrong_shape_are_named(tmp_path, file, text, message):
+    """Valid JSON of the wrong shape: the file and the field named, where it was a Python error (a list has no .get,
+    Jinja cannot compile 5)."""
+    from mla_deploy.errors import ExportLoadError
+    from mla_deploy.runtime.chat import GenerationDefaults
+
+    (tmp_path / file).write_text(text)
+    with pytest.raises(ExportLoadError, match=f"{file}: {message}"):
+        GenerationDefaults.from_export(tmp_path)
+        ChatTemplate.from_export(tmp_path)

@@ -287,6 +287,11 @@ def test_export_refuses_bad_checkpoints(checkpoint_dir, tmp_path):
     (bad / "model.safetensors").write_bytes(data[:1000])
     with pytest.raises(CheckpointError, match="truncated"):
         export(bad, tmp_path / "out")
+    shutil.copyfile(src / "model.safetensors", bad / "model.safetensors")
+    (bad / "generation_config.json").write_text("[1]")  # copied into the export: refused before any graph is written
+    with pytest.raises(CheckpointError, match="generation_config.json: generation config must be a JSON object"):
+        export(bad, tmp_path / "out", verify=lambda d: pytest.fail("the export went on to verify"))
+    (bad / "generation_config.json").unlink()
     (bad / "model.safetensors").unlink()
     (bad / "pytorch_model.bin").write_bytes(b"not even a pickle")
     with pytest.raises(CheckpointError, match="only pickle weights found"):
@@ -314,6 +319,27 @@ def test_damaged_exports_refused_naming_the_file(exported, tmp_path, damage, mes
     shutil.copytree(exported(VARIANT), d)
     damage(d)
     with pytest.raises(ExportLoadError, match=message):
+        ExportedModel(d)
+
+
+def test_check_names_every_damaged_file_at_once(exported, tmp_path):
+    """A graph changed, another gone and the weights damaged: `check` (and a load) names all three, so one repair
+    is not followed by the next refusal."""
+    d = tmp_path / "export"
+    shutil.copytree(exported(VARIANT), d)
+    (d / "decode.onnx").write_bytes((d / "decode.onnx").read_bytes() + b"\0")
+    (d / "verify.onnx").unlink()
+    with open(d / "weights.bin", "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff" * 8)
+    result = CliRunner().invoke(main, ["check", str(d)])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    error = result.output.strip().splitlines()[-1]
+    assert error.startswith("error: 3 files fail their check: "), result.output
+    for said in ("decode.onnx: does not match the manifest", "verify.onnx: missing verify graph",
+                 "weights.bin: corrupted: block 0"):
+        assert said in error, (said, error)
+    with pytest.raises(ExportLoadError, match="3 files fail their check"):
         ExportedModel(d)
 
 

@@ -25,10 +25,11 @@ import onnx_ir as ir
 
 from .. import __version__, integrity, io_spec
 from ..checkpoint import Checkpoint, CheckpointView
-from ..errors import ExportError
+from ..errors import CheckpointError, ExportError, ExportLoadError
 from ..manifest import MANIFEST_FILE, MANIFEST_VERSION, TOKENIZER_FILES, WEIGHTS_FILE, file_sha256, not_an_export
 from ..partial import partial_directory, scratch_path, unwritable_parent
 from ..progress import progress_bar
+from ..runtime.chat import GenerationDefaults, tokenizer_config
 from .absorb import AbsorbMode, absorbed_weight_bytes
 from .graphs import build_graph, op_counts
 from .opset import OPSET
@@ -59,6 +60,7 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
     cfg = ckpt.config
     for note in ckpt.notes:
         progress(f"note: {note}")
+    _check_copied_configs(ckpt.directory)
     plan = ExportPlan.resolve(cfg, options, ckpt.has_mtp)
     _report_choices(cfg, options, plan, progress)
     source = RoundedCheckpoint(ckpt, plan.dtype)  # the weights as the export's dtype holds them
@@ -195,6 +197,16 @@ def _common(cfg, plan: ExportPlan, source_hash: str, export_id: str, ckpt: Check
         "export_id": export_id, "config": cfg.to_dict(), "opset": OPSET, **plan.manifest_fields(cfg),
         "source": {"path": str(ckpt.directory.resolve()), "sha256": source_hash},
     }
+
+
+def _check_copied_configs(directory: Path) -> None:
+    """The generation and tokenizer configs the export copies, read as the runtime reads them: a file it would refuse
+    is refused here, before the graphs are written."""
+    try:
+        GenerationDefaults.from_export(directory)
+        tokenizer_config(directory)
+    except ExportLoadError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def _copy_tokenizer(src: Path, dst: Path) -> list[str]:

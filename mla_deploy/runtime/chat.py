@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
-from ..errors import ExportLoadError, InputError, read_json
+from ..errors import ExportLoadError, InputError, read_json_object
 from .sampling import SamplingParams
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -36,7 +36,7 @@ class GenerationDefaults:
         path = Path(directory) / "generation_config.json"
         if not path.is_file():
             return cls()
-        g = read_json(path, ExportLoadError, "generation config")
+        g = read_json_object(path, ExportLoadError, "generation config")
         eos = g.get("eos_token_id")
         eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
         params = {}
@@ -58,6 +58,28 @@ class GenerationDefaults:
     def override(self, **fields) -> SamplingParams:
         """These defaults with the fields a caller set (None: not set) replaced, validated."""
         return replace(self.sampling, **{k: v for k, v in fields.items() if v is not None}).validate()
+
+
+def tokenizer_config(directory: str | Path) -> dict:
+    """An export's (or checkpoint's) tokenizer_config.json, {} where it has none; ExportLoadError naming the file
+    where it is not an object or its chat_template is neither a template nor a list of named ones."""
+    path = Path(directory) / "tokenizer_config.json"
+    if not path.is_file():
+        return {}
+    cfg = read_json_object(path, ExportLoadError, "tokenizer config")
+    template = cfg.get("chat_template")
+    named = isinstance(template, list) and all(
+        isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str) for t in template)
+    if template is not None and not isinstance(template, str) and not named:
+        raise ExportLoadError(f"{path}: chat_template must be a Jinja template (a string) or a list of "
+                              f"{{\"name\", \"template\"}} objects, not {json.dumps(template)[:80]}")
+    for token in ("bos_token", "eos_token"):
+        value = cfg.get(token)
+        if value is not None and not isinstance(value, str) and not (
+                isinstance(value, dict) and isinstance(value.get("content", ""), str)):
+            raise ExportLoadError(f"{path}: {token} must be a string or an added token's {{\"content\": ...}}, "
+                                  f"not {json.dumps(value)[:80]}")
+    return cfg
 
 
 class ChatTemplate:
@@ -82,8 +104,7 @@ class ChatTemplate:
         """The export's template, or with `source` (serve --chat-template, as vLLM's: a Jinja file, or the template
         itself where no such file exists and it holds Jinja's {{ or {%) that one in its place, either with the
         export's BOS and EOS texts."""
-        path = Path(directory) / "tokenizer_config.json"
-        cfg = read_json(path, ExportLoadError, "tokenizer config") if path.is_file() else {}
+        cfg = tokenizer_config(directory)
         if source is not None:
             if not str(source).strip():
                 raise InputError("--chat-template: empty; give a Jinja file or the template itself")
@@ -102,7 +123,7 @@ class ChatTemplate:
                 raise InputError(f"--chat-template {source}: {e}") from None
         template = cfg.get("chat_template")
         if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
-            template = {t.get("name"): t.get("template") for t in template}.get("default")
+            template = {t["name"]: t["template"] for t in template}.get("default")
         if not template:
             return None
         return cls(template, _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token")))
