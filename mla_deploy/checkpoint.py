@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from . import fp8
-from .config import MLAConfig
+from .config import MLAConfig, defaulted_shape_fields
 from .errors import CheckpointError, read_json
 from .safetensors_io import SafetensorsFile, bf16_to_float32
 
@@ -104,6 +104,7 @@ class Checkpoint:
             raise CheckpointError(f"{self.directory}: checkpoint directory does not exist")
         self.config = MLAConfig.from_hf_json(self.directory / "config.json")
         raw_config = read_json(self.directory / "config.json", CheckpointError, "model config")
+        self._defaulted = defaulted_shape_fields(raw_config)
         self.fp8_block = fp8.block_size(raw_config, str(self.directory / "config.json"))  # None: not an FP8 checkpoint
         self.files = _safetensors_files(self.directory)
         self.notes: list[str] = []
@@ -238,6 +239,9 @@ class Checkpoint:
                 if items:
                     shown = items[:20] + ([f"... and {len(items) - 20} more"] if len(items) > 20 else [])
                     parts.append(f"{title} ({len(items)}): " + "; ".join(shown))
+            if self._defaulted and (missing or wrong):  # a shape that follows from a field the config leaves out
+                parts.append("config.json leaves out " + ", ".join(f"{k} (taken as {v})"
+                                                                    for k, v in self._defaulted.items()))
             raise CheckpointError(f"{self.directory}: {what}: " + " | ".join(parts))
 
     def _check_fp8(self) -> None:

@@ -44,6 +44,18 @@ _DEFAULTS = {
 }
 
 # Fields with no sensible default: a config.json without them is refused.
+# the optional fields that decide which tensors a checkpoint holds, and their shapes
+SHAPE_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                "moe_intermediate_size", "n_routed_experts", "n_shared_experts", "first_k_dense_replace",
+                "tie_word_embeddings")
+
+
+def defaulted_shape_fields(raw: dict) -> dict:
+    """SHAPE_FIELDS that a config.json leaves out, with the defaults (transformers' config classes') taken for them."""
+    defaults = _DEFAULTS.get(raw.get("model_type"), {})
+    return {k: defaults[k] for k in SHAPE_FIELDS if k in defaults and k not in raw}
+
+
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 

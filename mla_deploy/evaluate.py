@@ -89,6 +89,9 @@ def evaluate(
 ) -> EvalReport:
     model = ExportedModel(export_dir)
     model.require_whole("eval")
+    if isinstance(window, int) and not isinstance(window, bool) and window > model.max_seq_len:
+        raise InputError(f"window {window} exceeds the export's maximum length {model.max_seq_len}: score in windows "
+                         f"of at most {model.max_seq_len} tokens")
     tokenizer = Tokenizer.from_export(export_dir, model.manifest)
     if tokenizer is None:
         raise InputError(f"{export_dir}: export has no tokenizer; eval needs one to read text")

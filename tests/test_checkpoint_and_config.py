@@ -61,6 +61,14 @@ def test_missing_field_is_named(checkpoint_dir, tmp_path):
         Checkpoint(d)
 
 
+def test_a_left_out_shape_field_is_named_beside_the_shapes_it_decides(checkpoint_dir, tmp_path):
+    """kv_lora_rank left out is taken as transformers' default (512): the wrong shapes that follow name it."""
+    d = copy_checkpoint(checkpoint_dir, tmp_path)
+    edit_config(d, kv_lora_rank=...)
+    with pytest.raises(CheckpointError, match=r"wrong shape .* \| config.json leaves out kv_lora_rank \(taken as 512"):
+        Checkpoint(d)
+
+
 @pytest.mark.parametrize(
     "changes, message",
     [

@@ -142,3 +142,16 @@ def test_the_training_script_writes_the_shipped_sampling_defaults_and_chat_templ
     shipped = json.loads((DEMO / "generation_config.json").read_text())
     assert {k: shipped[k] for k in train_demo.GENERATION} == train_demo.GENERATION
     assert json.loads((DEMO / "tokenizer_config.json").read_text())["chat_template"] == train_demo.CHAT_TEMPLATE
+
+
+def test_a_window_past_the_exports_length_is_named_as_given(demo_export_dir, tmp_path):
+    """The window asked for, not the text's length it would be cut to."""
+    import pytest
+
+    from mla_deploy.errors import InputError
+
+    text = tmp_path / "text.txt"
+    text.write_text((DEMO / "heldout.txt").read_text()[:2000])
+    length = ExportedModel(demo_export_dir).max_seq_len
+    with pytest.raises(InputError, match=f"window 5000 exceeds the export's maximum length {length}"):
+        evaluate(demo_export_dir, text, window=5000)
