@@ -25,6 +25,7 @@ from mla_deploy.modeling import load_model
 from mla_deploy.runtime import ExportedModel, Generator, SamplingParams
 from mla_deploy.runtime.feeds import empty_caches
 from mla_deploy.runtime.session import resolve_providers
+from poison import poisoned_copy
 from reference import torch_greedy
 
 VARIANT = "v3_lora_group_yarn"
@@ -357,36 +358,53 @@ def test_corrupt_graph_with_matching_hash_named(exported, tmp_path):
 
 
 def test_non_finite_logits_are_refused_not_sampled(exported, tmp_path):
-    """A NaN in the final norm's weight makes every logit NaN: the Generator, the Scheduler (its first token and a
-    greedy row's argmax) and `run` say so by name instead of returning an arbitrary token."""
-    import onnx
-
+    """A NaN in the final norm's weight makes every logit NaN: the Generator (greedy, sampling, penalties) and `run`
+    say so by name instead of returning an arbitrary token."""
     from mla_deploy.errors import ModelOutputError
-    from mla_deploy.integrity import block_digests
-    from mla_deploy.runtime.scheduler import Request, Scheduler
 
-    d = tmp_path / "export"
-    shutil.copytree(exported(VARIANT), d)
-    graph = onnx.load(d / "decode.onnx", load_external_data=False).graph
-    norm, = [{e.key: e.value for e in t.external_data} for t in graph.initializer if t.name == "final_norm"]
-    with open(d / norm["location"], "r+b") as f:
-        f.seek(int(norm["offset"]) + 4 * 7)
-        f.write(np.float32(np.nan).tobytes())
-    manifest = json.loads((d / "manifest.json").read_text())  # a weight exported so, not a damaged file
-    manifest["weights"]["block_digests"] = block_digests(d / norm["location"])
-    (d / "manifest.json").write_text(json.dumps(manifest))
+    d = poisoned_copy(exported(VARIANT), tmp_path / "export", "final_norm", 7)
     model = ExportedModel(d)
     for params in (SamplingParams(), SamplingParams(temperature=0.8, seed=1), SamplingParams(repetition_penalty=1.2)):
         with pytest.raises(ModelOutputError, match=r"the model's logits hold NaN \(row 0 of 1\)"):
             Generator(model, params, stop_token_ids=()).generate([[5, 6, 7]], 3)
-    scheduler = Scheduler(model, max_batch=2)
-    scheduler.add(Request([5, 6, 7], 3, lambda event: None))
-    with pytest.raises(ModelOutputError, match="logits hold NaN"):
-        for _ in range(10):
-            scheduler.step()
     result = CliRunner().invoke(main, ["run", str(d), "--prompt-ids", "5,6,7", "-n", "2"])
     assert result.exit_code != 0 and "Traceback" not in result.output
     assert result.output.strip().splitlines()[-1].startswith("error: the model's logits hold NaN"), result.output
+
+
+def test_a_request_whose_logits_go_nan_fails_alone(exported, tmp_path):
+    """NaN in token 7's embedding: a request that meets token 7 (in its prompt, or generated and fed back) ends with
+    Failed naming it, the other rows run on to their own tokens, and the failed row is zeroed for the next request
+    (a masked NaN would still poison attention's sums)."""
+    from mla_deploy.errors import ModelOutputError
+    from mla_deploy.runtime.scheduler import Failed, Request, Scheduler
+
+    cfg = ExportedModel(exported(VARIANT)).config
+    model = ExportedModel(poisoned_copy(exported(VARIANT), tmp_path / "export", "embed", 7 * cfg.hidden_size))
+    good = [5, 6, 8]
+    alone = Generator(model, SamplingParams(), stop_token_ids=()).generate([good], 6).token_ids[0]
+    assert 7 not in alone
+    scheduler = Scheduler(model, max_batch=3)
+    events = {name: [] for name in ("prompt", "generated", "good")}
+    scheduler.add(Request([5, 7, 8], 6, events["prompt"].append))
+    scheduler.add(Request(good, 6, events["generated"].append, SamplingParams(logit_bias=((7, 100.0),))))
+    scheduler.add(Request(good, 6, events["good"].append))
+    while scheduler.has_work():
+        scheduler.step()
+    for name, after in (("prompt", 0), ("generated", 1)):
+        failed = events[name][-1]
+        assert isinstance(failed, Failed) and isinstance(failed.error, ModelOutputError), events[name]
+        assert f"after {after} tokens" in str(failed.error) and "logits hold NaN" in str(failed.error)
+        assert len(events[name]) == 1 + after  # the tokens before it, then the failure: no Finished
+    assert [e.token for e in events["good"][:-1]] == alone and events["good"][-1].reason == "length"
+    assert scheduler.stats.finished["error"] == 2
+    for array in scheduler.caches.arrays.values():
+        assert np.isfinite(array.astype(np.float32)).all()
+    again = []
+    scheduler.add(Request(good, 6, again.append, SamplingParams(repetition_penalty=1.01)))  # no prefix reuse twin
+    while scheduler.has_work():
+        scheduler.step()
+    assert again[-1].reason == "length" and len(again) == 7
 
 
 def test_the_logits_check_reads_each_row_and_guards_speculation_too():
@@ -710,6 +728,26 @@ def test_cache_buffers_grow_in_blocks_and_refuse_beyond_the_export(model):
         InputError, match=f"sequence needs {3 * BLOCK + 1} cache slots, the export's maximum length is {3 * BLOCK}"
     ):
         caches.ensure(3 * BLOCK + 1)
+
+
+@pytest.mark.parametrize("resident", [False, True], ids=["host", "resident"])
+def test_clearing_a_row_zeroes_it_alone(model, resident):
+    """What a failed request's row leaves: zeros in that row of every cache, the other rows as they were; resident
+    caches (onnxruntime's own buffers, here on the CPU) are replaced, which the caller must bind again."""
+    from mla_deploy.runtime.cache import CacheBuffers
+    from mla_deploy.runtime.dtypes import to_device
+
+    caches = CacheBuffers(model.config, 3, 5, 512, "cpu", resident=resident)
+    for t in caches.tensors:
+        filled = np.full(caches.host(t.past).shape, np.nan, np.float32).astype(caches.host(t.past).dtype)
+        if resident:
+            caches.values[t.past] = to_device(filled, t.dtype, "cpu")
+        else:
+            caches.arrays[t.past][:] = filled
+    assert caches.clear_row(1) is resident
+    for t in caches.tensors:
+        host = caches.host(t.past).astype(np.float32)
+        assert (host[1] == 0).all() and np.isnan(host[[0, 2]]).all(), t.past
 
 
 def test_decode_binding_is_reused_until_the_cache_grows(model):

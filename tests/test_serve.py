@@ -442,6 +442,30 @@ def test_tokens_that_arrive_together_leave_as_one_chunk(server):
     assert "".join(o.text for o in cut[0].tokens) == cut[0].text
 
 
+def test_a_request_whose_logits_go_nan_gets_a_500_naming_it_and_the_server_serves_on(demo_export_dir, tmp_path):
+    """NaN in token 7's embedding: a prompt holding it gets OpenAI's server_error naming the model's output, plain
+    and streamed; a prompt without it is served, and /health stays ok (the engine did not fail)."""
+    from poison import poisoned_copy
+
+    hidden = ExportedModel(demo_export_dir).config.hidden_size
+    export = poisoned_copy(demo_export_dir, tmp_path / "export", "embed", 7 * hidden)
+    with running_server(export, max_batch=2) as (base, service):
+        bad = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": [5, 7, 8], "max_tokens": 3})
+        assert bad.status_code == 500, bad.text
+        error = bad.json()["error"]
+        assert error["type"] == "server_error" and error["code"] == "model_output"
+        assert error["message"].startswith("the model's logits hold NaN (request ")
+        with httpx.stream("POST", base + "/v1/completions", json={"model": MODEL, "prompt": [5, 7, 8],
+                                                                    "max_tokens": 3, "stream": True}) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert json.loads(lines[-2][6:])["error"]["code"] == "model_output" and lines[-1] == "data: [DONE]"
+        good = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": [5, 6, 8], "max_tokens": 3,
+                                                          "temperature": 0})
+        assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 3
+        assert httpx.get(base + "/health").status_code == 200 and service.engine.error is None
+        assert "requests_finished_total{reason=\"error\"} 2" in httpx.get(base + "/metrics").text
+
+
 def test_every_chunk_of_a_reply_carries_the_requests_timestamp(monkeypatch):
     """OpenAI stamps a reply once: a stream that crosses a second keeps its `created`."""
     from mla_deploy.serve import protocol

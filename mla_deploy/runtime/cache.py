@@ -75,6 +75,19 @@ class CacheBuffers:
         resident one."""
         return self.arrays[name] if not self.resident else to_host(self.values[name], self.dtypes[name])
 
+    def clear_row(self, row: int) -> bool:
+        """Every slot of row `row` zeroed: what a row whose entries may hold NaN leaves for its next request (a masked
+        NaN still poisons attention's sums). Resident caches through host memory, as when they grow; True when the
+        buffers were replaced (their bindings stale)."""
+        for t in self.tensors:
+            if self.resident:
+                host = self.host(t.past)
+                host[row] = 0
+                self.values[t.past] = to_device(host, t.dtype, self.device)
+            else:
+                self.arrays[t.past][row] = 0
+        return self.resident
+
     def copy_slots(self, source: int, row: int, slots: int) -> None:
         """Row `row`'s first `slots` slots of every cache become row `source`'s (prefix caching,
         runtime.prefix): host caches only, in place."""

@@ -17,7 +17,7 @@ from typing import Callable
 
 from ..errors import InputError
 from .chat import ChatTemplate
-from .scheduler import Finished, Request, Scheduler, TokenEvent
+from .scheduler import Failed, Finished, Request, Scheduler, TokenEvent
 from .sampling import SamplingParams
 from .session import ExportedModel
 from .speculative import Speculation
@@ -90,6 +90,9 @@ class Conversation:
         def hand_over() -> None:  # after each phase of a step: the prefill's first token is out before the decode
             now = time.perf_counter()
             for event in events:
+                if isinstance(event, Failed):  # this reply's logits unusable: its row is freed already
+                    events.clear()
+                    raise event.error
                 if isinstance(event, Finished):
                     finished.append(event)
                     continue

@@ -19,7 +19,7 @@ from typing import AsyncIterator, Sequence
 
 from ..errors import InputError
 from .chain import StagedExport
-from .scheduler import Finished, PromptLogprobs, QueueFull, Request, Scheduler, TokenEvent
+from .scheduler import Failed, Finished, PromptLogprobs, QueueFull, Request, Scheduler, TokenEvent
 from .staged_scheduler import StagedScheduler
 from .sampling import SamplingParams
 from .session import ExportedModel
@@ -199,9 +199,12 @@ class Engine:
                     events.append(queue.get_nowait())
                 now = time.perf_counter()
                 for i, event in enumerate(events):
-                    if isinstance(event, _Failed):
+                    if isinstance(event, (_Failed, Failed)):
                         if i:  # the tokens that came before the failure reach the consumer first
                             yield events[:i]
+                        if isinstance(event, Failed):  # this request's own (its row freed), the engine running on
+                            finished = True
+                            raise event.error
                         if isinstance(event.error, EngineStopped):
                             raise EngineStopped(str(event.error))
                         raise EngineFailed(f"the scheduler failed: {event.error!r}")

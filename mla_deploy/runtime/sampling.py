@@ -174,17 +174,29 @@ def uniform(rng: np.random.Generator | Sequence[np.random.Generator], rows: int)
     return np.maximum(u, np.finfo(np.float64).tiny)
 
 
+def unusable_rows(logits: np.ndarray) -> np.ndarray:
+    """logits [b, ..., vocab] -> bool [b]: the rows with NaN or +inf at some position, or no finite value there (a
+    position's max is then NaN or infinite: one reduction, not a whole isfinite mask). -inf alone is a probability
+    of 0, not a fault."""
+    finite_peaks = np.isfinite(logits.max(-1))  # [b, ...]
+    return ~finite_peaks.all(axis=tuple(range(1, finite_peaks.ndim)))
+
+
+def unusable_logits(logits: np.ndarray, where: str) -> ModelOutputError:
+    """The error for logits [..., vocab] that unusable_rows flags, naming what they hold and `where` they are."""
+    what = "NaN" if np.isnan(logits).any() else "infinite values"
+    return ModelOutputError(
+        f"the model's logits hold {what} ({where}): its weights hold non-finite values or its arithmetic overflowed "
+        "(float16 compute); `mla-deploy verify EXPORT` compares the export with its source")
+
+
 def finite(logits: np.ndarray) -> np.ndarray:
-    """logits [b, vocab] as the model gave them, or ModelOutputError where a row holds NaN or +inf, or no finite
-    value at all (a row's max is then NaN or infinite: one reduction, not a whole isfinite mask): an argmax or a draw
-    from such a row would be an arbitrary token, sampled silently."""
-    peak = logits.max(-1)
-    if not np.isfinite(peak).all():
-        row = int(np.flatnonzero(~np.isfinite(peak))[0])
-        what = "NaN" if np.isnan(logits[row]).any() else "infinite values"
-        raise ModelOutputError(
-            f"the model's logits hold {what} (row {row} of {len(logits)}): its weights hold non-finite values or its "
-            "arithmetic overflowed (float16 compute); `mla-deploy verify EXPORT` compares the export with its source")
+    """logits [b, vocab] as the model gave them, or ModelOutputError for the first unusable row: an argmax or a
+    draw from it would be an arbitrary token, sampled silently."""
+    bad = unusable_rows(logits)
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        raise unusable_logits(logits[row], f"row {row} of {len(logits)}")
     return logits
 
 

@@ -53,7 +53,7 @@ from .grammar import Constraint, allowed_tokens
 from .draft import MTPDrafter
 from .history import appended
 from .prefix import NONE, Moved, common_length, held_tokens, moved_runs, moved_tokens, reusable_slots
-from .sampling import SamplingParams, finite, sample
+from .sampling import SamplingParams, finite, sample, unusable_logits, unusable_rows
 from .session import ExportedModel
 from .speculative import (PRIOR_ACCEPTANCE, DraftPolicy, Speculation, SpeculationStats, accept_row, lookup,
                           measure_cost_model, updated_acceptance, verification_pass, WallClock)
@@ -68,6 +68,13 @@ class TokenEvent:
     token: int
     logprob: float | None = None  # log-probability of `token` under the model (when logprobs were asked for)
     top_logprobs: list[tuple[int, float]] | None = None  # the k likeliest tokens and their log-probabilities
+
+
+@dataclass
+class Failed:
+    """The request ended by its own fault, the others running on: the model's logits for its row unusable (NaN or
+    infinity: sampling.unusable_rows). Its last event, in place of Finished."""
+    error: MLADeployError
 
 
 @dataclass
@@ -139,7 +146,7 @@ class SchedulerStats:
     cached_tokens: int = 0  # prompt tokens reused from a cache row instead of prefilled (prefix caching)
     shifted_tokens: int = 0  # of those, the ones moved to earlier slots (cache_reuse)
     speculation: SpeculationStats = field(default_factory=SpeculationStats)
-    finished: dict = field(default_factory=lambda: {"stop": 0, "length": 0, "cancelled": 0})
+    finished: dict = field(default_factory=lambda: {"stop": 0, "length": 0, "cancelled": 0, "error": 0})
 
 
 QUIET_STEPS = 8  # after a step where no row would draft even with every room filled, lookups rest this many steps
@@ -480,7 +487,8 @@ class Scheduler:
             if request.max_new_tokens == 0:
                 self._finish(request, "length")
                 return
-            self._sample_and_emit(request, logits[:, -1])  # [1, vocab]
+            if self._fail_unusable([request], logits[:, -1:]):  # [request] while its logits are usable
+                self._sample_and_emit(request, logits[:, -1])  # [1, vocab]
 
     def _decode_step(self, decoding: list[Request]) -> None:
         hi = max(r.row for r in decoding) + 1
@@ -507,6 +515,7 @@ class Scheduler:
             self.lengths[r.row] += 1
         self.stats.decode_steps += 1
         self.stats.decoded_rows += len(decoding)
+        decoding = self._fail_unusable(decoding, d.logits[[r.row for r in decoding]])
         chosen = self._choose(decoding, d.logits[:, 0])
         for r in decoding:
             row, start = r.row, int(self.lengths[r.row]) - 1
@@ -581,6 +590,7 @@ class Scheduler:
         self.stats.decoded_rows += len(decoding)
         self.stats.speculation.verify_steps += 1
         emitted = 0
+        decoding = self._fail_unusable(decoding, [logits[r.row, : len(drafts[r.row]) + 1] for r in decoding])
         for r in decoding:
             row, d = r.row, drafts[r.row]
             if r.constraint is None and not r.stops_held:
@@ -627,10 +637,28 @@ class Scheduler:
         else:
             request.pending = token
 
-    def _finish(self, request: Request, reason: str) -> None:
+    def _fail_unusable(self, requests: list[Request], logits: np.ndarray | list[np.ndarray]) -> list[Request]:
+        """`requests` whose logits are usable: `logits` [n, ..., vocab] (or a list of n arrays [..., vocab]) holds
+        each one's, in order. Each of the others ends with Failed (sampling.unusable_rows: NaN or infinity), the
+        rest running on; its row is freed and its cache not kept for a later prompt."""
+        bad = (unusable_rows(logits) if isinstance(logits, np.ndarray)
+               else np.array([unusable_rows(x[None])[0] for x in logits], bool))
+        for i in np.flatnonzero(bad):
+            request, row = requests[i], requests[i].row
+            error = unusable_logits(logits[i], f"request {request.id}, after {len(request.generated)} tokens")
+            self._finish(request, "error", Failed(error))
+            self._clear_row(row)
+        return [r for r, b in zip(requests, bad) if not b]
+
+    def _clear_row(self, row: int) -> None:
+        if self.caches.clear_row(row):
+            self._decode = None  # resident caches replaced: bound again at the next step
+    def _finish(self, request: Request, reason: str, failure: Failed | None = None) -> None:
+        """`reason` counted and emitted in a Finished; with a `failure`, that is emitted instead (reason "error")."""
         if request.row is not None:
             row = request.row
-            self.held[row] = self._held(row) if self.prefix_caching else NONE  # kept for a later prompt
+            kept = self.prefix_caching and failure is None
+            self.held[row] = self._held(row) if kept else NONE  # kept for a later prompt
             scored = self.prefix_caching and request.prompt_logprobs is not None and request.prompt_lp is not None
             self.held_scores[row] = (request.prompt_lp, request.prompt_logprobs) if scored else None
             self.rows[row] = None
@@ -639,8 +667,8 @@ class Scheduler:
             request.row = None
         request.pending = None
         self.stats.finished[reason] += 1
-        request.emit(Finished(reason, len(request.prompt_ids), len(request.generated), request.cached,
-                              request.shifted))
+        request.emit(failure or Finished(reason, len(request.prompt_ids), len(request.generated), request.cached,
+                                         request.shifted))
 
     def _longest(self, hi: int) -> int:
         """The most slots an occupied row below `hi` holds (0: none)."""

@@ -83,6 +83,10 @@ class StagedScheduler(Scheduler):
                 after_phase()
             self._launch(group)
 
+    def _clear_row(self, row: int) -> None:
+        """The stages hold the rows' caches (runtime.chain, runtime.stages) and are not cleared: a row whose logits
+        went NaN may leave NaN in slots its next request masks."""
+
     def close(self) -> None:
         """Free every group's caches on the stages."""
         for group in self.groups:
@@ -130,6 +134,7 @@ class StagedScheduler(Scheduler):
             return
         self.stats.decode_steps += 1
         self.stats.decoded_rows += len(live)
+        live = self._fail_unusable(live, logits[[r.row - group.lo for r in live]])
         chosen = self._choose(live, logits, group.lo)  # logits [rows from lo, vocab]
         for r in live:
             row = r.row - group.lo

@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import InputError, ServeError
+from ..errors import InputError, ModelOutputError, ServeError
 from ..runtime.chat import ChatTemplate, GenerationDefaults
 from ..runtime.engine import Engine, EngineFailed, EngineStopped, Finished, PromptLogprobs, QueueFull, TokenEvent
 from ..runtime.grammar import Constraint, Grammars
@@ -371,6 +371,10 @@ def create_app(service: Service) -> FastAPI:
         message = f"no route {request.method} {request.url.path}" if e.status_code == 404 else str(e.detail)
         return _error(service, APIError(e.status_code, message))
 
+    @app.exception_handler(ModelOutputError)
+    async def model_output(request: Request, e: ModelOutputError):  # this request's, the engine running on
+        return _error(service, APIError(500, str(e), code="model_output"))
+
     @app.exception_handler(EngineFailed)
     async def engine_failed(request: Request, e: EngineFailed):  # /health says the same from now on
         return _error(service, _engine_error(e))
@@ -575,12 +579,12 @@ def _engine_error(e: EngineFailed) -> APIError:
 
 def _stream_error(service: Service, e: Exception) -> APIError:
     """The error a stream ends with: the engine's (503, as every later request gets), or a bug (500)."""
-    error = _engine_error(e) if isinstance(e, EngineFailed) else APIError(
-        500, f"internal error: {type(e).__name__}: {e}")
+    error = (_engine_error(e) if isinstance(e, EngineFailed) else APIError(500, str(e), code="model_output")
+             if isinstance(e, ModelOutputError) else APIError(500, f"internal error: {type(e).__name__}: {e}"))
     _count(service, error.status)
     if not isinstance(e, EngineStopped):
-        logging.getLogger("uvicorn.error").error("a stream ended with %s", error.message,
-                                                 exc_info=None if isinstance(e, EngineFailed) else e)
+        said = isinstance(e, (EngineFailed, ModelOutputError))  # their message is the whole story; a bug's traceback
+        logging.getLogger("uvicorn.error").error("a stream ended with %s", error.message, exc_info=None if said else e)
     return error
 
 
