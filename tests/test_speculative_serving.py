@@ -79,6 +79,29 @@ def test_speculating_rows_of_a_continuous_batch_equal_each_request_alone(mtp_exp
     assert stats.verify_steps > 0 and stats.proposed > 0 and (mode == "mtp" or stats.accepted > 0)
 
 
+def test_a_row_whose_verification_logits_go_nan_fails_alone(mtp_export, tmp_path, monkeypatch):
+    """NaN in token 7's embedding; one row made to generate 7 (logit_bias) feeds it to the next step, a verification
+    pass (every row drafts two 1s): that row ends with Failed, the other row's tokens are its own."""
+    from mla_deploy.errors import ModelOutputError
+    from mla_deploy.runtime.scheduler import Failed
+    from poison import poisoned_copy
+
+    hidden = ExportedModel(mtp_export).config.hidden_size
+    model = ExportedModel(poisoned_copy(mtp_export, tmp_path / "export", "embed", 7 * hidden))
+    drafting = [2, 3, 2, 3, 2, 3]
+    alone = Generator(model, SamplingParams(), stop_token_ids=()).generate([drafting], 12).token_ids[0]
+    assert 7 not in alone
+    scheduler = Scheduler(model, max_batch=2, speculation=Speculation("lookup", 3))
+    monkeypatch.setattr(scheduler, "_propose", lambda decoding, hi: [np.array([1, 1], np.int64)] * hi)
+    failing, out = [], Collect()
+    run(scheduler, [Request([5, 9, 3, 8], 6, failing.append, SamplingParams(logit_bias=((7, 100.0),))),
+                    Request(drafting, 12, out)])
+    assert [e.token for e in failing[:-1]] == [7] and isinstance(failing[-1], Failed)
+    assert isinstance(failing[-1].error, ModelOutputError) and "after 1 tokens" in str(failing[-1].error)
+    assert out.tokens == alone and out.finished.reason == "length"
+    assert scheduler.stats.speculation.verify_steps > 0 and scheduler.stats.finished["error"] == 1
+
+
 def test_a_scheduler_weighs_the_python_around_its_passes(mtp_export, monkeypatch):
     """The policy weighs the graph costs plus the Python the scheduler's steps were timed to add (WallClock): with
     passes that pay on the graph costs, a batch drafts; where each pass adds a step's time a row, it decodes plainly,
