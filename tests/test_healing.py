@@ -28,7 +28,7 @@ def tokenizer(demo):
 
 def test_a_trailing_space_is_healed_into_the_words_that_start_with_one(tokenizer):
     ids = tokenizer.encode("def ")
-    healing = heal(tokenizer, ids)
+    healing = heal(tokenizer, ids, tokenizer.vocab_size)
     assert healing.prompt_ids == ids[:-1] and healing.removed == ids[-1] and healing.text == " "
     allowed = set(np.flatnonzero(healing.allowed))
     word = tokenizer.encode("def read")[-1]  # " read": one token, space included
@@ -40,15 +40,16 @@ def test_a_trailing_space_is_healed_into_the_words_that_start_with_one(tokenizer
 
 
 def test_prompts_healing_cannot_change_are_left_alone(tokenizer):
-    assert heal(tokenizer, tokenizer.encode("def")[-1:]) is None  # one token: nothing left to condition on
+    v = tokenizer.vocab_size
+    assert heal(tokenizer, tokenizer.encode("def")[-1:], v) is None  # one token: nothing left to condition on
     bos = tokenizer.encode("x")[0]
-    assert bos in tokenizer.special_ids and heal(tokenizer, [5, bos]) is None  # a special last token
+    assert bos in tokenizer.special_ids and heal(tokenizer, [5, bos], v) is None  # a special last token
     # a last token no longer token starts with
     longest = max((t for t in range(tokenizer.vocab_size) if t not in tokenizer.special_ids),
                   key=lambda t: (len(tokenizer.tokens_starting_with(tokenizer.token_bytes(t))) == 1,
                                  len(tokenizer.token_bytes(t))))
     assert len(tokenizer.tokens_starting_with(tokenizer.token_bytes(longest))) == 1
-    assert heal(tokenizer, [bos, longest]) is None
+    assert heal(tokenizer, [bos, longest], tokenizer.vocab_size) is None
 
 
 @pytest.mark.parametrize("prompt", ["def ", "import os\n\n\nclass St", "    return sel", "print(\""])
@@ -56,7 +57,7 @@ def test_prompts_healing_cannot_change_are_left_alone(tokenizer):
 def test_the_healed_completion_continues_the_prompt_text(demo, tokenizer, prompt, sampling):
     pieces = []
     out = complete(demo, prompt, max_new_tokens=12, sampling=sampling, on_text=pieces.append)
-    healing = heal(tokenizer, tokenizer.encode(prompt))
+    healing = heal(tokenizer, tokenizer.encode(prompt), tokenizer.vocab_size)
     assert out["prompt_ids"] == healing.prompt_ids and out["token_healing"]["text"] == healing.text
     assert healing.allowed[out["token_ids"][0]]
     # the healed prompt's text plus every generated token is the prompt plus the completion, streamed or returned
@@ -89,3 +90,25 @@ def test_the_first_token_mask_holds_against_the_model_s_choice(demo):
 def test_a_bad_first_token_mask_is_refused_by_name(demo, mask, message):
     with pytest.raises(InputError, match=message):
         Generator(demo, SamplingParams()).generate([[1, 470], [1, 5]], 4, mask)
+
+
+def test_the_mask_has_the_models_width_whatever_the_tokenizers(demo, tokenizer, tmp_path):
+    """DeepSeek-V2's tokenizer holds 100,015 tokens and its model 102,400 logits: the first token's mask is the
+    model's width, the tokens past the tokenizer's never allowed; a tokenizer with more tokens than the model has
+    logits (an added one) has those left out. `run --prompt` heals on both."""
+    import json
+    import shutil
+
+    ids = tokenizer.encode("def ")
+    wider = heal(tokenizer, ids, tokenizer.vocab_size + 100)
+    assert wider.allowed.shape == (tokenizer.vocab_size + 100,) and not wider.allowed[tokenizer.vocab_size:].any()
+    assert (wider.allowed[:tokenizer.vocab_size] == heal(tokenizer, ids, tokenizer.vocab_size).allowed).all()
+    d = tmp_path / "export"
+    shutil.copytree(demo.directory, d)
+    spec = json.loads((d / "tokenizer.json").read_text())
+    spec["added_tokens"].append({"id": tokenizer.vocab_size, "content": " <extra>", "single_word": False,
+                                 "lstrip": False, "rstrip": False, "normalized": False, "special": False})
+    (d / "tokenizer.json").write_text(json.dumps(spec))
+    assert Tokenizer(d / "tokenizer.json").vocab_size == demo.config.vocab_size + 1
+    out = complete(ExportedModel(d), "def ", max_new_tokens=4)
+    assert out["token_healing"]["text"] == " " and all(t < demo.config.vocab_size for t in out["token_ids"])

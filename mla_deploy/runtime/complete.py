@@ -33,7 +33,8 @@ def complete(model: ExportedModel | StagedExport, prompt: str | None = None, pro
         if tokenizer is None:
             raise InputError(f"{model.directory}: this export has no tokenizer; pass token ids (--prompt-ids)")
         prompt_ids = tokenizer.encode(prompt)
-    healing = heal(tokenizer, prompt_ids) if prompt is not None and token_healing else None
+    healing = (heal(tokenizer, prompt_ids, model.config.vocab_size) if prompt is not None and token_healing
+               else None)
     if healing is not None:
         prompt_ids = healing.prompt_ids
     stream = TextStream(tokenizer) if tokenizer is not None else None

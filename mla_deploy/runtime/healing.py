@@ -8,7 +8,7 @@ first token is drawn only from those whose bytes start with b" " (` read`, ` __i
 itself), so the completion continues the text as the training data spelled it (guidance's token healing; Microsoft's
 "prompt boundaries" note).
 
-    healing = heal(tokenizer, ids)             # None when the last token is not a prefix of a longer one
+    healing = heal(tokenizer, ids, vocab)      # None when the last token is not a prefix of a longer one
     healing.prompt_ids, healing.allowed        # the ids to feed, the first token's mask [vocab] bool
     HealedText(stream, healing.text)           # streamed text after the prompt: the healed text is not repeated
 """
@@ -33,10 +33,11 @@ class Healing:
         return {"removed_token": self.removed, "text": self.text, "candidates": int(self.allowed.sum())}
 
 
-def heal(tokenizer: Tokenizer, ids: list[int]) -> Healing | None:
+def heal(tokenizer: Tokenizer, ids: list[int], vocab_size: int) -> Healing | None:
     """The healed prompt, or None where healing changes nothing: a prompt of one token (nothing would be left to
     condition on), a special last token, one whose bytes are not whole UTF-8 text, or one that no longer token
-    extends."""
+    extends. `vocab_size`: the model's (its logits' width), which a tokenizer's count need not equal (DeepSeek-V2's
+    tokenizer holds 100,015 tokens, its model 102,400 logits): the mask has that width, tokens past it left out."""
     if len(ids) < 2 or ids[-1] in tokenizer.special_ids:
         return None
     last = tokenizer.token_bytes(ids[-1])
@@ -44,10 +45,10 @@ def heal(tokenizer: Tokenizer, ids: list[int]) -> Healing | None:
         text = last.decode("utf-8")
     except UnicodeDecodeError:
         return None
-    extending = tokenizer.tokens_starting_with(last)
+    extending = [t for t in tokenizer.tokens_starting_with(last) if t < vocab_size]
     if not text or len(extending) < 2:  # the last token itself is always among them
         return None
-    allowed = np.zeros(tokenizer.vocab_size, dtype=bool)
+    allowed = np.zeros(vocab_size, dtype=bool)
     allowed[extending] = True
     return Healing(list(ids[:-1]), int(ids[-1]), text, allowed)
 
