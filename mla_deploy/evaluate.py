@@ -27,13 +27,15 @@ class EvalReport:
     top1_agreement: float  # fraction of positions where the export's most likely next token is the source's
     quantization: dict | None = None  # the export's; then the difference is its quality cost, not an error
     dtype: str = "float32"  # the export's; half precision too is a quality cost
+    caches: tuple[str, str] = ("float32", "float32")  # the latent's and the roped key's: a narrower one too
 
     TOLERANCE = 1e-4  # |Δ loss| a float32 export may differ from its source by
 
     @property
     def lossy(self) -> bool:
-        """Quantized or half precision: measured against the float source, not held to TOLERANCE."""
-        return self.quantization is not None or self.dtype != "float32"
+        """Quantized, half precision or a narrower cache: measured against the float source, not held to
+        TOLERANCE."""
+        return self.quantization is not None or self.dtype != "float32" or self.caches != ("float32", "float32")
 
     @property
     def difference(self) -> float:
@@ -54,6 +56,11 @@ class EvalReport:
         if self.dtype != "float32":
             lines.append(f"{self.dtype} against the float32 source: loss {self.export_loss - self.torch_loss:+.4f} "
                          f"nats/token, perplexity x{math.exp(self.export_loss - self.torch_loss):.4f}")
+        if self.caches != ("float32", "float32"):
+            latent, rope = self.caches
+            lines.append(f"{latent} latent and {rope} rope caches against float32 ones: loss "
+                         f"{self.export_loss - self.torch_loss:+.4f} nats/token, perplexity "
+                         f"x{math.exp(self.export_loss - self.torch_loss):.4f}")
         if self.quantization is not None:
             q = self.quantization
             lines.append(
@@ -125,4 +132,5 @@ def evaluate(
         torch_progress(done)
     agreement = float((export_top1 == np.concatenate(top1)).mean())
     return EvalReport(len(export_nll), len(batch), float(export_nll.mean()), float(np.concatenate(nll).mean()),
-                      agreement, model.manifest.get("quantization"), model.manifest["dtype"])
+                      agreement, model.manifest.get("quantization"), model.manifest["dtype"],
+                      (model.cache_format.latent, model.cache_format.rope))

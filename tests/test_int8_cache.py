@@ -229,3 +229,16 @@ def test_inspect_reports_the_int8_caches_bytes(demo):
     plan = next(line for line in text.splitlines() if line.startswith("plan"))
     assert "int8 latent cache (a float32 scale per token and layer), float32 rope cache" in plan
     assert "mla_deploy.LatentAttentionQ8" in plan
+
+
+def test_eval_reports_the_int8_caches_cost_instead_of_failing_its_float_tolerance(demo, tmp_path):
+    """float32 weights over an int8 latent: eval's loss differs from the float source by the cache's cost (verify
+    passes it at the cache's tolerance), which eval reports as such, not as a failure of the float32 1e-4."""
+    from mla_deploy.evaluate import evaluate
+
+    text = tmp_path / "text.txt"
+    text.write_text((DEMO_CHECKPOINT / "heldout.txt").read_text()[:3000])
+    report = evaluate(demo.directory, text, window=128)
+    assert report.lossy and report.passed and report.caches == ("int8", "float32")
+    assert any(line.startswith("int8 latent and float32 rope caches against float32 ones: loss ")
+               for line in report.lines())
