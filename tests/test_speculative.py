@@ -414,6 +414,25 @@ def test_a_proposer_in_place_of_lookup_is_checked_like_any_draft(exported, alway
         Generator(model, SamplingParams(), speculation=Speculation("off"), proposer=replay)
 
 
+def test_a_seeded_sampled_batch_speculating_draws_what_it_draws_without(exported, always_draft):
+    """Each row draws from its own generator (sampling.row_generator): a row whose drafts are accepted takes
+    several draws in one step without moving its neighbours' draws, so a seeded batch samples the same tokens with
+    speculation as without, and each row what it samples alone as row 0 (seed) or row r (seed, r)."""
+    model = ExportedModel(exported(VARIANT))
+    params = SamplingParams(temperature=0.9, seed=3)
+    plain = Generator(model, params, stop_token_ids=()).generate(PROMPTS, 24).token_ids
+
+    def replay(history, k):  # the plain run's own tokens: accepted as often as the draws allow
+        r = next(i for i, p in enumerate(PROMPTS) if list(history[: len(p)]) == p)
+        done = len(history) - len(PROMPTS[r])
+        return plain[r][done : done + k]
+
+    spec = Generator(model, params, stop_token_ids=(), speculation=Speculation("lookup", 3),
+                     proposer=replay).generate(PROMPTS, 24)
+    assert spec.speculation.accepted > 0 and spec.token_ids == plain
+    assert Generator(model, params, stop_token_ids=()).generate(PROMPTS[:1], 24).token_ids == plain[:1]
+
+
 def test_a_row_whose_prior_does_not_pay_learns_from_its_unverified_proposals(exported, monkeypatch):
     """Costs where a pass pays at full acceptance but not at the prior's: a row starts without drafts, and the
     proposals it made but did not verify, held against the tokens it emitted (shadow_acceptance), raise its estimate

@@ -18,7 +18,7 @@ import numpy as np
 from .. import io_spec
 from ..errors import InputError
 from .cache import CacheBuffers, DecodeBinding
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, row_generator, sample
 from .session import ExportedModel
 from .draft import MTPDrafter
 from .history import appended
@@ -51,7 +51,7 @@ class _State:
     caches: CacheBuffers
     lengths: np.ndarray  # [b] tokens held in each row's cache
     history: list[np.ndarray]  # per row: prompt + generated ids (penalties, prompt lookup, acceptance)
-    rng: np.random.Generator
+    rng: list[np.random.Generator]  # one a row (sampling.row_generator): its draws do not depend on its neighbours'
     history_buffers: list[np.ndarray | None]  # the buffer each row's history views (runtime.history)
     decode_binding: DecodeBinding | None = None
     drafter: MTPDrafter | None = None  # speculation by the MTP draft graph
@@ -210,7 +210,7 @@ class Generator:
         emitted = []
         for r, d in enumerate(drafts):
             counts = None if out.counts is None else out.counts[r]
-            tokens = accept_row(logits[r, : len(d) + 1], d, self.sampling, state.history[r], counts, state.rng)
+            tokens = accept_row(logits[r, : len(d) + 1], d, self.sampling, state.history[r], counts, state.rng[r])
             if not out.finished[r]:
                 out.stats.add(len(d), len(tokens) - 1)
             emitted.append(tokens)
@@ -225,7 +225,8 @@ class Generator:
                               self.model.max_seq_len, self.model.device, self.model.cache_format,
                               resident=self.model.resident_caches)
         lengths = np.array([len(h) for h in history] if context is None else [context] * len(history), np.int64)
-        return _State(caches, lengths, history, np.random.default_rng(self.sampling.seed), [None] * len(history))
+        return _State(caches, lengths, history, [row_generator(self.sampling.seed, r) for r in range(len(history))],
+                      [None] * len(history))
 
     def check_prompts(self, prompts, max_new_tokens: int) -> list[list[int]]:
         """Token-id rows, each checked: non-empty, integer, in the vocabulary, within the export's length."""

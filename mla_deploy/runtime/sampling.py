@@ -162,6 +162,13 @@ def draw(probs: np.ndarray, u: np.ndarray) -> np.ndarray:
     return np.minimum((np.cumsum(probs, -1) < u).sum(-1), last).astype(np.int64)
 
 
+def row_generator(seed: int | None, row: int) -> np.random.Generator:
+    """The random generator of a batch's row `row` (the scheduler: of a request's choice `row`): seeded by `seed`
+    alone for row 0, by (seed, row) for the others; None: fresh entropy. Each row drawing from its own, a row that
+    speculation gives several tokens in a step (several draws) leaves the others' draws where they were."""
+    return np.random.default_rng(seed if seed is None or row == 0 else [seed, row])
+
+
 def uniform(rng: np.random.Generator | Sequence[np.random.Generator], rows: int) -> np.ndarray:
     """[rows, 1] uniforms in (0, 1): one from each row's generator, or `rows` from one. A draw of exactly 0.0 is
     raised to the smallest normal float, so it counts the leading zero-probability tokens and lands on a token that

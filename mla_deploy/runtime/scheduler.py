@@ -53,7 +53,7 @@ from .grammar import Constraint, allowed_tokens
 from .draft import MTPDrafter
 from .history import appended
 from .prefix import NONE, Moved, common_length, held_tokens, moved_runs, moved_tokens, reusable_slots
-from .sampling import SamplingParams, finite, sample, unusable_logits, unusable_rows
+from .sampling import SamplingParams, finite, row_generator, sample, unusable_logits, unusable_rows
 from .session import ExportedModel
 from .speculative import (PRIOR_ACCEPTANCE, DraftPolicy, Speculation, SpeculationStats, accept_row, lookup,
                           measure_cost_model, updated_acceptance, verification_pass, WallClock)
@@ -245,8 +245,7 @@ class Scheduler:
         request.prompt_key = hash(request.prompt_array.tobytes())
         if request.sampling.counts_tokens:
             request.counts = np.zeros(self.model.config.vocab_size, np.int32)
-        seed = request.sampling.seed
-        request.rng = np.random.default_rng(seed if seed is None or request.choice == 0 else [seed, request.choice])
+        request.rng = row_generator(request.sampling.seed, request.choice)
         self.waiting.append(request)
 
     def cancel(self, request: Request) -> None:
