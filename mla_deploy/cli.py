@@ -108,8 +108,9 @@ def main(ctx, debug):
     "--max-seq-len", type=click.IntRange(min=1), default=None, help="Longest sequence (default: the config's)."
 )
 @click.option("--no-verify", is_flag=True, help="Skip checking the export against the torch source.")
-@click.option("--steps", type=click.IntRange(min=1), default=8, show_default=True,
-              help="Teacher-forced decode steps the verification compares (after the prefill).")
+@click.option("--steps", type=click.IntRange(min=1), default=None,
+              help="Teacher-forced decode steps the verification compares (after the prefill); default 8, fewer "
+                   "where --max-seq-len leaves less room.")
 @click.option("--quantize", type=click.Choice(["int4", "int8"]), default=None,
               help="Weight-only block-wise quantization of the MatMul weights, the embedding and the routed experts.")
 @click.option("--block-size", type=click.Choice(["16", "32", "64", "128"]), default=None,
@@ -174,7 +175,7 @@ def export(checkpoint, out, absorb, dtype, compute, cache_dtype, max_seq_len, no
         if not report.passed:
             raise MLADeployError(f"verification failed ({report.lines[-1]}); nothing was written")
 
-    if not no_verify and max_seq_len is not None and steps > most_steps(max_seq_len):
+    if not no_verify and max_seq_len is not None and steps is not None and steps > most_steps(max_seq_len):
         raise click.UsageError(f"--steps {steps}: verification decodes after a prompt within --max-seq-len "
                                f"{max_seq_len}, so at most {max(most_steps(max_seq_len), 0)} steps; lower --steps, "
                                "or pass --no-verify")
@@ -239,6 +240,9 @@ def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_
                                "in this process (leave the option out)")
     if staged:
         _no_staged_speculation(speculative)
+        if decode_only:
+            raise click.UsageError("--decode-only: a staged export's stages prefill with their prefill graphs; leave "
+                                   "the option out")
         from .runtime.stages import StagedModel
 
         with StagedModel(export_dir, options, address=ray_address) as model:
@@ -527,9 +531,10 @@ def serve(export_dir, host, port, max_batch, max_queue, prefill_chunk, prefix_ca
 @main.command()
 @click.argument("name")
 @click.option("-o", "--output", "out", required=True, type=click.Path(path_type=Path))
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option(
-    "--layers", type=int, default=None, help="Keep only the first N decoder layers (a cut of the full model)."
+    "--layers", type=click.IntRange(min=1), default=None,
+    help="Keep only the first N decoder layers (a cut of the full model)."
 )
 def preset(name, out, seed, layers):
     """Write a random-weight checkpoint for preset NAME (mla_deploy/models/presets/NAME.json), in its published dtype

@@ -310,10 +310,13 @@ def test_verify_of_a_short_export_clips_the_prompts_and_states_its_tolerance(tmp
     assert report.lines[-1] == "PASS: tolerance 1.000e-04 (rtol 0.0001 x logit scale 1.00)"
     with pytest.raises(ExportError, match="--steps 15: too many for the export's maximum length 16"):
         verify_export(tmp_path / "out", steps=15)
-    short = tmp_path / "short"  # verify's default steps fit an export shorter than 8 + 2; export's must, or it says so
+    short = tmp_path / "short"  # the default steps fit an export shorter than 8 + 2; steps asked for must, or say so
     export(ckpt, short, ExportOptions(max_seq_len=6))
     assert verify_export(short, steps=None).passed
-    result = CliRunner().invoke(main, ["export", str(ckpt), "-o", str(tmp_path / "never"), "--max-seq-len", "6"])
+    result = CliRunner().invoke(main, ["export", str(ckpt), "-o", str(tmp_path / "fits"), "--max-seq-len", "6"])
+    assert result.exit_code == 0 and (tmp_path / "fits" / "manifest.json").exists(), result.output
+    result = CliRunner().invoke(main, ["export", str(ckpt), "-o", str(tmp_path / "never"), "--max-seq-len", "6",
+                                       "--steps", "8"])
     assert result.exit_code == 2 and not (tmp_path / "never").exists(), result.output
     assert result.stderr.startswith("error: --steps 8: verification decodes after a prompt within --max-seq-len 6, "
                                     "so at most 4 steps; lower --steps, or pass --no-verify"), result.stderr

@@ -313,6 +313,10 @@ def test_preset_says_its_size_and_refuses_without_room(tmp_path, monkeypatch):
     assert result.stderr == (f"error: {tmp_path / 'ckpt'}: the checkpoint takes {size / 1e9:.2f} GB and "
                              f"{(size - 1) / 1e9:.2f} GB are free there; choose another output path (nothing was "
                              "written)\n")
+    for option, value in (("--seed", "-1"), ("--layers", "0")):  # usage errors, before any writing
+        result = CliRunner().invoke(main, ["preset", "tiny-v3", "-o", str(tmp_path / "bad"), option, value])
+        assert result.exit_code == 2 and f"'{option}': {value} is not in the range" in result.stderr, result.output
+        assert list(tmp_path.iterdir()) == []
     monkeypatch.setattr(presets.shutil, "disk_usage", lambda p: usage._replace(free=size))
     result = CliRunner().invoke(main, ["preset", "tiny-v3", "-o", str(tmp_path / "tiny")])
     tiny = random_checkpoint_bytes(preset_config("tiny-v3"))

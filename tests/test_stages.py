@@ -222,6 +222,8 @@ def test_ray_options_are_refused_where_nothing_runs_on_ray(exports):
     assert result.exit_code == 2 and "already runs as one Ray actor per stage" in result.stderr
     result = CliRunner().invoke(main, ["serve", str(exports["whole"]), "--micro-batches", "2"])
     assert result.exit_code == 2 and "only a staged export" in result.stderr
+    result = CliRunner().invoke(main, ["run", str(exports["2"]), "--prompt-ids", "5,6", "--decode-only"])
+    assert result.exit_code == 2 and result.stderr.startswith("error: --decode-only: a staged export's"), result.output
     result = CliRunner().invoke(main, ["serve", str(exports["2"]), "--cache-reuse", "16"])
     assert result.exit_code == 2 and "a staged export prefills every prompt whole" in result.stderr, result.output
     for command in (["run", str(exports["whole"]), "--prompt-ids", "5,6"], ["serve", str(exports["whole"])]):
