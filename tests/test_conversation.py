@@ -50,6 +50,21 @@ def test_each_turn_prefills_only_its_new_tokens_and_replies_as_a_fresh_prompt(mo
     assert chat.messages[0] == {"role": "system", "content": "You write Python."}
 
 
+def test_a_sampled_reply_is_held_as_generated_not_tokenized_again(model):
+    """A sampled reply's tokens may not be its text's canonical tokenization (two space tokens where one would
+    do): the next turn's prompt holds them as generated, so only the new message is prefilled, as after a greedy
+    reply."""
+    chat = Conversation(model, SamplingParams(temperature=1.0, seed=0), max_new_tokens=120, system="You write Python.")
+    turns = [chat.say(ask) for ask in ("Read a file.", "Count its lines.", "Now sort them.")]
+    recoded = 0
+    for before, turn in zip(turns, turns[1:]):
+        recoded += chat.tokenizer.encode(before.text, add_special_tokens=False) != before.token_ids
+        assert turn.cached_tokens >= before.prompt_tokens + len(before.token_ids) - 1, (before, turn)
+    assert recoded  # a reply whose text tokenizes otherwise was among them: the case this covers
+    text, ids = chat._prompt(chat.messages + [{"role": "user", "content": "Thanks."}])
+    assert chat.tokenizer.decode(ids) == chat.tokenizer.decode(chat.template.encode(text, chat.tokenizer))
+
+
 def test_reset_starts_again_from_the_system_message(model):
     chat = Conversation(model, GREEDY, max_new_tokens=8)
     first = chat.say(ASKS[0])
