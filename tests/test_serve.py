@@ -297,6 +297,9 @@ def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving(serve
     assert method.headers["allow"] == "POST"
     with pytest.raises(openai.BadRequestError, match="maximum length of 1024"):
         client.completions.create(prompt="x", max_tokens=2000, **greedy())
+    newer = httpx.post(base + "/v1/chat/completions", json={  # the limit named as the request spelled it
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2000}).json()["error"]
+    assert newer["param"] == "max_completion_tokens" and " + 2000 max_completion_tokens = " in newer["message"]
     long_chat = httpx.post(base + "/v1/chat/completions", json={  # chat's default max_tokens: the rest of the length
         "model": MODEL, "messages": [{"role": "user", "content": " ".join(map(str, range(1200)))}]})
     error = long_chat.json()["error"]

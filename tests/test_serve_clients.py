@@ -162,6 +162,25 @@ def test_a_stop_string_cuts_the_tokens_with_the_text(client):
     assert "".join(c.choices[0].text for c in chunks) == text
 
 
+def test_a_stop_string_cuts_a_chat_replys_logprob_tokens_with_its_content(client):
+    """Chat's logprobs as completions' tokens: the token a stop string began in is its text before the stop (and
+    those bytes), so the content list joins to the content, plain and streamed."""
+    args = dict(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=40, temperature=0, logprobs=True,
+                extra_body={"repetition_penalty": 1.0})
+    full = client.chat.completions.create(**args).choices[0]
+    tokens = [e.token for e in full.logprobs.content]
+    long = next(i for i, t in enumerate(tokens) if len(t.strip()) >= 3 and i > 1)
+    stop = tokens[long][1:3]  # starts inside a token
+    cut = client.chat.completions.create(stop=[stop], **args).choices[0]
+    content = cut.message.content
+    assert content == full.message.content[: full.message.content.index(stop)] and cut.finish_reason == "stop"
+    assert "".join(e.token for e in cut.logprobs.content) == content
+    assert b"".join(bytes(e.bytes) for e in cut.logprobs.content) == content.encode()
+    streamed = list(client.chat.completions.create(stop=[stop], stream=True, **args))
+    assert "".join(e.token for c in streamed if c.choices and c.choices[0].logprobs
+                   for e in c.choices[0].logprobs.content) == content
+
+
 def test_chat_n_logprobs_and_seed(client):
     messages = [{"role": "user", "content": "Parse a path"}]
     args = dict(model=MODEL, messages=messages, max_tokens=10, temperature=1.0, seed=4, logprobs=True,

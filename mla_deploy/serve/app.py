@@ -170,9 +170,9 @@ class Service:
                           "messages" if req.kind == "chat" else "prompt", "context_length_exceeded")
             max_tokens = req.max_tokens if req.max_tokens is not None else limit - len(ids)
             if len(ids) + max_tokens > limit or max_tokens < 1 and not req.echo:
-                raise bad(f"{where}{len(ids)} prompt tokens + {max_tokens} max_tokens = {len(ids) + max_tokens} "
-                          f"exceeds this model's maximum length of {limit} tokens", "max_tokens",
-                          "context_length_exceeded")
+                field = req.max_tokens_field
+                raise bad(f"{where}{len(ids)} prompt tokens + {max_tokens} {field} = {len(ids) + max_tokens} "
+                          f"exceeds this model's maximum length of {limit} tokens", field, "context_length_exceeded")
         try:
             sampling = self.defaults.override(
                 temperature=req.temperature,

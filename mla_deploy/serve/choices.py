@@ -25,10 +25,12 @@ from .tools import ToolReply
 
 @dataclass
 class Out:
-    """A token as sent: its event (logprobs), the text it added, and where that text starts in the choice's text."""
+    """A token as sent: its event (logprobs), the text it added, and where that text starts in the choice's text;
+    `cut`: a stop string began inside its text, which holds what came before it."""
     event: TokenEvent
     text: str
     offset: int
+    cut: bool = False
 
 
 class ChoiceText:
@@ -95,7 +97,7 @@ class ChoiceText:
             if out.offset + len(out.text) <= end:
                 self.ready.append(out)
             elif self.stops.stopped and out.offset < end:  # reaches into the stop string: its text before it
-                self.ready.append(Out(out.event, out.text[: end - out.offset], out.offset))
+                self.ready.append(Out(out.event, out.text[: end - out.offset], out.offset, cut=True))
             elif not self.stops.stopped:
                 keep.append(out)
         self.held = keep
@@ -140,13 +142,19 @@ def completion_logprobs(tokenizer: Tokenizer | None, outs: list[Out]) -> dict:
 
 
 def chat_logprobs(tokenizer: Tokenizer | None, outs: list[Out]) -> dict:
-    """OpenAI chat's logprobs: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
+    """OpenAI chat's logprobs: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}. A
+    token a stop string cut is its text before the stop, as in the content (and completions' tokens): the tokens
+    join to the content."""
     def entry(token: int, lp: float) -> dict:
         raw = tokenizer.token_bytes(token) if tokenizer is not None else str(token).encode()
         return {"token": token_key(tokenizer, token), "logprob": sent_logprob(lp), "bytes": list(raw)}
 
-    return {"content": [{**entry(o.event.token, o.event.logprob),
-                         "top_logprobs": [entry(t, lp) for t, lp in o.event.top_logprobs or []]} for o in outs],
+    def chosen(o: Out) -> dict:
+        sent = entry(o.event.token, o.event.logprob)
+        return {**sent, "token": o.text, "bytes": list(o.text.encode())} if o.cut else sent
+
+    return {"content": [{**chosen(o), "top_logprobs": [entry(t, lp) for t, lp in o.event.top_logprobs or []]}
+                        for o in outs],
             "refusal": None}
 
 

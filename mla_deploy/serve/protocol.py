@@ -65,6 +65,7 @@ class GenerationRequest:
     prompts: list[str | list[int]] = field(default_factory=list)  # completions: one or more
     messages: list[dict] | None = None
     max_tokens: int | None = None
+    max_tokens_field: str = "max_tokens"  # the field that set it (chat: max_completion_tokens, where sent)
     temperature: float | None = None
     top_p: float | None = None
     min_p: float | None = None  # vLLM's field (0: off)
@@ -212,7 +213,7 @@ def parse_request(body: dict, kind: str) -> GenerationRequest:
             raise bad("prompt: not a chat field; use /v1/chat/completions with messages", "prompt")
     newer = kind == "chat" and body.get("max_completion_tokens") is not None  # a null one beside max_tokens: unset
     limit = "max_completion_tokens" if newer else "max_tokens"
-    req.max_tokens = _int(body.get(limit), limit, minimum=0 if req.echo else 1)
+    req.max_tokens, req.max_tokens_field = _int(body.get(limit), limit, minimum=0 if req.echo else 1), limit
     if req.max_tokens is None and kind == "completion":
         req.max_tokens = 16  # OpenAI's default for completions; chat defaults to the rest of the export's length
     req.temperature = _number(body.get("temperature"), "temperature", 0.0, 2.0)
