@@ -650,8 +650,10 @@ class Scheduler:
         return [r for r, b in zip(requests, bad) if not b]
 
     def _clear_row(self, row: int) -> None:
+        """Row `row`'s cache slots zeroed (CacheBuffers.clear_row) after its request failed."""
         if self.caches.clear_row(row):
             self._decode = None  # resident caches replaced: bound again at the next step
+
     def _finish(self, request: Request, reason: str, failure: Failed | None = None) -> None:
         """`reason` counted and emitted in a Finished; with a `failure`, that is emitted instead (reason "error")."""
         if request.row is not None:
