@@ -174,6 +174,27 @@ def _check(rng, b, h, dc, dr, cap, lengths, holes, threads, library, dtype, long
     assert np.all(np.abs(out - exact) <= bound)
 
 
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("h,cap,length,slot", [(16, 300, 300, 5), (16, 300, 300, 270), (4, 43, 43, 41), (4, 40, 40, 5)])
+def test_a_nan_in_a_seen_slot_makes_its_row_nan_on_every_path(h, cap, length, slot, isa, monkeypatch):
+    """A NaN rope value in a slot the row sees makes every head's score there NaN: the output is NaN, as the
+    softmax of the function body gives, on every path (a vector body, a tail, another 256-slot range), where the
+    kernel had dropped the slot's range or kept it by its exp's floor, by path; the other row is untouched."""
+    library = _forced(isa, monkeypatch)
+    ql, qr, latent, rope, bias = _case(np.random.default_rng(slot), 2, h, 64, 16, cap, [length, length])
+    run = _session("float32", library, 2)
+
+    def out(rope):
+        feed = {"q_latent": ql, "q_rope": qr, "latent": latent, "rope": rope, "bias": bias}
+        return run.run(["out"], feed)[0]
+
+    clean = out(rope)
+    rope = rope.copy()
+    rope[0, slot, 3] = np.nan
+    y = out(rope)
+    assert np.isnan(y[0]).all() and np.array_equal(y[1], clean[1])
+
+
 # (rows, tokens a row, heads, d_c, d_r, capacity, each row's first token's slot): a verification pass at batch 1, a
 # batch whose rows start at different lengths (one at slot 0), heads off the blocks and ranges crossed by the tokens;
 # at 16 heads and more over float32 caches the AVX-512 level takes a row's tokens in groups of up to 128 queries (17

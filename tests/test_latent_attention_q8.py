@@ -188,6 +188,31 @@ def test_every_level_gives_the_same_bits(b, h, dc, dr, cap, lengths, rope):
     assert np.all(np.abs(outs[0] - exact) <= bound)
 
 
+@needs_library
+@pytest.mark.parametrize("where", ["rope", "query"])
+@pytest.mark.parametrize("slot", [5, 39, 270])
+def test_a_nan_score_makes_its_row_nan_at_every_level(slot, where):
+    """A NaN in a seen slot's rope value (every head's score there) or in a row's query (every score): the output
+    is NaN at every level, as the function body's softmax gives, where the scalar path had skipped it and the vector
+    ones had zeroed the range; the other row is untouched."""
+    cap = 300
+    feed, _ = _case(np.random.default_rng(slot), 2, 16, 64, 16, cap, [cap, cap])
+    levels = [None, *HERE]  # the function body, then each level
+    clean = {level: _run(_session("float32", 64, level), feed) for level in levels}
+    if where == "rope":
+        rope = feed["rope"].numpy().copy()
+        rope[0, slot, 2] = np.nan
+        feed["rope"] = ort.OrtValue.ortvalue_from_numpy(rope)
+    else:
+        q = feed["q_latent"].numpy().copy()
+        q[0, 3, slot % 64] = np.nan
+        feed["q_latent"] = ort.OrtValue.ortvalue_from_numpy(q)
+    for level in levels:
+        y = _run(_session("float32", 64, level), feed)
+        assert np.isnan(y[0] if where == "rope" else y[0, 3]).all(), level
+        assert np.array_equal(y[1], clean[level][1]), level
+
+
 @pytest.mark.parametrize("long", [False, True])
 @pytest.mark.parametrize("b,h,dc,dr,cap,lengths", [SHAPES[1], SHAPES[2], SHAPES[4]])
 def test_the_function_body_is_the_exact_dequantized_attention(b, h, dc, dr, cap, lengths, long):

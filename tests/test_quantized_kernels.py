@@ -182,6 +182,30 @@ def test_every_path_gives_the_same_bits(bits, level, monkeypatch):
         assert np.array_equal(y, outputs["scalar"]), isa
 
 
+@needs_library
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+@pytest.mark.parametrize("level", [0, 4])
+def test_a_non_finite_activation_gives_its_rows_nan_on_every_path(level, value, monkeypatch):
+    """A float product with NaN (or infinity times a mixed-sign column) is NaN: at accuracy level 4 a block holding
+    one quantizes to a NaN scale on every path, where its max-abs scan had given finite garbage that differed by
+    path; the other rows are untouched."""
+    rng = np.random.default_rng(7)
+    k, n, block = 96, 40, 32
+    _, codes, scales = quantized(rng.standard_normal((k, n)).astype(np.float32), 8, block)
+    onnx_model = qmatmul_model(k, n, 8, block, level, codes, scales)
+    a = rng.standard_normal((9, k)).astype(np.float32)
+    clean = session(onnx_model, True).run(None, {"A": a})[0]
+    for column in (3, 31, 95):  # the first block, the end of a block, the last one
+        a_bad = a.copy()
+        a_bad[4, column] = value
+        for isa in kernels.ISA_LEVELS:
+            if has_level(isa):
+                monkeypatch.setenv("MLA_DEPLOY_ISA", isa)
+                y = session(onnx_model, True).run(None, {"A": a_bad})[0]
+                assert np.isnan(y[4]).all() or (value == np.inf and not np.isfinite(y[4]).any()), (isa, column)
+                assert np.array_equal(np.delete(y, 4, 0), np.delete(clean, 4, 0)), (isa, column)
+
+
 @pytest.mark.parametrize("library", [pytest.param(True, marks=needs_library, id="kernel"),
                                      pytest.param(False, id="function-body")])
 @pytest.mark.parametrize("level", [0, 4])

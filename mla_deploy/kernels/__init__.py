@@ -97,7 +97,7 @@ LATENT_ATTENTION_CHUNK_Q8 = {
 GATE_UP = 32  # RoutedExperts' fc1 strip: 32 gate columns, then the same 32 columns of up
 # the quantized ops, by their weights' bits (their layout: export.layouts)
 QMATMUL = {4: "QMatMul4", 6: "QMatMul6", 8: "QMatMul8"}
-QBATCH_MATMUL = {4: "QBatchMatMul4", 8: "QBatchMatMul8"}  # one weight per head: A [H, M, K] -> [H, M, N]
+QBATCH_MATMUL = {4: "QBatchMatMul4", 8: "QBatchMatMul8"}  # one weight per head: A [M, H, K] -> [M, H, N]
 QROUTED_EXPERTS = {4: "QRoutedExperts4", 8: "QRoutedExperts8"}
 QGATHER = {4: "QGather4", 6: "QGather6", 8: "QGather8"}
 ISA_LEVELS = ("scalar", "avx2", "avx512")  # MLA_DEPLOY_ISA's values, each level including the ones before it

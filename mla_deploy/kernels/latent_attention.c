@@ -343,7 +343,7 @@ KERNEL static void softmax_range(float *p, const float *added, int64_t n, float 
     for (; i + 8 <= n; i += 8) {
         __m256 v = _mm256_add_ps(_mm256_loadu_ps(p + i), _mm256_loadu_ps(added + i));
         _mm256_storeu_ps(p + i, v);
-        most = _mm256_max_ps(v, most); /* a NaN score left out, as fmaxf leaves it */
+        most = _mm256_max_ps(v, most); /* a NaN score left out of the max, as fmaxf leaves it; its e^ is NaN */
     }
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
@@ -512,8 +512,14 @@ void latent_ranges_combine(const float *partial, int64_t splits, int64_t heads, 
     const float *parts = partial + row * splits * stride + h * (dc + 2);
     float top = -INFINITY, sum = 0.0f;
     out += (row * heads + h) * dc;
-    for (int64_t j = 0; j < splits; j++)
-        if (parts[j * stride + dc + 1] > 0.0f) top = fmaxf(top, parts[j * stride + dc]);
+    for (int64_t j = 0; j < splits; j++) {
+        const float seen = parts[j * stride + dc + 1];
+        if (seen != seen) { /* a NaN score in the range (its sum NaN): the output is NaN, as the softmax's is */
+            for (int64_t d = 0; d < dc; d++) out[d] = NAN;
+            return;
+        }
+        if (seen > 0.0f) top = fmaxf(top, parts[j * stride + dc]);
+    }
     memset(out, 0, sizeof(float) * (size_t)dc);
     if (top == -INFINITY) return; /* no slot anywhere: only after a failed allocation */
     for (int64_t j = 0; j < splits; j++) {

@@ -63,7 +63,7 @@ static inline void ask_ahead(const Ahead *a, int64_t j) {
 /* e^x as exp16 / exp8 compute it, one value: x = n ln 2 + r, Cephes' degree-6 polynomial for e^r (relative error
  * ~2e-7), x clamped to [-87.3, 88.3] */
 static float exp_q8(float x) {
-    x = fminf(fmaxf(x, -87.3f), 88.3f);
+    x = x != x ? x : fminf(fmaxf(x, -87.3f), 88.3f); /* e^NaN is NaN */
     float n = nearbyintf(x * 1.44269504088896341f);
     float r = fmaf(-n, 0.693359375f, x);
     r = fmaf(-n, -2.12194440e-4f, r);
@@ -82,7 +82,7 @@ static float exp_q8(float x) {
 
 static int16_t probability16(float w, float inv) {
     float v = nearbyintf(w * inv);
-    return (int16_t)(v > PMAX ? PMAX : v);
+    return (int16_t)(v > PMAX ? PMAX : v == v ? v : 0); /* NaN (a NaN score): 0, its range's sum NaN */
 }
 
 /* where head h's probability of slot i lives in p16 */
@@ -132,7 +132,7 @@ static void weighted_scalar(const LatentAttentionQ8 *job, Task *t) {
 /* ---- AVX2: 16-bit products (vpmaddwd), 8 heads or channels a register ---- */
 
 INLINE_AVX2 __m256 exp8_q8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    x = _mm256_min_ps(_mm256_set1_ps(88.3f), _mm256_max_ps(_mm256_set1_ps(-87.3f), x)); /* a NaN stays NaN */
     __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -297,7 +297,7 @@ INLINE_AVX512 __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
 }
 
 INLINE_AVX512 __m512 exp16_q8(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+    x = _mm512_min_ps(_mm512_set1_ps(88.3f), _mm512_max_ps(_mm512_set1_ps(-87.3f), x)); /* a NaN stays NaN */
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -465,11 +465,12 @@ int latent_attention_q8_plan(LatentAttentionQ8 *job) {
         for (int64_t head = 0; head < h; head++) {
             const float *q = job->q_latent + (r * h + head) * dc;
             float peak = 0.0f;
-            for (int64_t k = 0; k < dc; k++) peak = fmaxf(peak, fabsf(q[k]));
-            float qs = peak / 127.0f;
+            int nan = 0;
+            for (int64_t k = 0; k < dc; k++) peak = fmaxf(peak, fabsf(q[k])), nan |= q[k] != q[k];
+            float qs = nan ? NAN : peak / 127.0f; /* a NaN query: every score NaN, on every path */
             job->q_scale[r * job->lanes + head] = qs;
             for (int64_t k = 0; k < dc; k++) {
-                float v = qs > 0.0f ? nearbyintf(q[k] / qs) : 0.0f;
+                float v = qs > 0.0f ? nearbyintf(q[k] / qs) : 0.0f; /* NaN: 0 (qs > 0 is false) */
                 int8_t code = (int8_t)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
                 uint8_t *row = (uint8_t *)job->q_packed + r * job->q_packed_row;
                 if (job->isa == ISA_AVX512) /* [d_c / 4, lanes, 4], + 128 */

@@ -574,6 +574,13 @@ void qmatmul_quantize_row(Isa isa, const float *a, int64_t k, int block, int zer
             x = tail;
         }
         int32_t sum;
+        int finite = 1;
+        for (int i = 0; i < block; i++) finite &= isfinite(x[i]) != 0;
+        if (!finite) { /* NaN or infinity: the block's products are NaN on every path, as a float product's are */
+            memset(q + start, 0, (size_t)block);
+            scale[j] = NAN, offset[j] = 0;
+            continue;
+        }
         if (isa == ISA_AVX512) quantize_block_avx512(x, block, q + start, scale + j, &sum);
         else if (isa == ISA_AVX2) quantize_block_avx2(x, block, q + start, scale + j, &sum);
         else quantize_block_scalar(x, block, q + start, scale + j, &sum);

@@ -53,9 +53,10 @@ static inline float stored_value(const void *base, int64_t i, int kind) {
 }
 
 /* e^x, 8 at a time: x = n ln 2 + r, a degree-6 polynomial for e^r on |r| <= ln 2 / 2 (Cephes' expf; relative error
- * ~2e-7), x clamped to [-87.3, 88.3] (e^-87.3 ~ 1e-38: a softmax's far tail, a SiLU's vanishing gate) */
+ * ~2e-7), x clamped to [-87.3, 88.3] (e^-87.3 ~ 1e-38: a softmax's far tail, a SiLU's vanishing gate); e^NaN is
+ * NaN, as expf's */
 INLINE __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    x = _mm256_min_ps(_mm256_set1_ps(88.3f), _mm256_max_ps(_mm256_set1_ps(-87.3f), x)); /* a NaN stays NaN */
     __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x); /* ln 2 in two parts: r exact to float32 */
