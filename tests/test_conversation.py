@@ -61,8 +61,11 @@ def test_a_sampled_reply_is_held_as_generated_not_tokenized_again(model):
         recoded += chat.tokenizer.encode(before.text, add_special_tokens=False) != before.token_ids
         assert turn.cached_tokens >= before.prompt_tokens + len(before.token_ids) - 1, (before, turn)
     assert recoded  # a reply whose text tokenizes otherwise was among them: the case this covers
-    text, ids = chat._prompt(chat.messages + [{"role": "user", "content": "Thanks."}])
-    assert chat.tokenizer.decode(ids) == chat.tokenizer.decode(chat.template.encode(text, chat.tokenizer))
+    messages = chat.messages + [{"role": "user", "content": "Thanks."}]  # the same text, the replies' ids kept
+    ids = chat._prompt(messages)
+    assert chat.tokenizer.decode(ids) == chat.tokenizer.decode(chat.template.prompt_ids(messages, chat.tokenizer))
+    for turn in turns:
+        assert any(ids[i:i + len(turn.token_ids)] == turn.token_ids for i in range(len(ids)))
 
 
 def test_reset_starts_again_from_the_system_message(model):

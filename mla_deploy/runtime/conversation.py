@@ -6,10 +6,10 @@
 
 Each turn's prompt is the whole conversation rendered by the chat template, as an OpenAI chat request would be; the
 scheduler's prefix caching finds the turns before it in the row's cache, so a turn prefills what is new (the user's
-message and the template's markers around it) and the history costs nothing again. The conversation keeps the token
-ids the row holds: where the new rendering continues the text those ids stand for, only the continuation is
-tokenized, so a sampled reply is not tokenized again (a re-encoding may split its text otherwise, `[223, 259]` two
-spaces as one `[261]`, and the cache match would stop there).
+message and the template's markers around it) and the history costs nothing again. Each reply keeps the token ids
+it was generated as: a prompt is the rendering tokenized around the replies' texts, with their ids in their places,
+so a sampled reply is not tokenized again (a re-encoding may split its text otherwise, `[223, 259]` two spaces as one
+`[261]`, and the cache match would stop there; with cache reuse, the moved runs would).
 """
 
 from __future__ import annotations
@@ -64,14 +64,14 @@ class Conversation:
         self.stop_ids = frozenset(model.stop_token_ids)
         self.system = [] if system is None else [{"role": "system", "content": system}]
         self.messages: list[dict] = list(self.system)
-        self._held: tuple[str, list[int]] = ("", [])  # a rendered text and the ids that stand for it in the row
+        self._replies: dict[int, tuple[dict, list[int]]] = {}  # id(message) -> an assistant message, its token ids
         self.scheduler = Scheduler(model, max_batch=1, speculation=speculation, prefix_caching=True,
                                    cache_reuse=cache_reuse)
 
     def reset(self) -> None:
         """Start again from the system message (the cache keeps the old turns until a new prompt overwrites them)."""
         self.messages = list(self.system)
-        self._held = ("", [])
+        self._replies = {}
 
     def say(self, content: str, on_text: Callable[[str], None] | None = None,
             interrupted: Callable[[], bool] = lambda: False) -> Turn:
@@ -81,7 +81,7 @@ class Conversation:
         left; InputError where even then no token fits. `interrupted()`, asked between scheduler steps, ends the
         reply where it is (finish_reason "cancelled"; what was generated stays in the conversation, a reply with no
         token yet drops the turn)."""
-        messages, prompt_text, prompt, dropped = self._fitted(self.messages + [{"role": "user", "content": content}])
+        messages, prompt, dropped = self._fitted(self.messages + [{"role": "user", "content": content}])
         room = self.model.max_seq_len - len(prompt)
         if room < 1:
             raise InputError(f"the message makes the conversation {len(prompt)} tokens, and the model's context is "
@@ -122,33 +122,46 @@ class Conversation:
             on_text(stream.flush())
         text = self.tokenizer.decode(tokens)
         if tokens or finished[0].reason != "cancelled":
-            self.messages = messages + [{"role": "assistant", "content": text}]
-            self._held = (prompt_text + text, prompt + tokens)
+            reply = {"role": "assistant", "content": text}
+            self.messages = messages + [reply]
+            self._replies = {id(m): self._replies[id(m)] for m in messages if id(m) in self._replies}
+            self._replies[id(reply)] = (reply, tokens)
         first = (times[0] - t0) * 1e3 if times else 0.0
         span = times[-1] - times[0] if len(times) > 1 else 0.0
         return Turn(text, tokens, finished[0].reason, finished[0].prompt_tokens, finished[0].cached_tokens,
                     round(first, 3), round((len(times) - 1) / span, 2) if span > 0 else 0.0, dropped,
                     finished[0].shifted_tokens)
 
-    def _fitted(self, messages: list[dict]) -> tuple[list[dict], str, list[int], int]:
+    def _fitted(self, messages: list[dict]) -> tuple[list[dict], list[int], int]:
         """`messages` without as many of its oldest turns (a user message and what follows it up to the next) as it
-        takes to leave max_new_tokens of the context free, or all of them but the last message; its prompt text and
-        ids; and how many turns went."""
+        takes to leave max_new_tokens of the context free, or all of them but the last message; its prompt ids; and
+        how many turns went."""
         first = len(self.system)
         dropped = 0
         while True:
-            text, prompt = self._prompt(messages)
+            prompt = self._prompt(messages)
             later = [i for i in range(first + 1, len(messages)) if messages[i]["role"] == "user"]
             if self.model.max_seq_len - len(prompt) >= self.max_new_tokens or not later:
-                return messages, text, prompt, dropped
+                return messages, prompt, dropped
             messages = messages[:first] + messages[later[0]:]
             dropped += 1
 
-    def _prompt(self, messages: list[dict]) -> tuple[str, list[int]]:
-        """`messages` rendered, and its ids: the held ids and the continuation tokenized, where the rendering goes on
-        from the held text (a template that rewrites earlier replies, or dropped turns, tokenize it all)."""
+    def _prompt(self, messages: list[dict]) -> list[int]:
+        """`messages` rendered and tokenized around each reply's text, the reply's own ids in its place (a reply
+        the template does not write as it was generated is tokenized with the rest)."""
         text = self.template.render(messages)
-        held_text, held_ids = self._held
-        if held_ids and text.startswith(held_text) and len(text) > len(held_text):
-            return text, held_ids + self.tokenizer.encode(text[len(held_text):], add_special_tokens=False)
-        return text, self.template.encode(text, self.tokenizer)
+        ids, at = [], 0
+        for m in messages:
+            held = self._replies.get(id(m))
+            start = text.find(m["content"], at) if held is not None and held[0] is m and m["content"] else -1
+            if start < 0:
+                continue
+            if start > at:
+                ids += self.tokenizer.encode(text[at:start], add_special_tokens=False)
+            ids += held[1]
+            at = start + len(m["content"])
+        if at < len(text):
+            ids += self.tokenizer.encode(text[at:], add_special_tokens=False)
+        if not ids:
+            raise InputError("the chat template renders these messages to no tokens")
+        return ids

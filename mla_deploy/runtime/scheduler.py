@@ -53,7 +53,7 @@ from .grammar import Constraint, allowed_tokens
 from .draft import MTPDrafter
 from .history import appended
 from .prefix import NONE, Moved, common_length, held_tokens, moved_runs, moved_tokens, reusable_slots
-from .sampling import SamplingParams, finite, row_generator, sample, unusable_logits, unusable_rows
+from .sampling import SamplingParams, row_generator, sample, unusable_logits, unusable_rows
 from .session import ExportedModel
 from .speculative import (PRIOR_ACCEPTANCE, DraftPolicy, Speculation, SpeculationStats, accept_row, lookup,
                           measure_cost_model, updated_acceptance, verification_pass, WallClock)
@@ -514,8 +514,8 @@ class Scheduler:
             self.lengths[r.row] += 1
         self.stats.decode_steps += 1
         self.stats.decoded_rows += len(decoding)
-        decoding = self._fail_unusable(decoding, d.logits[[r.row for r in decoding]])
         chosen = self._choose(decoding, d.logits[:, 0])
+        decoding = [r for r in decoding if r.id in chosen]  # the others failed (their logits unusable)
         for r in decoding:
             row, start = r.row, int(self.lengths[r.row]) - 1
             self._sample_and_emit(r, d.logits[row : row + 1, 0], chosen[r.id])
@@ -530,14 +530,21 @@ class Scheduler:
     def _choose(self, decoding: list[Request], logits: np.ndarray, first_row: int = 0) -> dict[int, int]:
         """Each decoding request's next token, by request id, from its row of `logits` [rows, vocab] (row r.row -
         first_row): one argmax for every plain greedy row, one sample() per sampling setting for the others (each
-        row drawing from its own generator)."""
+        row drawing from its own generator). A request whose logits are unusable (NaN or infinity) ends with Failed
+        and has no entry: a greedy row's argmax lands on its first NaN, or +inf, or on -inf where all are, so the
+        logit it picks says so; the others are checked before sampling (_fail_unusable)."""
         plain = [r for r in decoding if _plain_greedy(r)]
-        chosen = dict(zip((r.id for r in plain),
-                          finite(logits[[r.row - first_row for r in plain]]).argmax(-1).tolist()))
+        greedy = logits[[r.row - first_row for r in plain]]
+        best = greedy.argmax(-1)
+        picked = greedy[np.arange(len(plain)), best]
+        for r, logit, row_logits in zip(plain, picked, greedy):
+            if not np.isfinite(logit):
+                self._fail(r, row_logits)
+        chosen = {r.id: int(t) for r, t, logit in zip(plain, best, picked) if np.isfinite(logit)}
         alike: dict[SamplingParams, list[Request]] = {}  # the other rows by their sampling, seeds aside
-        for r in decoding:
-            if r.id not in chosen:
-                alike.setdefault(replace(r.sampling, seed=None), []).append(r)
+        others = [r for r in decoding if not _plain_greedy(r)]
+        for r in self._fail_unusable(others, logits[[r.row - first_row for r in others]]):
+            alike.setdefault(replace(r.sampling, seed=None), []).append(r)
         for params, rows in alike.items():
             tokens = sample(logits[[r.row - first_row for r in rows]], params, [r.rng for r in rows],
                             [r.history for r in rows], [r.counts for r in rows], self._allowed(rows))
@@ -643,11 +650,15 @@ class Scheduler:
         bad = (unusable_rows(logits) if isinstance(logits, np.ndarray)
                else np.array([unusable_rows(x[None])[0] for x in logits], bool))
         for i in np.flatnonzero(bad):
-            request, row = requests[i], requests[i].row
-            error = unusable_logits(logits[i], f"request {request.id}, after {len(request.generated)} tokens")
-            self._finish(request, "error", Failed(error))
-            self._clear_row(row)
+            self._fail(requests[i], logits[i])
         return [r for r, b in zip(requests, bad) if not b]
+
+    def _fail(self, request: Request, logits: np.ndarray) -> None:
+        """End `request`, whose `logits` are unusable, with Failed naming it; its row freed and zeroed."""
+        row = request.row
+        error = unusable_logits(logits, f"request {request.id}, after {len(request.generated)} tokens")
+        self._finish(request, "error", Failed(error))
+        self._clear_row(row)
 
     def _clear_row(self, row: int) -> None:
         """Row `row`'s cache slots zeroed (CacheBuffers.clear_row) after its request failed."""

@@ -134,8 +134,7 @@ class StagedScheduler(Scheduler):
             return
         self.stats.decode_steps += 1
         self.stats.decoded_rows += len(live)
-        live = self._fail_unusable(live, logits[[r.row - group.lo for r in live]])
         chosen = self._choose(live, logits, group.lo)  # logits [rows from lo, vocab]
-        for r in live:
+        for r in (r for r in live if r.id in chosen):  # the others failed (their logits unusable)
             row = r.row - group.lo
             self._sample_and_emit(r, logits[row:row + 1], chosen[r.id])
