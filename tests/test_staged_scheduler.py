@@ -85,6 +85,21 @@ def test_staggered_requests_get_the_whole_exports_tokens_and_logprobs(exports, m
     assert staged.stats.decoded_rows > staged.stats.decode_steps  # rows really shared steps
 
 
+def test_a_score_only_prompt_filling_the_export_beside_a_decoding_row(exports):
+    """A prompt of the export's whole length asking only its logprobs (lm-eval's rolling loglikelihood) between
+    decoding rows of one group: every request finishes as on the whole export (a decode that carries that row as a
+    pad before its prefill is collected writes at most the last slot)."""
+    length = exports["whole"].max_seq_len
+    long = np.random.default_rng(5).integers(3, 4000, length).tolist()
+    greedy = SamplingParams()
+    requests = [([5, 6, 7], 12, greedy, None), (long, 0, greedy, 1), ([8, 9], 6, greedy, None)]
+    whole = run(Scheduler(exports["whole"], max_batch=3), requests, arrivals=False)
+    staged = run(StagedScheduler(exports["chain"], max_batch=3, micro_batches=1), requests, arrivals=False)
+    for w, s in zip(whole, staged):
+        assert s.finished == w.finished and s.tokens == w.tokens
+    assert np.allclose([lp for lp, _ in staged[1].prompt], [lp for lp, _ in whole[1].prompt], atol=1e-4)
+
+
 def test_a_request_cancelled_in_flight_frees_its_row_and_leaves_the_others_alone(exports):
     requests = [(p, 20, SamplingParams(), None) for p in prompts(3, seed=4)]
     expected = run(Scheduler(exports["whole"], max_batch=2, prefill_chunk=16), requests, arrivals=False)

@@ -159,6 +159,11 @@ def test_sampling_over_stages_follows_the_seed(exports):
     again = PipelineGenerator(chain, params, micro_batches=1).generate(PROMPTS[:1], 16).token_ids
     single = Generator(ExportedModel(exports["whole"]), params).generate(PROMPTS[:1], 16).token_ids
     assert first == again == single  # one row, one seeded draw per step: the whole export's draws
+    whole = Generator(ExportedModel(exports["whole"]), params).generate(PROMPTS, 16)
+    for micro_batches in (1, 2):  # each row draws from its own generator (row_generator), wherever its group runs
+        staged = PipelineGenerator(chain, params, micro_batches=micro_batches).generate(PROMPTS, 16)
+        assert staged.token_ids == whole.token_ids, micro_batches
+        assert staged.decode_tokens == whole.decode_tokens  # the rows still generating, not every row launched
 
 
 def test_verify_runs_the_stages_against_the_torch_source(exports):

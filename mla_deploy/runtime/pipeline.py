@@ -21,7 +21,7 @@ from .. import io_spec
 from ..errors import InputError
 from .generator import GenerationResult, StepOutput, check_first_allowed, check_prompts, run_to_end
 from .history import appended
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, row_generator, sample
 
 _keys = itertools.count()
 
@@ -33,7 +33,7 @@ class _MicroBatch:
     lengths: np.ndarray  # [b] tokens held in each row's caches
     history: list[np.ndarray]
     history_buffers: list[np.ndarray | None]  # the buffer each row's history views (runtime.history)
-    rng: np.random.Generator
+    rng: list[np.random.Generator]  # a row's own (sampling.row_generator, by its index among the prompts)
     counts: list[np.ndarray] | None
     finished: np.ndarray
     stopped_before: np.ndarray | None = None  # the rows that had finished before the latest step
@@ -93,7 +93,7 @@ class PipelineGenerator:
                     group.handle = self.model.forward(group.key, io_spec.DECODE, tokens[:, None],
                                                       group.lengths[:, None].copy(), group.lengths.copy())
                     group.lengths += 1
-                    decode_tokens += len(group.rows)
+                    decode_tokens += int((~group.finished).sum())  # the rows still generating
                 if prefill_ms is None:  # every group's first token: the prompts' prefill
                     prefill_ms = (time.perf_counter() - t0) * 1e3
         finally:
@@ -114,7 +114,7 @@ class PipelineGenerator:
         vocab = self.model.config.vocab_size
         group = _MicroBatch(f"{next(_keys)}", [int(i) for i in part], lengths,
                             [np.asarray(r, np.int64) for r in prompts], [None] * b,
-                            np.random.default_rng(self.sampling.seed),
+                            [row_generator(self.sampling.seed, int(i)) for i in part],
                             [np.zeros(vocab, np.int32) for _ in prompts] if self.sampling.counts_tokens else None,
                             np.zeros(b, bool))
         positions = np.broadcast_to(np.arange(longest, dtype=np.int64), (b, longest)).copy()

@@ -106,6 +106,9 @@ class StagedModel(StagedExport):
             self.shutdown()
             cause = e.cause if isinstance(getattr(e, "cause", None), Exception) else None
             raise (cause if isinstance(cause, ExportLoadError) else StageFailedError(str(e).splitlines()[0])) from None
+        except BaseException:  # an actor lost while loading, Ctrl-C: the other stages' actors go too
+            self.shutdown()
+            raise
 
     # ---- the chain runtime.pipeline drives ----
     def open(self, key: Hashable, rows: int) -> None:

@@ -88,12 +88,16 @@ def serve_on_ray(export_dir, replicas: int, host: str, port: int, max_batch: int
         raise ServeError(problem)
     if chat_template is not None:  # a bad file is said here, not by every replica
         ChatTemplate.from_export(export_dir, chat_template)
-    ray.init(address=address or os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
+    joined = address or os.environ.get("RAY_ADDRESS")
+    ray.init(address=joined, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": host, "port": port})
         serve.run(deployment(export_dir, replicas, max_batch, max_queue, api_key, model_name, options, speculation,
                              prefill_chunk, prefix_caching, chat_template, reasoning_parser, cache_reuse),
                   name="mla-deploy", route_prefix="/", blocking=True)
-    finally:  # Ctrl-C or SIGTERM: take the replicas and a Ray instance started here down with us
-        serve.shutdown()
+    finally:  # Ctrl-C or SIGTERM: take the replicas down with us, and Serve where the Ray instance is ours alone
+        if joined:  # a cluster's other Serve applications are not ours to stop
+            serve.delete("mla-deploy")
+        else:
+            serve.shutdown()
         ray.shutdown()
