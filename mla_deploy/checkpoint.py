@@ -223,7 +223,8 @@ class Checkpoint:
         if self.has_mtp:
             self._check_tensors(mtp_tensors(self.config), self.mtp_names(),
                                 f"the multi-token-prediction layer {layer} is incomplete")
-            self.notes.append(f"layer {layer}: the multi-token-prediction (MTP) module, exported as the draft graph")
+            self.notes.append(f"layer {layer}: the multi-token-prediction (MTP) module, which an export writes as its "
+                              "draft graph (not with --no-draft or --stages)")
         elif self.config.num_nextn_predict_layers:
             self.notes.append(f"config.json has num_nextn_predict_layers={self.config.num_nextn_predict_layers} but "
                               f"the checkpoint holds no layer-{layer} weights: no MTP draft graph")

@@ -175,6 +175,9 @@ def export(checkpoint, out, absorb, dtype, compute, cache_dtype, max_seq_len, no
         if not report.passed:
             raise MLADeployError(f"verification failed ({report.lines[-1]}); nothing was written")
 
+    if not no_verify and max_seq_len is not None and most_steps(max_seq_len) < 1:
+        raise click.UsageError(f"--max-seq-len {max_seq_len}: verification needs a prompt token and a decode step "
+                               f"within the export's length (at least 3); pass --no-verify to export it unverified")
     if not no_verify and max_seq_len is not None and steps is not None and steps > most_steps(max_seq_len):
         raise click.UsageError(f"--steps {steps}: verification decodes after a prompt within --max-seq-len "
                                f"{max_seq_len}, so at most {max(most_steps(max_seq_len), 0)} steps; lower --steps, "

@@ -315,6 +315,9 @@ def test_verify_of_a_short_export_clips_the_prompts_and_states_its_tolerance(tmp
     assert verify_export(short, steps=None).passed
     result = CliRunner().invoke(main, ["export", str(ckpt), "-o", str(tmp_path / "fits"), "--max-seq-len", "6"])
     assert result.exit_code == 0 and (tmp_path / "fits" / "manifest.json").exists(), result.output
+    result = CliRunner().invoke(main, ["export", str(ckpt), "-o", str(tmp_path / "never"), "--max-seq-len", "2"])
+    assert result.exit_code == 2 and result.stderr.startswith("error: --max-seq-len 2: verification needs a prompt "
+                                                              "token and a decode step"), result.output
     result = CliRunner().invoke(main, ["export", str(ckpt), "-o", str(tmp_path / "never"), "--max-seq-len", "6",
                                        "--steps", "8"])
     assert result.exit_code == 2 and not (tmp_path / "never").exists(), result.output

@@ -163,3 +163,16 @@ def test_choices_that_need_the_config_are_refused_by_name(tiny, tmp_path):
         ExportPlan.resolve(cfg, ExportOptions(quantize="int8", experts="kernel", quantized_ops="onnxruntime"))
     with pytest.raises(ExportError, match="--experts moe multiplies by float experts; over quantized ones use qmoe"):
         ExportPlan.resolve(cfg, ExportOptions(quantize="int4", experts="moe"))
+
+
+def test_choices_that_change_the_graphs_change_the_export_id(tiny):
+    """The id that keeps stages and graphs of different exports apart hashes every choice that changes a graph: the
+    compute precision, the prefill's form."""
+    cfg = Checkpoint(tiny).config
+
+    def recipe(**options):
+        return ExportPlan.resolve(cfg, ExportOptions(**options)).recipe("source", __version__)
+
+    assert recipe(dtype="float16") != recipe(dtype="float16", compute="float16")
+    assert recipe(cache_dtype="int8") != recipe(cache_dtype="int8", prefill_attention="per-chunk")
+    assert recipe(dtype="float16") == recipe(dtype="float16")

@@ -351,7 +351,7 @@ class ExportPlan:
         length)."""
         return (f"{source_hash}|{self.absorb.value}|{self.dtype}|{self.max_seq_len}|{self.quantization}|"
                 f"{self.quantized_ops}|{self.experts}|{self.decode_attention}|{self.cache_dtype}|{self.draft}|{version}"
-                + ("|naive prefill" if self.prefill_attention == "naive" else "")
+                f"|{self.prefill_attention} prefill|{self.compute} compute"
                 + "".join(f"|{s.first_layer}-{s.end_layer}" for s in self.stages))
 
     def manifest_fields(self, cfg: MLAConfig) -> dict:
