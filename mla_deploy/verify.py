@@ -248,7 +248,9 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
         deployed = deployed_model.run(io_spec.PREFILL, prefill)
         report.deployed_drift = drift = float(np.abs(deployed[io_spec.LOGITS] - prefill_logits)[valid].max())
         prepacked = (deployed_model.workers[0].model if staged else deployed_model).prepack
-        ops = "prepacked MatMulNBits" if prepacked else "mla-deploy's quantized kernels"
+        ops = ("onnxruntime's MatMulNBits" if manifest.get("quantized_ops") == "onnxruntime"
+               else "mla-deploy's quantized kernels") + (" and QMoE" if manifest.get("experts") == "qmoe" else "")
+        ops += ", prepacked" if prepacked else ""
         report.lines.append(
             f"deployed prefill with {ops} (accuracy_level {quantization['accuracy_level']}): "
             f"max |Δlogit| {drift:.3e} from the exact run, reported, not held to the tolerance (the activations' "
@@ -265,8 +267,10 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
         drift = float(max(np.abs(k - e).max() for k, e in zip(kernel, step_logits)))
         report.deployed_drift = max(report.deployed_drift or 0.0, prefill_drift, drift)
         same = int(sum((k.argmax(-1) == e.argmax(-1)).sum() for k, e in zip(kernel, step_logits)))
+        where = ("onnxruntime's ops over the int8 cache" if manifest.get("decode_attention") == "ops"
+                 else "mla-deploy's int8 kernels (int8 queries)")
         report.lines.append(
-            f"deployed attention in mla-deploy's int8 kernels (int8 queries): max |Δlogit| from the exact "
+            f"deployed attention in {where}: max |Δlogit| from the exact "
             f"run {prefill_drift:.3e} in prefill, {drift:.3e} in decode (top-1 the same at "
             f"{same}/{b * steps} steps)"
         )

@@ -82,6 +82,9 @@ def test_the_export_command_takes_the_cache_dtype(checkpoint_dir, tmp_path):
     result = CliRunner().invoke(main, ["export", str(src), "-o", str(out), "--cache-dtype", "int8", "--steps", "3"])
     assert result.exit_code == 0, result.output
     assert "deployed attention in mla-deploy's int8 kernels" in result.output and "PASS" in result.output
+    ops = CliRunner().invoke(main, ["export", str(src), "-o", str(tmp_path / "ops"), "--cache-dtype", "int8",
+                                    "--decode-attention", "ops", "--steps", "3"])  # the report names what runs
+    assert "deployed attention in onnxruntime's ops over the int8 cache" in ops.output and "PASS" in ops.output
     assert ExportedModel(out).cache_format == CacheFormat("int8", "float32")
     refused = CliRunner().invoke(main, ["export", str(src), "-o", str(tmp_path / "no"), "--cache-dtype", "int4"])
     assert refused.exit_code == 2 and "--cache-dtype" in refused.output and not (tmp_path / "no").exists()

@@ -70,7 +70,7 @@ def test_every_config_quantized_equals_the_dequantized_source(checkpoint_dir, qu
 
 
 @pytest.mark.parametrize("quantized_ops, deployed", [("kernel", "mla-deploy's quantized kernels"),
-                                                     ("onnxruntime", "prepacked MatMulNBits")])
+                                                     ("onnxruntime", "onnxruntime's MatMulNBits, prepacked")])
 @pytest.mark.parametrize("variant, bits, block", CASES)
 def test_quantized_export_equals_the_dequantized_source(checkpoint_dir, quantized, variant, bits, block, quantized_ops,
                                                         deployed):
