@@ -279,14 +279,13 @@ def _check_finite(arr: np.ndarray, name: str, directory: Path) -> None:
     export of it would sample arbitrary tokens."""
     flat = arr.reshape(-1)
     for start in range(0, flat.size, FINITE_CHUNK):
-        part = flat[start:start + FINITE_CHUNK]
-        bad = ~np.isfinite(part)
+        bad = ~np.isfinite(flat[start:start + FINITE_CHUNK])
         if bad.any():
-            count = int(bad.sum()) + sum(int((~np.isfinite(flat[s:s + FINITE_CHUNK])).sum())
-                                         for s in range(start + FINITE_CHUNK, flat.size, FINITE_CHUNK))
-            first = np.unravel_index(start + int(np.argmax(bad)), arr.shape)
+            first = start + int(np.argmax(bad))
+            count = sum(int((~np.isfinite(flat[s:s + FINITE_CHUNK])).sum())
+                        for s in range(start, flat.size, FINITE_CHUNK))  # this chunk's and the later ones'
             raise CheckpointError(f"{directory}: {name} holds {count} non-finite value(s) (NaN or infinity), the "
-                                  f"first {float(flat[start + int(np.argmax(bad))])} at {list(map(int, first))}")
+                                  f"first {float(flat[first])} at {list(map(int, np.unravel_index(first, arr.shape)))}")
 
 
 def _packed_rows(file: SafetensorsFile, stored: str, rows) -> np.ndarray:

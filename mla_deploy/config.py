@@ -43,7 +43,6 @@ _DEFAULTS = {
     ),
 }
 
-# Fields with no sensible default: a config.json without them is refused.
 # the optional fields that decide which tensors a checkpoint holds, and their shapes
 SHAPE_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                 "moe_intermediate_size", "n_routed_experts", "n_shared_experts", "first_k_dense_replace",
@@ -56,6 +55,7 @@ def defaulted_shape_fields(raw: dict) -> dict:
     return {k: defaults[k] for k in SHAPE_FIELDS if k in defaults and k not in raw}
 
 
+# Fields with no sensible default: a config.json without them is refused.
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 

@@ -13,6 +13,7 @@ import torch
 
 from .checkpoint import Checkpoint
 from .errors import ExportError, InputError
+from .manifest import read_manifest, require_whole
 from .modeling import AttentionForm, load_model, new_caches
 from .runtime import ExportedModel, Tokenizer
 from .runtime.scoring import export_scores, log_softmax_nll, windows
@@ -53,21 +54,17 @@ class EvalReport:
             f"|Δ loss| {self.difference:.2e}",
             f"top-1 agreement with the torch source: {self.top1_agreement:.2%} of {self.tokens} positions",
         ]
+        cost = self.export_loss - self.torch_loss
+        cost = f"loss {cost:+.4f} nats/token, perplexity x{math.exp(cost):.4f}"
         if self.dtype != "float32":
-            lines.append(f"{self.dtype} against the float32 source: loss {self.export_loss - self.torch_loss:+.4f} "
-                         f"nats/token, perplexity x{math.exp(self.export_loss - self.torch_loss):.4f}")
+            lines.append(f"{self.dtype} against the float32 source: {cost}")
         if self.caches != ("float32", "float32"):
             latent, rope = self.caches
-            lines.append(f"{latent} latent and {rope} rope caches against float32 ones: loss "
-                         f"{self.export_loss - self.torch_loss:+.4f} nats/token, perplexity "
-                         f"x{math.exp(self.export_loss - self.torch_loss):.4f}")
+            lines.append(f"{latent} latent and {rope} rope caches against float32 ones: {cost}")
         if self.quantization is not None:
             q = self.quantization
-            lines.append(
-                f"quantized int{q['bits']}, block {q['block']}, accuracy_level {q['accuracy_level']} against the "
-                f"float source: loss {self.export_loss - self.torch_loss:+.4f} nats/token, perplexity "
-                f"x{math.exp(self.export_loss - self.torch_loss):.4f}"
-            )
+            lines.append(f"quantized int{q['bits']}, block {q['block']}, accuracy_level {q['accuracy_level']} "
+                         f"against the float source: {cost}")
         return lines
 
 
@@ -94,8 +91,8 @@ def evaluate(
     checkpoint_dir: str | Path | None = None,
     progress: Callable[[str], None] = lambda msg: None,
 ) -> EvalReport:
+    require_whole(export_dir, read_manifest(export_dir), "eval")
     model = ExportedModel(export_dir)
-    model.require_whole("eval")
     if isinstance(window, int) and not isinstance(window, bool) and window > model.max_seq_len:
         raise InputError(f"window {window} exceeds the export's maximum length {model.max_seq_len}: score in windows "
                          f"of at most {model.max_seq_len} tokens")

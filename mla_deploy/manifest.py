@@ -99,6 +99,17 @@ def stage_of(manifest: dict) -> io_spec.Stage | None:
     return None if recorded is None else io_spec.Stage.from_dict(recorded)
 
 
+def require_whole(directory: str | Path, manifest: dict, what: str) -> None:
+    """ExportLoadError where `directory` holds one stage of a staged export, which `what` cannot run: its graphs
+    take or give hidden states, not tokens and logits."""
+    stage = stage_of(manifest)
+    if stage is not None and stage.count > 1:
+        raise ExportLoadError(
+            f"{directory}: stage {stage.index} of {stage.count} (layers {stage.first_layer}-{stage.end_layer - 1}) of "
+            f"a staged export; {what} runs the whole model: pass the staged export's directory "
+            f"({Path(directory).parent})")
+
+
 def read_stage(directory: str | Path, manifest: dict, index: int) -> tuple[Path, dict]:
     """Stage `index` of the staged export at `directory` (manifest: read_manifest's): its directory and manifest,
     checked to be that stage of that export."""

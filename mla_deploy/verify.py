@@ -46,7 +46,7 @@ from .export.plan import PER_CHUNK
 from .export.precision import RoundedCheckpoint
 from .export.quantize import DequantizedCheckpoint, Quantization
 from .io_spec import CacheFormat
-from .manifest import cache_format, is_staged, read_manifest
+from .manifest import cache_format, is_staged, read_manifest, require_whole
 from .modeling.attention import AttentionForm
 from .modeling.layerwise import layerwise_logits
 from .runtime import ExportedModel, Generator, RuntimeOptions, SamplingParams
@@ -124,13 +124,12 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
     # Unpacked, MatMulNBits dequantizes and multiplies in float whatever its accuracy_level; mla_deploy's quantized
     # ops are given accuracy_level 0: the check is exact; so is an int8 cache's attention through its function body
     manifest = read_manifest(export_dir)
+    require_whole(export_dir, manifest, "verify")
     staged = is_staged(manifest)
     exact_attention = not cache_format(manifest).scaled
     exact = RuntimeOptions(provider=provider, prepack=False, kernels=exact_attention)
     model = (StageChain(export_dir, exact, model_class=FloatActivations) if staged
              else FloatActivations(export_dir, exact))
-    if not staged:
-        model.require_whole("verify")
     manifest = model.manifest
     source = Path(checkpoint_dir or manifest["source"]["path"])
     ckpt = Checkpoint(source)

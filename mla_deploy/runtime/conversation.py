@@ -64,7 +64,8 @@ class Conversation:
         self.stop_ids = frozenset(model.stop_token_ids)
         self.system = [] if system is None else [{"role": "system", "content": system}]
         self.messages: list[dict] = list(self.system)
-        self._replies: dict[int, tuple[dict, list[int]]] = {}  # id(message) -> an assistant message, its token ids
+        # id(message) -> an assistant message (held, so no other message takes its id) and its token ids
+        self._replies: dict[int, tuple[dict, list[int]]] = {}
         self.scheduler = Scheduler(model, max_batch=1, speculation=speculation, prefix_caching=True,
                                    cache_reuse=cache_reuse)
 
@@ -153,7 +154,7 @@ class Conversation:
         ids, at = [], 0
         for m in messages:
             held = self._replies.get(id(m))
-            start = text.find(m["content"], at) if held is not None and held[0] is m and m["content"] else -1
+            start = text.find(m["content"], at) if held is not None and m["content"] else -1
             if start < 0:
                 continue
             if start > at:

@@ -14,7 +14,7 @@ import onnxruntime as ort
 from .. import integrity, io_spec, kernels
 from ..config import MLAConfig
 from ..errors import ExportLoadError, InputError, MLADeployError, ProviderError
-from ..manifest import WEIGHTS_FILE, cache_format, check_files, is_staged, read_manifest, stage_of
+from ..manifest import WEIGHTS_FILE, cache_format, check_files, is_staged, read_manifest, require_whole, stage_of
 from .chat import GenerationDefaults
 from .dtypes import ort_value
 from .feeds import check_feed
@@ -163,14 +163,8 @@ class ExportedModel:
                     self.populated_bytes += self._populate(skip=mapped)
 
     def require_whole(self, what: str) -> None:
-        """ExportLoadError where this directory holds one stage of a staged export, which `what` cannot run: its
-        graphs take or give hidden states, not tokens and logits."""
-        stage = self.stage
-        if stage.count > 1:
-            raise ExportLoadError(
-                f"{self.directory}: stage {stage.index} of {stage.count} (layers {stage.first_layer}-"
-                f"{stage.end_layer - 1}) of a staged export; {what} runs the whole model: pass the staged export's "
-                f"directory ({self.directory.parent})")
+        """manifest.require_whole for this export: `what` refuses a stage of a staged export."""
+        require_whole(self.directory, self.manifest, what)
 
     def run(self, kind: str, feed: dict) -> dict:
         """One checked call of a graph (prefill, decode, verify, draft); outputs by name (new arrays, the feed left

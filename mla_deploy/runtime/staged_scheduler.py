@@ -118,9 +118,9 @@ class StagedScheduler(Scheduler):
         for r in decoding:
             ids[r.row - group.lo, 0] = r.pending
         # a pad row writes its token at its own length: a row whose prompt filled the export (a score-only request,
-        # its prefill not collected yet) pads at the last slot, which no later prompt reuses (no prefix caching here)
-        lengths = np.minimum(self.lengths[group.lo:group.lo + n], self.model.max_seq_len - 1)  # (a decoding row's
-        # length is below it: its pending token has a slot)
+        # its prefill not collected yet) pads at the last slot, which no later prompt reuses (no prefix caching
+        # here); a decoding row's length is below it (its pending token has a slot)
+        lengths = np.minimum(self.lengths[group.lo:group.lo + n], self.model.max_seq_len - 1)
         handle = self.model.forward(group.key, io_spec.DECODE, ids, lengths[:, None], lengths, None, (0, n))
         for r in decoding:
             self.lengths[r.row] += 1

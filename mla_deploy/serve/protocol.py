@@ -42,6 +42,7 @@ REFUSED_UNLESS = {
     "structured_outputs": (),
 }
 
+CHAT_ONLY = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")  # the chat template's
 # fields of the other route: a 400 saying which field this route takes instead, unless the value asks for nothing
 OTHER_ROUTE = {
     "chat": {
@@ -52,6 +53,7 @@ OTHER_ROUTE = {
     "completion": {
         "top_logprobs": ((), "a chat field; completions take logprobs: k for the k likeliest tokens"),
         "max_completion_tokens": ((), "a chat field; completions take max_tokens"),
+        **{name: ((), "a chat field (the chat template's); use /v1/chat/completions") for name in CHAT_ONLY},
     },
 }
 
@@ -202,9 +204,6 @@ def parse_request(body: dict, kind: str) -> GenerationRequest:
         if "messages" in body:
             raise bad("messages: not a completions field; use /v1/chat/completions", "messages")
         req.echo = _bool(body.get("echo"), "echo")
-        for name in CHAT_ONLY:
-            if body.get(name) is not None:
-                raise bad(f"{name}: a chat field (the chat template's); use /v1/chat/completions", name)
     else:
         req.messages = _messages(body.get("messages"))
         check_tool_messages(req.messages)
@@ -273,7 +272,6 @@ def parse_request(body: dict, kind: str) -> GenerationRequest:
     return req
 
 
-CHAT_ONLY = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")
 TEMPLATE_NAMES = ("messages", "tools", "add_generation_prompt", "continue_final_message", "bos_token", "eos_token",
                   "raise_exception", "strftime_now",  # names the server gives the template, and Jinja's own
                   "range", "dict", "lipsum", "cycler", "joiner", "namespace")
