@@ -14,12 +14,18 @@ from mla_deploy.integrity import block_digests
 def poisoned_copy(export_dir: Path, out: Path, initializer: str, element: int) -> Path:
     """`export_dir` copied to `out` with float32 element `element` (flat index) of `initializer` set to NaN."""
     shutil.copytree(export_dir, out)
-    graph = onnx.load(out / "decode.onnx", load_external_data=False).graph
+    return poison(out, initializer, element)
+
+
+def poison(export_dir: Path, initializer: str, element: int) -> Path:
+    """Float32 element `element` (flat index) of `export_dir`'s `initializer` set to NaN in place, the manifest's
+    digests updated to match."""
+    graph = onnx.load(export_dir / "decode.onnx", load_external_data=False).graph
     where, = [{e.key: e.value for e in t.external_data} for t in graph.initializer if t.name == initializer]
-    with open(out / where["location"], "r+b") as f:
+    with open(export_dir / where["location"], "r+b") as f:
         f.seek(int(where["offset"]) + 4 * element)
         f.write(np.float32(np.nan).tobytes())
-    manifest = json.loads((out / "manifest.json").read_text())
-    manifest["weights"]["block_digests"] = block_digests(out / where["location"])
-    (out / "manifest.json").write_text(json.dumps(manifest))
-    return out
+    manifest = json.loads((export_dir / "manifest.json").read_text())
+    manifest["weights"]["block_digests"] = block_digests(export_dir / where["location"])
+    (export_dir / "manifest.json").write_text(json.dumps(manifest))
+    return export_dir

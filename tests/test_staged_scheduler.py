@@ -1,21 +1,24 @@
 """Continuous batching over a staged export (runtime.staged_scheduler) against the Scheduler over the whole export:
 the same tokens, logprobs and events for requests that arrive while others run, with several groups of rows in
-flight; a request cancelled while its group's step is in flight; the Engine on a stage chain."""
+flight; a request cancelled while its group's step is in flight; a request whose logits go NaN; the Engine on a
+stage chain."""
 
 import asyncio
+import shutil
 
 import numpy as np
 import pytest
 
-from mla_deploy.errors import InputError
+from mla_deploy.errors import InputError, ModelOutputError
 from mla_deploy.export import ExportOptions, export
 from mla_deploy.presets import DEMO_CHECKPOINT
 from mla_deploy.runtime import ExportedModel, SamplingParams
 from mla_deploy.runtime.chain import StageChain
 from mla_deploy.runtime.engine import Engine
-from mla_deploy.runtime.scheduler import Finished, PromptLogprobs, Request, Scheduler, TokenEvent
+from mla_deploy.runtime.scheduler import Failed, Finished, PromptLogprobs, Request, Scheduler, TokenEvent
 from mla_deploy.runtime.speculative import Speculation
 from mla_deploy.runtime.staged_scheduler import StagedScheduler
+from poison import poison
 
 BUDGETS = [5, 17, 9, 30, 2, 12, 25, 8, 19, 4]
 
@@ -39,7 +42,7 @@ class Collect:
             self.logprobs.append((event.logprob, event.top_logprobs))
         elif isinstance(event, PromptLogprobs):
             self.prompt = event.entries
-        elif isinstance(event, Finished):
+        elif isinstance(event, (Finished, Failed)):
             assert self.finished is None, "Finished emitted twice"
             self.finished = event
 
@@ -119,6 +122,31 @@ def test_a_request_cancelled_in_flight_frees_its_row_and_leaves_the_others_alone
         staged.step()
     assert outs[0].finished.reason == "cancelled" and outs[0].tokens == expected[0].tokens[:len(outs[0].tokens)]
     assert [o.tokens for o in outs[1:]] == [e.tokens for e in expected[1:]]  # the third took the freed row
+
+
+def test_a_request_whose_logits_go_nan_fails_alone_and_its_row_is_zeroed_on_every_stage(exports, tmp_path):
+    """NaN in token 7's embedding (stage 0's weights): the request that meets it fails with its error, the others run
+    to the whole export's tokens, and every stage's caches hold no NaN after (its next request's attention would sum
+    a masked NaN)."""
+    directory = tmp_path / "staged"
+    shutil.copytree(exports["chain"].directory, directory)
+    stage0 = directory / exports["chain"].manifest["stages"][0]["directory"]
+    poison(stage0, "embed", 7 * exports["whole"].config.hidden_size)
+    chain = StageChain(directory)
+    good = ([5, 6, 8], 6, SamplingParams(), None)
+    expected = run(Scheduler(exports["whole"], max_batch=3), [good, good])
+    staged = StagedScheduler(chain, max_batch=3, micro_batches=1)
+    outs = run(staged, [good, ([5, 7, 8], 6, SamplingParams(), None), good])
+    failed = outs[1].finished
+    assert isinstance(failed, Failed) and isinstance(failed.error, ModelOutputError), outs[1].finished
+    assert "logits hold NaN" in str(failed.error) and outs[1].tokens == []
+    assert [outs[0].tokens, outs[2].tokens] == [e.tokens for e in expected]
+    for worker in chain.workers:
+        for caches in worker.groups.values():
+            for t in caches.tensors:
+                assert np.isfinite(caches.host(t.past).astype(np.float32)).all(), (worker.stage.index, t.past)
+    again = run(staged, [good])[0]
+    assert again.tokens == expected[0].tokens and again.finished.reason == "length"
 
 
 def test_a_staged_scheduler_refuses_speculation_and_bad_micro_batches(exports):

@@ -72,6 +72,11 @@ class StageWorker:
         out = binding.get_outputs()[0].numpy()
         return out if not self.stage.last or every else out[:, 0]  # logits [b, 1, vocab] -> [b, vocab]
 
+    def clear_row(self, key: Hashable, row: int) -> None:
+        """Every slot of group `key`'s row `row` zeroed (CacheBuffers.clear_row): a row whose request failed on
+        unusable logits may hold NaN, which its next request's attention would sum even where masked."""
+        self.groups[key].clear_row(row)
+
     def close(self, key: Hashable) -> None:
         """Free the group's caches (a finished generation)."""
         self.groups.pop(key, None)
@@ -132,6 +137,11 @@ class StageChain(StagedExport):
 
     def resolve(self, handle: np.ndarray) -> np.ndarray:
         return handle  # in this process a step's result is at hand (runtime.stages: a Ray object ref)
+
+    def clear_row(self, key: Hashable, row: int) -> None:
+        """Group `key`'s row `row` zeroed on every stage (StageWorker.clear_row)."""
+        for worker in self.workers:
+            worker.clear_row(key, row)
 
     def close(self, key: Hashable) -> None:
         for worker in self.workers:

@@ -84,8 +84,10 @@ class StagedScheduler(Scheduler):
             self._launch(group)
 
     def _clear_row(self, row: int) -> None:
-        """The stages hold the rows' caches (runtime.chain, runtime.stages) and are not cleared: a row whose logits
-        went NaN may leave NaN in slots its next request masks."""
+        """Row `row`'s slots zeroed on every stage, which hold the caches (runtime.chain, runtime.stages): after its
+        group's launched steps, before any later one."""
+        group = next(g for g in self.groups if g.lo <= row < g.hi)
+        self.model.clear_row(group.key, row - group.lo)
 
     def close(self) -> None:
         """Free every group's caches on the stages."""

@@ -138,6 +138,12 @@ class StagedModel(StagedExport):
                 raise cause from None  # the stage's own error (an input out of range)
             raise StageFailedError(f"{self._dead_stages()}: {_first_line(e)}") from None
 
+    def clear_row(self, key: Hashable, row: int) -> None:
+        """Group `key`'s row `row` zeroed on every stage's actor, after the steps already sent to it (an actor runs
+        one caller's calls in order)."""
+        for actor in self.actors:
+            actor.clear_row.remote(key, row)
+
     def close(self, key: Hashable) -> None:
         for actor in self.actors:  # a dead actor's close is never waited for
             actor.close.remote(key)
