@@ -225,7 +225,7 @@ def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_
         provider, threads, check_weights, prepack, decode_only, token_healing, session_config, speculative,
         draft_tokens, ray_address, as_json):
     """Generate from EXPORT_DIR, streaming the text as it is produced."""
-    from .manifest import is_staged, read_manifest
+    from .manifest import is_staged, read_manifest, require_whole
     from .runtime import ExportedModel, RuntimeOptions
     from .runtime.complete import complete
 
@@ -237,7 +237,9 @@ def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_
         speculation = _speculation("off", draft_tokens)  # a decode-only model holds no verify graph
     options = RuntimeOptions(provider=provider, threads=threads, check_weights="full" if check_weights else "sampled",
                              prepack=prepack, session_config=session_config)
-    staged = is_staged(read_manifest(export_dir))
+    manifest = read_manifest(export_dir)
+    require_whole(export_dir, manifest, "run")  # before any graph loads
+    staged = is_staged(manifest)
     if ray_address is not None and not staged:
         raise click.UsageError("--ray-address: only a staged export (export --stages N) runs on Ray; this one runs "
                                "in this process (leave the option out)")
@@ -308,7 +310,7 @@ def chat(export_dir, system, chat_template, max_new_tokens, temperature, top_k, 
     go on to the next), /reset starts again, /exit or Ctrl-D ends, /help lists the commands. A turn prefills only
     its new tokens: the conversation before it stays in the cache; its oldest turns make room when the context
     fills. Ctrl-C ends a reply where it is."""
-    from .manifest import is_staged, read_manifest
+    from .manifest import is_staged, read_manifest, require_whole
     from .runtime import ExportedModel, RuntimeOptions
     from .runtime.chat import ChatTemplate
     from .runtime.conversation import Conversation
@@ -317,7 +319,9 @@ def chat(export_dir, system, chat_template, max_new_tokens, temperature, top_k, 
     given = _sampling_given(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                             repetition_penalty=repetition_penalty, seed=seed)
     speculation = _speculation(speculative, draft_tokens)
-    if is_staged(read_manifest(export_dir)):
+    manifest = read_manifest(export_dir)
+    require_whole(export_dir, manifest, "chat")  # before any graph loads
+    if is_staged(manifest):
         raise click.UsageError(f"{export_dir}: a staged export (export --stages N) chats through `mla-deploy serve` "
                                "and OpenAI's chat route; chat runs a whole export in this process")
     model = ExportedModel(export_dir, RuntimeOptions(provider=provider, threads=threads, session_config=session_config))

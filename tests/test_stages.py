@@ -194,9 +194,10 @@ def test_inspect_reports_every_stage(exports):
     assert "2 stages, layers 0-1, 2-3" in "\n".join(format_report(report))
 
 
-def test_one_stage_directory_is_refused_where_the_whole_model_is_needed(exports):
+def test_one_stage_directory_is_refused_where_the_whole_model_is_needed(exports, monkeypatch):
     """A stage's graphs take or give hidden states: generation, serving, verify and eval over one name the staged
-    export to pass instead of failing inside onnxruntime."""
+    export to pass instead of failing inside onnxruntime; the commands before loading any graph."""
+    import onnxruntime as ort
     from click.testing import CliRunner
 
     from mla_deploy.cli import main
@@ -210,12 +211,15 @@ def test_one_stage_directory_is_refused_where_the_whole_model_is_needed(exports)
             Generator(model)
         with pytest.raises(ExportLoadError, match=said + "serving runs the whole model"):
             Scheduler(model)
+    monkeypatch.setattr(ort, "InferenceSession", lambda *a, **k: pytest.fail("a graph loaded"))
+    for index in (0, 1):
         for command in (["run", str(staged / f"stage-{index}"), "--prompt-ids", "5,6", "-n", "2"],
+                        ["chat", str(staged / f"stage-{index}")], ["serve", str(staged / f"stage-{index}")],
                         ["verify", str(staged / f"stage-{index}")]):
-            result = CliRunner().invoke(main, command)
+            result = CliRunner().invoke(main, command, input="")
             assert result.exit_code != 0 and "Traceback" not in result.output, result.output
-            assert f"of a staged export; {command[0] if command[0] == 'verify' else 'generation'} runs the whole " \
-                   f"model: pass the staged export's directory ({staged})" in result.output, result.output
+            assert f"of a staged export; {command[0]} runs the whole model: pass the staged export's directory " \
+                   f"({staged})" in result.output, result.output
 
 
 def test_ray_options_are_refused_where_nothing_runs_on_ray(exports):

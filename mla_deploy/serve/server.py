@@ -10,7 +10,7 @@ from pathlib import Path
 import uvicorn
 
 from ..errors import ExportLoadError, ServeError
-from ..manifest import is_staged, read_manifest
+from ..manifest import is_staged, read_manifest, require_whole
 from ..runtime import ExportedModel, RuntimeOptions
 from ..runtime.chain import StagedExport
 from ..runtime.chat import ChatTemplate
@@ -33,7 +33,9 @@ def build_service(export_dir: str | Path, max_batch: int = 16, max_queue: int = 
     prefilled whole."""
     # a bad template is said before the weights load
     template = None if chat_template is None else ChatTemplate.from_export(export_dir, chat_template)
-    if is_staged(read_manifest(export_dir)):
+    manifest = read_manifest(export_dir)
+    require_whole(export_dir, manifest, "serve")  # before any graph loads
+    if is_staged(manifest):
         try:
             from ..runtime.stages import StagedModel
         except ImportError as e:
