@@ -88,6 +88,24 @@ def test_staggered_requests_get_the_whole_exports_tokens_and_logprobs(exports, m
     assert staged.stats.decoded_rows > staged.stats.decode_steps  # rows really shared steps
 
 
+def test_requests_spread_over_the_groups_so_the_stages_overlap(exports):
+    """Fewer requests than rows: each goes to the group running the fewest, so every group has a step in flight
+    (placed by lowest row they would all ride in the first group's steps, the stages taking turns)."""
+    staged = StagedScheduler(exports["chain"], max_batch=6, micro_batches=3)
+    outs = []
+    for prompt in prompts(4, seed=3):
+        outs.append(Collect())
+        staged.add(Request(prompt, 8, outs[-1], SamplingParams(), frozenset()))
+    staged.step()
+    assert [r is not None for r in staged.rows] == [True, True, True, False, True, False]
+    assert all(g.launched for g in staged.groups)
+    expected = run(Scheduler(exports["whole"], max_batch=6), [(p, 8, SamplingParams(), None) for p in prompts(4, 3)],
+                   arrivals=False)
+    while staged.has_work():
+        staged.step()
+    assert [o.tokens for o in outs] == [e.tokens for e in expected]
+
+
 def test_a_score_only_prompt_filling_the_export_beside_a_decoding_row(exports):
     """A prompt of the export's whole length asking only its logprobs (lm-eval's rolling loglikelihood) between
     decoding rows of one group: every request finishes as on the whole export (a decode that carries that row as a

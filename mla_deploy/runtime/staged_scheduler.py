@@ -3,7 +3,7 @@ the Scheduler's requests, checks, sampling and events, with the caches held by t
 groups that are in flight together (pipeline parallelism), as runtime.pipeline does for one generation.
 
 The rows [0, max_batch) are cut into `micro_batches` contiguous groups (default: one per stage), each a cache group
-of its rows on every stage. A step, for each group in turn:
+of its rows on every stage; a request goes to the group running the fewest. A step, for each group in turn:
   1. collects what the group launched the step before, in launch order: a prefill chunk's logits (the prompt's
      logprobs, its first token), a decode's logits (each row's token, sampled here as in the Scheduler);
   2. launches its next operations: prefill chunks of its prompts (batch-1, into the row's slice, from multiples of
@@ -82,6 +82,15 @@ class StagedScheduler(Scheduler):
             if launched:
                 after_phase()
             self._launch(group)
+
+    def _place(self, request: Request, held: dict) -> tuple[int, int, int, list]:
+        """The lowest free row of the group running the fewest requests (the first such group), prefilled whole (no
+        prefix caching here): at low load every group carries some, so the stages run one group's step while the
+        driver samples another's (the lowest free row overall would put them all in the first group)."""
+        group = min((g for g in self.groups if None in self.rows[g.lo:g.hi]),
+                    key=lambda g: sum(r is not None for r in self.rows[g.lo:g.hi]))
+        row = self.rows.index(None, group.lo, group.hi)
+        return row, row, 0, []
 
     def _clear_row(self, row: int) -> None:
         """Row `row`'s slots zeroed on every stage, which hold the caches (runtime.chain, runtime.stages): after its
