@@ -68,6 +68,22 @@ def test_a_sampled_reply_is_held_as_generated_not_tokenized_again(model):
         assert any(ids[i:i + len(turn.token_ids)] == turn.token_ids for i in range(len(ids)))
 
 
+def test_a_reply_whose_text_stands_earlier_is_held_in_its_own_place(model):
+    """A one-token reply ("the") whose text the rendering holds earlier too (in the user's words): its ids go where
+    the template wrote the reply, the user's text is tokenized as in the turn before, and the next turn starts from
+    the whole cached conversation."""
+    chat = Conversation(model, GREEDY, max_new_tokens=1)
+    ask = ("the quick brown fox jumps over the lazy dog and then it is in on at to of for with as by that this was "
+           "were be are not but from or have had an they which you one all their there when can would about")
+    first = chat.say(ask)
+    prompt = chat.template.prompt_ids(chat.messages[:1], chat.tokenizer)
+    assert first.text and first.text in ask  # the case this covers
+    ids = chat._prompt(chat.messages + [{"role": "user", "content": "ok"}])
+    assert ids[:len(prompt) + 1] == prompt + first.token_ids
+    second = chat.say("ok")
+    assert second.cached_tokens >= len(prompt) + len(first.token_ids) - 1 and second.prompt_tokens == len(ids)
+
+
 def test_reset_starts_again_from_the_system_message(model):
     chat = Conversation(model, GREEDY, max_new_tokens=8)
     first = chat.say(ASKS[0])

@@ -149,12 +149,16 @@ class Conversation:
 
     def _prompt(self, messages: list[dict]) -> list[int]:
         """`messages` rendered and tokenized around each reply's text, the reply's own ids in its place (a reply
-        the template does not write as it was generated is tokenized with the rest)."""
+        the template does not write as it was generated is tokenized with the rest). A reply is looked for after
+        the rendering of the messages before it and its generation prompt, where the template wrote it: its text
+        may also stand earlier, in a user's message or the template's own (a one-token reply "the", or a newline)."""
         text = self.template.render(messages)
         ids, at = [], 0
-        for m in messages:
+        for i, m in enumerate(messages):
             held = self._replies.get(id(m))
-            start = text.find(m["content"], at) if held is not None and m["content"] else -1
+            if held is None or not m["content"]:
+                continue
+            start = text.find(m["content"], max(at, self._reply_starts_after(messages[:i], text)))
             if start < 0:
                 continue
             if start > at:
@@ -166,3 +170,12 @@ class Conversation:
         if not ids:
             raise InputError("the chat template renders these messages to no tokens")
         return ids
+
+    def _reply_starts_after(self, before: list[dict], text: str) -> int:
+        """Where in `text` (all the messages rendered) a reply following the messages `before` can start: after
+        their rendering with a generation prompt, where that is how `text` begins; else 0."""
+        try:
+            head = self.template.render(before)
+        except InputError:  # a template that renders no such prefix (one that checks the roles' order)
+            return 0
+        return len(head) if text.startswith(head) else 0
