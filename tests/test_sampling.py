@@ -181,7 +181,7 @@ def test_top_p_boundary_reached_exactly_stops_there(top_p, support):
 
 def test_a_draw_above_the_rounded_total_mass_returns_the_last_token():
     """These probabilities sum to 1 - 2^-52 in float64; a uniform draw can be 1 - 2^-53, above every cumulative sum:
-    the token is still in the vocabulary (the last), not one past it."""
+    the token is still in the vocabulary (the last that has probability), not one past it."""
 
     class HighestDraw:
         def random(self, shape):
@@ -195,6 +195,11 @@ def test_a_draw_above_the_rounded_total_mass_returns_the_last_token():
     filtered = SamplingParams(temperature=1.0, top_p=0.6)
     assert sample(logits, filtered, HighestDraw(), [np.array([], np.int64)]).tolist() == [4]
     assert sample(logits[:, ::-1].copy(), filtered, HighestDraw(), [np.array([], np.int64)]).tolist() == [2]
+    # a last token of probability 0 (a grammar's mask) is never drawn: the last one that can be
+    wider = np.append(logits, [[3.0]], axis=1)
+    allowed = np.array([[True] * 5 + [False]])
+    assert sample(wider, SamplingParams(temperature=1.0), HighestDraw(), [np.array([], np.int64)],
+                  allowed=allowed).tolist() == [4]
 
 
 def test_zero_is_a_seed_and_top_k_zero_is_off():

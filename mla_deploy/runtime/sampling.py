@@ -124,13 +124,13 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator 
     u = uniform(rng, probs.shape[0])
     if params.top_p < 1.0 or params.min_p > 0:  # draw among the kept ids only (ascending: the same cumulative order)
         tokens = []
-        for row, draw in zip(probs, u[:, 0]):
+        for row, ui in zip(probs, u[:, 0]):
             ids = kept_ids(row, params)
             kept = row[ids]  # a copy
             kept /= kept.sum()
-            tokens.append(ids[min(int((np.cumsum(kept) < draw).sum()), len(ids) - 1)])
+            tokens.append(ids[min(int((np.cumsum(kept) < ui).sum()), len(ids) - 1)])
         return np.array(tokens, np.int64)
-    return np.minimum((np.cumsum(probs, -1) < u).sum(-1), probs.shape[-1] - 1).astype(np.int64)
+    return draw(probs, u)
 
 
 def distribution(logits: np.ndarray, params: SamplingParams, history: list[np.ndarray],
