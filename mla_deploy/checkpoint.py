@@ -10,6 +10,7 @@ R1, `quantization_config` fp8) read as float32, dequantized by `mla_deploy.fp8` 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -50,6 +51,7 @@ def mtp_tensors(cfg: MLAConfig) -> dict[str, tuple[int, ...]]:
 
 
 MTP_SHARED = ("embed_tokens.weight", "shared_head.head.weight")
+MTP_OWN = ("enorm.", "hnorm.", "eh_proj.")  # what only an MTP module holds
 
 
 def layer_tensors(cfg: MLAConfig, i: int) -> dict[str, tuple[int, ...]]:
@@ -167,6 +169,11 @@ class Checkpoint:
     # ---- checking ----
     def _index_tensors(self) -> None:
         skipped, shared, seen = set(), [], {}
+        n = self.config.num_hidden_layers
+        # layer n is the MTP module where it holds the module's own tensors; else layers from n on are a deeper
+        # model's cut to n layers (a config edited for a quick test), which transformers reads as n layers too
+        mtp = any(stored.startswith(self._mtp_prefix + own) for file in self.files for stored in file.entries
+                  for own in MTP_OWN)
         for file in self.files:
             for stored, (_, shape, _, _) in file.entries.items():
                 if stored in seen:  # which copy the model is would depend on the files' order
@@ -174,8 +181,8 @@ class Checkpoint:
                                           "checkpoint holds each tensor once")
                 seen[stored] = file.path
                 layer = _LAYER.match(stored)
-                if layer and int(layer.group(1)) > self.config.num_hidden_layers:
-                    skipped.add(int(layer.group(1)))  # a second or later MTP layer: the draft chains the first
+                if layer and int(layer.group(1)) >= n + mtp:
+                    skipped.add(int(layer.group(1)))  # a second or later MTP layer (the draft chains the first)
                     continue
                 if stored.startswith(self._mtp_prefix) and stored.removeprefix(self._mtp_prefix).startswith(MTP_SHARED):
                     shared.append(stored)  # DeepSeek-V3's copies of the embedding and the head: the main model's serve
@@ -188,10 +195,14 @@ class Checkpoint:
                     self._index_packed(file, stored, packed.group(1), packed.group(2), shape)
                 else:
                     self._where[stored] = (file, stored, None)
-        if skipped:
+        if skipped and mtp:
             self.notes.append(f"skipped layer(s) {sorted(skipped)}: multi-token-prediction layers after the first "
                               f"(num_nextn_predict_layers={self.config.num_nextn_predict_layers}); the MTP draft "
-                              f"chains layer {self.config.num_hidden_layers}")
+                              f"chains layer {n}")
+        elif skipped:
+            self.notes.append(f"skipped layer(s) {_spans(sorted(skipped))}: past config.json's num_hidden_layers={n} "
+                              f"and not a multi-token-prediction module (no {'/'.join(MTP_OWN)}): the model is its "
+                              f"first {n} layers, as transformers reads it")
         if shared:
             self.notes.append(f"{', '.join(shared)}: the MTP layer's copies of the embedding and output layer, not "
                               "read (the main model's, which they share)")
@@ -216,8 +227,14 @@ class Checkpoint:
         return (shape[1] // 2, *shape[2:])
 
     def _check_against_config(self) -> None:
-        if self.config.tie_word_embeddings:
-            self._where.pop("lm_head.weight", None)  # a tied checkpoint may still carry a copy
+        if self.config.tie_word_embeddings and "lm_head.weight" in self._where:
+            if self._same_values("lm_head.weight", "model.embed_tokens.weight"):
+                self._where.pop("lm_head.weight")  # a tied checkpoint's copy of the embedding
+            else:  # transformers does not tie them either: the stored head is the model's
+                self.config = dataclasses.replace(self.config, tie_word_embeddings=False)
+                self.notes.append("config.json ties the output layer to the embedding (tie_word_embeddings=true) "
+                                  "but lm_head.weight holds other values: it is read as the output layer, untied, "
+                                  "as transformers reads it (set tie_word_embeddings false to say so)")
         self._check_tensors(expected_tensors(self.config), self.names(), "checkpoint does not match config.json")
         layer = self.config.num_hidden_layers
         if self.has_mtp:
@@ -228,6 +245,25 @@ class Checkpoint:
         elif self.config.num_nextn_predict_layers:
             self.notes.append(f"config.json has num_nextn_predict_layers={self.config.num_nextn_predict_layers} but "
                               f"the checkpoint holds no layer-{layer} weights: no MTP draft graph")
+
+    def _same_values(self, a: str, b: str) -> bool:
+        """Whether tensors `a` and `b` (plain, not packed or FP8) hold the same values, compared a block of rows at
+        a time (the embedding of a large vocabulary is gigabytes)."""
+        if b not in self._where or self._where[a][2] is not None or self._where[b][2] is not None:
+            return False
+        (fa, sa, _), (fb, sb, _) = self._where[a], self._where[b]
+        (da, shape, *_), (db, shape_b, *_) = fa.entries[sa], fb.entries[sb]
+        if shape != shape_b or a in self._scales or b in self._scales:
+            return False
+        step = max(1, (1 << 22) // max(1, int(np.prod(shape[1:], dtype=np.int64))))
+        for start in range(0, shape[0] if shape else 1, step):
+            rows = slice(start, min(start + step, shape[0])) if shape else None
+            x, y = fa.raw(sa, rows=rows), fb.raw(sb, rows=rows)
+            same = (np.array_equal(x, y) if da == db else
+                    np.array_equal(_widened(x, da), _widened(y, db), equal_nan=True))
+            if not same:
+                return False
+        return True
 
     def _check_tensors(self, expected: dict[str, tuple[int, ...]], names: list[str], what: str) -> None:
         missing = [n for n in expected if n not in self._where]
@@ -288,6 +324,21 @@ def _check_finite(arr: np.ndarray, name: str, directory: Path) -> None:
                                   f"first {float(flat[first])} at {list(map(int, np.unravel_index(first, arr.shape)))}")
 
 
+def _widened(codes: np.ndarray, dtype: str) -> np.ndarray:
+    """A plain tensor's stored codes as float32."""
+    return bf16_to_float32(codes) if dtype == "BF16" else codes.astype(np.float32, copy=False)
+
+
+def _spans(numbers: list[int]) -> str:
+    """[3, 4, 5, 9] -> '3-5, 9'."""
+    spans, start = [], numbers[0]
+    for prev, cur in zip(numbers, numbers[1:] + [None]):
+        if cur != prev + 1:
+            spans.append(f"{start}-{prev}" if prev > start else f"{start}")
+            start = cur
+    return ", ".join(spans)
+
+
 def _packed_rows(file: SafetensorsFile, stored: str, rows) -> np.ndarray:
     """One expert's matrix out of a packed [E, ...] tensor, reading only its bytes."""
     dtype = file.entries[stored][0]
@@ -305,6 +356,8 @@ def _safetensors_files(directory: Path) -> list[SafetensorsFile]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError):
             raise CheckpointError(f"{index}: corrupt index (no weight_map)") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: corrupt index (weight_map must map each tensor name to a file name)")
         shards = sorted(set(weight_map.values()))
         absent = [s for s in shards if not (directory / s).exists()]
         if absent:

@@ -1,14 +1,17 @@
 """MLAConfig: one flat dataclass with DeepSeek's own field names, read from a Hugging Face config.json.
 
 Both config forms are read: transformers 4.x (`rope_theta` + `rope_scaling`) and 5.x
-(`rope_parameters`). Defaults for fields a config.json may omit are the ones transformers'
-DeepseekV2Config / DeepseekV3Config use, so a checkpoint means the same thing here as there.
+(`rope_parameters`); where a config holds both, a non-empty `rope_scaling` replaces `rope_parameters`, as
+transformers reads it. Defaults for fields a config.json may omit are the ones transformers'
+DeepseekV2Config / DeepseekV3Config use, so a checkpoint means the same thing here as there; a field of the
+wrong type (a string "false", a null count) is refused by name, as transformers' strict configs refuse it.
 Torch-free: the runtime reads this from the export manifest.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +60,25 @@ def defaulted_shape_fields(raw: dict) -> dict:
 
 # Fields with no sensible default: a config.json without them is refused.
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+# each field's type, as validate() checks it (the enumerated strings are checked against what is supported)
+_POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "max_position_embeddings",
+                  "moe_intermediate_size")
+_OPTIONAL_POSITIVE_INTS = ("q_lora_rank", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group",
+                           "original_max_position_embeddings")
+_COUNTS = ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers")  # integers >= 0
+_BOOLS = ("tie_word_embeddings", "norm_topk_prob", "rope_interleave")
+_POSITIVE_NUMBERS = ("rms_norm_eps", "rope_theta", "rope_factor", "routed_scaling_factor", "beta_fast", "beta_slow")
+_OPTIONAL_NUMBERS = ("mscale", "mscale_all_dim", "attention_factor")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -167,7 +189,7 @@ class MLAConfig:
         values["model_type"] = model_type
         if "num_experts" in raw and "n_routed_experts" not in raw:  # transformers' alias
             values["n_routed_experts"] = raw["num_experts"]
-        values["num_nextn_predict_layers"] = int(raw.get("num_nextn_predict_layers") or 0)
+        values["num_nextn_predict_layers"] = raw.get("num_nextn_predict_layers") or 0
         eos = values["eos_token_id"]
         values["eos_token_id"] = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         values.update(_read_rope(raw, model_type, source))
@@ -184,13 +206,7 @@ class MLAConfig:
         def bad(msg):
             raise ConfigError(f"{source}: {msg}")
 
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "max_position_embeddings"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                bad(f"{name} must be a positive integer, got {value!r}")
-        if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank <= 0):
-            bad(f"q_lora_rank must be null (no query LoRA) or a positive integer, got {self.q_lora_rank!r}")
+        self._validate_types(bad)
         if self.qk_rope_head_dim % 2:
             bad(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates pairs)")
         if self.hidden_act != "silu":
@@ -200,6 +216,30 @@ class MLAConfig:
         if self.rope_type == "yarn" and not self.original_max_position_embeddings:
             bad("yarn rope scaling needs original_max_position_embeddings")
         self._validate_moe(bad)
+
+    def _validate_types(self, bad) -> None:
+        for name in _POSITIVE_INTS + _OPTIONAL_POSITIVE_INTS:
+            value = getattr(self, name)
+            if not (value is None and name in _OPTIONAL_POSITIVE_INTS) and not (_is_int(value) and value > 0):
+                null = (" null (no query LoRA) or" if name == "q_lora_rank" else
+                        " null or" if name in _OPTIONAL_POSITIVE_INTS else "")
+                bad(f"{name} must be{null} a positive integer, got {value!r}")
+        for name in _COUNTS:
+            if not (_is_int(getattr(self, name)) and getattr(self, name) >= 0):
+                bad(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
+        for name in _BOOLS:
+            if not isinstance(getattr(self, name), bool):
+                bad(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name in _POSITIVE_NUMBERS + _OPTIONAL_NUMBERS:
+            value = getattr(self, name)
+            if name in _OPTIONAL_NUMBERS and value is None:
+                continue
+            if not _is_number(value) or (name in _POSITIVE_NUMBERS and value <= 0):
+                bad(f"{name} must be a {'positive ' if name in _POSITIVE_NUMBERS else ''}number, got {value!r}")
+        if self.bos_token_id is not None and not (_is_int(self.bos_token_id) and self.bos_token_id >= 0):
+            bad(f"bos_token_id must be null or a token id (an integer >= 0), got {self.bos_token_id!r}")
+        if not all(_is_int(t) and t >= 0 for t in self.eos_token_id):
+            bad(f"eos_token_id must be a token id or a list of them (integers >= 0), got {list(self.eos_token_id)!r}")
 
     def _validate_moe(self, bad) -> None:
         if self.n_routed_experts is None:
@@ -243,16 +283,14 @@ def _read_rope(raw: dict, model_type: str, source: str) -> dict:
         raise ConfigError(f"{source}: rope_parameters must be an object")
     if scaling is not None and not isinstance(scaling, dict):
         raise ConfigError(f"{source}: rope_scaling must be an object or null")
-    merged = dict(params or {})
-    for k, v in (scaling or {}).items():  # a 4.x rope_scaling wins only where rope_parameters is silent
-        merged.setdefault(k, v)
+    merged = dict(scaling or params or {})  # transformers: a non-empty rope_scaling replaces rope_parameters
     rope_type = merged.get("rope_type") or merged.get("type") or "default"
     theta = merged.get("rope_theta", raw.get("rope_theta", _DEFAULTS[model_type]["rope_theta"]))
-    out = dict(rope_theta=float(theta), rope_type=rope_type)
+    out = dict(rope_theta=_float(theta), rope_type=rope_type)
     if model_type == "deepseek_v2":
         out["rope_interleave"] = True  # transformers' DeepseekV2 always rotates interleaved pairs
     elif "rope_interleave" in raw:
-        out["rope_interleave"] = bool(raw["rope_interleave"])
+        out["rope_interleave"] = raw["rope_interleave"]
     if rope_type == "yarn":
         if merged.get("factor") is None:
             raise ConfigError(f"{source}: yarn rope scaling needs 'factor'")
@@ -260,10 +298,12 @@ def _read_rope(raw: dict, model_type: str, source: str) -> dict:
             raise ConfigError(f"{source}: yarn 'truncate': {merged['truncate']!r} is not supported (the correction "
                               "range is rounded to whole dimensions, as DeepSeek's YaRN rounds it)")
         out.update(
-            rope_factor=float(merged["factor"]),
-            original_max_position_embeddings=merged.get("original_max_position_embeddings"),
-            beta_fast=float(merged.get("beta_fast") or 32),
-            beta_slow=float(merged.get("beta_slow") or 1),
+            rope_factor=_float(merged["factor"]),
+            # transformers' default where the rope block leaves it out: the model's own length
+            original_max_position_embeddings=merged.get("original_max_position_embeddings", raw.get(
+                "max_position_embeddings", _DEFAULTS[model_type]["max_position_embeddings"])),
+            beta_fast=_float(merged.get("beta_fast") or 32),
+            beta_slow=_float(merged.get("beta_slow") or 1),
             mscale=merged.get("mscale"),
             mscale_all_dim=merged.get("mscale_all_dim"),
             attention_factor=merged.get("attention_factor"),
@@ -271,3 +311,8 @@ def _read_rope(raw: dict, model_type: str, source: str) -> dict:
     elif rope_type != "default":
         raise ConfigError(f"{source}: rope type {rope_type!r} is not supported; expected one of {ROPE_TYPES}")
     return out
+
+
+def _float(value):
+    """A number as float; anything else as it is, for validate() to name."""
+    return float(value) if _is_number(value) else value

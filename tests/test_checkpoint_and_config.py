@@ -54,6 +54,27 @@ def test_transformers_4x_rope_scaling_form_reads_like_5x(checkpoint_dir, tmp_pat
     assert legacy.rope_type == "yarn" and legacy.rope_factor == 8.0 and legacy.original_max_position_embeddings == 32
 
 
+def test_a_rope_scaling_beside_rope_parameters_replaces_it_as_transformers_reads_it(checkpoint_dir, tmp_path):
+    """transformers 5 writes rope_parameters into every config it saves; a YaRN rope_scaling added beside it (as model
+    cards say) is the one transformers applies, whole, and so here; a YaRN block without its pre-scaling length
+    takes the model's max_position_embeddings, as transformers does."""
+    from transformers import DeepseekV3Config
+
+    d = copy_checkpoint(checkpoint_dir, tmp_path)
+    raw = json.loads((d / "config.json").read_text())
+    raw["rope_parameters"] = {"rope_type": "default", "rope_theta": 5e4}
+    raw["rope_scaling"] = {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "mscale": 0.707,
+                           "mscale_all_dim": 0.707, "rope_theta": 2e4}
+    for scaling in (raw["rope_scaling"], {k: v for k, v in raw["rope_scaling"].items()
+                                          if k != "original_max_position_embeddings"}):
+        raw["rope_scaling"] = scaling
+        ours, theirs = MLAConfig.from_hf_dict(raw), DeepseekV3Config.from_dict(raw).rope_parameters
+        assert (ours.rope_type, ours.rope_factor, ours.rope_theta, ours.original_max_position_embeddings,
+                ours.mscale) == (theirs["rope_type"], theirs["factor"], theirs["rope_theta"],
+                                 theirs["original_max_position_embeddings"], theirs["mscale"]), theirs
+    assert ours.original_max_position_embeddings == raw["max_position_embeddings"]
+
+
 def test_missing_field_is_named(checkpoint_dir, tmp_path):
     d = copy_checkpoint(checkpoint_dir, tmp_path)
     edit_config(d, hidden_size=...)
@@ -87,6 +108,22 @@ def test_a_left_out_shape_field_is_named_beside_the_shapes_it_decides(checkpoint
         ({"attention_bias": True}, "attention_bias=true is not supported"),
         ({"model_type": "deepseek_v2", "topk_method": "greedy", "scoring_func": "softmax", "norm_topk_prob": True},
          "norm_topk_prob: true with softmax routing is read two ways"),
+        # a field of the wrong type is named, not read by truthiness nor failed on inside (transformers refuses them)
+        ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'false'"),
+        ({"rope_interleave": "false"}, "rope_interleave must be true or false, got 'false'"),
+        ({"eos_token_id": "2"}, r"eos_token_id must be a token id or a list of them .*got \['2'\]"),
+        ({"first_k_dense_replace": None}, "first_k_dense_replace must be an integer >= 0, got None"),
+        ({"num_nextn_predict_layers": "x"}, "num_nextn_predict_layers must be an integer >= 0, got 'x'"),
+        ({"n_group": "4"}, "n_group must be null or a positive integer, got '4'"),
+        ({"num_experts_per_tok": 3.0}, "num_experts_per_tok must be null or a positive integer, got 3.0"),
+        ({"moe_intermediate_size": None}, "moe_intermediate_size must be a positive integer, got None"),
+        ({"routed_scaling_factor": "2.5"}, "routed_scaling_factor must be a positive number, got '2.5'"),
+        ({"rms_norm_eps": None}, "rms_norm_eps must be a positive number, got None"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": None}}, "rope_theta must be a positive number"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": "32",
+                              "rope_theta": 1e4}}, "original_max_position_embeddings must be null or a positive int"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "mscale": "1", "rope_theta": 1e4}},
+         "mscale must be a number, got '1'"),
     ],
 )
 def test_invalid_config_refused_with_specific_message(checkpoint_dir, tmp_path, changes, message):
@@ -192,13 +229,74 @@ def test_incomplete_mtp_layer_is_refused_by_name(checkpoint_dir, tmp_path):
         Checkpoint(d)
 
 
-def test_layers_after_the_mtp_layer_are_skipped_with_a_note(checkpoint_dir, tmp_path):
+def test_layers_past_the_config_that_are_no_mtp_module_are_skipped_with_a_note(checkpoint_dir, tmp_path):
     d = copy_checkpoint(checkpoint_dir, tmp_path)
     n = json.loads((d / "config.json").read_text())["num_hidden_layers"]
     rewrite_weights(d, lambda s: s.update({f"model.layers.{n + 1}.eh_proj.weight": np.ones((4, 4), np.float32)}))
     ckpt = Checkpoint(d)
-    assert any(f"skipped layer(s) [{n + 1}]" in note for note in ckpt.notes)
+    assert any(f"skipped layer(s) {n + 1}: past config.json's num_hidden_layers={n}" in note for note in ckpt.notes)
     assert not ckpt.has_mtp and not any(name.startswith(f"model.layers.{n + 1}.") for name in ckpt.names())
+
+
+def source_logits(ckpt, ids):
+    """The torch source model's logits over `ids` [1, t], from position 0."""
+    import torch
+
+    from mla_deploy.modeling import AttentionForm, new_caches
+
+    model, t = load_model(ckpt), ids.shape[1]
+    return model(ids, torch.arange(t)[None], new_caches(model.cfg, 1, t), torch.zeros(1, dtype=torch.long),
+                 torch.ones(1, t), form=AttentionForm.NAIVE)
+
+
+def test_a_config_cut_to_fewer_layers_reads_the_first_ones_as_transformers_does(checkpoint_dir, tmp_path):
+    """num_hidden_layers lowered (a quick test of a deep checkpoint): layer n is no MTP module, so the layers from n
+    on are skipped, not refused as an incomplete MTP layer; the logits are transformers' over the same config."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    d = copy_checkpoint(checkpoint_dir, tmp_path)
+    n = json.loads((d / "config.json").read_text())["num_hidden_layers"] - 1
+    edit_config(d, num_hidden_layers=n)
+    ckpt = Checkpoint(d)
+    assert any(f"skipped layer(s) {n}: past config.json's num_hidden_layers={n}" in note for note in ckpt.notes)
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
+    ids = torch.randint(3, ckpt.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected, got = hf(ids).logits, source_logits(ckpt, ids)
+    assert (got - expected).abs().max() < 1e-4 * max(1.0, expected.abs().max().item())
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_a_tied_config_over_a_stored_head_reads_it_as_transformers_does(checkpoint_dir, tmp_path, same):
+    """tie_word_embeddings true and lm_head.weight stored too: a copy of the embedding is dropped, a head of other
+    values is the output layer, untied with a note (transformers does not tie them either)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    d = copy_checkpoint(checkpoint_dir, tmp_path)
+    edit_config(d, tie_word_embeddings=True)
+
+    def add_head(state):
+        embed = state["model.embed_tokens.weight"]
+        state["lm_head.weight"] = embed.copy() if same else np.random.default_rng(0).normal(size=embed.shape).astype(
+            embed.dtype)
+    rewrite_weights(d, add_head)
+    ckpt = Checkpoint(d)
+    assert ckpt.config.tie_word_embeddings is same
+    assert any("lm_head.weight holds other values" in note for note in ckpt.notes) is not same
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
+    ids = torch.randint(3, ckpt.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected, got = hf(ids).logits, source_logits(ckpt, ids)
+    assert (got - expected).abs().max() < 1e-4 * max(1.0, expected.abs().max().item())
+
+
+def test_an_index_whose_weight_map_is_not_an_object_is_named(checkpoint_dir, tmp_path):
+    d = copy_checkpoint(checkpoint_dir, tmp_path)
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["model.safetensors"]}))
+    with pytest.raises(CheckpointError, match="corrupt index \\(weight_map must map each tensor name to a file name"):
+        Checkpoint(d)
 
 
 def test_packed_experts_read_as_per_expert(checkpoint_dir, tmp_path):
