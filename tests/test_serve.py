@@ -317,6 +317,25 @@ def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving(serve
     assert client.completions.create(prompt="x", max_tokens=3, **greedy()).usage.completion_tokens == 3
 
 
+def test_a_stop_string_begun_within_min_tokens_is_found_where_it_ends_after_them():
+    """vLLM looks for stop strings from min_tokens on, back over a stop string's length: one that begins in the
+    first min_tokens tokens' text and ends after it stops the choice there; one wholly inside it does not."""
+    from mla_deploy.runtime.scheduler import TokenEvent
+    from mla_deploy.serve.choices import ChoiceText
+
+    def choice(stops, min_tokens, tokens):  # without a tokenizer, token t's text is " t"
+        text = ChoiceText(None, stops, set(), min_tokens=min_tokens)
+        for t in tokens:
+            text.push(TokenEvent(t, None, None))
+        text.finish()
+        sent, outs = text.take()
+        return sent, [o.text for o in outs], text.stopped
+
+    assert choice([" 5 6"], 2, [4, 5, 6, 7]) == (" 4", [" 4"], True)  # begins in the 2nd token, ends in the 3rd
+    assert choice([" 5 6"], 0, [4, 5, 6, 7]) == (" 4", [" 4"], True)
+    assert choice([" 4 5"], 2, [4, 5, 6]) == (" 4 5 6", [" 4", " 5", " 6"], False)  # wholly within min_tokens
+
+
 def test_vllms_extra_fields_are_served_or_refused_never_ignored(server, client):
     """min_p, ignore_eos and min_tokens change the output as vLLM's do; its other sampling fields are a 400 naming the
     field, unless at the value that asks for nothing (clients filling in every field send those)."""

@@ -17,12 +17,16 @@ class StopStrings:
         self.held = ""
         self.stopped = False
 
-    def push(self, text: str) -> str:
-        """New text in; the text that is safe to emit out. After a stop is found, always ''."""
+    def push(self, text: str, look: bool = True) -> str:
+        """New text in; the text that is safe to emit out. After a stop is found, always ''. `look` False: no stop
+        string is looked for in this text (vLLM's min_tokens), though one it begins is found once a later push
+        completes it, as vLLM looks back over the last stop string's length."""
         if self.stopped:
             return ""
+        before = len(self.held)
         self.held += text
-        found = [(i, -len(s)) for i, s in ((self.held.find(s), s) for s in self.stops) if i >= 0]
+        starts = ((self.held.find(s, max(0, before - len(s) + 1)), s) for s in self.stops)  # ending in the new text
+        found = [(i, -len(s)) for i, s in starts if i >= 0] if look else []
         if found:  # the earliest stop string (of two starting there, the longer)
             self.stopped = True
             start, minus_length = min(found)

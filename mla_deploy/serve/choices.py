@@ -39,7 +39,7 @@ class ChoiceText:
         self.tokenizer = tokenizer
         self.stream = TextStream(tokenizer) if tokenizer is not None else None
         self.stops = StopStrings(stops, include_stop)
-        self.unstoppable = min_tokens  # tokens whose text no stop string is looked for in (vLLM's min_tokens)
+        self.unstoppable = min_tokens  # tokens whose text no stop string ends in (vLLM's min_tokens)
         self.stop_ids = stop_ids
         self.base = 0  # characters of echoed prompt before the generated text
         self.held: list[Out] = []  # generated tokens whose text is not all released yet
@@ -65,11 +65,8 @@ class ChoiceText:
         piece = self._piece(event.token)
         self.held.append(Out(event, piece, self.base + self.pushed))
         self.pushed += len(piece)
-        if self.unstoppable:
-            self.unstoppable -= 1
-            out = piece
-        else:
-            out = self.stops.push(piece)
+        out = self.stops.push(piece, look=not self.unstoppable)
+        self.unstoppable = max(0, self.unstoppable - 1)
         self.released += len(out)
         self.ready_text.append(out)
         self._release()
