@@ -515,3 +515,29 @@ def test_token_logprobs_of_float16_and_float64_logits():
         reference = z - z.max(-1, keepdims=True) - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True))
         for row, (lp, top) in zip(reference, _token_logprobs(x, [4, 5, 6], 2)):
             assert abs(top[0][1] - row.max()) < (1e-12 if dtype == np.float64 else 1e-7)  # computed in float32 at least
+
+
+def test_min_tokens_yields_where_a_grammar_allows_only_the_end(model, monkeypatch):
+    """A grammar whose document is complete allows only the end-of-sequence id; min_tokens holding it back would
+    leave no token to sample (an all-false mask drew token 0): the request ends there instead."""
+    from mla_deploy.runtime import scheduler as scheduler_module
+
+    class Complete:  # a grammar state past its document's end, not yet stopped
+        done = False
+
+        def consume(self, token):
+            assert token == 2, f"the grammar's mask allowed only the end, {token} was sampled"
+            self.done = True
+
+    def only_the_end(constraints, vocab):
+        allowed = np.zeros((len(constraints), vocab), bool)
+        allowed[:, 2] = True
+        return allowed
+
+    monkeypatch.setattr(scheduler_module, "allowed_tokens", only_the_end)
+    scheduler, events = Scheduler(model, max_batch=1), []
+    scheduler.add(Request([5, 6, 7], 8, events.append, SamplingParams(temperature=0.7, seed=1), frozenset({2}),
+                          constraint=Complete(), min_tokens=5))
+    while scheduler.has_work():
+        scheduler.step()
+    assert [e.token for e in events[:-1]] == [2] and events[-1].reason == "stop", events

@@ -695,7 +695,10 @@ class Scheduler:
         for i, r in enumerate(rows):
             if r.stops_held:
                 allowed = np.ones((len(rows), vocab), bool) if allowed is None else allowed
-                allowed[i, [t for t in r.stop_token_ids if 0 <= t < vocab]] = False
+                held = allowed[i].copy()
+                held[[t for t in r.stop_token_ids if 0 <= t < vocab]] = False
+                if held.any():  # else a grammar allows only the end: its document is complete, min_tokens yields
+                    allowed[i] = held
         return allowed
 
 
