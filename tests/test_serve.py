@@ -246,7 +246,6 @@ BAD_REQUESTS = [
     ),
     ("lone surrogate", b'{"model": "demo", "prompt": "a\\ud800b"}', 400, "prompt"),
     ("lone surrogate in a list", b'{"model": "demo", "prompt": ["ok", "\\udfff"]}', 400, "prompt"),
-    ("an empty prompt in a list", {"model": MODEL, "prompt": ["x", ""]}, 400, "prompt"),
     ("stop of wrong type", {"model": MODEL, "prompt": "x", "stop": [{}]}, 400, "stop"),
     ("token id outside vocabulary", {"model": MODEL, "prompt": [1, 99999]}, 400, "prompt"),
     ("stream not a bool", {"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream"),
@@ -315,6 +314,17 @@ def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving(serve
             "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, field: value})
         assert chat.status_code == 200, (field, chat.text)
     assert client.completions.create(prompt="x", max_tokens=3, **greedy()).usage.completion_tokens == 3
+
+
+def test_an_empty_text_prompt_generates_from_the_start_token(server, client):
+    """"" is the tokenizer's start token alone (the demo's adds a BOS), as OpenAI and vLLM take it: alone or in a
+    list, the completion the prompt [BOS] gets."""
+    bos = client.completions.create(prompt=[1], max_tokens=6, **greedy())
+    empty = client.completions.create(prompt="", max_tokens=6, **greedy())
+    assert empty.choices[0].text == bos.choices[0].text and empty.usage.prompt_tokens == 1
+    listed = client.completions.create(prompt=["x", ""], max_tokens=6, **greedy())
+    assert listed.choices[1].text == bos.choices[0].text
+    assert httpx.post(server[0] + "/tokenize", json={"prompt": ""}).json()["tokens"] == [1]
 
 
 def test_a_stop_string_begun_within_min_tokens_is_found_where_it_ends_after_them():

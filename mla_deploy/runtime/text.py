@@ -35,9 +35,10 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """`add_special_tokens`: the tokenizer's post-processor adds its own (DeepSeek's: the BOS), as transformers'
-        `tokenizer(text)` does; a rendered chat template carries them in its text instead (runtime.chat)."""
-        if not isinstance(text, str) or not text:
-            raise InputError("prompt text is empty")
+        `tokenizer(text)` does; a rendered chat template carries them in its text instead (runtime.chat). Empty
+        text is its special tokens alone (a start of document to generate from, as OpenAI's and vLLM's "")."""
+        if not isinstance(text, str):
+            raise InputError(f"prompt text: expected a string, got {type(text).__name__}")
         check_utf8(text, "prompt")
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 

@@ -304,7 +304,8 @@ class Service:
             except InputError as e:
                 raise bad(f"{where}: {e}", "prompt") from None
             if not ids:
-                raise bad(f"{where}: encodes to no tokens", "prompt")
+                raise bad(f"{where}: encodes to no tokens" + ("" if text else " (empty, and this tokenizer adds no "
+                          "start token to generate from)"), "prompt")
             out.append(ids)
         return out
 

@@ -118,8 +118,8 @@ def parse_tokenize(body: dict, served: str) -> TokenizeRequest:
     for name in CHAT_ONLY:
         if body.get(name) is not None:
             raise bad(f"{name}: a chat field (the chat template's); tokenize messages to use it", name)
-    if not isinstance(body.get("prompt"), str) or not body["prompt"]:
-        raise bad("prompt: required, a non-empty string (or messages, to tokenize a chat)", "prompt")
+    if not isinstance(body.get("prompt"), str):
+        raise bad("prompt: required, a string (or messages, to tokenize a chat)", "prompt")
     req.prompt = body["prompt"]
     special = body.get("add_special_tokens")
     req.add_special_tokens = True if special is None else _bool(special, "add_special_tokens")
@@ -309,13 +309,11 @@ def _template_options(req: GenerationRequest, body: dict) -> None:
 def _prompts(value) -> list[str | list[int]]:
     """OpenAI's four forms: a string, a list of token ids, a list of strings, a list of token-id lists."""
     def one(p, name):
-        if isinstance(p, str):
-            if not p:
-                raise bad(f"{name}: empty", "prompt")
+        if isinstance(p, str):  # "" too: the tokenizer's start token alone, where it adds one
             return p
         if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
             return p
-        raise bad(f"{name}: expected a non-empty string or a non-empty list of token ids", "prompt")
+        raise bad(f"{name}: expected a string or a non-empty list of token ids", "prompt")
 
     if isinstance(value, str) or isinstance(value, list) and value and all(
             isinstance(t, int) and not isinstance(t, bool) for t in value):
