@@ -470,6 +470,9 @@ def bench(quick, preset, checkpoint, contexts, batches, engines, steps, threads,
 @click.option("--api-key", default=None, envvar="MLA_DEPLOY_API_KEY",
               help="Require Authorization: Bearer KEY on every route but /health (or set MLA_DEPLOY_API_KEY).")
 @click.option("--model-name", default=None, help="The model id clients send (default: the export directory's name).")
+@click.option("--allowed-origins", "allowed_origins", multiple=True, metavar="ORIGIN",
+              help="A web origin (scheme://host[:port]) whose pages may call the routes from a browser (CORS), "
+                   "repeatable; '*': any. None by default: a page on any site could otherwise reach this server.")
 @click.option("--threads", type=click.IntRange(min=0), default=0, show_default=True,
               help="onnxruntime threads per graph (0: one per physical core).")
 @click.option("--prepack/--no-prepack", default=True, show_default=True,
@@ -486,8 +489,8 @@ def bench(quick, preset, checkpoint, contexts, batches, engines, steps, threads,
 @click.option("--micro-batches", type=click.IntRange(min=1), default=None,
               help="A staged export: groups of rows in flight through the stages together (default: one per stage).")
 def serve(export_dir, host, port, max_batch, max_queue, prefill_chunk, prefix_caching, cache_reuse, chat_template,
-          reasoning_parser, api_key, model_name, threads, prepack, spin, ray_replicas, provider, session_config,
-          speculative, draft_tokens, ray_address, micro_batches):
+          reasoning_parser, api_key, model_name, allowed_origins, threads, prepack, spin, ray_replicas, provider,
+          session_config, speculative, draft_tokens, ray_address, micro_batches):
     """Serve EXPORT_DIR over HTTP with OpenAI's completions and chat routes, batching requests continuously."""
     from .runtime import RuntimeOptions
 
@@ -516,7 +519,7 @@ def serve(export_dir, host, port, max_batch, max_queue, prefill_chunk, prefix_ca
 
         serve_on_ray(export_dir, ray_replicas, host, port, max_batch, max_queue, api_key, model_name, options,
                      _speculation(speculative, draft_tokens), ray_address, prefill_chunk, prefix_caching,
-                     chat_template, reasoning_parser, cache_reuse)
+                     chat_template, reasoning_parser, cache_reuse, allowed_origins)
         return
     from .serve.server import build_service, listening_socket
     from .serve.server import serve as run_server
@@ -525,7 +528,7 @@ def serve(export_dir, host, port, max_batch, max_queue, prefill_chunk, prefix_ca
     try:
         service = build_service(export_dir, max_batch, max_queue, api_key, model_name, options, prefill_chunk,
                                 _speculation(speculative, draft_tokens), ray_address, micro_batches, prefix_caching,
-                                chat_template, reasoning_parser, cache_reuse)
+                                chat_template, reasoning_parser, cache_reuse, allowed_origins)
     except BaseException:
         sock.close()
         raise

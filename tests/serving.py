@@ -20,10 +20,10 @@ def running_server(export_dir, **engine_args):
 
     api_key, instance = engine_args.pop("api_key", None), engine_args.pop("instance", None)
     limit, template = engine_args.pop("max_body_bytes", 64 * 1024), engine_args.pop("chat_template", None)
-    parser = engine_args.pop("reasoning_parser", None)
+    parser, origins = engine_args.pop("reasoning_parser", None), engine_args.pop("allowed_origins", ())
     template = None if template is None else ChatTemplate.from_export(export_dir, template)
     service = Service(Engine(ExportedModel(export_dir), **engine_args), MODEL, api_key, max_body_bytes=limit,
-                      chat_template=template, reasoning_parser=parser)
+                      chat_template=template, reasoning_parser=parser, allowed_origins=origins)
     service.instance = instance  # a Ray Serve replica's id
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

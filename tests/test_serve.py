@@ -327,6 +327,28 @@ def test_an_empty_text_prompt_generates_from_the_start_token(server, client):
     assert httpx.post(server[0] + "/tokenize", json={"prompt": ""}).json()["tokens"] == [1]
 
 
+def test_browsers_reach_the_routes_only_from_the_allowed_origins(demo_export_dir, server):
+    """serve --allowed-origins: a browser's preflight from an allowed origin is answered before the API key is asked
+    for, and the answers carry the origin; another origin's preflight is refused; without the option no origin is
+    allowed (a page on any site could otherwise call a server on this host)."""
+    preflight = {"Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    page = "http://app.example"
+    none = httpx.options(server[0] + "/v1/completions", headers={"Origin": page, **preflight})
+    assert none.status_code == 405 and "access-control-allow-origin" not in none.headers
+    with running_server(demo_export_dir, max_batch=2, api_key="k", allowed_origins=(page,)) as (base, _):
+        allowed = httpx.options(base + "/v1/completions", headers={"Origin": page, **preflight})
+        assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == page
+        assert "authorization" in allowed.headers["access-control-allow-headers"].lower()
+        other = httpx.options(base + "/v1/completions", headers={"Origin": "http://elsewhere.example", **preflight})
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+        answer = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1},
+                            headers={"Origin": page, "Authorization": "Bearer k"})
+        assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == page
+        refused = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "x"}, headers={"Origin": page})
+        assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == page
+
+
 def test_a_stop_string_begun_within_min_tokens_is_found_where_it_ends_after_them():
     """vLLM looks for stop strings from min_tokens on, back over a stop string's length: one that begins in the
     first min_tokens tokens' text and ends after it stops the choice there; one wholly inside it does not."""

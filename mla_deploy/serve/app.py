@@ -23,6 +23,7 @@ from typing import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from ..errors import InputError, ModelOutputError, ServeError
 from ..runtime.chat import ChatTemplate, GenerationDefaults
@@ -66,10 +67,13 @@ class Run:
 class Service:
     def __init__(self, engine: Engine, model_name: str, api_key: str | None = None,
                  max_body_bytes: int = MAX_BODY_BYTES, chat_template: ChatTemplate | None = None,
-                 reasoning_parser: str | None = None):
+                 reasoning_parser: str | None = None, allowed_origins: tuple[str, ...] = ()):
         """`chat_template`: one in place of the export's (runtime.chat; serve --chat-template); `reasoning_parser`:
-        how chat replies' reasoning is told from their answers (serve.reasoning; None: it is not)."""
+        how chat replies' reasoning is told from their answers (serve.reasoning; None: it is not);
+        `allowed_origins`: the web origins whose pages may call the routes from a browser (CORS; "*": any; none by
+        default, as a page on any site could otherwise reach a server on this host)."""
         self.engine, self.model_name, self.api_key, self.max_body_bytes = engine, model_name, api_key, max_body_bytes
+        self.allowed_origins = tuple(allowed_origins)
         if reasoning_parser is not None and reasoning_parser not in PARSERS:
             raise ServeError(f"reasoning parser {reasoning_parser!r}: not one of {', '.join(PARSERS)}")
         self.reasoning_parser = reasoning_parser
@@ -358,6 +362,9 @@ def create_app(service: Service) -> FastAPI:
 
     if service.instance is not None:  # a Ray Serve replica: say which one answered
         app.add_middleware(_ReplicaHeader, instance=service.instance)
+    if service.allowed_origins:  # a browser's preflight answered before any route (and before the API key)
+        app.add_middleware(CORSMiddleware, allow_origins=list(service.allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["*"], expose_headers=["Retry-After", "X-MLA-Replica"])
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):

@@ -29,10 +29,11 @@ class Replica:
     def __init__(self, export_dir: str, max_batch: int, max_queue: int, api_key: str | None, model_name: str | None,
                  options: RuntimeOptions, speculation: Speculation | None = None, prefill_chunk: int = 256,
                  prefix_caching: bool = True, chat_template: str | None = None, reasoning_parser: str | None = None,
-                 cache_reuse: int = 0):
+                 cache_reuse: int = 0, allowed_origins: tuple[str, ...] = ()):
         self.service = build_service(export_dir, max_batch, max_queue, api_key, model_name, options, prefill_chunk,
                                      speculation, prefix_caching=prefix_caching, chat_template=chat_template,
-                                     reasoning_parser=reasoning_parser, cache_reuse=cache_reuse)
+                                     reasoning_parser=reasoning_parser, cache_reuse=cache_reuse,
+                                     allowed_origins=allowed_origins)
         self.service.instance = serve.get_replica_context().replica_id.unique_id
 
     def __serve_build_asgi_app__(self):
@@ -48,7 +49,8 @@ class Replica:
 def deployment(export_dir: str | Path, replicas: int, max_batch: int = 16, max_queue: int = 256,
                api_key: str | None = None, model_name: str | None = None, options: RuntimeOptions | None = None,
                speculation: Speculation | None = None, prefill_chunk: int = 256, prefix_caching: bool = True,
-               chat_template: str | Path | None = None, reasoning_parser: str | None = None, cache_reuse: int = 0):
+               chat_template: str | Path | None = None, reasoning_parser: str | None = None, cache_reuse: int = 0,
+               allowed_origins: tuple[str, ...] = ()):
     """The bound Ray Serve application. Each replica reserves an equal share of the CPUs and runs onnxruntime on
     that many threads (unless options.threads says otherwise), so replicas do not fight over cores."""
     cpus = max(1, (os.cpu_count() or 1) // replicas)
@@ -64,7 +66,7 @@ def deployment(export_dir: str | Path, replicas: int, max_batch: int = 16, max_q
                                    prefill_chunk, prefix_caching,
                                    chat_template if chat_template is None or is_inline_template(chat_template)
                                    else str(Path(chat_template).resolve()),
-                                   reasoning_parser, cache_reuse)
+                                   reasoning_parser, cache_reuse, tuple(allowed_origins))
 
 
 def app(args: dict):
@@ -78,7 +80,8 @@ def serve_on_ray(export_dir, replicas: int, host: str, port: int, max_batch: int
                  api_key: str | None, model_name: str | None, options: RuntimeOptions,
                  speculation: Speculation | None = None, address: str | None = None, prefill_chunk: int = 256,
                  prefix_caching: bool = True, chat_template: str | Path | None = None,
-                 reasoning_parser: str | None = None, cache_reuse: int = 0) -> None:
+                 reasoning_parser: str | None = None, cache_reuse: int = 0,
+                 allowed_origins: tuple[str, ...] = ()) -> None:
     """Start a local Ray instance (or join `address`, else RAY_ADDRESS), run the replicas, and block until
     interrupted."""
     import ray
@@ -93,7 +96,8 @@ def serve_on_ray(export_dir, replicas: int, host: str, port: int, max_batch: int
     try:
         serve.start(http_options={"host": host, "port": port})
         serve.run(deployment(export_dir, replicas, max_batch, max_queue, api_key, model_name, options, speculation,
-                             prefill_chunk, prefix_caching, chat_template, reasoning_parser, cache_reuse),
+                             prefill_chunk, prefix_caching, chat_template, reasoning_parser, cache_reuse,
+                             allowed_origins),
                   name="mla-deploy", route_prefix="/", blocking=True)
     finally:  # Ctrl-C or SIGTERM: take the replicas down with us, and Serve where the Ray instance is ours alone
         if joined:  # a cluster's other Serve applications are not ours to stop

@@ -24,13 +24,13 @@ def build_service(export_dir: str | Path, max_batch: int = 16, max_queue: int = 
                   prefill_chunk: int = 256, speculation: Speculation | None = None, ray_address: str | None = None,
                   micro_batches: int | None = None, prefix_caching: bool = True,
                   chat_template: str | Path | None = None, reasoning_parser: str | None = None,
-                  cache_reuse: int = 0) -> Service:
+                  cache_reuse: int = 0, allowed_origins: tuple[str, ...] = ()) -> Service:
     """`speculation`: the engine's (runtime.speculative), which a request may opt out of; `prefix_caching`,
     `cache_reuse`: the scheduler's (runtime.prefix); `chat_template`: a Jinja file in place of the export's
     template, read before the model loads; `reasoning_parser`: serve.reasoning's. A staged export (export --stages
     N) loads as one Ray actor per stage (runtime.stages, the 'ray' extra; `ray_address`: the cluster to join,
     default a local Ray instance), `micro_batches` groups of rows in flight (default: one per stage), every prompt
-    prefilled whole."""
+    prefilled whole. `allowed_origins`: the web origins whose pages may call the routes (CORS; "*": any)."""
     # a bad template is said before the weights load
     template = None if chat_template is None else ChatTemplate.from_export(export_dir, chat_template)
     manifest = read_manifest(export_dir)
@@ -53,7 +53,7 @@ def build_service(export_dir: str | Path, max_batch: int = 16, max_queue: int = 
         raise
     try:
         return Service(engine, model_name or Path(export_dir).resolve().name, api_key, chat_template=template,
-                       reasoning_parser=reasoning_parser)
+                       reasoning_parser=reasoning_parser, allowed_origins=allowed_origins)
     except BaseException:
         engine.close()
         _shutdown(model)
