@@ -517,7 +517,10 @@ def test_a_request_whose_logits_go_nan_gets_a_500_naming_it_and_the_server_serve
                                                           "temperature": 0})
         assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 3
         assert httpx.get(base + "/health").status_code == 200 and service.engine.error is None
-        assert "requests_finished_total{reason=\"error\"} 2" in httpx.get(base + "/metrics").text
+        metrics = _metrics(base)  # the stream was answered 200, then ended by its error event: counted once each
+        assert metrics['mla_requests_finished_total{reason="error"}'] == 2
+        assert metrics['mla_requests_total{status="500"}'] == 1 and metrics['mla_requests_total{status="200"}'] == 2
+        assert metrics['mla_streams_failed_total{status="500"}'] == 1
 
 
 def test_every_chunk_of_a_reply_carries_the_requests_timestamp(monkeypatch):

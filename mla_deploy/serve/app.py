@@ -82,7 +82,8 @@ class Service:
         self.chat_template = chat_template or ChatTemplate.from_export(model.directory)
         self.defaults: GenerationDefaults = model.generation
         self.stop_ids = set(model.stop_token_ids)
-        self.status_counts: dict[int, int] = {}
+        self.status_counts: dict[int, int] = {}  # responses by HTTP status (a stream's: 200, as it starts)
+        self.stream_errors: dict[int, int] = {}  # streams ended by an error event, by the error's status
         self.instance: str | None = None  # set by a Ray Serve replica: sent back as X-MLA-Replica
         self._grammars: Grammars | None = None
 
@@ -589,7 +590,7 @@ def _stream_error(service: Service, e: Exception) -> APIError:
     """The error a stream ends with: the engine's (503, as every later request gets), or a bug (500)."""
     error = (_engine_error(e) if isinstance(e, EngineFailed) else APIError(500, str(e), code="model_output")
              if isinstance(e, ModelOutputError) else APIError(500, f"internal error: {type(e).__name__}: {e}"))
-    _count(service, error.status)
+    service.stream_errors[error.status] = service.stream_errors.get(error.status, 0) + 1  # its response: a 200
     if not isinstance(e, EngineStopped):
         said = isinstance(e, (EngineFailed, ModelOutputError))  # their message is the whole story; a bug's traceback
         logging.getLogger("uvicorn.error").error("a stream ended with %s", error.message, exc_info=None if said else e)

@@ -17,6 +17,9 @@ def render_metrics(service) -> str:
 
     metric("requests_total", "counter", "Requests answered, by HTTP status.",
            [(f'{{status="{s}"}}', n) for s, n in sorted(service.status_counts.items())] or [("", 0)])
+    metric("streams_failed_total", "counter", "Streamed requests (answered 200) that ended with an error event, by "
+           "the error's status.", [(f'{{status="{s}"}}', n) for s, n in sorted(service.stream_errors.items())]
+           or [("", 0)])
     metric("requests_finished_total", "counter", "Generations finished, by reason.",
            [(f'{{reason="{r}"}}', n) for r, n in sorted(stats.finished.items())])
     metric("requests_rejected_total", "counter", "Requests refused because the queue was full.",
