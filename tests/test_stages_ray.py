@@ -12,11 +12,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ray = pytest.importorskip("ray", reason="pipeline stages on Ray are the optional 'ray' extra: "
                                        "pip install 'mla-deploy[ray]'")
 
+from mla_deploy import io_spec  # noqa: E402
 from mla_deploy.errors import StageFailedError  # noqa: E402
 from mla_deploy.export import ExportOptions, export  # noqa: E402
 from mla_deploy.presets import DEMO_CHECKPOINT  # noqa: E402
@@ -56,6 +58,25 @@ def test_stage_actors_generate_the_whole_exports_tokens(exports, local_ray, name
             assert result.token_ids == exports["tokens"]
         sizes = ray.get([a.describe.remote() for a in model.actors])
         assert all(s["groups"] == 0 for s in sizes)  # every sequence's caches freed on every stage
+
+
+def test_a_row_is_cleared_on_every_stages_actor_after_the_steps_sent_before(exports, local_ray):
+    """StagedModel.clear_row (a failed request's row, StagedScheduler._clear_row) zeroes that row of the group's
+    caches on each actor, after the step already sent to it, and no other row."""
+    with StagedModel(exports["2"]) as model:
+        model.open("g", 2)
+        ids = np.array([PROMPTS[0], PROMPTS[0]], np.int64)
+        positions = np.arange(ids.shape[1], dtype=np.int64)[None].repeat(2, 0)
+        model.forward("g", io_spec.PREFILL, ids, positions, np.zeros(2, np.int64), np.array([[4], [4]]))
+        model.clear_row("g", 1)  # sent after the prefill, not waited for
+
+        def rows_written(worker):
+            caches = worker.groups["g"]
+            return [[bool(caches.host(t.past)[r].any()) for t in caches.tensors] for r in range(2)]
+
+        for actor in model.actors:
+            first, second = ray.get(actor.__ray_call__.remote(rows_written))
+            assert all(first) and not any(second)
 
 
 def test_a_cluster_address_where_nothing_answers_is_refused_at_once(exports, monkeypatch):
