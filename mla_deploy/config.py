@@ -69,7 +69,8 @@ _OPTIONAL_POSITIVE_INTS = ("q_lora_rank", "n_routed_experts", "num_experts_per_t
                            "original_max_position_embeddings")
 _COUNTS = ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers")  # integers >= 0
 _BOOLS = ("tie_word_embeddings", "norm_topk_prob", "rope_interleave")
-_POSITIVE_NUMBERS = ("rms_norm_eps", "rope_theta", "rope_factor", "routed_scaling_factor", "beta_fast", "beta_slow")
+_POSITIVE_NUMBERS = ("rms_norm_eps", "rope_theta", "rope_factor", "beta_fast", "beta_slow")
+_NUMBERS = ("routed_scaling_factor",)  # finite: 0 makes every routed expert's weight 0 (a test's edge)
 _OPTIONAL_NUMBERS = ("mscale", "mscale_all_dim", "attention_factor")
 
 
@@ -230,7 +231,7 @@ class MLAConfig:
         for name in _BOOLS:
             if not isinstance(getattr(self, name), bool):
                 bad(f"{name} must be true or false, got {getattr(self, name)!r}")
-        for name in _POSITIVE_NUMBERS + _OPTIONAL_NUMBERS:
+        for name in _POSITIVE_NUMBERS + _NUMBERS + _OPTIONAL_NUMBERS:
             value = getattr(self, name)
             if name in _OPTIONAL_NUMBERS and value is None:
                 continue

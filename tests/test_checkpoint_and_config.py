@@ -117,7 +117,7 @@ def test_a_left_out_shape_field_is_named_beside_the_shapes_it_decides(checkpoint
         ({"n_group": "4"}, "n_group must be null or a positive integer, got '4'"),
         ({"num_experts_per_tok": 3.0}, "num_experts_per_tok must be null or a positive integer, got 3.0"),
         ({"moe_intermediate_size": None}, "moe_intermediate_size must be a positive integer, got None"),
-        ({"routed_scaling_factor": "2.5"}, "routed_scaling_factor must be a positive number, got '2.5'"),
+        ({"routed_scaling_factor": "2.5"}, "routed_scaling_factor must be a number, got '2.5'"),
         ({"rms_norm_eps": None}, "rms_norm_eps must be a positive number, got None"),
         ({"rope_parameters": {"rope_type": "default", "rope_theta": None}}, "rope_theta must be a positive number"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": "32",
