@@ -417,6 +417,8 @@ def test_api_key_guards_every_route_but_health(demo_export_dir):
 
 
 def test_a_full_queue_answers_429_with_retry_after(demo_export_dir):
+    """max_batch 1 and max_queue 1: with the scheduler held, the first request will take the free row and the second
+    waits (a burst on idle rows is no queue); the third is a 429. Both taken are served once the scheduler runs."""
     with running_server(demo_export_dir, max_batch=1, max_queue=1) as (base, service):
         scheduler = service.engine.scheduler
         gate, step = threading.Event(), scheduler.step
@@ -425,11 +427,11 @@ def test_a_full_queue_answers_429_with_retry_after(demo_export_dir):
             step(**kw),
         )  # the scheduler thread waits here: nothing is admitted
         body = {"model": MODEL, "prompt": "def ", "max_tokens": 4}
-        first = []
-        waiter = threading.Thread(
-            target=lambda: first.append(httpx.post(base + "/v1/completions", json=body, timeout=30))
-        )
-        waiter.start()
+        taken = []
+        waiters = [threading.Thread(target=lambda: taken.append(httpx.post(base + "/v1/completions", json=body,
+                                                                            timeout=30))) for _ in range(2)]
+        for waiter in waiters:
+            waiter.start()
         deadline = time.monotonic() + 10
         while service.engine.queue_depth < 1:
             assert time.monotonic() < deadline
@@ -437,9 +439,12 @@ def test_a_full_queue_answers_429_with_retry_after(demo_export_dir):
         refused = httpx.post(base + "/v1/completions", json=body)
         assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
         assert refused.json()["error"]["type"] == "rate_limit_error"
+        assert refused.json()["error"]["message"].startswith("server busy: 1 requests are waiting (max_queue 1)")
         gate.set()
-        waiter.join(30)
-        assert first[0].status_code == 200 and first[0].json()["usage"]["completion_tokens"] == 4
+        for waiter in waiters:
+            waiter.join(30)
+        assert [r.status_code for r in taken] == [200, 200]
+        assert all(r.json()["usage"]["completion_tokens"] == 4 for r in taken)
 
 
 def test_an_engine_failing_mid_stream_ends_the_stream_with_an_openai_error(demo_export_dir):

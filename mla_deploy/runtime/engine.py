@@ -124,9 +124,9 @@ class Engine:
 
     def submit_all(self, requests: Sequence[Request]) -> list[AsyncIterator[list[TokenEvent | Finished]]]:
         """Queue several requests at once (one HTTP request's prompts and choices): the scheduler takes them in the
-        same step, so they prefill and decode together; all are queued or none: QueueFull where they would take the
-        queue past max_queue (an empty queue takes any number: they could never fit otherwise), EngineStopped once
-        the engine is closing."""
+        same step, so they prefill and decode together; all are queued or none: QueueFull where they would leave
+        more than max_queue requests waiting once the free rows are taken (an empty queue takes any number: they could
+        never fit otherwise), EngineStopped once the engine is closing."""
         loop = asyncio.get_running_loop()
         queues = []
         for request in requests:
@@ -138,10 +138,10 @@ class Engine:
                 raise EngineStopped(self.stopping)
             if self.error is not None:
                 raise RuntimeError(f"the engine is stopped ({self.error!r})")
-            waiting = len(self._inbox) + len(self.scheduler.waiting)
+            waiting = self.queue_depth  # those the free rows will not take
             if waiting and waiting + len(requests) > self.scheduler.max_queue:
                 self.stats.rejected += 1  # one caller's request (an HTTP request's generations), refused whole
-                raise QueueFull(f"{self.queue_depth} requests are waiting (max_queue {self.scheduler.max_queue})")
+                raise QueueFull(f"{waiting} requests are waiting (max_queue {self.scheduler.max_queue})")
             self._inbox.extend(requests)
             self.stats.requests += len(requests)
             self._lock.notify()
@@ -169,7 +169,10 @@ class Engine:
 
     @property
     def queue_depth(self) -> int:
-        return len(self._inbox) + len(self.scheduler.waiting)
+        """Requests waiting for a cache row: those queued or just submitted, less the rows free for them (a burst
+        on an idle server is not a queue)."""
+        free = self.scheduler.rows.count(None)
+        return max(0, len(self._inbox) + len(self.scheduler.waiting) - free)
 
     def stop(self, why: str, running: bool = False) -> None:
         """Refuse new requests from now on (EngineStopped(why)) and end the queued ones with it; with `running`,
