@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from .cli_options import (_parse_ids, _parse_ints, _parse_modes, _ray_address_option, _sampling_given,
+from .cli_options import (MAX_DRAFT_TOKENS, _parse_ids, _parse_ints, _parse_modes, _ray_address_option, _sampling_given,
                           _sampling_options, _session_config_option, _speculation, _speculation_options, _utf8)
 from .errors import MLADeployError, missing_extra
 from .presets import DEMO_CHECKPOINT
@@ -229,6 +229,8 @@ def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_
     from .runtime import ExportedModel, RuntimeOptions
     from .runtime.complete import complete
 
+    if (prompt is None) == (prompt_ids is None):
+        raise click.UsageError("give one of --prompt TEXT or --prompt-ids IDS" + (", not both" if prompt else ""))
     ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
     given = _sampling_given(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                             repetition_penalty=repetition_penalty, seed=seed)
@@ -420,7 +422,7 @@ def eval_command(export_dir, text_file, window, checkpoint):
 @click.option("--speculative", "speculative_modes", default=None, metavar="MODES",
               help="Also compare speculative decoding's modes, e.g. off,lookup,mtp: greedy generations per mode over "
                    "the same prompts, decode tokens/s and draft acceptance (README, Speculative decoding).")
-@click.option("--draft-tokens", type=click.IntRange(1, 16), default=4, show_default=True,
+@click.option("--draft-tokens", type=click.IntRange(1, MAX_DRAFT_TOKENS), default=4, show_default=True,
               help="Most tokens proposed per step in the --speculative comparison.")
 def bench(quick, preset, checkpoint, contexts, batches, engines, steps, threads, workdir, out, speculative_modes,
           draft_tokens):

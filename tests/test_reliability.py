@@ -647,9 +647,11 @@ def test_cli_errors_are_one_line(exported):
         (["run", out, "--prompt-ids", "1,,2"], "'1,,2': an empty id at position 2"),
         (["run", out, "--prompt-ids", "1,2", "--temperature", "-1"], "'--temperature': -1.0 is not in the range x>=0"),
         (["run", out, "--prompt-ids", "1,2", "--draft-tokens", "17"],
-         "'--draft-tokens': 17 is above the most a step verifies, 16"),
+         "'--draft-tokens': 17 is not in the range 1<=x<=16"),
         (["run", out, "--prompt-ids", "1,2", "-n", "0"], "'--max-new-tokens': 0 is not in the range x>=1"),
         (["run", out, "--prompt", "hello"], "has no tokenizer; pass token ids"),
+        (["run", out], "give one of --prompt TEXT or --prompt-ids IDS"),
+        (["run", out, "--prompt", "x", "--prompt-ids", "1"], "give one of --prompt TEXT or --prompt-ids IDS, not both"),
         (["run", "/nonexistent/export", "--prompt-ids", "1"], "export directory does not exist"),
         (["export", "/nonexistent/ckpt", "-o", "/tmp/never-written"], "checkpoint directory does not exist"),
         (["export", "-o", "/tmp/never-written", "--compute", "float8"],  # click's usage errors too

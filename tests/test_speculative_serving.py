@@ -265,8 +265,12 @@ def test_run_reports_drafts_and_refuses_bad_speculation_by_name(mtp_export, tmp_
     off = json.loads(CliRunner().invoke(main, ["run", str(mtp_export), "--prompt-ids", "5,9", "-n", "3",
                                                "--speculative", "off", "--json"]).stdout)
     assert off["speculation"] is None
-    for args, message in ((["--draft-tokens", "0"], "'--draft-tokens': 0 is not in the range x>=1"),
-                          (["--draft-tokens", "17"], "'--draft-tokens': 17 is above the most a step verifies, 16"),
+    from mla_deploy.cli_options import MAX_DRAFT_TOKENS
+    from mla_deploy.runtime.draft import MAX_DRAFT_TOKENS as verified
+
+    assert MAX_DRAFT_TOKENS == verified  # the CLI's bound (its help says it) is the runtime's
+    for args, message in ((["--draft-tokens", "0"], "'--draft-tokens': 0 is not in the range 1<=x<=16"),
+                          (["--draft-tokens", "17"], "'--draft-tokens': 17 is not in the range 1<=x<=16"),
                           (["--speculative", "beam"], "'beam' is not one of")):
         bad = CliRunner().invoke(main, ["run", str(mtp_export), "--prompt-ids", "5,9", *args])
         assert bad.exit_code != 0 and message in bad.output, bad.output
