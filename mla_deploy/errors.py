@@ -78,7 +78,7 @@ def read_json_object(path, error: type[MLADeployError], what: str) -> dict:
 # Optional dependencies by top-level module: the extra that installs each (pyproject.toml).
 EXTRAS = {"torch": "export", "onnx": "export", "onnxscript": "export", "onnx_ir": "export", "tqdm": "export",
           "psutil": "bench", "matplotlib": "bench", "transformers": "bench",
-          "fastapi": "serve", "uvicorn": "serve", "starlette": "serve", "jinja2": "serve", "llguidance": "serve",
+          "fastapi": "serve", "uvicorn": "serve", "starlette": "serve", "llguidance": "serve",
           "ray": "ray"}
 
 
