@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from mla_deploy.bench import BenchConfig, run_bench
 from mla_deploy.bench.report import save, table
-from mla_deploy.bench.run import ALL_ENGINES, expected_active_experts, fit_contexts
+from mla_deploy.bench.run import ALL_ENGINES, expected_active_experts, fit_contexts, needed_exports
 from mla_deploy.footprint import decode_read_bytes, latent_cache_bytes_per_token, mha_cache_bytes_per_token
 from mla_deploy.cli import main
 from mla_deploy.config import MLAConfig
@@ -93,6 +93,15 @@ def test_bench_cli_quick_path(tmp_path):
                                       "--contexts", "8", "--steps", "1", "--engines", "onnx-fused"])
     assert again.exit_code == 0, again.output
     assert f"saved {tmp_path / 'w' / 'results' / 'quick.json'}" in again.output
+
+
+def test_only_the_exports_the_chosen_engines_read_are_built(tmp_path):
+    def needed(engines, speculative=()):
+        return needed_exports(BenchConfig(preset="tiny-v3", workdir=tmp_path, engines=engines, speculative=speculative))
+
+    assert needed(("onnx-factored",)) == ["factored"] and needed(("onnx-fused", "transformers")) == ["fused"]
+    assert needed(("onnx-mha-baseline",)) == ["fused"] and needed(("torch-naive",)) == []
+    assert needed(("onnx-fused",), ("lookup",)) == needed(ALL_ENGINES) == ["fused", "factored"]
 
 
 def test_contexts_beyond_the_models_length_are_fitted_or_refused(tmp_path):

@@ -102,7 +102,7 @@ def prepare(cfg: BenchConfig, progress: Callable[[str], None]) -> tuple[Path, di
     cfg.workdir.mkdir(parents=True, exist_ok=True)
     checkpoint, model_cfg = model_config(cfg)
     max_len = cfg.max_len()
-    outputs = {mode: cfg.workdir / f"{checkpoint.name}-export-{mode}-{max_len}" for mode in ("fused", "factored")}
+    outputs = {mode: cfg.workdir / f"{checkpoint.name}-export-{mode}-{max_len}" for mode in needed_exports(cfg)}
     check_disk(cfg, model_cfg, checkpoint, outputs, progress)
     if cfg.checkpoint is None:
         if not checkpoint.exists():
@@ -119,6 +119,14 @@ def prepare(cfg: BenchConfig, progress: Callable[[str], None]) -> tuple[Path, di
             progress("exporting the decompressed-K/V baseline decode graph")
         export_mha_baseline(checkpoint, exports["fused"], max_len)
     return checkpoint, exports
+
+
+def needed_exports(cfg: BenchConfig) -> list[str]:
+    """The absorb forms whose exports the engines read: fused for onnx-fused and the decompressed-K/V baseline (its
+    decode graph sits beside the fused export's), factored for onnx-factored and the --speculative rows."""
+    wanted = {"fused": {"onnx-fused", "onnx-mha-baseline"} & set(cfg.engines),
+              "factored": {"onnx-factored"} & set(cfg.engines) or cfg.speculative}
+    return [mode for mode, why in wanted.items() if why]
 
 
 def model_config(cfg: BenchConfig) -> tuple[Path, MLAConfig]:
