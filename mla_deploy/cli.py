@@ -351,10 +351,11 @@ def inspect_command(path, as_json):
 @click.argument("export_dir", type=click.Path(path_type=Path))
 def check(export_dir):
     """Check EXPORT_DIR's files against its manifest: graph hashes and every 1 MiB block of weights.bin."""
+    from .inspection import size_text
     from .manifest import check_export
 
     report = check_export(export_dir)
-    click.echo(f"OK: {export_dir}: graphs and {report['blocks']} weight blocks ({report['bytes'] / 1e9:.2f} GB) "
+    click.echo(f"OK: {export_dir}: graphs and {report['blocks']} weight blocks ({size_text(report['bytes'])}) "
                f"match the manifest ({report['seconds']:.2f} s)")
 
 

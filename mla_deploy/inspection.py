@@ -67,6 +67,7 @@ def inspect_path(path: str | Path) -> dict:
             "experts_per_token": cfg.num_experts_per_tok,
             "vocab_size": cfg.vocab_size,
             "max_position_embeddings": cfg.max_position_embeddings,
+            "tie_word_embeddings": cfg.tie_word_embeddings,
         },
         parameters=footprint.parameter_counts(cfg),
         decode_read_bytes=footprint.decode_read_bytes(cfg, absorb, itemsize, **_quantized_sizes(quantization)),
@@ -116,14 +117,15 @@ def _quantized_sizes(q: dict | None) -> dict[str, float]:
 
 
 def _count(n: int) -> str:
-    """A parameter count as people write them: 5.37 M, 15.71 B."""
+    """A parameter count as people write them: 5.38 M, 15.71 B."""
     for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
     return str(n)
 
 
-def _size(n: float) -> str:
+def size_text(n: float) -> str:
+    """Bytes in decimal units: 31.89 MB, 4.34 GB."""
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
@@ -141,8 +143,9 @@ def format_report(r: dict) -> list[str]:
         f"model      {m['model_type']}: {layers}, hidden {m['hidden_size']}, {m['heads']} heads, latent "
         f"{m['kv_lora_rank']} + rope {m['qk_rope_head_dim']}, {m['routed_experts']} routed experts (top "
         f"{m['experts_per_token']}), vocab {m['vocab_size']}, context {m['max_position_embeddings']}",
-        f"parameters {_count(p['total'])} total, {_count(p['active_per_token'])} active per token "
-        f"(embedding {_count(p['embedding'])})",
+        f"parameters {_count(p['total'])} total (the embedding {_count(p['embedding'])}), "
+        f"{_count(p['active_per_token'])} multiplied per token (the experts it is routed to; the embedding a lookup"
+        f"{', also the head' if m.get('tie_word_embeddings') else ''})",
         f"plan       {'' if r['kind'] == 'export' else '(what export picks by default) '}{_plan(r['plan'])}",
     ]
     precision = r.get("precision")
@@ -179,13 +182,13 @@ def format_report(r: dict) -> list[str]:
         for bits, layout in (q.get("layouts") or {}).items():
             lines.append(f"  {bits} layout {layout['layout']}: codes {layout['codes']}, scales {layout['scales']}")
     if r["kind"] == "export":
-        lines.append(f"weights    {_size(r['weights_file_bytes'])} in weights.bin" + (
+        lines.append(f"weights    {size_text(r['weights_file_bytes'])} in weights.bin" + (
             " (its stages' together)" if r["plan"].get("stages") else "") + f", max_seq_len {r['max_seq_len']}")
     else:
-        lines.append(f"files      {_size(r['files_bytes'])} of safetensors")
+        lines.append(f"files      {size_text(r['files_bytes'])} of safetensors")
     read = r["decode_read_bytes"]
-    lines.append(f"weights read per decode token: {_size(sum(read.values()))}")
-    lines += [f"  {group.replace('_', ' '):<18} {_size(n):>10}" for group, n in read.items() if n]
+    lines.append(f"weights read per decode token: {size_text(sum(read.values()))}")
+    lines += [f"  {group.replace('_', ' '):<18} {size_text(n):>10}" for group, n in read.items() if n]
     lines.append(f"cache per token (all layers), and for a whole context at batch 1 / 8 (* this "
                  f"{'export' if r['kind'] == 'export' else 'checkpoint exported by default'}):")
     head = (
@@ -196,12 +199,11 @@ def format_report(r: dict) -> list[str]:
     lines.append(head)
     own = r["cache_bytes_per_token"][r["cache"]]
     for kind, per_token in r["cache_bytes_per_token"].items():
-        cells = "".join(
-            f" {_size(r['cache_bytes'][kind][str(c)]['1']):>10}/{_size(r['cache_bytes'][kind][str(c)]['8']):>10}"
-            for c in footprint.CONTEXTS
-        )
+        at = r["cache_bytes"][kind]
+        cells = "".join(f" {size_text(at[str(c)]['1']):>10}/{size_text(at[str(c)]['8']):>10}"
+                        for c in footprint.CONTEXTS)
         mark = "*" if kind == r["cache"] else " "
-        lines.append(f" {mark}{kind:<28} {_size(per_token):>10} {per_token / own:>6.2f}x{cells}")
+        lines.append(f" {mark}{kind:<28} {size_text(per_token):>10} {per_token / own:>6.2f}x{cells}")
     for kind, g in r.get("graphs", {}).items():
         lines.append(f"{kind} graph:")
         for direction in ("inputs", "outputs"):

@@ -89,9 +89,10 @@ def test_checkpoint_report_in_text(tmp_path):
     cfg = Checkpoint(DEMO_CHECKPOINT).config
     total = sum(decode_read_bytes(cfg, None).values())
     assert total > 0 and "*MLA float32" in result.stdout
-    counts = parameter_counts(cfg)  # the demo's 5.37 M parameters read as millions, not as 0.005 B
+    counts = parameter_counts(cfg)  # the demo's 5.38 M parameters read as millions, not as 0.005 B
     line = next(line for line in result.stdout.splitlines() if line.startswith("parameters"))
-    assert line.startswith(f"parameters {counts['total'] / 1e6:.2f} M total, ") and " B" not in line, line
+    assert line.startswith(f"parameters {counts['total'] / 1e6:.2f} M total (the embedding ") and " B" not in line, line
+    assert f"{counts['active_per_token'] / 1e6:.2f} M multiplied per token" in line, line
     model = next(line for line in result.stdout.splitlines() if line.startswith("model"))
     assert f": {cfg.num_hidden_layers} layers, " in model, model
 

@@ -26,7 +26,7 @@ def table(result: BenchResult) -> str:
                      f"{frac:>10}{r['cache_bytes_per_token']:>13}{r['rss_mb']:>8}")
     lines.append(
         "(of limit: the bytes a step reads (weights and cache) x steps/s over the highest bandwidth probed above; "
-        "weights that fit in the CPU's caches, as the demo's do, read faster than memory: above 1.00)"
+        "weights that fit in the CPU's caches read faster than memory: above 1.00)"
     )
     lines.append(
         "(rss MB: resident memory the engine added: the absorbed exports, loaded side by side, show what their "
