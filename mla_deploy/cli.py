@@ -550,8 +550,8 @@ def serve(export_dir, host, port, max_batch, max_queue, prefill_chunk, prefix_ca
     help="Keep only the first N decoder layers (a cut of the full model)."
 )
 def preset(name, out, seed, layers):
-    """Write a random-weight checkpoint for preset NAME (mla_deploy/models/presets/NAME.json), in its published dtype
-    and shards."""
+    """Write a random-weight checkpoint for preset NAME (mla_deploy/models/presets/NAME.json: v2lite, v2lite-2L,
+    tiny-v3), in the dtype and shards its file names."""
     from .presets import build_preset
 
     click.echo(build_preset(name, out, seed, layers, note=lambda text: click.echo(text, err=True)))

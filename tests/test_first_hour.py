@@ -301,6 +301,13 @@ def test_bench_says_its_disk_use_and_refuses_without_room(tmp_path, monkeypatch)
     assert [p.name for p in (tmp_path / "work").iterdir()] == [] and not (tmp_path / "results").exists()
 
 
+def test_preset_help_names_every_preset():
+    from mla_deploy.presets import preset_names
+
+    shown = " ".join(CliRunner().invoke(main, ["preset", "--help"]).output.split())
+    assert preset_names() and all(name in shown for name in preset_names()), shown
+
+
 def test_preset_says_its_size_and_refuses_without_room(tmp_path, monkeypatch):
     from mla_deploy import presets
     from mla_deploy.presets import preset_config, random_checkpoint_bytes
