@@ -13,7 +13,7 @@ import torch
 
 from .checkpoint import Checkpoint
 from .errors import ExportError, InputError
-from .manifest import read_manifest, require_whole
+from .manifest import is_staged, read_manifest, require_whole
 from .modeling import AttentionForm, load_model, new_caches
 from .runtime import ExportedModel, Tokenizer
 from .runtime.scoring import export_scores, log_softmax_nll, windows
@@ -44,7 +44,8 @@ class EvalReport:
 
     @property
     def passed(self) -> bool:
-        return self.lossy or self.difference <= self.TOLERANCE
+        """A finite loss, and for a float32 export within TOLERANCE of the source's."""
+        return math.isfinite(self.export_loss) and (self.lossy or self.difference <= self.TOLERANCE)
 
     def lines(self) -> list[str]:
         lines = [
@@ -91,7 +92,11 @@ def evaluate(
     checkpoint_dir: str | Path | None = None,
     progress: Callable[[str], None] = lambda msg: None,
 ) -> EvalReport:
-    require_whole(export_dir, read_manifest(export_dir), "eval")
+    manifest = read_manifest(export_dir)
+    require_whole(export_dir, manifest, "eval")
+    if is_staged(manifest):
+        raise InputError(f"{export_dir}: a staged export; eval scores a whole export in this process: export the "
+                         "checkpoint without --stages to score it (its stages compute the same model)")
     model = ExportedModel(export_dir)
     if isinstance(window, int) and not isinstance(window, bool) and window > model.max_seq_len:
         raise InputError(f"window {window} exceeds the export's maximum length {model.max_seq_len}: score in windows "

@@ -92,7 +92,8 @@ class VerifyReport:
 
     @property
     def worst(self) -> float:
-        return max([self.prefill_max_abs, *self.decode_max_abs, *self.checks])
+        """The largest distance; NaN where any is (max() would pass over a NaN that is not first)."""
+        return float(np.max([self.prefill_max_abs, *self.decode_max_abs, *self.checks]))
 
     @property
     def tolerance(self) -> float:

@@ -220,6 +220,10 @@ def test_one_stage_directory_is_refused_where_the_whole_model_is_needed(exports,
             assert result.exit_code != 0 and "Traceback" not in result.output, result.output
             assert f"of a staged export; {command[0]} runs the whole model: pass the staged export's directory " \
                    f"({staged})" in result.output, result.output
+    from mla_deploy.presets import DEMO_CHECKPOINT
+
+    whole = CliRunner().invoke(main, ["eval", str(staged), "--text", str(DEMO_CHECKPOINT / "heldout.txt")])
+    assert whole.exit_code == 1 and "a staged export; eval scores a whole export in this process" in whole.output
 
 
 def test_ray_options_are_refused_where_nothing_runs_on_ray(exports):
