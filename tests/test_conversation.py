@@ -203,3 +203,10 @@ def test_the_chat_command_says_why_it_cannot_start(tmp_path):
     assert CliRunner().invoke(main, ["export", "-o", str(staged), "--stages", "2", "--no-verify"]).exit_code == 0
     result = CliRunner().invoke(main, ["chat", str(staged)], input="hello\n")
     assert result.exit_code == 2 and "a staged export (export --stages N) chats through" in result.stderr
+
+
+def test_a_numpy_reply_length_is_a_number(model):
+    import numpy as np
+
+    turn = Conversation(model, GREEDY, max_new_tokens=np.int64(3)).say("Read a file.")
+    assert 1 <= len(turn.token_ids) <= 3

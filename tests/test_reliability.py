@@ -776,3 +776,27 @@ def test_a_nan_distance_fails_verify_and_a_nan_loss_fails_eval():
     lossy = {"quantization": {"bits": 4}}
     assert not EvalReport(10, 1, nan, 3.1, 0.0, **lossy).passed and not EvalReport(10, 1, nan, 3.1, 0.0).passed
     assert EvalReport(10, 1, 3.2, 3.1, 0.9, **lossy).passed and not EvalReport(10, 1, 3.2, 3.1, 0.9).passed
+
+
+def test_the_api_takes_numpy_numbers_and_names_what_it_cannot_run(model):
+    """numpy integers and floats are numbers to the API (booleans are not); a logit_bias id past the vocabulary, a
+    graph the export lacks or a Generator without the decode graph is an InputError naming it, before anything
+    runs."""
+    params = SamplingParams(temperature=np.float32(0.8), top_k=np.int64(5), top_p=np.float32(0.9), seed=np.int64(1),
+                            logit_bias=((np.int64(5), 10.0),))
+    plain = SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=1, logit_bias=((5, 10.0),))
+    got = Generator(model, params, chunk_size=np.int64(2)).generate([[5, 6]], 4).token_ids
+    assert got == Generator(model, plain, chunk_size=2).generate([[5, 6]], 4).token_ids
+    for bad, message in ((dict(temperature=True), "temperature=True"), (dict(seed=True), "seed=True"),
+                         (dict(top_p=True), "top_p=True")):
+        with pytest.raises(InputError, match=message):
+            SamplingParams(**bad).validate()
+    vocab = model.config.vocab_size
+    with pytest.raises(InputError, match=rf"logit_bias: token id {vocab} is outside the vocabulary \[0, {vocab}\)"):
+        Generator(model, SamplingParams(logit_bias=((vocab, 1.0),)))
+    with pytest.raises(InputError, match=r"graphs='decode': expected a tuple of this export's graphs"):
+        ExportedModel(model.directory, graphs="decode")
+    with pytest.raises(InputError, match=r"graphs=\('foo',\)"):
+        ExportedModel(model.directory, graphs=("foo",))
+    with pytest.raises(InputError, match="the Generator decodes with the decode graph"):
+        Generator(ExportedModel(model.directory, graphs=("prefill",)))

@@ -14,6 +14,7 @@ so a sampled reply is not tokenized again (a re-encoding may split its text othe
 
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -57,10 +58,11 @@ class Conversation:
         if self.template is None:
             raise InputError(f"{model.directory}: this export has no chat template (tokenizer_config.json "
                              "chat_template); give one (--chat-template)")
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise InputError(f"max_new_tokens={max_new_tokens!r}: must be a positive integer")
+        max_new_tokens = int(max_new_tokens)
         self.model, self.max_new_tokens = model, max_new_tokens
-        self.sampling = (sampling or model.generation.sampling).validate()
+        self.sampling = (sampling or model.generation.sampling).validate(model.config.vocab_size)
         self.stop_ids = frozenset(model.stop_token_ids)
         self.system = [] if system is None else [{"role": "system", "content": system}]
         self.messages: list[dict] = list(self.system)

@@ -8,6 +8,7 @@ query can see them (causality is on slots). Decode writes row b's token at slot 
 
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import dataclass
 from typing import Generator as Generator_
@@ -81,14 +82,16 @@ class Generator:
         benchmark's replay of known output); acceptance checks them as any draft."""
         model.require_whole("generation")
         self.model = model
-        self.sampling = (model.generation.sampling if sampling is None else sampling).validate()
+        self.sampling = (model.generation.sampling if sampling is None else sampling).validate(model.config.vocab_size)
         self.speculation = (speculation or Speculation()).resolve(model)
         if self.speculation.mode == "mtp" and io_spec.PREFILL not in model.sessions:
             raise InputError(
                 "speculative='mtp' reads the prompt's hidden states from the prefill graph: load the model "
                 "with it (not decode only)"
             )
-        if not isinstance(chunk_size, int) or chunk_size < 1:
+        if io_spec.DECODE not in model.sessions:
+            raise InputError("the Generator decodes with the decode graph: load the model with it")
+        if not isinstance(chunk_size, numbers.Integral) or isinstance(chunk_size, bool) or chunk_size < 1:
             raise InputError(f"chunk_size={chunk_size!r}: must be a positive integer")
         self.chunk_size = chunk_size
         self.stop_token_ids = set(model.stop_token_ids if stop_token_ids is None else stop_token_ids)

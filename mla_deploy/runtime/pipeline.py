@@ -49,7 +49,7 @@ class PipelineGenerator:
                  micro_batches: int = 1):
         """`micro_batches`: how many groups of rows are in flight at once (one per stage keeps every stage busy)."""
         self.model = model
-        self.sampling = (model.generation.sampling if sampling is None else sampling).validate()
+        self.sampling = (model.generation.sampling if sampling is None else sampling).validate(model.config.vocab_size)
         if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
             raise InputError(f"micro_batches={micro_batches!r}: must be a positive integer")
         self.micro_batches = micro_batches

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,34 +30,36 @@ class SamplingParams:
     PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's bounds on presence_penalty and frequency_penalty
     BIAS_RANGE = (-100.0, 100.0)  # and on logit_bias values
 
-    def validate(self) -> "SamplingParams":
-        if not (
-            isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0
-        ):
+    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+        """InputError naming the first field out of range (numpy numbers are numbers, booleans are not);
+        `vocab_size`: the model's, which logit_bias ids must fall in."""
+        if not (_real(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0):
             raise InputError(f"temperature={self.temperature!r}: must be a finite number >= 0 (0 is greedy)")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+        if not (_integer(self.top_k) and self.top_k >= 0):
             raise InputError(f"top_k={self.top_k!r}: must be an integer >= 0 (0 disables it)")
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+        if not (_real(self.top_p) and 0 < self.top_p <= 1):
             raise InputError(f"top_p={self.top_p!r}: must be in (0, 1]")
-        if not (isinstance(self.min_p, (int, float)) and not isinstance(self.min_p, bool) and 0 <= self.min_p <= 1):
+        if not (_real(self.min_p) and 0 <= self.min_p <= 1):
             raise InputError(f"min_p={self.min_p!r}: must be in [0, 1] (0 is off)")
-        if not (isinstance(self.repetition_penalty, (int, float)) and math.isfinite(self.repetition_penalty)
+        if not (_real(self.repetition_penalty) and math.isfinite(self.repetition_penalty)
                 and self.repetition_penalty > 0):
             raise InputError(f"repetition_penalty={self.repetition_penalty!r}: must be a finite number > 0")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+        if self.seed is not None and not (_integer(self.seed) and self.seed >= 0):
             raise InputError(f"seed={self.seed!r}: must be a non-negative integer")
         lo, hi = self.PENALTY_RANGE
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and lo <= value <= hi):
+            if not (_real(value) and lo <= value <= hi):
                 raise InputError(f"{name}={value!r}: must be a number in [{lo:g}, {hi:g}] (0 is off)")
         lo, hi = self.BIAS_RANGE
         for entry in self.logit_bias:
             token, bias = entry if isinstance(entry, tuple) and len(entry) == 2 else (None, None)
-            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+            if not (_integer(token) and token >= 0):
                 raise InputError(f"logit_bias: {entry!r}: expected (token id >= 0, bias)")
-            if not (isinstance(bias, (int, float)) and not isinstance(bias, bool) and lo <= bias <= hi):
+            if not (_real(bias) and lo <= bias <= hi):
                 raise InputError(f"logit_bias[{token}]={bias!r}: must be a number in [{lo:g}, {hi:g}]")
+            if vocab_size is not None and token >= vocab_size:
+                raise InputError(f"logit_bias: token id {token} is outside the vocabulary [0, {vocab_size})")
         return self
 
     @property
@@ -107,6 +110,14 @@ def apply_logit_bias(logits: np.ndarray, bias: tuple[tuple[int, float], ...]) ->
     logits = logits.copy()
     logits[:, list(ids)] += np.array(values, np.float64)
     return logits
+
+
+def _integer(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def _real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator | Sequence[np.random.Generator],

@@ -221,11 +221,7 @@ class Scheduler:
     def check_request(self, request: Request) -> None:
         """InputError for what the scheduler cannot run: prompt, length, sampling, logit_bias ids."""
         request.prompt_ids = self.check(request.prompt_ids, request.max_new_tokens)
-        request.sampling.validate()
-        vocab = self.model.config.vocab_size
-        outside = [t for t, _ in request.sampling.logit_bias if t >= vocab]
-        if outside:
-            raise InputError(f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {vocab})")
+        request.sampling.validate(self.model.config.vocab_size)
         if request.max_new_tokens == 0 and request.prompt_logprobs is None:
             raise InputError("max_new_tokens=0: only a request for its prompt's logprobs may generate nothing")
         if not isinstance(request.min_tokens, int) or not 0 <= request.min_tokens <= request.max_new_tokens:

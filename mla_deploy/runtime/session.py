@@ -120,6 +120,9 @@ class ExportedModel:
                                   "with runtime.stages.StagedModel (one Ray actor per stage: the 'ray' extra) or "
                                   "runtime.chain.StageChain (every stage in this process), or load one of its stage "
                                   "directories")
+        if isinstance(graphs, str) or not all(g in self.manifest["graphs"] for g in graphs):
+            raise InputError(f"graphs={graphs!r}: expected a tuple of this export's graphs "
+                             f"({', '.join(self.manifest['graphs'])})")
         check_files(self.directory, self.manifest, self.options.check_weights)
         self.config: MLAConfig = self.manifest["config_obj"]
         self.stage: io_spec.Stage = stage_of(self.manifest) or io_spec.Stage.whole(self.config.num_hidden_layers)
