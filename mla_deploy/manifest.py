@@ -83,6 +83,9 @@ def read_manifest(directory: str | Path) -> dict:
             for kind in (io_spec.PREFILL, io_spec.DECODE):
                 manifest["graphs"][kind]["file"]
             manifest["weights"]["file"], manifest["weights"]["bytes"]
+            if manifest["dtype"] not in io_spec.FLOAT_CACHES:  # the weights' float type (quantized: their scales')
+                raise ValueError(f"dtype {manifest['dtype']!r}: expected one of {', '.join(io_spec.FLOAT_CACHES)}")
+            cache_format(manifest)
     except (KeyError, TypeError, ValueError, MLADeployError) as e:
         raise ExportLoadError(f"{path}: incomplete or invalid manifest ({e})") from None
     return manifest

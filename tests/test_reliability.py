@@ -301,6 +301,11 @@ def test_export_refuses_bad_checkpoints(checkpoint_dir, tmp_path):
 
 
 # ---- load side ----
+def _edit_manifest(directory, **fields):
+    manifest = json.loads((directory / "manifest.json").read_text())
+    (directory / "manifest.json").write_text(json.dumps({**manifest, **fields}))
+
+
 @pytest.mark.parametrize(
     "damage, message",
     [
@@ -313,6 +318,8 @@ def test_export_refuses_bad_checkpoints(checkpoint_dir, tmp_path):
         (lambda d: (d / "prefill.onnx").write_bytes(b"garbage"), r"prefill.onnx: does not match the manifest"),
         (lambda d: (d / "manifest.json").write_text("{not json"), r"manifest.json: corrupt manifest"),
         (lambda d: (d / "manifest.json").unlink(), r"manifest.json: missing"),
+        (lambda d: _edit_manifest(d, dtype="int3"), r"invalid manifest \(dtype 'int3': expected one of float32"),
+        (lambda d: _edit_manifest(d, precision={"caches": "int2"}), r"invalid manifest \(latent cache dtype 'int2'"),
     ],
 )
 def test_damaged_exports_refused_naming_the_file(exported, tmp_path, damage, message):
