@@ -28,10 +28,10 @@ from numpy.random import default_rng
 
 from .checkpoint import expected_tensors, parameter_count
 from .config import MLAConfig
-from .errors import ConfigError, InputError
+from .errors import ConfigError, InputError, MLADeployError
 from .partial import nearest_existing, partial_directory, unwritable_parent
 from .progress import progress_bar
-from .safetensors_io import SafetensorsWriter, float32_to_bf16
+from .safetensors_io import SafetensorsFile, SafetensorsWriter, float32_to_bf16
 
 MODELS_DIR = Path(__file__).resolve().parent / "models"  # package data: installed with the wheel
 PRESET_DIR = MODELS_DIR / "presets"
@@ -85,13 +85,14 @@ def write_random_checkpoint(raw: dict, out: str | Path, seed: int = 0, source: s
     out = Path(out)
     cfg = MLAConfig.from_hf_dict(raw, source=source)
     config_text = json.dumps({**raw, "_random_weights": {"seed": seed}}, indent=2) + "\n"
-    if (out / "config.json").is_file() and (out / "config.json").read_text() == config_text:
-        return out  # the same config and seed (a directory appears only when complete)
-    _check_replaceable(out)
     stored, itemsize = _stored(raw, source)
     dtype = raw.get("torch_dtype", "float32")
     shapes = expected_tensors(cfg)
     shards = _shards(shapes, itemsize)
+    if ((out / "config.json").is_file() and (out / "config.json").read_text() == config_text
+            and _holds(out, shards)):
+        return out  # the same config and seed, its weight files whole
+    _check_replaceable(out)
     std = raw.get("initializer_range", 0.02)
     total = checkpoint_bytes(cfg, itemsize)
     _check_room(out, total)
@@ -117,6 +118,18 @@ def write_random_checkpoint(raw: dict, out: str | Path, seed: int = 0, source: s
         shutil.rmtree(out)
     tmp.rename(out)
     return out
+
+
+def _holds(out: Path, shards: dict[str, list[str]]) -> bool:
+    """Whether `out` holds every shard file whole, each with its tensors (a file removed or cut short since the
+    checkpoint was written is written again)."""
+    for file, names in shards.items():
+        try:
+            if set(SafetensorsFile(out / file).entries) != set(names):
+                return False
+        except (OSError, ValueError, MLADeployError):
+            return False
+    return True
 
 
 def _stored(raw: dict, source: str) -> tuple[str, int]:

@@ -95,6 +95,13 @@ def test_bench_cli_quick_path(tmp_path):
     assert f"saved {tmp_path / 'w' / 'results' / 'quick.json'}" in again.output
 
 
+def test_a_workdir_that_is_a_file_is_named(tmp_path):
+    (tmp_path / "file").write_text("mine")
+    out = CliRunner().invoke(main, ["bench", "--quick", "--preset", "tiny-v3", "--workdir", str(tmp_path / "file")])
+    assert out.exit_code == 1 and f"--workdir {tmp_path / 'file'}: is a file" in out.output, out.output
+    assert (tmp_path / "file").read_text() == "mine"
+
+
 def test_only_the_exports_the_chosen_engines_read_are_built(tmp_path):
     def needed(engines, speculative=()):
         return needed_exports(BenchConfig(preset="tiny-v3", workdir=tmp_path, engines=engines, speculative=speculative))

@@ -384,6 +384,13 @@ def test_preset_replaces_only_an_earlier_random_checkpoint(tmp_path):
     assert cli.invoke(main, ["preset", "tiny-v3", "-o", str(earlier), "--seed", "1"]).exit_code == 0
     assert cli.invoke(main, ["preset", "tiny-v3", "-o", str(earlier), "--seed", "2"]).exit_code == 0
     assert json.loads((earlier / "config.json").read_text())["_random_weights"] == {"seed": 2}
+    whole = (earlier / "model.safetensors").read_bytes()
+    (earlier / "model.safetensors").write_bytes(whole[: len(whole) // 2])  # cut short, then gone: written again
+    assert cli.invoke(main, ["preset", "tiny-v3", "-o", str(earlier), "--seed", "2"]).exit_code == 0
+    assert (earlier / "model.safetensors").read_bytes() == whole
+    (earlier / "model.safetensors").unlink()
+    assert cli.invoke(main, ["preset", "tiny-v3", "-o", str(earlier), "--seed", "2"]).exit_code == 0
+    assert (earlier / "model.safetensors").read_bytes() == whole
     empty = tmp_path / "empty"
     empty.mkdir()
     assert (

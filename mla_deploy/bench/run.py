@@ -99,6 +99,9 @@ def prepare(cfg: BenchConfig, progress: Callable[[str], None]) -> tuple[Path, di
     from ..export import ExportOptions, export
     from .mha_baseline import export_mha_baseline
 
+    if cfg.workdir.exists() and not cfg.workdir.is_dir():
+        raise MLADeployError(f"--workdir {cfg.workdir}: is a file; the benchmark builds its checkpoint and exports "
+                             "in a directory")
     cfg.workdir.mkdir(parents=True, exist_ok=True)
     checkpoint, model_cfg = model_config(cfg)
     max_len = cfg.max_len()
