@@ -148,10 +148,14 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
         reference = DequantizedCheckpoint(
             reference, Quantization.from_dict(quantization), fused=manifest["absorb"] == "fused"
         )
-    steps = min(DEFAULT_STEPS, max(most_steps(model.max_seq_len), 1)) if steps is None else steps
+    if most_steps(model.max_seq_len) < 1:
+        raise ExportError(f"{export_dir}: an export of maximum length {model.max_seq_len} is too short to verify: a "
+                          "prompt token and a decode step need at least 3 positions")
+    steps = min(DEFAULT_STEPS, most_steps(model.max_seq_len)) if steps is None else steps
     lengths = tuple(min(n, model.max_seq_len - steps - 1) for n in lengths)
     if min(lengths) < 1:  # steps past most_steps
-        raise ExportError(f"--steps {steps}: too many for the export's maximum length {model.max_seq_len}")
+        raise ExportError(f"--steps {steps}: too many for the export's maximum length {model.max_seq_len} (at most "
+                          f"{most_steps(model.max_seq_len)})")
     rng = np.random.default_rng(seed)
     rows = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lengths]
     b, longest, capacity = len(rows), max(lengths), max(lengths) + steps

@@ -313,6 +313,10 @@ def test_verify_of_a_short_export_clips_the_prompts_and_states_its_tolerance(tmp
     short = tmp_path / "short"  # the default steps fit an export shorter than 8 + 2; steps asked for must, or say so
     export(ckpt, short, ExportOptions(max_seq_len=6))
     assert verify_export(short, steps=None).passed
+    tiny = tmp_path / "tiny"  # written without verification: verify then says why it cannot, not a --steps nobody gave
+    export(ckpt, tiny, ExportOptions(max_seq_len=2))
+    with pytest.raises(ExportError, match="maximum length 2 is too short to verify: a prompt token and a decode step"):
+        verify_export(tiny)
     result = CliRunner().invoke(main, ["export", str(ckpt), "-o", str(tmp_path / "fits"), "--max-seq-len", "6"])
     assert result.exit_code == 0 and (tmp_path / "fits" / "manifest.json").exists(), result.output
     result = CliRunner().invoke(main, ["export", str(ckpt), "-o", str(tmp_path / "never"), "--max-seq-len", "2"])
