@@ -805,5 +805,7 @@ def test_the_api_takes_numpy_numbers_and_names_what_it_cannot_run(model):
         ExportedModel(model.directory, graphs="decode")
     with pytest.raises(InputError, match=r"graphs=\('foo',\)"):
         ExportedModel(model.directory, graphs=("foo",))
-    with pytest.raises(InputError, match="the Generator decodes with the decode graph"):
-        Generator(ExportedModel(model.directory, graphs=("prefill",)))
+    prefill_only = Generator(ExportedModel(model.directory, graphs=("prefill",)))
+    assert len(prefill_only.generate([[5, 6]], 1).token_ids[0]) == 1  # the first token is the prefill's
+    with pytest.raises(InputError, match="max_new_tokens=3: the tokens after the first come from the decode graph"):
+        prefill_only.generate([[5, 6]], 3)

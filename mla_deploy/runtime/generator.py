@@ -89,8 +89,6 @@ class Generator:
                 "speculative='mtp' reads the prompt's hidden states from the prefill graph: load the model "
                 "with it (not decode only)"
             )
-        if io_spec.DECODE not in model.sessions:
-            raise InputError("the Generator decodes with the decode graph: load the model with it")
         if not isinstance(chunk_size, numbers.Integral) or isinstance(chunk_size, bool) or chunk_size < 1:
             raise InputError(f"chunk_size={chunk_size!r}: must be a positive integer")
         self.chunk_size = chunk_size
@@ -114,6 +112,9 @@ class Generator:
         several tokens: they are yielded one StepOutput each, in step with the other rows (a row ahead of the others
         holds its tokens until they catch up), so the stream reads as without speculation."""
         rows = self.check_prompts(prompts, max_new_tokens)
+        if max_new_tokens > 1 and io_spec.DECODE not in self.model.sessions:  # a prefill-only model gives one token
+            raise InputError(f"max_new_tokens={max_new_tokens}: the tokens after the first come from the decode "
+                             "graph: load the model with it")
         b = len(rows)
         first_allowed = check_first_allowed(first_allowed, b, self.model.config.vocab_size)  # before any work
         state = self.new_state([np.asarray(r, np.int64) for r in rows])
