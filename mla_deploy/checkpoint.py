@@ -345,7 +345,7 @@ def _packed_rows(file: SafetensorsFile, stored: str, rows) -> np.ndarray:
     part = (
         file.raw(stored, index=rows.start) if isinstance(rows, slice) else file.raw(stored, index=rows[0], rows=rows[1])
     )
-    return bf16_to_float32(part) if dtype == "BF16" else part.astype(np.float32, copy=False)
+    return _widened(part, dtype)
 
 
 def _safetensors_files(directory: Path) -> list[SafetensorsFile]:

@@ -14,7 +14,6 @@ so a sampled reply is not tokenized again (a re-encoding may split its text othe
 
 from __future__ import annotations
 
-import numbers
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -22,7 +21,7 @@ from typing import Callable
 from ..errors import InputError
 from .chat import ChatTemplate
 from .scheduler import Failed, Finished, Request, Scheduler, TokenEvent
-from .sampling import SamplingParams
+from .sampling import SamplingParams, is_integer
 from .session import ExportedModel
 from .speculative import Speculation
 from .text import TextStream, Tokenizer
@@ -58,7 +57,7 @@ class Conversation:
         if self.template is None:
             raise InputError(f"{model.directory}: this export has no chat template (tokenizer_config.json "
                              "chat_template); give one (--chat-template)")
-        if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        if not is_integer(max_new_tokens) or max_new_tokens < 1:
             raise InputError(f"max_new_tokens={max_new_tokens!r}: must be a positive integer")
         max_new_tokens = int(max_new_tokens)
         self.model, self.max_new_tokens = model, max_new_tokens

@@ -8,7 +8,6 @@ query can see them (causality is on slots). Decode writes row b's token at slot 
 
 from __future__ import annotations
 
-import numbers
 import time
 from dataclasses import dataclass
 from typing import Generator as Generator_
@@ -19,7 +18,7 @@ import numpy as np
 from .. import io_spec
 from ..errors import InputError
 from .cache import CacheBuffers, DecodeBinding
-from .sampling import SamplingParams, row_generator, sample
+from .sampling import SamplingParams, is_integer, row_generator, sample
 from .session import ExportedModel
 from .draft import MTPDrafter
 from .history import appended
@@ -89,7 +88,7 @@ class Generator:
                 "speculative='mtp' reads the prompt's hidden states from the prefill graph: load the model "
                 "with it (not decode only)"
             )
-        if not isinstance(chunk_size, numbers.Integral) or isinstance(chunk_size, bool) or chunk_size < 1:
+        if not is_integer(chunk_size) or chunk_size < 1:
             raise InputError(f"chunk_size={chunk_size!r}: must be a positive integer")
         self.chunk_size = chunk_size
         self.stop_token_ids = set(model.stop_token_ids if stop_token_ids is None else stop_token_ids)
@@ -379,14 +378,14 @@ def check_first_allowed(mask: np.ndarray | None, rows: int, vocab: int) -> np.nd
 def check_prompts(prompts, max_new_tokens: int, vocab: int, limit: int, least: int = 1) -> list[list[int]]:
     """Token-id rows, each checked: non-empty, integer, in the vocabulary, within the export's length. `least`: the
     fewest new tokens allowed (the scheduler's 0: a request that only scores its prompt)."""
-    if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens < least:
+    if not is_integer(max_new_tokens) or max_new_tokens < least:
         raise InputError(f"max_new_tokens={max_new_tokens!r}: must be an integer >= {least}"
                          if least != 1 else f"max_new_tokens={max_new_tokens!r}: must be a positive integer")
     if isinstance(prompts, np.ndarray):
         prompts = prompts.tolist() if prompts.ndim == 2 else [prompts.tolist()]
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise InputError("prompts: expected a non-empty list of token-id lists")
-    if all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompts):
+    if all(is_integer(t) for t in prompts):
         prompts = [prompts]  # one row given as a flat list
     rows = []
     for r, row in enumerate(prompts):
@@ -397,7 +396,7 @@ def check_prompts(prompts, max_new_tokens: int, vocab: int, limit: int, least: i
         if not row:
             raise InputError(f"prompt {r}: empty; a prompt needs at least one token")
         for i, t in enumerate(row):
-            if not isinstance(t, (int, np.integer)) or isinstance(t, bool):
+            if not is_integer(t):
                 raise InputError(f"prompt {r}, position {i}: token id {t!r} is not an integer")
             if not 0 <= t < vocab:
                 raise InputError(f"prompt {r}, position {i}: token id {t} is outside the vocabulary [0, {vocab})")

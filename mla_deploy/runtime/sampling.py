@@ -35,7 +35,7 @@ class SamplingParams:
         `vocab_size`: the model's, which logit_bias ids must fall in."""
         if not (_real(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0):
             raise InputError(f"temperature={self.temperature!r}: must be a finite number >= 0 (0 is greedy)")
-        if not (_integer(self.top_k) and self.top_k >= 0):
+        if not (is_integer(self.top_k) and self.top_k >= 0):
             raise InputError(f"top_k={self.top_k!r}: must be an integer >= 0 (0 disables it)")
         if not (_real(self.top_p) and 0 < self.top_p <= 1):
             raise InputError(f"top_p={self.top_p!r}: must be in (0, 1]")
@@ -44,7 +44,7 @@ class SamplingParams:
         if not (_real(self.repetition_penalty) and math.isfinite(self.repetition_penalty)
                 and self.repetition_penalty > 0):
             raise InputError(f"repetition_penalty={self.repetition_penalty!r}: must be a finite number > 0")
-        if self.seed is not None and not (_integer(self.seed) and self.seed >= 0):
+        if self.seed is not None and not (is_integer(self.seed) and self.seed >= 0):
             raise InputError(f"seed={self.seed!r}: must be a non-negative integer")
         lo, hi = self.PENALTY_RANGE
         for name in ("presence_penalty", "frequency_penalty"):
@@ -54,7 +54,7 @@ class SamplingParams:
         lo, hi = self.BIAS_RANGE
         for entry in self.logit_bias:
             token, bias = entry if isinstance(entry, tuple) and len(entry) == 2 else (None, None)
-            if not (_integer(token) and token >= 0):
+            if not (is_integer(token) and token >= 0):
                 raise InputError(f"logit_bias: {entry!r}: expected (token id >= 0, bias)")
             if not (_real(bias) and lo <= bias <= hi):
                 raise InputError(f"logit_bias[{token}]={bias!r}: must be a number in [{lo:g}, {hi:g}]")
@@ -112,7 +112,8 @@ def apply_logit_bias(logits: np.ndarray, bias: tuple[tuple[int, float], ...]) ->
     return logits
 
 
-def _integer(value) -> bool:
+def is_integer(value) -> bool:
+    """An integer, Python's or numpy's; not a boolean."""
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 

@@ -15,11 +15,12 @@ def render_metrics(service) -> str:
         lines.append(f"# TYPE mla_{name} {kind}")
         lines.extend(f"mla_{name}{labels} {value:g}" for labels, value in samples)
 
-    metric("requests_total", "counter", "Requests answered, by HTTP status.",
-           [(f'{{status="{s}"}}', n) for s, n in sorted(service.status_counts.items())] or [("", 0)])
+    def by_status(counts: dict[int, int]) -> list[tuple[str, float]]:
+        return [(f'{{status="{s}"}}', n) for s, n in sorted(counts.items())] or [("", 0)]
+
+    metric("requests_total", "counter", "Requests answered, by HTTP status.", by_status(service.status_counts))
     metric("streams_failed_total", "counter", "Streamed requests (answered 200) that ended with an error event, by "
-           "the error's status.", [(f'{{status="{s}"}}', n) for s, n in sorted(service.stream_errors.items())]
-           or [("", 0)])
+           "the error's status.", by_status(service.stream_errors))
     metric("requests_finished_total", "counter", "Generations finished, by reason.",
            [(f'{{reason="{r}"}}', n) for r, n in sorted(stats.finished.items())])
     metric("requests_rejected_total", "counter", "Requests refused because the queue was full.",
