@@ -101,7 +101,10 @@ class VerifyReport:
 
     @property
     def passed(self) -> bool:
-        return self.worst <= self.tolerance and self.token_agreement == 1.0
+        """Within the tolerance, every greedy token the same, and the deployed run's logits finite (its drift is
+        reported, not held to the tolerance, but a NaN there is a broken deployment, not rounding)."""
+        deployed_finite = self.deployed_drift is None or bool(np.isfinite(self.deployed_drift))
+        return self.worst <= self.tolerance and self.token_agreement == 1.0 and deployed_finite
 
 
 def prompt_form(manifest: dict, costs: ChunkCosts | None, tokens: int) -> AttentionForm:
@@ -268,8 +271,8 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
             np.abs(deployed.run(io_spec.PREFILL, prefill)[io_spec.LOGITS] - prefill_logits)[valid].max()
         )
         kernel = decode_steps(deployed, prefilled, tokens, lens, mask)
-        drift = float(max(np.abs(k - e).max() for k, e in zip(kernel, step_logits)))
-        report.deployed_drift = max(report.deployed_drift or 0.0, prefill_drift, drift)
+        drift = float(np.max([np.abs(k - e).max() for k, e in zip(kernel, step_logits)]))
+        report.deployed_drift = float(np.max([report.deployed_drift or 0.0, prefill_drift, drift]))
         same = int(sum((k.argmax(-1) == e.argmax(-1)).sum() for k, e in zip(kernel, step_logits)))
         where = ("onnxruntime's ops over the int8 cache" if manifest.get("decode_attention") == "ops"
                  else "mla-deploy's int8 kernels (int8 queries)")
@@ -282,6 +285,8 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
     report.device = ran.device
     if ran.device != "cpu":
         report.lines.append(f"device   the export ran on {ran.device} ({ran.providers[0]})")
+    if report.deployed_drift is not None and not np.isfinite(report.deployed_drift):
+        report.lines.append("the deployed run's logits are not finite: the export as deployed is broken")
     report.lines.append(f"{'PASS' if report.passed else 'FAIL'}: tolerance {report.tolerance:.3e} "
                         f"(rtol {rtol:g} x logit scale {max(1.0, report.logit_scale):.2f})")
     return report

@@ -771,7 +771,7 @@ def test_decode_binding_is_reused_until_the_cache_grows(model):
 
 def test_a_nan_distance_fails_verify_and_a_nan_loss_fails_eval():
     """max() passes over a NaN that is not first: a draft graph whose logits are NaN printed PASS; an export whose
-    loss is NaN passed eval for being lossy."""
+    loss is NaN passed eval for being lossy; a quantized export whose deployed kernels give NaN passed verify."""
     from mla_deploy.evaluate import EvalReport
     from mla_deploy.verify import VerifyReport
 
@@ -780,6 +780,10 @@ def test_a_nan_distance_fails_verify_and_a_nan_loss_fails_eval():
                    VerifyReport(1e-6, [nan], 1.0, 10.0, 1e-4), VerifyReport(nan, [1e-6], 1.0, 10.0, 1e-4)):
         assert np.isnan(report.worst) and not report.passed
     assert VerifyReport(1e-6, [1e-6], 1.0, 10.0, 1e-4, checks=[2e-6]).passed
+    # a quantized export's deployed run: its drift is reported, not held to the tolerance, but NaN is no rounding
+    assert VerifyReport(1e-6, [1e-6], 1.0, 10.0, 1e-4, deployed_drift=0.5).passed
+    for drift in (nan, float("inf")):
+        assert not VerifyReport(1e-6, [1e-6], 1.0, 10.0, 1e-4, deployed_drift=drift).passed
     lossy = {"quantization": {"bits": 4}}
     assert not EvalReport(10, 1, nan, 3.1, 0.0, **lossy).passed and not EvalReport(10, 1, nan, 3.1, 0.0).passed
     assert EvalReport(10, 1, 3.2, 3.1, 0.9, **lossy).passed and not EvalReport(10, 1, 3.2, 3.1, 0.9).passed
