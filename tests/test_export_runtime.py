@@ -1,6 +1,7 @@
 """Export + runtime against the torch source and transformers: logits, tokens, graph structure, contracts."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -452,6 +453,20 @@ def test_session_config_entries_reach_both_sessions_and_win(exported):
     for bad in [("session.inter_op.allow_spinning", 1)], [("session.inter_op.allow_spinning",)], [("", "1")]:
         with pytest.raises(InputError, match=r"session_config entry .*: expected a \(key, value\) pair"):
             ExportedModel(out, RuntimeOptions(session_config=tuple(bad)))
+
+
+def test_runtime_options_are_checked_before_any_session(exported):
+    """A negative thread count or a string where a flag belongs ("false" is true to Python) is named, not passed to
+    onnxruntime (which refuses -1 with an error about its thread pool, or reads the flag wrongly)."""
+    out = exported("v2_group_limited")
+    for bad, message in ((dict(threads=-1), "threads=-1: expected an integer >= 0"),
+                         (dict(threads=1.5), "threads=1.5"), (dict(threads=True), "threads=True"),
+                         (dict(log_severity=7), "log_severity=7"), (dict(spin="false"), "spin='false'"),
+                         (dict(prepack="false"), "prepack='false': expected True, False or None"),
+                         (dict(check_weights="all"), "check_weights='all'")):
+        with pytest.raises(InputError, match=re.escape(message)):
+            ExportedModel(out, RuntimeOptions(**bad))
+    assert ExportedModel(out, RuntimeOptions(threads=np.int64(1), prepack=None)).options.threads == 1
 
 
 def test_runtime_imports_and_generates_without_torch(exported):

@@ -20,6 +20,7 @@ from .dtypes import ort_value
 from .feeds import check_feed
 from .memory import ResidentMemory, resident_memory
 from .populate import fits_in_memory, mappings, populate
+from .sampling import is_integer
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
@@ -80,6 +81,25 @@ class RuntimeOptions:
     # page faults on weights no step read before. None: on the CPU where the file fits in the memory available
     populate: bool | None = None
 
+    def validate(self) -> None:
+        """An InputError naming the first field that onnxruntime would refuse obscurely, or read wrongly (a string
+        "false" is true to Python), before any session is made."""
+        if not (is_integer(self.threads) and self.threads >= 0):
+            raise InputError(f"threads={self.threads!r}: expected an integer >= 0 (0: one per physical core)")
+        if not (is_integer(self.log_severity) and 0 <= self.log_severity <= 4):
+            raise InputError(f"log_severity={self.log_severity!r}: expected an integer from 0 (verbose) to 4 (fatal)")
+        if self.check_weights not in integrity.CHECKS:
+            raise InputError(f"check_weights={self.check_weights!r}: expected one of {', '.join(integrity.CHECKS)}")
+        for name in ("spin", "kernels"):
+            if not isinstance(getattr(self, name), bool):
+                raise InputError(f"{name}={getattr(self, name)!r}: expected True or False")
+        for name in ("prepack", "resident_caches", "populate"):
+            if not isinstance(getattr(self, name), bool | None):
+                raise InputError(f"{name}={getattr(self, name)!r}: expected True, False or None (auto)")
+        for entry in self.session_config:
+            if not (isinstance(entry, tuple) and len(entry) == 2 and all(isinstance(x, str) and x for x in entry)):
+                raise InputError(f"session_config entry {entry!r}: expected a (key, value) pair of non-empty strings")
+
 
 PREPACKED_OPS = ("com.microsoft::MatMulNBits", "com.microsoft::QMoE")  # slow unless onnxruntime prepacks them
 
@@ -107,13 +127,7 @@ class ExportedModel:
         self._loading = threading.Lock()
         self.directory = Path(directory)
         self.options = options or RuntimeOptions()
-        if self.options.check_weights not in integrity.CHECKS:
-            raise InputError(
-                f"check_weights={self.options.check_weights!r}: expected one of {', '.join(integrity.CHECKS)}"
-            )
-        for entry in self.options.session_config:
-            if not (isinstance(entry, tuple) and len(entry) == 2 and all(isinstance(x, str) and x for x in entry)):
-                raise InputError(f"session_config entry {entry!r}: expected a (key, value) pair of non-empty strings")
+        self.options.validate()
         self.manifest = read_manifest(self.directory)
         if is_staged(self.manifest):
             raise ExportLoadError(f"{self.directory}: a staged export of {len(self.manifest['stages'])} stages; run it "

@@ -71,6 +71,8 @@ class StagedModel(StagedExport):
         """`address`: a running cluster's ('auto': the one on this host); None starts a local Ray instance (or uses
         the one this process already joined). `options.threads` 0: the cluster's CPUs shared out over the stages."""
         super().__init__(directory)
+        options = options or RuntimeOptions()
+        options.validate()  # before a Ray instance starts
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
             problem = unreachable(address)
@@ -82,7 +84,6 @@ class StagedModel(StagedExport):
                 raise StageFailedError(no_cluster(address, str(e))) from None
         resources = ray.cluster_resources()
         count = len(self.stage_dirs)
-        options = options or RuntimeOptions()
         if options.threads == 0:
             options = replace(options, threads=max(1, int(resources.get("CPU", 1)) // count))
         share = min(1.0, resources.get("CPU", 1) / count)  # more stages than CPUs (a test) still all start
