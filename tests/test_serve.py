@@ -99,10 +99,11 @@ def test_stop_strings_cut_the_text_before_the_stop(client):
     stop = full[start : start + 3]  # from the middle on, the first three characters that are not all blank
     cut = client.completions.create(prompt="class Stack:\n", max_tokens=40, stop=[stop], **greedy())
     assert cut.choices[0].text == full[: full.index(stop)] and cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].stop_reason == stop  # vLLM's field: which stop string ended it
     streamed = client.completions.create(prompt="class Stack:\n", max_tokens=40, stop=stop, stream=True, **greedy())
     chunks = list(streamed)
     assert "".join(c.choices[0].text for c in chunks) == cut.choices[0].text
-    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert chunks[-1].choices[0].finish_reason == "stop" and chunks[-1].choices[0].stop_reason == stop
     kept = greedy(logprobs=0)  # vLLM's include_stop_str_in_output: the text ends with the stop string
     kept["extra_body"] = {**kept["extra_body"], "include_stop_str_in_output": True}
     for stream in (False, True):
@@ -125,6 +126,19 @@ def test_a_stop_token_id_ends_the_text_without_its_own_text(server, client):
     cut = client.completions.create(prompt=prompt, max_tokens=30, stop=[stop], **greedy())
     assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == first + 1
     assert cut.choices[0].text == tokenizer.decode(ids[:first])
+    assert cut.choices[0].stop_reason == stop  # vLLM's stop_reason: the request's stop token id
+    chunks = list(client.completions.create(prompt=prompt, max_tokens=30, stop=[stop], stream=True, **greedy()))
+    assert chunks[-1].choices[0].finish_reason == "stop" and chunks[-1].choices[0].stop_reason == stop
+    # the model's own end of sequence, or a length limit, is no stop_reason (null, as vLLM's)
+    eos = sorted(server[1].engine.model.stop_token_ids)[0]
+    ended = client.completions.create(prompt=prompt, max_tokens=5, logit_bias={str(eos): 100}, **greedy())
+    assert ended.choices[0].finish_reason == "stop" and ended.choices[0].stop_reason is None
+    assert ended.choices[0].model_extra == {"stop_reason": None}
+    long = client.completions.create(prompt=prompt, max_tokens=2, **greedy())
+    assert long.choices[0].finish_reason == "length" and long.choices[0].stop_reason is None
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "class Stack:"}], max_tokens=5,
+                                          logit_bias={str(eos): 100}, **greedy())
+    assert chat.choices[0].finish_reason == "stop" and chat.choices[0].stop_reason is None
 
 
 def test_logprobs_are_the_models_top_k(client):
@@ -366,6 +380,23 @@ def test_a_stop_string_begun_within_min_tokens_is_found_where_it_ends_after_them
     assert choice([" 5 6"], 2, [4, 5, 6, 7]) == (" 4", [" 4"], True)  # begins in the 2nd token, ends in the 3rd
     assert choice([" 5 6"], 0, [4, 5, 6, 7]) == (" 4", [" 4"], True)
     assert choice([" 4 5"], 2, [4, 5, 6]) == (" 4 5 6", [" 4", " 5", " 6"], False)  # wholly within min_tokens
+
+
+def test_the_stop_reason_is_the_stop_string_found_first_or_the_requests_own_stop_id():
+    """vLLM's stop_reason: of two stop strings the one that ends the text (the first to appear, the earlier of two
+    completed by one token), a stop token id of the request's own, never the model's end of sequence."""
+    from mla_deploy.runtime.scheduler import TokenEvent
+    from mla_deploy.serve.choices import ChoiceText
+
+    def reason(stops, tokens, stop_ids=(), own=()):
+        text = ChoiceText(None, stops, set(stop_ids), reason_ids=set(own))
+        for t in tokens:
+            text.push(TokenEvent(t, None, None))
+        return text.stop_reason
+
+    assert reason([" 6", " 5"], [4, 5, 6]) == " 5" and reason([" 5", " 4 5"], [4, 5, 6]) == " 4 5"
+    assert reason([" 9"], [4, 5, 6]) is None
+    assert reason([], [4, 5], stop_ids=(5, 2), own=(5,)) == 5 and reason([], [4, 2], stop_ids=(5, 2), own=(5,)) is None
 
 
 def test_vllms_extra_fields_are_served_or_refused_never_ignored(server, client):

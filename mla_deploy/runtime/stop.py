@@ -16,6 +16,7 @@ class StopStrings:
         self.include = include  # the text ends with the stop string found
         self.held = ""
         self.stopped = False
+        self.found: str | None = None  # the stop string that stopped the text (vLLM's stop_reason)
 
     def push(self, text: str, look: bool = True) -> str:
         """New text in; the text that is safe to emit out. After a stop is found, always ''. `look` False: no stop
@@ -30,6 +31,7 @@ class StopStrings:
         if found:  # the earliest stop string (of two starting there, the longer)
             self.stopped = True
             start, minus_length = min(found)
+            self.found = self.held[start:start - minus_length]
             out, self.held = self.held[: start - minus_length if self.include else start], ""
             return out
         keep = max((partial_suffix(self.held, s) for s in self.stops), default=0)

@@ -52,6 +52,7 @@ class Piece:
     completion_tokens: int = 0
     cumulative_logprob: float = 0.0
     cached_tokens: int = 0  # prompt tokens found in a cache row (prefix caching), not prefilled
+    stop_reason: str | int | None = None  # vLLM's: the stop string or the request's stop token id that ended it
 
 
 @dataclass
@@ -320,7 +321,9 @@ class Service:
         # chat's logprobs join to the message, which the model's end-of-sequence token is not part of; a completion's
         # keep it (lm-eval's echo scoring counts on the generated token being the last entry)
         ends = set(req.stop_token_ids) | (self.stop_ids if req.kind == "chat" and not req.ignore_eos else set())
-        choice = ChoiceText(self.tokenizer, req.stop, ends, req.include_stop_str, req.min_tokens)
+        # vLLM's stop_reason names a stop id of the request's own, unless it is the model's end, which stops first
+        own = set(req.stop_token_ids) - (set() if req.ignore_eos else self.stop_ids)
+        choice = ChoiceText(self.tokenizer, req.stop, ends, req.include_stop_str, req.min_tokens, own)
         if req.echo and req.logprobs is None:
             choice.echo(run.prompt_ids, None)
         generated, cumulative = 0, 0.0
@@ -338,13 +341,13 @@ class Service:
                             if run.request is not None:  # counted as a stop, not a client that left
                                 self.engine.cancel(run.request, "stop")
                             cached = 0 if run.request is None else run.request.cached
-                            yield Piece(*choice.take(), "stop", generated, cumulative, cached)
+                            yield Piece(*choice.take(), "stop", generated, cumulative, cached, choice.stop_reason)
                             return
                     elif isinstance(event, Finished):
                         choice.finish()
                         reason = "length" if event.reason == "length" else "stop"
                         yield Piece(*choice.take(), reason, event.completion_tokens, cumulative,
-                                    event.cached_tokens)
+                                    event.cached_tokens, choice.stop_reason if reason == "stop" else None)
                         return
                 yield Piece(*choice.take())
         finally:
@@ -478,7 +481,8 @@ async def _generate(service: Service, request: Request, kind: str):
         for j, (run, text, tokens, last) in enumerate(candidates):
             logprobs = service.logprobs(req, tokens)
             if kind == "completion":
-                choices.append(protocol.completion_choice(i * req.n + j, "".join(text), last.finish_reason, logprobs))
+                choices.append(protocol.completion_choice(i * req.n + j, "".join(text), last.finish_reason, logprobs,
+                                                          last.stop_reason))
                 continue
             reply = service.chat_reply(req)
             reason = reply.push("".join(text), last.finish_reason).finish_reason
@@ -486,7 +490,8 @@ async def _generate(service: Service, request: Request, kind: str):
             counted = reply.reasoning_tokens(tokens)
             if counted is not None:
                 reasoning_tokens = (reasoning_tokens or 0) + counted
-            choices.append(protocol.chat_choice(i * req.n + j, content, reason, logprobs, calls, reasoning))
+            choices.append(protocol.chat_choice(i * req.n + j, content, reason, logprobs, calls, reasoning,
+                                                last.stop_reason))
     use = protocol.usage(sum(len(ids) for ids in {r[0].prompt_index: r[0].prompt_ids for r in results}.values()),
                          sum(r[3].completion_tokens for r in results),
                          _cached(((r[0].prompt_index, r[3].cached_tokens) for r in results)), reasoning_tokens)
@@ -527,7 +532,7 @@ async def _sse(service: Service, req: GenerationRequest, rid: str, runs: list[Ru
                     text, reasoning, logprobs, calls = "", "", None, None
                 if text or reasoning or logprobs or reason or calls:
                     await queue.put(protocol.chunk(req, rid, index, text, reason, logprobs, tool_calls=calls,
-                                                   reasoning=reasoning))
+                                                   reasoning=reasoning, stop_reason=piece.stop_reason))
                 if piece.finish_reason is not None:
                     await queue.put((run.prompt_index, piece, None if reply is None else reply.reasoning_tokens(sent)))
         except Exception as e:  # the engine failed: end the whole stream with it, not hang the other choices

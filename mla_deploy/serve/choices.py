@@ -35,12 +35,14 @@ class Out:
 
 class ChoiceText:
     def __init__(self, tokenizer: Tokenizer | None, stops: list[str], stop_ids: set[int], include_stop: bool = False,
-                 min_tokens: int = 0):
+                 min_tokens: int = 0, reason_ids: set[int] = frozenset()):
         self.tokenizer = tokenizer
         self.stream = TextStream(tokenizer) if tokenizer is not None else None
         self.stops = StopStrings(stops, include_stop)
         self.unstoppable = min_tokens  # tokens whose text no stop string ends in (vLLM's min_tokens)
         self.stop_ids = stop_ids
+        self.reason_ids = reason_ids  # the request's own stop ids (not the model's end of sequence): a stop_reason
+        self.stop_token: int | None = None
         self.base = 0  # characters of echoed prompt before the generated text
         self.held: list[Out] = []  # generated tokens whose text is not all released yet
         self.pushed = self.released = 0  # generated characters decoded / safe to send
@@ -60,7 +62,10 @@ class ChoiceText:
             self.base += len(piece)
 
     def push(self, event: TokenEvent) -> None:
-        if event.token in self.stop_ids or self.stops.stopped:  # a stop id ends the text, like a stop string
+        if self.stops.stopped:
+            return
+        if event.token in self.stop_ids:  # a stop id ends the text, like a stop string
+            self.stop_token = event.token if event.token in self.reason_ids else None
             return
         piece = self._piece(event.token)
         self.held.append(Out(event, piece, self.base + self.pushed))
@@ -74,6 +79,12 @@ class ChoiceText:
     @property
     def stopped(self) -> bool:
         return self.stops.stopped
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        """vLLM's stop_reason: the stop string or the request's stop token id that ended the text; None for the
+        model's end of sequence or a length limit."""
+        return self.stops.found if self.stops.stopped else self.stop_token
 
     def finish(self) -> None:
         out = self.stops.flush()

@@ -473,12 +473,17 @@ def response(req: GenerationRequest, rid: str, choices: list[dict], use: dict) -
     return {**_envelope(req, rid, obj), "choices": choices, "usage": use}
 
 
-def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None,
+                      stop_reason: str | int | None = None) -> dict:
+    """A completion; where it finished, vLLM's stop_reason beside finish_reason: the stop string or the request's
+    stop token id that ended it, null for the model's end of sequence or a length limit."""
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+            **({"stop_reason": stop_reason} if finish_reason is not None else {})}
 
 
 def chat_choice(index: int, text: str | None, finish_reason: str, logprobs: dict | None,
-                tool_calls: list[dict] | None = None, reasoning: str | None = None) -> dict:
+                tool_calls: list[dict] | None = None, reasoning: str | None = None,
+                stop_reason: str | int | None = None) -> dict:
     """A chat reply; with tool calls its content is the text before them, None where there is none (OpenAI's); with
     a reasoning parser the reasoning apart, as DeepSeek's API's `reasoning_content`."""
     message = {"role": "assistant", "content": text}
@@ -486,16 +491,17 @@ def chat_choice(index: int, text: str | None, finish_reason: str, logprobs: dict
         message["reasoning_content"] = reasoning
     if tool_calls:
         message.update(content=text or None, tool_calls=tool_calls)
-    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
 
 
 def chunk(req: GenerationRequest, rid: str, index: int, text: str | None, finish_reason: str | None = None,
           logprobs: dict | None = None, first: bool = False, tool_calls: list[dict] | None = None,
-          reasoning: str = "") -> dict:
+          reasoning: str = "", stop_reason: str | int | None = None) -> dict:
     """One choice's chunk. Chat: the first carries the role, with content null where the reply is a forced tool
-    call (OpenAI's), else ""."""
+    call (OpenAI's), else "". The last (with its finish_reason) carries vLLM's stop_reason."""
     if req.kind == "completion":
-        choice = completion_choice(index, text or "", finish_reason, logprobs)
+        choice = completion_choice(index, text or "", finish_reason, logprobs, stop_reason)
     else:
         forced = req.tools is not None and req.tools.forced
         delta = {"role": "assistant", "content": None if forced else text or ""} if first else (
@@ -504,7 +510,8 @@ def chunk(req: GenerationRequest, rid: str, index: int, text: str | None, finish
             delta["reasoning_content"] = reasoning
         if tool_calls:
             delta["tool_calls"] = tool_calls
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+                  **({"stop_reason": stop_reason} if finish_reason is not None else {})}
     return {**_envelope(req, rid, "chat.completion.chunk"), "choices": [choice]}
 
 
