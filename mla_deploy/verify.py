@@ -100,11 +100,15 @@ class VerifyReport:
         return self.rtol * max(1.0, self.logit_scale)
 
     @property
+    def deployed_broken(self) -> bool:
+        """The deployed run's logits are not finite: its drift is reported, not held to the tolerance, but a NaN
+        there is a broken deployment, not rounding."""
+        return self.deployed_drift is not None and not bool(np.isfinite(self.deployed_drift))
+
+    @property
     def passed(self) -> bool:
-        """Within the tolerance, every greedy token the same, and the deployed run's logits finite (its drift is
-        reported, not held to the tolerance, but a NaN there is a broken deployment, not rounding)."""
-        deployed_finite = self.deployed_drift is None or bool(np.isfinite(self.deployed_drift))
-        return self.worst <= self.tolerance and self.token_agreement == 1.0 and deployed_finite
+        """Within the tolerance, every greedy token the same, and the deployed run not broken."""
+        return self.worst <= self.tolerance and self.token_agreement == 1.0 and not self.deployed_broken
 
 
 def prompt_form(manifest: dict, costs: ChunkCosts | None, tokens: int) -> AttentionForm:
@@ -285,7 +289,7 @@ def verify_export(export_dir: str | Path, checkpoint_dir: str | Path | None = No
     report.device = ran.device
     if ran.device != "cpu":
         report.lines.append(f"device   the export ran on {ran.device} ({ran.providers[0]})")
-    if report.deployed_drift is not None and not np.isfinite(report.deployed_drift):
+    if report.deployed_broken:
         report.lines.append("the deployed run's logits are not finite: the export as deployed is broken")
     report.lines.append(f"{'PASS' if report.passed else 'FAIL'}: tolerance {report.tolerance:.3e} "
                         f"(rtol {rtol:g} x logit scale {max(1.0, report.logit_scale):.2f})")
