@@ -216,13 +216,16 @@ def export(checkpoint, out, absorb, dtype, compute, cache_dtype, max_seq_len, no
 @click.option("--token-healing/--no-token-healing", default=True, show_default=True,
               help="A --prompt ending part-way through a token (e.g. 'def ', ending in the lone space token) is fed "
                    "without its last token, and the first generated token must start with that token's text.")
+@click.option("--stop", multiple=True, callback=lambda ctx, param, value: tuple(_utf8(v) for v in value),
+              help="End the completion where its text first holds this string, which is not printed (repeatable; "
+                   "needs the export's tokenizer). The export's stop tokens end it as well.")
 @_session_config_option
 @_speculation_options
 @_ray_address_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text (with the "
               "draft tokens proposed and accepted).")
 def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed,
-        provider, threads, check_weights, prepack, decode_only, token_healing, session_config, speculative,
+        provider, threads, check_weights, prepack, decode_only, token_healing, stop, session_config, speculative,
         draft_tokens, ray_address, as_json):
     """Generate from EXPORT_DIR, streaming the text as it is produced."""
     from .manifest import is_staged, read_manifest, require_whole
@@ -255,7 +258,8 @@ def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_
         with StagedModel(export_dir, options, address=ray_address) as model:
             stages = ", ".join(f"stage {p['index']} RSS {p['rss_bytes'] / 1e9:.2f} GB" for p in model.placement)
             result = complete(model, prompt, ids, max_new_tokens, model.generation.override(**given),
-                              None if as_json else (lambda s: click.echo(s, nl=False)), token_healing=token_healing)
+                              None if as_json else (lambda s: click.echo(s, nl=False)), token_healing=token_healing,
+                              stop=stop)
         if as_json:
             click.echo(json.dumps({**result, "stages": model.placement}))
             return
@@ -268,7 +272,7 @@ def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_
     sampling = model.generation.override(**given)
     memory = model.load_memory
     on_text = None if as_json else (lambda s: click.echo(s, nl=False))
-    result = complete(model, prompt, ids, max_new_tokens, sampling, on_text, speculation, token_healing)
+    result = complete(model, prompt, ids, max_new_tokens, sampling, on_text, speculation, token_healing, stop)
     if as_json:
         result["load"] = {"seconds": round(model.load_seconds, 3), "memory": memory.to_dict() if memory else None}
         click.echo(json.dumps(result))

@@ -20,6 +20,7 @@ from mla_deploy.runtime.chain import StageChain
 from mla_deploy.runtime.feeds import prefill_feed
 from mla_deploy.runtime.pipeline import PipelineGenerator
 from mla_deploy.verify import verify_export
+from test_stop import generate_ending
 
 PROMPTS = [[5, 9, 200, 7, 31], [3] * 17, [44, 45, 46, 47, 48, 49, 50, 51, 52], [8], list(range(100, 130))]
 
@@ -259,3 +260,15 @@ def test_a_first_token_mask_applies_over_stages_as_in_the_whole_export(exports):
     got = PipelineGenerator(StageChain(exports["2"]), SamplingParams(), stop_token_ids=(), micro_batches=2).generate(
         PROMPTS, 8, mask).token_ids
     assert got == expected and all(row[0] >= 1000 for row in got)
+
+
+def test_rows_ended_by_the_consumer_over_stages_end_as_in_the_whole_export(exports):
+    end_at = {0: 2, 2: 0, 4: 5}
+    expected, _ = generate_ending(Generator(ExportedModel(exports["whole"]), SamplingParams(), stop_token_ids=()),
+                                  PROMPTS, 8, end_at)
+    for micro_batches in (1, 2):
+        got, _ = generate_ending(PipelineGenerator(StageChain(exports["2"]), SamplingParams(), stop_token_ids=(),
+                                                   micro_batches=micro_batches), PROMPTS, 8, end_at)
+        assert got.token_ids == expected.token_ids and got.finish_reasons == expected.finish_reasons
+    assert [len(t) for t in expected.token_ids] == [3, 8, 1, 8, 6]
+    assert expected.finish_reasons == ["stop", "length", "stop", "length", "stop"]

@@ -103,10 +103,13 @@ class Generator:
         return run_to_end(self.stream(prompts, max_new_tokens, first_allowed))
 
     def stream(self, prompts, max_new_tokens: int,
-               first_allowed: np.ndarray | None = None) -> Generator_[StepOutput, None, GenerationResult]:
+               first_allowed: np.ndarray | None = None
+               ) -> Generator_[StepOutput, Sequence[int] | None, GenerationResult]:
         """Yield each step's new tokens; the iterator's return value is the GenerationResult.
         first_allowed [rows, vocab] bool: the tokens each row's first generated token may be (token healing's mask,
         runtime.healing); None: any.
+        `send(rows)` in place of next(): those rows end at the step just yielded, finish reason "stop" (a stop string
+        the consumer found in their text); the others go on.
         Closing the iterator early frees the generation's caches. With speculation a verification pass may give a row
         several tokens: they are yielded one StepOutput each, in step with the other rows (a row ahead of the others
         holds its tokens until they catch up), so the stream reads as without speculation."""
@@ -354,12 +357,29 @@ class _Output:
         return bool(self.finished.all())
 
     def ready(self):
-        """StepOutputs for every step each row has a token for (a finished row: None past its end)."""
-        running = [len(g) for g, f in zip(self.generated, self.finished) if not f]
-        upto = min(running) if running else max(len(g) for g in self.generated)
-        for step in range(self.yielded, upto):
-            yield StepOutput(step, [g[step] if step < len(g) else None for g in self.generated])
-        self.yielded = max(self.yielded, upto)
+        """StepOutputs for every step each row has a token for (a finished row: None past its end). The consumer may
+        send back rows to end at the step just yielded (end)."""
+        while True:
+            running = [len(g) for g, f in zip(self.generated, self.finished) if not f]
+            upto = min(running) if running else max(len(g) for g in self.generated)
+            if self.yielded >= upto:
+                return
+            step = self.yielded
+            ended = yield StepOutput(step, [g[step] if step < len(g) else None for g in self.generated])
+            self.yielded = step + 1
+            self.end(ended or (), step)
+
+    def end(self, rows: Sequence[int], step: int) -> None:
+        """Finish these rows ("stop") at `step`, by the consumer's word (a stop string in their text): a row's tokens
+        past it, drawn already where speculation ran it ahead, are dropped."""
+        for r in rows:
+            if not is_integer(r) or not 0 <= r < len(self.generated):
+                raise InputError(f"row {r!r} sent to end: the generation has rows 0..{len(self.generated) - 1}")
+            if self.finished[r] and len(self.generated[r]) <= step + 1:
+                continue  # it ended there by itself
+            self.decode_tokens -= len(self.generated[r]) - (step + 1)  # only the first token is not decoded
+            del self.generated[r][step + 1:]
+            self.finished[r], self.reasons[r] = True, "stop"
 
 
 def check_first_allowed(mask: np.ndarray | None, rows: int, vocab: int) -> np.ndarray | None:

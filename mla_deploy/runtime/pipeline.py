@@ -21,7 +21,7 @@ from .. import io_spec
 from ..errors import InputError
 from .generator import GenerationResult, StepOutput, check_first_allowed, check_prompts, run_to_end
 from .history import appended
-from .sampling import SamplingParams, row_generator, sample
+from .sampling import SamplingParams, is_integer, row_generator, sample
 
 _keys = itertools.count()
 
@@ -62,10 +62,12 @@ class PipelineGenerator:
         return check_prompts(prompts, max_new_tokens, self.model.config.vocab_size, self.model.max_seq_len)
 
     def stream(self, prompts, max_new_tokens: int,
-               first_allowed: np.ndarray | None = None) -> Generator_[StepOutput, None, GenerationResult]:
+               first_allowed: np.ndarray | None = None
+               ) -> Generator_[StepOutput, Sequence[int] | None, GenerationResult]:
         """Yield each micro-batch's step as its tokens arrive (None for the rows of the others and finished ones);
         the iterator's return value is the GenerationResult. Closing it early frees every stage's caches.
-        first_allowed: as Generator.stream's."""
+        first_allowed, and `send(rows)` to end rows at the step just yielded: as Generator.stream's (a row sent
+        must be one of the step's)."""
         rows = self.check_prompts(prompts, max_new_tokens)
         first_allowed = check_first_allowed(first_allowed, len(rows), self.model.config.vocab_size)
         generated: list[list[int]] = [[] for _ in rows]
@@ -85,7 +87,9 @@ class PipelineGenerator:
                     out: list[int | None] = [None] * len(rows)
                     for r, row in enumerate(group.rows):
                         out[row] = None if group.stopped_before[r] else int(tokens[r])
-                    yield StepOutput(group.steps - 1, out)
+                    ended = yield StepOutput(group.steps - 1, out)
+                    for row in ended or ():  # the consumer ends these rows here (Generator.stream's send)
+                        self._end(group, row, len(rows), reasons)
                     if group.finished.all() or group.steps == max_new_tokens:
                         active.remove(group)
                         self.model.close(group.key)
@@ -121,6 +125,18 @@ class PipelineGenerator:
         group.handle = self.model.forward(group.key, io_spec.PREFILL, ids, positions, np.zeros(b, np.int64),
                                           lengths - 1)
         return group
+
+    @staticmethod
+    def _end(group: _MicroBatch, row: int, rows: int, reasons: list[str]) -> None:
+        """Finish `row` ("stop") at the step its micro-batch just yielded."""
+        if not is_integer(row) or not 0 <= row < rows:
+            raise InputError(f"row {row!r} sent to end: the generation has rows 0..{rows - 1}")
+        if row not in group.rows:
+            raise InputError(f"row {row} sent to end is not in the step just yielded (its micro-batch's rows are "
+                             f"{group.rows})")
+        r = group.rows.index(row)
+        if not group.finished[r]:
+            group.finished[r], reasons[row] = True, "stop"
 
     def _sample(self, group: _MicroBatch, logits: np.ndarray, generated: list[list[int]],
                 reasons: list[str], allowed: np.ndarray | None) -> np.ndarray:
