@@ -76,7 +76,8 @@ def quantize_rows(a: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
     padded[:, :k] = a
     blocks = padded.reshape(m, kb, block)
     amax = np.abs(blocks).max(-1)
-    inv = np.where(amax != 0, np.float32(127) / np.where(amax != 0, amax, np.float32(1)), np.float32(0)).astype(
+    scalable = amax > np.float32(127) / np.finfo(np.float32).max  # else 127 / amax overflows: the block is zeros
+    inv = np.where(scalable, np.float32(127) / np.where(scalable, amax, np.float32(1)), np.float32(0)).astype(
         np.float32
     )
     codes = np.rint(blocks * inv[..., None])

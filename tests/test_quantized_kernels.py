@@ -206,6 +206,30 @@ def test_a_non_finite_activation_gives_its_rows_nan_on_every_path(level, value, 
                 assert np.array_equal(np.delete(y, 4, 0), np.delete(clean, 4, 0)), (isa, column)
 
 
+@needs_library
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_block_too_small_to_scale_to_127_quantizes_to_zeros_on_every_path(bits, monkeypatch):
+    """127 / max|a| overflows to infinity below max|a| = 127 / FLT_MAX (3.7e-37, subnormals too): such a block is all
+    zeros at level 4 (an error below 1e-36 |W|), where its codes had been -128 on the SIMD paths and undefined
+    behaviour on the plain C one (a whole row of them: any O(1) block would round the garbage away); the other rows
+    keep their codes."""
+    rng = np.random.default_rng(bits)
+    k, n, block = 96, 24, 32
+    _, codes, scales = quantized(rng.standard_normal((k, n)).astype(np.float32), bits, block)
+    onnx_model = qmatmul_model(k, n, bits, block, 4, codes, scales)
+    a = rng.standard_normal((3, k)).astype(np.float32)
+    tiny = a.copy()
+    tiny[1] = np.where(np.arange(k) % 2, -2e-37, 2e-37).astype(np.float32)
+    tiny[1, 5] = 1e-44  # a subnormal
+    monkeypatch.setenv("MLA_DEPLOY_ISA", "scalar")
+    expected = session(onnx_model, True).run(None, {"A": np.where(np.abs(tiny) < 1e-30, 0, tiny)})[0]
+    assert not expected[1].any() and expected[[0, 2]].all()
+    for isa in kernels.ISA_LEVELS:
+        if has_level(isa):
+            monkeypatch.setenv("MLA_DEPLOY_ISA", isa)
+            assert np.array_equal(session(onnx_model, True).run(None, {"A": tiny})[0], expected), isa
+
+
 @pytest.mark.parametrize("library", [pytest.param(True, marks=needs_library, id="kernel"),
                                      pytest.param(False, id="function-body")])
 @pytest.mark.parametrize("level", [0, 4])

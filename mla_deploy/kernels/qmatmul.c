@@ -18,7 +18,9 @@
  */
 #include "qmatmul.h"
 
+#include <float.h>
 #include <math.h>
+#include <stdint.h>
 #include <string.h>
 
 #include "quant_simd.h"
@@ -88,16 +90,27 @@ static void scalar_product(const QWeight *w, const QActs *a, int64_t r0, int64_t
     }
 }
 
+/* 127 / max|x| of a block, 0 where that is not a finite float: a block of zeros, or one whose largest value is below
+ * 127 / FLT_MAX (about 3.7e-37, subnormals included), quantizes to zeros with its scale, never to infinities. */
+static inline float quantize_inverse(float amax) { return amax > 127.0f / FLT_MAX ? 127.0f / amax : 0.0f; }
+
+/* cvtps2dq's conversion (round half to even; INT32_MIN for a NaN or a value out of range) and packsswb's saturation,
+ * so that a non-finite activation gives the scalar path the SIMD paths' codes and sum, not undefined behaviour. */
+static inline int32_t cvt_like_simd(float v) {
+    float r = nearbyintf(v);
+    return r >= -2147483648.0f && r < 2147483648.0f ? (int32_t)r : INT32_MIN;
+}
+
 static void quantize_block_scalar(const float *x, int block, int8_t *q, float *scale, int32_t *sum) {
     float amax = 0.0f;
     for (int i = 0; i < block; i++) amax = fmaxf(amax, fabsf(x[i]));
-    float inv = amax != 0.0f ? 127.0f / amax : 0.0f;
-    int32_t total = 0;
+    float inv = quantize_inverse(amax);
+    uint32_t total = 0; /* wraps as the SIMD paths' int32 lanes do */
     for (int i = 0; i < block; i++) {
-        int v = (int)nearbyintf(x[i] * inv); /* round half to even, as cvtps2dq */
-        q[i] = (int8_t)v, total += v;
+        int32_t v = cvt_like_simd(x[i] * inv);
+        q[i] = (int8_t)(v < -128 ? -128 : v > 127 ? 127 : v), total += (uint32_t)v;
     }
-    *scale = amax / 127.0f, *sum = total;
+    *scale = amax / 127.0f, *sum = (int32_t)total;
 }
 
 /* Ask for the weight bytes PREFETCH_BYTES ahead of a run being read, into L1: a group's runs lie end to end, so
@@ -531,7 +544,7 @@ TARGET_AVX2 static void quantize_block_avx2(const float *x, int block, int8_t *q
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
     float amax = _mm_cvtss_f32(m4);
-    float inv = amax != 0.0f ? 127.0f / amax : 0.0f;
+    float inv = quantize_inverse(amax);
     __m256 iv = _mm256_set1_ps(inv);
     __m256i total = _mm256_setzero_si256();
     for (int i = 0; i < block; i += 16) {
@@ -552,7 +565,7 @@ TARGET_AVX512 static void quantize_block_avx512(const float *x, int block, int8_
     __m512 m = _mm512_setzero_ps();
     for (int i = 0; i < block; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
     float amax = _mm512_reduce_max_ps(m);
-    float inv = amax != 0.0f ? 127.0f / amax : 0.0f;
+    float inv = quantize_inverse(amax);
     __m512 iv = _mm512_set1_ps(inv);
     __m512i total = _mm512_setzero_si512();
     for (int i = 0; i < block; i += 16) {
