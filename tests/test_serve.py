@@ -323,6 +323,15 @@ def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving(serve
         assert said["error"]["message"] == f"top_p: {top_p} is out of range; must be in (0, 1]", said
     empty = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": []}).json()["error"]
     assert empty["param"] == "prompt" and empty["message"].startswith("prompt: empty;"), empty
+    for route, body, said in (  # a field left out is required; one of the wrong kind is named as what it is
+            ("/tokenize", {"prompt": 123}, "prompt: expected a string (or messages, to tokenize a chat), got int 123"),
+            ("/tokenize", {}, "prompt: required, a string (or messages, to tokenize a chat)"),
+            ("/v1/completions", {"model": MODEL, "prompt": {"a": 1}},
+             'prompt: expected a string, a list of token ids, or a list of either, got dict {"a": 1}'),
+            ("/v1/completions", {"model": 7, "prompt": "x"}, "model: expected a string (GET /v1/models lists"),
+            ("/v1/completions", {"prompt": "x"}, "model: required, a string")):
+        error = httpx.post(base + route, json=body).json()["error"]
+        assert error["message"].startswith(said), (route, body, error)
     for field, value in (("tools", []), ("tool_choice", "none")):  # asking for no tools is served
         chat = httpx.post(base + "/v1/chat/completions", json={
             "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, field: value})

@@ -88,7 +88,8 @@ class PromptLogprobs:
 class Finished:
     reason: str  # "stop" (a stop id), "length" (max_new_tokens), "cancelled"
     prompt_tokens: int
-    completion_tokens: int
+    completion_tokens: int  # every token generated; for a cancelled request (a caller's stop string) that may run
+    # past where the caller stopped reading, up to the step that freed its row (serve counts its own)
     cached_tokens: int = 0  # prompt tokens whose cache entries a row already held (prefix caching), not prefilled
     shifted_tokens: int = 0  # of those, the ones moved to earlier positions (cache_reuse past the common start)
 

@@ -119,7 +119,7 @@ def parse_tokenize(body: dict, served: str) -> TokenizeRequest:
         if body.get(name) is not None:
             raise bad(f"{name}: a chat field (the chat template's); tokenize messages to use it", name)
     if not isinstance(body.get("prompt"), str):
-        raise bad("prompt: required, a string (or messages, to tokenize a chat)", "prompt")
+        raise bad(_wanted("prompt", body.get("prompt"), "a string (or messages, to tokenize a chat)"), "prompt")
     req.prompt = body["prompt"]
     special = body.get("add_special_tokens")
     req.add_special_tokens = True if special is None else _bool(special, "add_special_tokens")
@@ -137,8 +137,15 @@ def parse_detokenize(body: dict, served: str) -> TokenizeRequest:
 def _model(body: dict) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise bad("model: required, a string (GET /v1/models lists the one served)", "model")
+        raise bad(_wanted("model", model, "a string (GET /v1/models lists the one served)"), "model")
     return model
+
+
+def _wanted(name: str, value, what: str) -> str:
+    """The message for a field that is missing (required) or of the wrong kind (what it is instead)."""
+    if value is None or value == "":
+        return f"{name}: required, {what}"
+    return f"{name}: expected {what}, got {type(value).__name__} {json.dumps(value)[:40]}"
 
 
 def parse_body(raw: bytes) -> dict:
@@ -322,7 +329,7 @@ def _prompts(value) -> list[str | list[int]]:
         return [one(p, f"prompt[{i}]") for i, p in enumerate(value)]
     if value == []:
         raise bad("prompt: empty; give a string, a list of token ids, or a list of either", "prompt")
-    raise bad("prompt: required, a string, a list of token ids, or a list of either", "prompt")
+    raise bad(_wanted("prompt", value, "a string, a list of token ids, or a list of either"), "prompt")
 
 
 def _logit_bias(value) -> tuple[tuple[int, float], ...] | None:
