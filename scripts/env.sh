@@ -14,7 +14,7 @@ want="$(cat "$root"/requirements/*.txt "$root/pyproject.toml" "$root/setup.py" "
   | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   echo "mla-deploy: installing pinned dependencies (first run takes a few minutes)" >&2
-  "$venv/bin/python" -m pip install -q --upgrade pip
+  "$venv/bin/python" -m pip install -q --upgrade pip "setuptools>=68"  # the build backend pyproject.toml names
   "$venv/bin/python" -m pip install -q -c "$root/requirements/lock.txt" -r "$root/requirements/dev.txt"
   "$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$root"
   echo "$want" > "$stamp"
