@@ -153,6 +153,7 @@ def test_logprobs_are_the_models_top_k(client):
 
 def test_models_health_and_metrics(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert 0 < client.models.list().data[0].created <= time.time()  # when the server took the model up
     assert httpx.get(server[0] + "/health").json() == {"status": "ok"}
     before = _metrics(server[0])
     client.completions.create(prompt="x = ", max_tokens=5, **greedy())

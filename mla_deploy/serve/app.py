@@ -17,6 +17,7 @@ import contextlib
 import hmac
 import json
 import logging
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -74,6 +75,7 @@ class Service:
         `allowed_origins`: the web origins whose pages may call the routes from a browser (CORS; "*": any; none by
         default, as a page on any site could otherwise reach a server on this host)."""
         self.engine, self.model_name, self.api_key, self.max_body_bytes = engine, model_name, api_key, max_body_bytes
+        self.created = int(time.time())  # the model card's `created`: when this server took the model up
         self.allowed_origins = tuple(allowed_origins)
         if reasoning_parser is not None and reasoning_parser not in PARSERS:
             raise ServeError(f"reasoning parser {reasoning_parser!r}: not one of {', '.join(PARSERS)}")
@@ -154,7 +156,7 @@ class Service:
         return {"prompt": self.tokenizer.decode(req.tokens)}
 
     def model_card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "mla-deploy",
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "mla-deploy",
                 "max_model_len": self.engine.model.max_seq_len}
 
     def start(self, req: GenerationRequest) -> list[Run]:
