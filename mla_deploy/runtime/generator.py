@@ -373,13 +373,18 @@ class _Output:
         """Finish these rows ("stop") at `step`, by the consumer's word (a stop string in their text): a row's tokens
         past it, drawn already where speculation ran it ahead, are dropped."""
         for r in rows:
-            if not is_integer(r) or not 0 <= r < len(self.generated):
-                raise InputError(f"row {r!r} sent to end: the generation has rows 0..{len(self.generated) - 1}")
+            check_ended_row(r, len(self.generated))
             if self.finished[r] and len(self.generated[r]) <= step + 1:
                 continue  # it ended there by itself
             self.decode_tokens -= len(self.generated[r]) - (step + 1)  # only the first token is not decoded
             del self.generated[r][step + 1:]
             self.finished[r], self.reasons[r] = True, "stop"
+
+
+def check_ended_row(row, rows: int) -> None:
+    """A row a stream's consumer sends to end (Generator.stream, PipelineGenerator.stream) is one of its `rows`."""
+    if not is_integer(row) or not 0 <= row < rows:
+        raise InputError(f"row {row!r} sent to end: the generation has rows 0..{rows - 1}")
 
 
 def check_first_allowed(mask: np.ndarray | None, rows: int, vocab: int) -> np.ndarray | None:

@@ -19,9 +19,10 @@ import numpy as np
 
 from .. import io_spec
 from ..errors import InputError
-from .generator import GenerationResult, StepOutput, check_first_allowed, check_prompts, run_to_end
+from .generator import (GenerationResult, StepOutput, check_ended_row, check_first_allowed, check_prompts,
+                        run_to_end)
 from .history import appended
-from .sampling import SamplingParams, is_integer, row_generator, sample
+from .sampling import SamplingParams, row_generator, sample
 
 _keys = itertools.count()
 
@@ -129,8 +130,7 @@ class PipelineGenerator:
     @staticmethod
     def _end(group: _MicroBatch, row: int, rows: int, reasons: list[str]) -> None:
         """Finish `row` ("stop") at the step its micro-batch just yielded."""
-        if not is_integer(row) or not 0 <= row < rows:
-            raise InputError(f"row {row!r} sent to end: the generation has rows 0..{rows - 1}")
+        check_ended_row(row, rows)
         if row not in group.rows:
             raise InputError(f"row {row} sent to end is not in the step just yielded (its micro-batch's rows are "
                              f"{group.rows})")
