@@ -51,7 +51,15 @@ def blocks_to_check(n_blocks: int, file_bytes: int, check: str, rng: random.Rand
 
 
 def check_weights(path: Path, entry: dict, check: str = "sampled", rng: random.Random | None = None) -> int:
-    """Raise ExportLoadError if the weights file differs from the manifest's `weights` entry. Returns blocks read."""
+    """Raise ExportLoadError if the weights file differs from the manifest's `weights` entry (or cannot be read).
+    Returns blocks read."""
+    try:
+        return _check_weights(path, entry, check, rng)
+    except OSError as e:
+        raise ExportLoadError(f"{path}: cannot read the weights ({e.strerror})") from None
+
+
+def _check_weights(path: Path, entry: dict, check: str, rng: random.Random | None) -> int:
     size = path.stat().st_size
     if size != entry["bytes"]:
         raise ExportLoadError(f"{path}: {size} bytes, the manifest says {entry['bytes']}: truncated or replaced")

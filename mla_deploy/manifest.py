@@ -166,7 +166,13 @@ def _file_problems(directory: Path, manifest: dict, check_weights: str) -> list[
         path = directory / entry["file"]
         if not path.is_file():
             problems.append(f"{path}: missing {kind} graph")
-        elif entry.get("sha256") != file_sha256(path):
+            continue
+        try:
+            digest = file_sha256(path)
+        except OSError as e:
+            problems.append(f"{path}: cannot read the {kind} graph ({e.strerror})")
+            continue
+        if entry.get("sha256") != digest:
             problems.append(f"{path}: does not match the manifest (sha256 differs): corrupted or from another export")
     weights = directory / manifest["weights"]["file"]
     if not weights.is_file():

@@ -351,6 +351,37 @@ def test_check_names_every_damaged_file_at_once(exported, tmp_path):
         ExportedModel(d)
 
 
+def test_unreadable_export_files_named_not_an_internal_error(exported, tmp_path, monkeypatch):
+    """A graph and the weights the user may not read (a permission error: opened for reading, refused): `check`,
+    `verify` and a load name both files and the reason, as a one-line error, not `internal error: PermissionError`.
+    The refusal is simulated at open() (tests may run as root, whom chmod does not stop)."""
+    import builtins
+    import errno
+    import io
+
+    d = tmp_path / "export"
+    shutil.copytree(exported(VARIANT), d)
+    refused = {str(d / "decode.onnx"), str(d / "weights.bin")}
+    real_open = io.open
+
+    def open_refusing(file, *args, **kwargs):
+        if str(file) in refused:
+            raise PermissionError(errno.EACCES, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(io, "open", open_refusing)
+    monkeypatch.setattr(builtins, "open", open_refusing)
+    for command in ("check", "verify"):
+        result = CliRunner().invoke(main, [command, str(d)])
+        assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+        error = result.output.strip().splitlines()[-1]
+        assert error.startswith("error: 2 files fail their check: "), error
+        assert "decode.onnx: cannot read the decode graph (Permission denied)" in error, error
+        assert "weights.bin: cannot read the weights (Permission denied)" in error, error
+    with pytest.raises(ExportLoadError, match=r"weights.bin: cannot read the weights \(Permission denied\)"):
+        ExportedModel(d)
+
+
 def test_corrupt_graph_with_matching_hash_named(exported, tmp_path):
     import hashlib
 
