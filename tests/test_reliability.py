@@ -260,6 +260,16 @@ def test_export_force_on_a_file_fails_in_one_line(checkpoint_dir, tmp_path):
                              "nothing was deleted: choose another output path\n")
 
 
+def test_export_without_a_tokenizer_says_what_it_cannot_do(checkpoint_dir, tmp_path):
+    src, _ = checkpoint_dir(VARIANT)
+    assert not (src / "tokenizer.json").exists()
+    result = CliRunner().invoke(main, ["export", str(src), "-o", str(tmp_path / "out"), "--no-verify"])
+    assert result.exit_code == 0, result.output
+    assert (f"note: {src}: no tokenizer.json, so the export takes token ids alone (`run --prompt-ids`); text "
+            in result.output), result.output
+    assert "tokenizer.json" not in json.loads((tmp_path / "out" / "manifest.json").read_text())["tokenizer"]
+
+
 def test_disk_full_mid_write_leaves_nothing(checkpoint_dir, tmp_path, monkeypatch):
     from mla_deploy.export.weights import WeightsFile
 
@@ -293,6 +303,10 @@ def test_export_refuses_bad_checkpoints(checkpoint_dir, tmp_path):
     with pytest.raises(CheckpointError, match="generation_config.json: generation config must be a JSON object"):
         export(bad, tmp_path / "out", verify=lambda d: pytest.fail("the export went on to verify"))
     (bad / "generation_config.json").unlink()
+    (bad / "tokenizer.json").write_text('{"version": "1.0", "model": {')  # the runtime could not load it
+    with pytest.raises(CheckpointError, match=r"tokenizer.json: cannot read tokenizer \(EOF while parsing"):
+        export(bad, tmp_path / "out", verify=lambda d: pytest.fail("the export went on to verify"))
+    (bad / "tokenizer.json").unlink()
     (bad / "model.safetensors").unlink()
     (bad / "pytorch_model.bin").write_bytes(b"not even a pickle")
     with pytest.raises(CheckpointError, match="only pickle weights found"):

@@ -30,6 +30,7 @@ from ..manifest import MANIFEST_FILE, MANIFEST_VERSION, TOKENIZER_FILES, WEIGHTS
 from ..partial import partial_directory, scratch_path, unwritable_parent
 from ..progress import progress_bar
 from ..runtime.chat import GenerationDefaults, tokenizer_config
+from ..runtime.text import Tokenizer
 from .absorb import AbsorbMode, absorbed_weight_bytes
 from .graphs import build_graph, op_counts
 from .opset import OPSET
@@ -58,9 +59,9 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
     progress(f"loading checkpoint {checkpoint_dir}")
     ckpt = Checkpoint(checkpoint_dir)
     cfg = ckpt.config
-    for note in ckpt.notes:
+    notes = [*ckpt.notes, *_check_copied_configs(ckpt.directory)]
+    for note in notes:
         progress(f"note: {note}")
-    _check_copied_configs(ckpt.directory)
     plan = ExportPlan.resolve(cfg, options, ckpt.has_mtp)
     _report_choices(cfg, options, plan, progress)
     source = RoundedCheckpoint(ckpt, plan.dtype)  # the weights as the export's dtype holds them
@@ -102,7 +103,7 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptio
             ) from None
         raise
     progress(f"wrote {out}")
-    return ExportResult(out, plan, manifest, list(ckpt.notes))
+    return ExportResult(out, plan, manifest, notes)
 
 
 def _write_graphs(directory: Path, cfg, plan: ExportPlan, source: CheckpointView,
@@ -199,14 +200,22 @@ def _common(cfg, plan: ExportPlan, source_hash: str, export_id: str, ckpt: Check
     }
 
 
-def _check_copied_configs(directory: Path) -> None:
-    """The generation and tokenizer configs the export copies, read as the runtime reads them: a file it would refuse
-    is refused here, before the graphs are written."""
+def _check_copied_configs(directory: Path) -> list[str]:
+    """The tokenizer, generation and tokenizer configs the export copies, read as the runtime reads them: a file it
+    would refuse is refused here, before the graphs are written. Returns a note where the checkpoint has no
+    tokenizer.json."""
     try:
         GenerationDefaults.from_export(directory)
         tokenizer_config(directory)
+        if (directory / "tokenizer.json").is_file():
+            Tokenizer(directory / "tokenizer.json")
     except ExportLoadError as e:
         raise CheckpointError(str(e)) from None
+    if (directory / "tokenizer.json").is_file():
+        return []
+    return [f"{directory}: no tokenizer.json, so the export takes token ids alone (`run --prompt-ids`); text "
+            "(`run --prompt`, chat, eval, serve's text routes) needs one: copy the model's tokenizer.json in beside "
+            "config.json and export again"]
 
 
 def _copy_tokenizer(src: Path, dst: Path) -> list[str]:
