@@ -50,6 +50,7 @@ def mtp_tensors(cfg: MLAConfig) -> dict[str, tuple[int, ...]]:
             p + "eh_proj.weight": (d, 2 * d), p + "shared_head.norm.weight": (d,)}
 
 
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F8_E4M3", "F64")  # safetensors' names; float8 with its block scales
 MTP_SHARED = ("embed_tokens.weight", "shared_head.head.weight")
 MTP_OWN = ("enorm.", "hnorm.", "eh_proj.")  # what only an MTP module holds
 
@@ -217,6 +218,10 @@ class Checkpoint:
                 self._where[f"{prefix}.{e}.gate_proj.weight"] = (file, stored, (e, slice(0, half)))
                 self._where[f"{prefix}.{e}.up_proj.weight"] = (file, stored, (e, slice(half, shape[1])))
 
+    def _dtype(self, name: str) -> str:
+        file, stored, _ = self._where[name]
+        return file.entries[stored][0]
+
     def _shape(self, name: str) -> tuple[int, ...]:
         file, stored, rows = self._where[name]
         shape = file.entries[stored][1]
@@ -270,9 +275,12 @@ class Checkpoint:
         unexpected = [n for n in names if n not in expected]
         wrong = [f"{n}: {list(self._shape(n))} (expected {list(s)})"
                  for n, s in expected.items() if n in self._where and self._shape(n) != s]
-        if missing or unexpected or wrong:
+        not_float = [f"{n}: {d}" for n in expected if n in self._where
+                     and (d := self._dtype(n)) not in FLOAT_DTYPES]  # the model's weights, not codes of a format
+        if missing or unexpected or wrong or not_float:
             parts = []
-            for title, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)):
+            for title, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong),
+                                 (f"not floating point ({', '.join(FLOAT_DTYPES)})", not_float)):
                 if items:
                     shown = items[:20] + ([f"... and {len(items) - 20} more"] if len(items) > 20 else [])
                     parts.append(f"{title} ({len(items)}): " + "; ".join(shown))
@@ -297,7 +305,10 @@ class Checkpoint:
                 raise CheckpointError(f"{where}: {name} is float8_e4m3fn but {name}_scale_inv is missing")
             want = fp8.scale_shape(file.entries[stored][1], self.fp8_block)
             scale_file, scale_name = self._scales[name]
-            got = scale_file.entries[scale_name][1]
+            scale_dtype, got = scale_file.entries[scale_name][:2]
+            if scale_dtype not in ("F32", "BF16", "F16"):
+                raise CheckpointError(f"{where}: {scale_name} is {scale_dtype}: block scales are floating point "
+                                      "(F32 as DeepSeek-V3 publishes them, BF16 or F16)")
             if tuple(got) != want:
                 raise CheckpointError(f"{where}: {scale_name} has shape {list(got)}, expected {list(want)} (weight "
                                       f"{list(file.entries[stored][1])} in blocks of {list(self.fp8_block)})")

@@ -164,6 +164,22 @@ def test_a_non_finite_weight_is_refused_by_name(checkpoint_dir, tmp_path, value)
         ckpt.tensor(name)
 
 
+@pytest.mark.parametrize("dtype, stored", [(np.int32, "I32"), (np.int8, "I8"), (np.bool_, "BOOL")])
+def test_a_weight_stored_as_integers_is_refused_by_name(checkpoint_dir, tmp_path, dtype, stored):
+    """Integer codes are no weights the model can read (quantized formats carry their own scales and names): an
+    export would widen them to floats and write a model that says nothing."""
+    d = copy_checkpoint(checkpoint_dir, tmp_path)
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+
+    def damage(s):
+        s[name] = np.zeros(s[name].shape, dtype)
+
+    rewrite_weights(d, damage)
+    with pytest.raises(CheckpointError, match=rf"not floating point \(F32, F16, BF16, F8_E4M3, F64\) \(1\): "
+                                              rf"{name}: {stored}$"):
+        Checkpoint(d)
+
+
 def test_wrong_shape_and_unexpected_listed_together(checkpoint_dir, tmp_path):
     d = copy_checkpoint(checkpoint_dir, tmp_path)
 

@@ -147,6 +147,9 @@ def test_fp8_checkpoint_errors_name_the_problem(fp8_checkpoints, tmp_path):
     wrong_grid = write("wrong-grid", {**tensors, scale: torch.ones(1, 1)}, config)
     with pytest.raises(CheckpointError, match=r"weight_scale_inv has shape \[1, 1\], expected \[3, 4\]"):
         Checkpoint(wrong_grid)
+    int_scale = write("int-scale", {**tensors, scale: tensors[scale].to(torch.int32)}, config)
+    with pytest.raises(CheckpointError, match=r"weight_scale_inv is I32: block scales are floating point"):
+        Checkpoint(int_scale)
     no_config = write("no-config", tensors, {k: v for k, v in config.items() if k != "quantization_config"})
     with pytest.raises(CheckpointError, match="no FP8 quantization_config"):
         Checkpoint(no_config)
