@@ -208,6 +208,21 @@ def test_export_refuses_an_earlier_export_unless_forced(checkpoint_dir, tmp_path
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no partial or old copy left beside it
 
 
+def test_export_into_an_empty_directory_fills_it(checkpoint_dir, tmp_path):
+    """An empty directory (`mktemp -d`, a mounted volume's folder) holds nothing to replace: the export goes there
+    without --force; one holding anything is refused, untouched."""
+    src, _ = checkpoint_dir(VARIANT)
+    out = tmp_path / "out"
+    out.mkdir()
+    export(src, out, verify=None)
+    assert (out / "manifest.json").exists() and [p.name for p in tmp_path.iterdir()] == ["out"]
+    other = tmp_path / "other"
+    (other / "empty").mkdir(parents=True)
+    with pytest.raises(ExportError, match="other: is a directory with no manifest.json"):
+        export(src, other)
+    assert [p.name for p in other.iterdir()] == ["empty"]
+
+
 def _tree(root: Path) -> dict:
     """Every path under root (links not followed) with its bytes, or its target for a link."""
     tree = {}

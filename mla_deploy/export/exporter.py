@@ -237,8 +237,10 @@ def _fsync_tree(directory: Path) -> None:
 
 
 def _check_output(out: Path, force: bool) -> None:
-    """Nothing at `out`, or an earlier export there and --force: the one thing --force replaces. Anything else is
-    refused, nothing deleted."""
+    """Nothing at `out` (or an empty directory, as `mktemp -d` makes one), or an earlier export there and --force:
+    the one thing --force replaces. Anything else is refused, nothing deleted."""
+    if _empty_directory(out):
+        return
     if not (out.exists() or out.is_symlink()):
         if (why := unwritable_parent(out)) is not None:
             raise ExportError(f"{out}: cannot be created ({why}); choose another output path")
@@ -251,8 +253,14 @@ def _check_output(out: Path, force: bool) -> None:
                                                  "deleted: " if force else "") + "choose another output path")
 
 
+def _empty_directory(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink() and next(path.iterdir(), None) is None
+
+
 def _move_into_place(tmp: Path, out: Path, force: bool) -> None:
     _check_output(out, force)  # still nothing, or an earlier export, after the build
+    if _empty_directory(out):
+        out.rmdir()
     if out.exists():  # --force: swap, then remove the old export
         old = scratch_path(out, "old")
         out.rename(old)
