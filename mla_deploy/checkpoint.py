@@ -103,6 +103,9 @@ class Checkpoint:
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
+        if self.directory.is_file():
+            raise CheckpointError(f"{self.directory}: is a file; expected the checkpoint's directory (the one holding "
+                                  f"config.json and the safetensors){_parent_hint(self.directory)}")
         if not self.directory.is_dir():
             raise CheckpointError(f"{self.directory}: checkpoint directory does not exist")
         self.config = MLAConfig.from_hf_json(self.directory / "config.json")
@@ -316,6 +319,11 @@ class Checkpoint:
         if orphans:
             raise CheckpointError(f"{where}: {orphans[0]}_scale_inv has no float8_e4m3fn weight to scale")
         self._scales = {n: self._scales[n] for n in fp8_weights}
+
+
+def _parent_hint(path: Path) -> str:
+    """Where `path` is a file of a checkpoint (its config.json, a shard): its directory, which was probably meant."""
+    return f": {path.parent}?" if (path.parent / "config.json").is_file() else ""
 
 
 FINITE_CHUNK = 1 << 22  # elements a finiteness check looks at at once: a 4 MB mask, not one as large as the tensor

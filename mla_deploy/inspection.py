@@ -51,6 +51,12 @@ def inspect_path(path: str | Path) -> dict:
         report = {"kind": "checkpoint", "path": str(path), "plan": plan.to_dict(),
                   "absorb": f"{absorb.value} (what export --absorb auto picks)",
                   "dtype": "float32 (an export's)", "files_bytes": sum(f.path.stat().st_size for f in ckpt.files)}
+    elif not path.exists():
+        raise InputError(f"{path}: does not exist; expected an export or a checkpoint directory")
+    elif not path.is_dir():
+        meant = any((path.parent / name).is_file() for name in (MANIFEST_FILE, "config.json"))
+        raise InputError(f"{path}: is a file; expected an export or a checkpoint directory"
+                         + (f": {path.parent}?" if meant else ""))
     else:
         raise InputError(f"{path}: neither an export (no {MANIFEST_FILE}) nor a checkpoint (no config.json)")
     itemsize = ITEMSIZE[dtype]

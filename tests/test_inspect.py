@@ -100,6 +100,13 @@ def test_checkpoint_report_in_text(tmp_path):
 def test_neither_export_nor_checkpoint_is_named(tmp_path):
     result = CliRunner().invoke(main, ["inspect", str(tmp_path)])
     assert result.exit_code == 1 and "neither an export" in result.stderr and result.stdout == ""
+    (tmp_path / "notes.txt").write_text("mine")
+    for path, said in ((tmp_path / "gone", "does not exist; expected an export or a checkpoint directory"),
+                       (tmp_path / "notes.txt", "is a file; expected an export or a checkpoint directory"),
+                       (DEMO_CHECKPOINT / "config.json",
+                        f"is a file; expected an export or a checkpoint directory: {DEMO_CHECKPOINT}?")):
+        result = CliRunner().invoke(main, ["inspect", str(path)])
+        assert result.exit_code == 1 and result.stderr == f"error: {path}: {said}\n", result.stderr
 
 
 @pytest.mark.parametrize("damage", ["truncated", "graph"])

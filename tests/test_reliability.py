@@ -24,6 +24,7 @@ from mla_deploy.export import ExportOptions, export
 from mla_deploy.modeling import load_model
 from mla_deploy.runtime import ExportedModel, Generator, SamplingParams
 from mla_deploy.runtime.feeds import empty_caches
+from mla_deploy.presets import DEMO_CHECKPOINT
 from mla_deploy.runtime.session import resolve_providers
 from poison import poisoned_copy
 from reference import torch_greedy
@@ -721,6 +722,9 @@ def test_cli_errors_are_one_line(exported):
         (["run", out, "--prompt", "x", "--prompt-ids", "1"], "give one of --prompt TEXT or --prompt-ids IDS, not both"),
         (["run", "/nonexistent/export", "--prompt-ids", "1"], "export directory does not exist"),
         (["export", "/nonexistent/ckpt", "-o", "/tmp/never-written"], "checkpoint directory does not exist"),
+        (["export", str(DEMO_CHECKPOINT / "config.json"), "-o", "/tmp/never-written"],
+         f"config.json: is a file; expected the checkpoint's directory (the one holding config.json and the "
+         f"safetensors): {DEMO_CHECKPOINT}?"),
         (["export", "-o", "/tmp/never-written", "--compute", "float8"],  # click's usage errors too
          "Invalid value for '--compute': 'float8' is not one of 'auto', 'float32', 'float16'; `mla-deploy export "
          "--help` lists the options"),
