@@ -117,6 +117,7 @@ class Checkpoint:
         self._where: dict[str, tuple[SafetensorsFile, str, slice | None]] = {}
         self._mtp_prefix = f"model.layers.{self.config.num_hidden_layers}."
         self._scales: dict[str, tuple[SafetensorsFile, str]] = {}  # FP8 weight name -> its weight_scale_inv
+        self._cut = False  # layers past num_hidden_layers that are no MTP module: a deeper model read cut short
         self._index_tensors()
         self._check_against_config()
         self._check_fp8()
@@ -204,9 +205,15 @@ class Checkpoint:
                               f"(num_nextn_predict_layers={self.config.num_nextn_predict_layers}); the MTP draft "
                               f"chains layer {n}")
         elif skipped:
+            self._cut = True
+            mtp_layers = sorted({int(m.group(1)) for file in self.files for stored in file.entries
+                                 if (m := _LAYER.match(stored)) and int(m.group(1)) > n
+                                 and stored.removeprefix(m.group(0)).startswith(MTP_OWN)})
             self.notes.append(f"skipped layer(s) {_spans(sorted(skipped))}: past config.json's num_hidden_layers={n} "
-                              f"and not a multi-token-prediction module (no {'/'.join(MTP_OWN)}): the model is its "
-                              f"first {n} layers, as transformers reads it")
+                              f"(layer {n} is no multi-token-prediction module: no {'/'.join(MTP_OWN)}): the model "
+                              f"is its first {n} layers, as transformers reads it"
+                              + (f"; the MTP module at layer {_spans(mtp_layers)} drafts for the whole model: no "
+                                 "MTP draft graph" if mtp_layers else ""))
         if shared:
             self.notes.append(f"{', '.join(shared)}: the MTP layer's copies of the embedding and output layer, not "
                               "read (the main model's, which they share)")
@@ -250,7 +257,7 @@ class Checkpoint:
                                 f"the multi-token-prediction layer {layer} is incomplete")
             self.notes.append(f"layer {layer}: the multi-token-prediction (MTP) module, which an export writes as its "
                               "draft graph (not with --no-draft or --stages)")
-        elif self.config.num_nextn_predict_layers:
+        elif self.config.num_nextn_predict_layers and not self._cut:  # a cut model: said among the skipped
             self.notes.append(f"config.json has num_nextn_predict_layers={self.config.num_nextn_predict_layers} but "
                               f"the checkpoint holds no layer-{layer} weights: no MTP draft graph")
 

@@ -10,6 +10,7 @@ from mla_deploy.checkpoint import Checkpoint
 from mla_deploy.config import MLAConfig
 from mla_deploy.errors import CheckpointError, ConfigError
 from mla_deploy.modeling import load_model
+from mla_deploy.presets import DEMO_CHECKPOINT
 from mla_deploy.safetensors_io import SafetensorsFile, write_safetensors
 
 
@@ -252,6 +253,19 @@ def test_layers_past_the_config_that_are_no_mtp_module_are_skipped_with_a_note(c
     ckpt = Checkpoint(d)
     assert any(f"skipped layer(s) {n + 1}: past config.json's num_hidden_layers={n}" in note for note in ckpt.notes)
     assert not ckpt.has_mtp and not any(name.startswith(f"model.layers.{n + 1}.") for name in ckpt.names())
+
+
+def test_a_cut_config_over_a_checkpoint_with_an_mtp_module_says_why_there_is_no_draft(tmp_path):
+    """The demo (4 layers and its MTP module at layer 4) read as 2 layers: layers 2-4 are skipped, and the one note
+    says the MTP module is there but drafts for the whole model, not that the checkpoint lacks layer-2 weights."""
+    d = tmp_path / "demo"
+    shutil.copytree(DEMO_CHECKPOINT, d)
+    edit_config(d, num_hidden_layers=2)
+    ckpt = Checkpoint(d)
+    assert not ckpt.has_mtp and ckpt.notes == [
+        "skipped layer(s) 2-4: past config.json's num_hidden_layers=2 (layer 2 is no multi-token-prediction module: "
+        "no enorm./hnorm./eh_proj.): the model is its first 2 layers, as transformers reads it; the MTP module at "
+        "layer 4 drafts for the whole model: no MTP draft graph"]
 
 
 def source_logits(ckpt, ids):
