@@ -61,7 +61,8 @@ def _speculation_options(f):  # run and serve
                         help="Speculative decoding: propose tokens and verify them in one pass over the latent cache. "
                              "lookup: from earlier occurrences in the prompt and output (any export); mtp: by the "
                              "export's draft graph (a checkpoint with an MTP layer); auto: mtp where the export has "
-                             "it, else lookup. Greedy output is the same as off; sampled output keeps its "
+                             "it and its drafts pay at the step costs measured here, else lookup. Greedy output is "
+                             "the same as off; sampled output keeps its "
                              "distribution.")(f)
 
 

@@ -25,6 +25,7 @@ from mla_deploy.runtime.speculative import (
     Speculation,
     accept_row,
     lookup,
+    measure_costs,
     updated_acceptance,
     verification_pass,
     WallClock,
@@ -504,6 +505,20 @@ def test_a_generation_up_to_the_exports_length_is_whole(exported, always_draft):
     assert spec.generate([prompt], room).token_ids == plain and len(plain[0]) == room
 
 
+@pytest.mark.parametrize("draft_seconds, mode", [(0.02, "mtp"), (0.5, "lookup")])
+def test_auto_takes_mtp_where_its_drafts_can_pay_else_prompt_lookup(draft_seconds, mode):
+    """auto weighs the draft graph's measured call against the steps (the costs measure_costs caches on the model):
+    MTP drafts that could not pay at the prior acceptance would never be made, so auto takes prompt lookup, whose
+    proposals cost nothing; the mode named stays the user's."""
+    k = 4
+    model = SimpleNamespace(max_seq_len=64, has_draft=True, has_graph=lambda kind: True)
+    verify = {t: 0.1 * (1 + 0.05 * t) for t in range(2, k + 2)}  # a pass of t tokens costs about a decode step
+    model._speculation_costs = {(1, k, True): Costs(decode=0.1, verify=verify, draft=draft_seconds)}
+    assert Speculation("auto", k).resolve(model).mode == mode
+    assert Speculation("mtp", k).resolve(model).mode == "mtp"
+    assert measure_costs(model, 1, k, mtp=False) == Costs(0.1, verify, 0.0)  # lookup reuses those steps' figures
+
+
 # ---- bad input ----
 def test_bad_speculation_settings_are_refused_by_name(exported):
     model = ExportedModel(exported(VARIANT))
@@ -518,6 +533,8 @@ def test_bad_speculation_settings_are_refused_by_name(exported):
         Speculation("lookup", 8).validate(max_seq_len=8)
     assert Speculation("auto").resolve(model).mode == "lookup"  # no draft graph here
     short = SimpleNamespace(max_seq_len=4, has_draft=True, has_graph=lambda kind: True)  # no 5-token pass fits
-    assert Speculation("auto", 4).resolve(short).mode == "off" and Speculation("auto", 3).resolve(short).mode == "mtp"
+    pays = lambda model, k: True  # noqa: E731
+    assert Speculation("auto", 4).resolve(short, pays).mode == "off"
+    assert Speculation("auto", 3).resolve(short, pays).mode == "mtp"
     with pytest.raises(InputError, match="does not fit the export's maximum length 4"):
         Speculation("lookup", 4).resolve(short)  # a mode the user named is still refused

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -29,7 +29,7 @@ from .. import io_spec
 from ..errors import InputError
 from .cache import CacheBuffers, DecodeBinding
 from .draft import MAX_DRAFT_TOKENS, MTPDrafter
-from .sampling import SamplingParams, adjusted_logits, distribution, draw, finite, uniform
+from .sampling import SamplingParams, adjusted_logits, distribution, draw, finite, is_integer, uniform
 
 MODES = ("auto", "off", "lookup", "mtp")
 PRIOR_ACCEPTANCE = 0.6  # a row's acceptance estimate before its first verification
@@ -42,21 +42,26 @@ WALL_EXCESS_CAP = 4.0  # one step's time beyond its graph's cost counts at most 
 @dataclass(frozen=True)
 class Speculation:
     """How a generation speculates: `mode` off, lookup (prompt lookup: any export with a verify graph), mtp (the
-    export's draft graph) or auto (mtp where the export has a draft graph, else lookup; off for an export without a
-    verify graph); at most `draft_tokens` proposed per step, fewer where the measured costs and the row's acceptance
-    say fewer pay (DraftPolicy); lookup matches the last `ngram` tokens down to `min_ngram`."""
+    export's draft graph) or auto (mtp where the export has a draft graph whose drafts can pay, else lookup; off for
+    an export without a verify graph); at most `draft_tokens` proposed per step, fewer where the measured costs and
+    the row's acceptance say fewer pay (DraftPolicy); lookup matches the last `ngram` tokens down to `min_ngram`."""
     mode: str = "off"
     draft_tokens: int = 4
     ngram: int = 3
     min_ngram: int = 2
 
-    def resolve(self, model) -> "Speculation":
-        """auto made concrete for `model` (an ExportedModel), validated."""
+    def resolve(self, model, mtp_pays: Callable[[object, int], bool] | None = None) -> "Speculation":
+        """auto made concrete for `model` (an ExportedModel), validated: off where no verification pass fits (an
+        export shorter than draft_tokens + 1); mtp where the export has a draft graph and `mtp_pays(model, k)`
+        (default mtp_drafts_pay: a draft call cheap enough against a step that drafts pay at the prior acceptance),
+        else lookup, whose proposals cost nothing to make."""
         mode = self.mode
-        if mode == "auto":  # off where no verification pass fits: an export shorter than draft_tokens + 1
-            fits = isinstance(self.draft_tokens, int) and pass_fits(self.draft_tokens, model.max_seq_len)
-            mode = ("off" if not fits else "mtp" if model.has_draft
-                    else "lookup" if model.has_graph(io_spec.VERIFY) else "off")
+        if mode == "auto":
+            k = self.draft_tokens
+            fits = is_integer(k) and 1 <= k <= MAX_DRAFT_TOKENS and pass_fits(k, model.max_seq_len)
+            mode = ("off" if not fits else
+                    "mtp" if model.has_draft and (mtp_pays or mtp_drafts_pay)(model, k) else
+                    "lookup" if model.has_graph(io_spec.VERIFY) else "off")
         return replace(self, mode=mode).validate(model.max_seq_len, model.has_draft)
 
     def validate(self, max_seq_len: int | None = None, has_draft: bool | None = None) -> "Speculation":
@@ -79,6 +84,13 @@ class Speculation:
     @property
     def on(self) -> bool:
         return self.mode != "off"
+
+
+def mtp_drafts_pay(model, k: int) -> bool:
+    """Whether the export's MTP drafts can pay for one row at the prior acceptance, by the step costs measured here
+    (DraftPolicy.ever_drafts, the test Generator and Scheduler make before a row drafts): where not, a generation in
+    mode mtp never drafts, and prompt lookup is what can speed it."""
+    return DraftPolicy(measure_costs(model, 1, k, mtp=True), mtp=True).ever_drafts(1, k)
 
 
 def pass_fits(draft_tokens: int, max_seq_len: int) -> bool:
@@ -248,6 +260,9 @@ def measure_costs(model, rows: int, k: int, mtp: bool, context: int = 64, repeat
     key = (rows, k, mtp)
     cache = model.__dict__.setdefault("_speculation_costs", {})
     if key in cache:
+        return cache[key]
+    if (rows, k, True) in cache:  # the steps of an MTP measurement (speculative 'auto' made one): no draft call
+        cache[key] = replace(cache[(rows, k, True)], draft=0.0)
         return cache[key]
     cfg = model.config
     context = max(1, min(context, model.max_seq_len - k - 2))
