@@ -134,6 +134,11 @@ class TextStream:
         self.prefix, self.read = self.read, len(self.ids)
         return text[len(before):]
 
+    @property
+    def holding(self) -> bool:
+        """Whether tokens pushed gave no text yet (an incomplete UTF-8 sequence waiting for its next byte)."""
+        return self.read < len(self.ids)
+
     def flush(self) -> str:
         """At the end of the generation: the text still held back, an incomplete UTF-8 sequence decoded as it is
         (U+FFFD, as the whole sequence decodes), so the pieces join to decode(ids)."""

@@ -87,6 +87,16 @@ class ChoiceText:
         return self.stops.found if self.stops.stopped else self.stop_token
 
     def finish(self) -> None:
+        """The end of the choice: the text held back, an incomplete character at the end decoded as the whole
+        sequence decodes it (U+FFFD, TextStream.flush), carried by the last token, which was held with it."""
+        tail = self.stream.flush() if self.stream is not None and not self.stops.stopped else ""
+        if tail and self.held and not self.held[-1].text:  # (else the echoed prompt's bytes: nothing to carry them)
+            last = self.held.pop()  # the last token's text was "" (TextStream.holding): it carries the tail
+            self.held.append(Out(last.event, tail, last.offset))
+            self.pushed += len(tail)
+            out = self.stops.push(tail, look=not self.unstoppable)
+            self.released += len(out)
+            self.ready_text.append(out)
         out = self.stops.flush()
         self.released += len(out)
         self.ready_text.append(out)
@@ -108,6 +118,11 @@ class ChoiceText:
                 self.ready.append(Out(out.event, out.text[: end - out.offset], out.offset, cut=True))
             elif not self.stops.stopped:
                 keep.append(out)
+        # a token whose text is "" while the decoder holds bytes back stays with them: if the choice ends there, the
+        # incomplete character is its text (finish)
+        while self.ready and not self.ready[-1].text and self.stream is not None and self.stream.holding \
+                and not self.stops.stopped:
+            keep.insert(0, self.ready.pop())
         self.held = keep
 
 
