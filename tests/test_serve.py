@@ -263,6 +263,9 @@ BAD_REQUESTS = [
     ("lone surrogate in a list", b'{"model": "demo", "prompt": ["ok", "\\udfff"]}', 400, "prompt"),
     ("stop of wrong type", {"model": MODEL, "prompt": "x", "stop": [{}]}, 400, "stop"),
     ("token id outside vocabulary", {"model": MODEL, "prompt": [1, 99999]}, 400, "prompt"),
+    ("stop token id outside vocabulary", {"model": MODEL, "prompt": "x", "stop_token_ids": [99999]}, 400,
+     "stop_token_ids"),
+    ("stop id in stop outside vocabulary", {"model": MODEL, "prompt": "x", "stop": [2**70]}, 400, "stop_token_ids"),
     ("stream not a bool", {"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream"),
     ("logprobs too many", {"model": MODEL, "prompt": "x", "logprobs": 50}, 400, "logprobs"),
     ("temperature past float's range", {"model": MODEL, "prompt": "x", "temperature": 10**400}, 400, "temperature"),
@@ -294,6 +297,21 @@ def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving(serve
         chat = httpx.post(base + "/v1/chat/completions",
                           json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], field: value})
         assert chat.status_code == 400 and chat.json()["error"]["param"] == field, field
+    for content, said in (  # content parts: each refused by its index and kind; an assistant's refusal is its text
+            ([{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}],
+             "messages[0].content[1]: 'image_url' parts are not supported (this model reads text: text parts)"),
+            ([{"type": "text"}], "messages[0].content[0]: a text part needs its text as a string"),
+            (["a"], "messages[0].content[0]: expected a content part, an object with a string type, got str")):
+        part = httpx.post(base + "/v1/chat/completions",
+                          json={"model": MODEL, "messages": [{"role": "user", "content": content}]}).json()["error"]
+        assert part["message"] == said and part["param"] == "messages[0].content", part
+    replayed = [{"role": "user", "content": "x"},
+                {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
+                {"role": "user", "content": [{"type": "text", "text": "y"}]}]
+    said = httpx.post(base + "/tokenize", json={"model": MODEL, "messages": replayed}).json()
+    plain = httpx.post(base + "/tokenize", json={"model": MODEL, "messages": [
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": "no"}, {"role": "user", "content": "y"}]})
+    assert said["tokens"] == plain.json()["tokens"], said
     idle = {"echo": False, "best_of": 1, "max_tokens": 1}  # the completions fields at values asking for nothing
     user = [{"role": "user", "content": "x"}]
     assert httpx.post(base + "/v1/chat/completions", json={"model": MODEL, "messages": user, **idle}).status_code == 200
@@ -319,6 +337,9 @@ def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving(serve
     error = long_chat.json()["error"]
     assert long_chat.status_code == 400 and error["param"] == "messages", error
     assert "leaves no room for a reply" in error["message"] and "-" not in error["message"].split("tokens")[0], error
+    too_long = httpx.post(base + "/v1/completions", json={  # the prompt alone past the length: it is named, not
+        "model": MODEL, "prompt": " ".join(map(str, range(1200))), "max_tokens": 5}).json()["error"]  # max_tokens
+    assert too_long["param"] == "prompt" and "leaves no room for a reply" in too_long["message"], too_long
     for top_p in (0, 2):  # one range, said the same way from either side
         said = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "x", "top_p": top_p}).json()
         assert said["error"]["message"] == f"top_p: {top_p} is out of range; must be in (0, 1]", said
@@ -390,6 +411,34 @@ def test_a_stop_string_begun_within_min_tokens_is_found_where_it_ends_after_them
     assert choice([" 5 6"], 2, [4, 5, 6, 7]) == (" 4", [" 4"], True)  # begins in the 2nd token, ends in the 3rd
     assert choice([" 5 6"], 0, [4, 5, 6, 7]) == (" 4", [" 4"], True)
     assert choice([" 4 5"], 2, [4, 5, 6]) == (" 4 5 6", [" 4", " 5", " 6"], False)  # wholly within min_tokens
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+def test_a_choice_ending_inside_a_character_sends_it_as_the_whole_sequence_decodes(streamed):
+    """A reply cut (max_tokens, an end of sequence) inside a multi-byte character: its bytes come out as the
+    tokenizer decodes the whole sequence (U+FFFD), carried by the last token, as `complete()` gives them; a character
+    completed by the next token comes whole. The tokens sent join to the text sent, streamed or not."""
+    from mla_deploy.runtime import Tokenizer
+    from mla_deploy.runtime.scheduler import TokenEvent
+    from mla_deploy.serve.choices import ChoiceText
+
+    tokenizer = Tokenizer(DEMO_CHECKPOINT / "tokenizer.json")
+    byte = {tokenizer.token_bytes(i): i for i in range(tokenizer.vocab_size)}
+    ids = [byte[b"\xc3"], byte[b"\xa9"], byte[b"\xf0"], byte[b"\x9f"]]  # "é", then the first two bytes of an emoji
+    choice, sent, outs = ChoiceText(tokenizer, [], set()), [], []
+    for t in ids:
+        choice.push(TokenEvent(t, None, None))
+        if streamed:
+            text, taken = choice.take()
+            sent.append(text)
+            outs += taken
+    choice.finish()
+    text, taken = choice.take()
+    sent.append(text)
+    outs += taken
+    assert "".join(sent) == tokenizer.decode(ids) and tokenizer.decode(ids).startswith("é\ufffd")
+    assert [o.event.token for o in outs] == ids and "".join(o.text for o in outs) == "".join(sent)
+    assert outs[-1].text.startswith("\ufffd") and outs[2].text == ""
 
 
 def test_the_stop_reason_is_the_stop_string_found_first_or_the_requests_own_stop_id():

@@ -172,7 +172,8 @@ class Service:
         limit = self.engine.model.max_seq_len
         for i, ids in enumerate(prompts):
             where = f"prompt {i}: " if len(prompts) > 1 else ""
-            if req.max_tokens is None and len(ids) >= limit:  # chat's default: the rest of the length
+            scoring = req.echo and req.max_tokens == 0  # the prompt's logprobs alone: no room needed for a reply
+            if len(ids) > limit or len(ids) == limit and not scoring:  # the prompt alone: no max_tokens would fit
                 raise bad(f"{where}the prompt is {len(ids)} tokens, which leaves no room for a reply within this "
                           f"model's maximum length of {limit} tokens; shorten it",
                           "messages" if req.kind == "chat" else "prompt", "context_length_exceeded")
@@ -195,6 +196,10 @@ class Service:
             )
         except InputError as e:
             raise bad(str(e)) from None
+        vocab = self.engine.model.config.vocab_size
+        if outside := [t for t in req.stop_token_ids if t >= vocab]:  # as a prompt's ids and logit_bias's keys are
+            raise bad(f"stop token id {outside[0]} is outside the vocabulary (0..{vocab - 1}): the model can never "
+                      "generate it", "stop_token_ids")
         if req.speculative and not self.engine.scheduler.speculation.on:
             raise bad("speculative: true, but this server decodes without speculation (start it with serve "
                       "--speculative lookup or mtp); leave the field out, or false", "speculative")

@@ -382,19 +382,30 @@ def _messages(value) -> list[dict]:
         # for a key's presence before reading it
         m = {k: v for k, v in m.items() if v is not None or k == "content"}
         content = m.get("content")
-        if isinstance(content, list):  # content parts: only text is understood
-            parts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise bad(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
-                parts.append(part["text"])
-            content = "".join(parts)
+        if isinstance(content, list):
+            content = "".join(_text_part(part, f"messages[{i}].content[{j}]", m["role"], f"messages[{i}].content")
+                              for j, part in enumerate(content))
         if content is None and m["role"] == "assistant":
             content = ""
         if not isinstance(content, str):
             raise bad(f"messages[{i}].content: expected a string or a list of text parts", f"messages[{i}].content")
         out.append({**m, "content": content})
     return out
+
+
+def _text_part(part, where: str, role: str, param: str) -> str:
+    """A content part's text: a text part's, or an assistant's refusal (OpenAI replays it as such); any other kind
+    (image_url, input_audio, file) is refused by name, as the model reads text alone."""
+    if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+        raise bad(f"{where}: expected a content part, an object with a string type, got {type(part).__name__}", param)
+    kind = part["type"]
+    field = "refusal" if kind == "refusal" and role == "assistant" else "text" if kind == "text" else None
+    if field is None:
+        known = "text" + (" and refusal" if role == "assistant" else "")
+        raise bad(f"{where}: {kind!r} parts are not supported (this model reads text: {known} parts)", param)
+    if not isinstance(part.get(field), str):
+        raise bad(f"{where}: a {kind} part needs its {field} as a string", param)
+    return part[field]
 
 
 def _stops(value) -> tuple[list[str], list[int]]:
