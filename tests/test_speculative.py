@@ -464,6 +464,39 @@ def test_a_row_whose_prior_does_not_pay_learns_from_its_unverified_proposals(exp
     assert speculative.shadow_acceptance(0.3, [], 9) == updated_acceptance(0.3, 0, 0)
 
 
+def test_a_generator_weighs_the_python_around_its_steps_as_the_scheduler_does(exported, monkeypatch, always_draft):
+    """Generator's policy carries a WallClock fed by each step (the scheduler's): with graph costs of a nanosecond,
+    what the steps take beyond them is all Python and onnxruntime's own, which the clock learns from the passes."""
+    seen, clocks = [], []
+
+    class Recording(WallClock):
+        def __init__(self):
+            super().__init__()
+            clocks.append(self)
+
+        def observe(self, form, seconds, cost, tokens, rows):
+            seen.append((form, tokens, rows))
+            super().observe(form, seconds, cost, tokens, rows)
+
+    tiny = Costs(decode=1e-9, verify={t: 1e-9 for t in range(2, 6)})
+    monkeypatch.setattr(generator_module, "measure_costs", lambda *a: tiny)
+    monkeypatch.setattr(generator_module, "WallClock", Recording)
+    model = ExportedModel(exported(VARIANT))
+    plain = Generator(model, SamplingParams(), stop_token_ids=()).generate(PROMPTS[:1], 24).token_ids
+
+    def replay(history, k):
+        done = len(history) - len(PROMPTS[0])
+        return plain[0][done : done + k]
+
+    spec = Generator(model, SamplingParams(), stop_token_ids=(), speculation=Speculation("lookup", 4),
+                     proposer=replay).generate(PROMPTS[:1], 24)
+    assert spec.token_ids == plain and len(clocks) == 1
+    passes = [(tokens, rows) for form, tokens, rows in seen if form == "verify"]
+    assert passes and all(rows == 1 and 1 <= tokens <= 5 for tokens, rows in passes), seen
+    assert sum(tokens for _, tokens, _ in seen) == 23  # every token after the prefill's, each step's counted once
+    assert clocks[0].per_pass_row > 0 or clocks[0].per_token > 0
+
+
 def test_greedy_tokens_with_penalties_are_plain_decodings(exported, always_draft):
     """Greedy with a repetition penalty and presence/frequency penalties: the drafts are judged on the penalized
     logits, the history growing by each accepted draft (lookup down to one-token matches, so that it proposes)."""

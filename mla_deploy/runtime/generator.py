@@ -22,8 +22,8 @@ from .sampling import SamplingParams, is_integer, row_generator, sample
 from .session import ExportedModel
 from .draft import MTPDrafter
 from .history import appended
-from .speculative import (PRIOR_ACCEPTANCE, DraftPolicy, Speculation, SpeculationStats, accept_row, lookup,
-                          measure_costs, shadow_acceptance, updated_acceptance, verification_pass)
+from .speculative import (PRIOR_ACCEPTANCE, DraftPolicy, Speculation, SpeculationStats, WallClock, accept_row,
+                          lookup, measure_costs, shadow_acceptance, updated_acceptance, verification_pass)
 
 
 @dataclass
@@ -153,7 +153,9 @@ class Generator:
         spec, limit, drafter = self.speculation, self.model.max_seq_len, state.drafter
         pending = tokens.copy()  # each row's last token, not yet in its cache
         b = len(pending)
-        policy = DraftPolicy(measure_costs(self.model, b, spec.draft_tokens, drafter is not None), drafter is not None)
+        costs = measure_costs(self.model, b, spec.draft_tokens, drafter is not None)
+        clock = WallClock()  # the Python around the graphs (accepting, sampling, bookkeeping): the policy weighs it too
+        policy = DraftPolicy(costs, drafter is not None, clock)
         if not policy.ever_drafts(b, spec.draft_tokens):  # a pass (and its drafts) would cost more than it gives
             yield from self._plain(state, out, pending)
             return
@@ -181,6 +183,8 @@ class Generator:
                 drafts = [d[:m] for d, m in zip(proposals, policy.lengths(live, [len(d) for d in proposals]))]
             width = max(len(d) for d in drafts)
             starts = state.lengths.copy()
+            live = int((~out.finished).sum())
+            t1 = time.perf_counter()  # the step past its proposals, as the scheduler's WallClock times it
             if width == 0:
                 logits = self.decode_step(state, pending)
                 emitted = [[int(t)] for t in sample(logits, self.sampling, state.rng, state.history, out.counts)]
@@ -197,8 +201,12 @@ class Generator:
                     drafter is not None
                 ):  # the pairs just committed: (h at the pending token and each accepted draft, next)
                     drafter.commit(r, np.array(tokens_r), hidden[r, : len(tokens_r)].copy(), int(starts[r]))
+            tokens_out = sum(len(t) for r, t in enumerate(emitted) if not out.finished[r])
             out.take(state, emitted, decoded=True)
-            state.decode_ms += (time.perf_counter() - t0) * 1e3
+            done = time.perf_counter()
+            clock.observe("plain" if width == 0 else "verify", done - t1,
+                          costs.decode if width == 0 else costs.verify[width + 1], tokens_out, live)
+            state.decode_ms += (done - t0) * 1e3
 
     def _verify(self, state: _State, out: "_Output", pending: np.ndarray, drafts: list[np.ndarray],
                 width: int) -> tuple[list[list[int]], np.ndarray | None]:
