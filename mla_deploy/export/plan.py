@@ -89,7 +89,7 @@ from ..checkpoint import expected_tensors
 from ..config import MLAConfig
 from ..errors import ExportError
 from ..manifest import cache_format as manifest_cache_format
-from .absorb import AbsorbMode, absorbed_weight_bytes, resolve_absorb
+from .absorb import AbsorbMode, resolve_absorb
 from .precision import DTYPES
 from . import layouts
 from .quantize import ACCURACY_LEVELS, BLOCKS, HEAD_BITS, Quantization, quantized_hf_names
@@ -495,12 +495,31 @@ def stored_bytes(cfg: MLAConfig, plan: ExportPlan) -> tuple[float, list[float], 
     embedding = size("model.embed_tokens.weight", tensors["model.embed_tokens.weight"])
     head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     head = size(head_name, tensors[head_name]) + size("model.norm.weight", tensors["model.norm.weight"])
-    # the absorbed weights: quantized where fused, float32 islands where factored
-    absorbed = absorbed_weight_bytes(cfg, plan.absorb, 1) * (
-        q.bytes_per_weight() if q and plan.absorb == AbsorbMode.FUSED else 4)
+    absorbed = decode_form_bytes(cfg, plan)
     layers = [absorbed + sum(size(name, shape) for name, shape in tensors.items()
                              if name.startswith(f"model.layers.{i}.")) for i in range(cfg.num_hidden_layers)]
     return embedding, layers, head
+
+
+def decode_form_bytes(cfg: MLAConfig, plan: ExportPlan) -> float:
+    """Bytes a layer stores for its absorbed decode form beyond the checkpoint's own weights (export.attention):
+    fused, W^Q·W^UK and W^UV·W^O (float32 islands, or codes) and the queries' rope columns; factored, the queries'
+    nope and rope columns (q_b's again, split) and the per-head W^UK / W^UV (float32 islands, or codes at
+    per_head_bits), o_proj being the prefill's own."""
+    h, dn, dr, dc, dv = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                         cfg.kv_lora_rank, cfg.v_head_dim)
+    q_in = cfg.q_lora_rank or cfg.hidden_size
+    q = plan.quantization
+    itemsize = 4 if plan.dtype == "float32" else 2
+
+    def matrix(elements: int, island: bool = False) -> float:
+        return elements * (q.bytes_per_weight() if q else 4 if island else itemsize)
+
+    rope = matrix(q_in * h * dr)
+    if plan.absorb == AbsorbMode.FUSED:
+        return matrix(q_in * h * dc, island=True) + matrix(h * dc * cfg.hidden_size, island=True) + rope
+    per_head = (h * dn * dc + h * dc * dv) * (q.bytes_per_weight(q.per_head_bits) if q and q.per_head_bits else 4)
+    return matrix(q_in * h * dn) + rope + per_head
 
 
 def balanced_stages(embedding: float, layers: list[float], head: float, count: int) -> tuple[io_spec.Stage, ...]:
