@@ -24,7 +24,7 @@ from mla_deploy.export import ExportOptions, export  # noqa: E402
 from mla_deploy.presets import DEMO_CHECKPOINT  # noqa: E402
 from mla_deploy.runtime import ExportedModel, Generator, SamplingParams  # noqa: E402
 from mla_deploy.runtime.pipeline import PipelineGenerator  # noqa: E402
-from mla_deploy.runtime.stages import StagedModel, stage_resource, unreachable  # noqa: E402
+from mla_deploy.runtime.stages import StagedModel, no_cluster, stage_resource, unreachable  # noqa: E402
 
 PROMPTS = [[5, 9, 200, 7, 31], [3] * 17, [44, 45, 46, 47, 48, 49, 50, 51, 52], [8], list(range(100, 130))]
 
@@ -92,11 +92,51 @@ def test_a_cluster_address_where_nothing_answers_is_refused_at_once(exports, mon
     with pytest.raises(StageFailedError, match=rf"RAY_ADDRESS ray://127.0.0.1:{port}: no Ray cluster answered"):
         StagedModel(exports["2"])
     assert time.monotonic() - started < 30 and not ray.is_initialized()
-    with socket.socket() as listening:
+    with socket.socket() as listening:  # accepts, never answers
         listening.bind(("127.0.0.1", 0))
         listening.listen()
-        assert unreachable(f"127.0.0.1:{listening.getsockname()[1]}") is None
-    assert unreachable("auto") is None  # Ray resolves it: its own error, at once
+        silent = f"127.0.0.1:{listening.getsockname()[1]}"
+        assert unreachable(silent, timeout_s=0.5) == no_cluster(silent, "no answer within 0.5 s")
+    assert unreachable("auto") is None and unreachable("local") is None  # Ray resolves them: its own error, at once
+    monkeypatch.delenv("RAY_ADDRESS")
+    assert unreachable("nonsense") == ("--ray-address nonsense: expected HOST:PORT (the head's GCS port, ray start "
+                                       "--port), ray://HOST:PORT, auto or local")
+
+
+def test_an_address_that_answers_but_not_as_ray_is_refused_at_once(exports, monkeypatch):
+    """An HTTP server (the dashboard's port given for the GCS's) accepts the connection, and Ray would retry it for
+    minutes: the first reply to HTTP/2's preface tells it from Ray's gRPC servers, whose answer is a SETTINGS
+    frame."""
+    import http.server
+    import threading
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        address = f"127.0.0.1:{server.server_port}"
+        started = time.monotonic()
+        with pytest.raises(StageFailedError, match=rf"--ray-address {address}: no Ray cluster answered \(it answers, "
+                                                   r"but not as Ray's gRPC port does: give the head's GCS port"):
+            StagedModel(exports["2"], address=address)
+        assert time.monotonic() - started < 10 and not ray.is_initialized()
+    finally:
+        server.shutdown()
+
+
+def test_a_stage_that_cannot_load_is_its_own_one_line_error(exports, local_ray, tmp_path):
+    """A stage's weights truncated: the load's ExportLoadError naming the file reaches the caller whole (an error in
+    an actor's constructor would arrive as an ActorDiedError holding it as text), and Ray's own GCS answers the
+    address probe."""
+    from mla_deploy.errors import ExportLoadError
+
+    assert unreachable(ray.get_runtime_context().gcs_address) is None
+    broken = tmp_path / "2"
+    shutil.copytree(exports["2"], broken)
+    weights = broken / "stage-1" / "weights.bin"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    with pytest.raises(ExportLoadError, match=r"stage-1/weights.bin: \d+ bytes, the manifest says \d+: truncated"):
+        StagedModel(broken)
 
 
 def test_a_killed_stage_is_a_clear_error_not_a_hang(exports, local_ray):

@@ -20,7 +20,7 @@ import numpy as np
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from ..errors import ExportLoadError, StageFailedError
+from ..errors import MLADeployError, StageFailedError
 from .chain import StagedExport, StageWorker
 from .session import RuntimeOptions
 
@@ -28,20 +28,39 @@ LOAD_TIMEOUT_S = 600.0  # a stage that is not placed and loaded by then: the clu
 CONNECT_TIMEOUT_S = 5.0  # a cluster address that accepts no connection by then is refused (Ray itself retries minutes)
 
 
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes(3) + b"\x04" + bytes(5)  # and an empty SETTINGS frame
+RESOLVED_BY_RAY = ("auto", "local")
+
+
 def unreachable(address: str | None, timeout_s: float = CONNECT_TIMEOUT_S) -> str | None:
-    """Why no Ray cluster answers at `address` (else RAY_ADDRESS), of the form [ray://]HOST:PORT, as an error
-    message naming where the address came from; None when a connection opens, or the address is not of that form
-    ('auto', 'local': Ray resolves those itself)."""
-    host, sep, port = (address or os.environ.get("RAY_ADDRESS") or "").removeprefix("ray://").rpartition(":")
-    if not sep or not port.isdigit():
+    """Why no Ray cluster answers at `address` (else RAY_ADDRESS) as an error message naming where the address came
+    from: not of the form [ray://]HOST:PORT, auto or local; nothing listening; or a server that is no gRPC one (Ray's
+    GCS and client server speak gRPC, which answers HTTP/2's preface with a SETTINGS frame: the dashboard's port, an
+    HTTP server, would keep Ray retrying for minutes). None when it answers as Ray does, or for auto and local (Ray
+    resolves those itself, and says at once where none runs)."""
+    given = address or os.environ.get("RAY_ADDRESS") or ""
+    if not given or given in RESOLVED_BY_RAY:
         return None
+    host, sep, port = given.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        source = "--ray-address" if address else "RAY_ADDRESS"
+        return (f"{source} {given}: expected HOST:PORT (the head's GCS port, ray start --port), ray://HOST:PORT, "
+                "auto or local")
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
-        return None
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as connection:
+            if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+                return None  # a TLS cluster answers the preface only after the handshake Ray makes
+            connection.sendall(HTTP2_PREFACE)
+            reply = connection.recv(9)
     except socket.timeout:
         return no_cluster(address, f"no answer within {timeout_s:g} s")
     except OSError as e:
         return no_cluster(address, e.strerror or str(e))
+    if len(reply) < 4 or reply[3] != 0x04:
+        return no_cluster(address, "it answers, but not as Ray's gRPC port does: give the head's GCS port (ray start "
+                                   "--port, 6379 by default) or its client port (ray://HOST:10001), not the "
+                                   "dashboard's (8265)")
+    return None
 
 
 def no_cluster(address: str | None, why: str) -> str:
@@ -57,8 +76,19 @@ def stage_resource(index: int) -> str:
 
 
 class _StageActor(StageWorker):
+    def __init__(self, directory: str, options: RuntimeOptions):
+        """A stage that cannot load keeps its error for node() to raise: raised here, Ray gives the driver an
+        ActorDiedError holding it as text alone, where a method's error arrives whole (RayTaskError.cause)."""
+        self.load_error: MLADeployError | None = None
+        try:
+            super().__init__(directory, options)
+        except MLADeployError as e:
+            self.load_error = e
+
     def node(self) -> dict:
         """Where this stage runs, and how much memory its process holds there."""
+        if self.load_error is not None:
+            raise self.load_error
         context = ray.get_runtime_context()
         return {**self.describe(), "node_id": context.get_node_id(), "pid": os.getpid()}
 
@@ -80,7 +110,7 @@ class StagedModel(StagedExport):
                 raise StageFailedError(problem)
             try:
                 ray.init(address=address, include_dashboard=False, log_to_driver=False)
-            except ConnectionError as e:  # --ray-address auto with no cluster here, or one that does not answer
+            except (ConnectionError, ValueError) as e:  # auto with no cluster here; an address Ray cannot read
                 raise StageFailedError(no_cluster(address, str(e))) from None
         resources = ray.cluster_resources()
         count = len(self.stage_dirs)
@@ -106,7 +136,7 @@ class StagedModel(StagedExport):
         except RayTaskError as e:  # a stage that cannot load: its own error (missing file, mixed exports)
             self.shutdown()
             cause = e.cause if isinstance(getattr(e, "cause", None), Exception) else None
-            raise (cause if isinstance(cause, ExportLoadError) else StageFailedError(str(e).splitlines()[0])) from None
+            raise (cause if isinstance(cause, MLADeployError) else StageFailedError(str(e).splitlines()[0])) from None
         except BaseException:  # an actor lost while loading, Ctrl-C: the other stages' actors go too
             self.shutdown()
             raise
