@@ -14,6 +14,7 @@ from pathlib import Path
 
 from mutmut.stats import status_by_exit_code
 
+ROOT = Path(__file__).resolve().parents[1]  # the checkout, whatever the working directory
 DETECTED = {"killed", "timeout", "segfault", "caught by type check"}
 
 
@@ -37,7 +38,7 @@ def main() -> int:
         mutants = Path(sys.argv[1])
     else:
         mutants = next(
-            (p for p in (Path("mutants"), Path("benchmarks/results/mutation")) if p.is_dir()), Path("mutants")
+            (p for p in (ROOT / "mutants", ROOT / "benchmarks/results/mutation") if p.is_dir()), ROOT / "mutants"
         )
     if not any(mutants.rglob("*.py.meta")):
         print(f"no mutmut verdicts under {mutants}/: run scripts/mutate first", file=sys.stderr)
