@@ -55,7 +55,7 @@ def main() -> int:
     step = (len(text) - 600) // args.pieces
     texts = {f"held-out {i + 1}": text[i * step : i * step + 600] for i in range(args.pieces)}
     draft_tokens = args.draft_tokens or Speculation().draft_tokens
-    rows = speculative_rows(args.export, ("off", "lookup", "mtp"), args.threads, args.new_tokens, draft_tokens,
+    rows = speculative_rows(args.export, ("off", "auto", "lookup", "mtp"), args.threads, args.new_tokens, draft_tokens,
                             args.repeats, texts, progress=log)
     results = {"date": date.today().isoformat(), "cpu": cpu_model(), "threads": args.threads,
                "draft_tokens": draft_tokens,

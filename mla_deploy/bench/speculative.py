@@ -65,6 +65,7 @@ def speculative_rows(export_dir: Path, modes: tuple[str, ...], threads: int, new
             spec = last[mode].speculation
             speed = statistics.median(speeds[mode][1:])
             rows.append({"prompt": name, "prompt_tokens": len(ids), "new_tokens": new_tokens, "mode": mode,
+                         "resolved": generators[mode].speculation.mode,  # what auto became on this machine
                          "draft_tokens": draft_tokens if mode != "off" else 0, "tokens_per_s": speed,
                          **(spec.to_dict() if spec else {})})
             progress(f"speculative {name}: {mode} {speed:.1f} tok/s"
@@ -77,10 +78,11 @@ def speculative_rows(export_dir: Path, modes: tuple[str, ...], threads: int, new
 
 
 def table(rows: list[dict]) -> list[str]:
-    lines = [f"{'prompt':<16}{'mode':<8}{'tok/s':>9}{'vs off':>8}{'accepted':>12}{'first token':>13}"]
+    lines = [f"{'prompt':<16}{'mode':<16}{'tok/s':>9}{'vs off':>8}{'accepted':>12}{'first token':>13}"]
     for r in rows:
         accepted = f"{r['accepted']}/{r['proposed']}" if r.get("proposed") else "-"
         first = f"{r['first_token_acceptance']:.2f}" if r.get("first_token_acceptance") is not None else "-"
-        lines.append(f"{r['prompt']:<16}{r['mode']:<8}{r['tokens_per_s']:>9.1f}{r.get('vs_off', 0):>7.2f}x"
+        mode = r["mode"] if r.get("resolved", r["mode"]) == r["mode"] else f"{r['mode']} ({r['resolved']})"
+        lines.append(f"{r['prompt']:<16}{mode:<16}{r['tokens_per_s']:>9.1f}{r.get('vs_off', 0):>7.2f}x"
                      f"{accepted:>12}{first:>13}")
     return lines

@@ -183,7 +183,7 @@ class Generator:
                 drafts = [d[:m] for d, m in zip(proposals, policy.lengths(live, [len(d) for d in proposals]))]
             width = max(len(d) for d in drafts)
             starts = state.lengths.copy()
-            live = int((~out.finished).sum())
+            running = int((~out.finished).sum())
             t1 = time.perf_counter()  # the step past its proposals, as the scheduler's WallClock times it
             if width == 0:
                 logits = self.decode_step(state, pending)
@@ -205,7 +205,7 @@ class Generator:
             out.take(state, emitted, decoded=True)
             done = time.perf_counter()
             clock.observe("plain" if width == 0 else "verify", done - t1,
-                          costs.decode if width == 0 else costs.verify[width + 1], tokens_out, live)
+                          costs.decode if width == 0 else costs.verify[width + 1], tokens_out, running)
             state.decode_ms += (done - t0) * 1e3
 
     def _verify(self, state: _State, out: "_Output", pending: np.ndarray, drafts: list[np.ndarray],
