@@ -139,6 +139,26 @@ def test_a_stage_that_cannot_load_is_its_own_one_line_error(exports, local_ray, 
         StagedModel(broken)
 
 
+def test_a_terminated_run_over_ray_stops_cleanly(exports, tmp_path):
+    """SIGTERM to `mla-deploy run` on a staged export: the CLI's clean stop ("interrupted", exit 130, its Ray
+    instance shut down), not Ray's crash report (Ray installs its own SIGTERM handler when it starts)."""
+    import signal
+
+    err = tmp_path / "stderr"
+    with open(err, "w") as stderr:
+        run = subprocess.Popen([shutil.which("mla-deploy", path=os.path.dirname(sys.executable)), "run",
+                                str(exports["2"]), "--prompt-ids", "5,9,200", "-n", "1000", "--temperature", "0"],
+                               stdout=subprocess.PIPE, stderr=stderr)
+    try:
+        assert run.stdout.read(1), err.read_text()  # tokens are streaming: the stages are up
+        run.send_signal(signal.SIGTERM)
+        assert run.wait(timeout=60) == 130
+    finally:
+        run.kill()
+    said = err.read_text()
+    assert said.rstrip().splitlines()[-1] == "interrupted" and "SIGTERM received" not in said, said
+
+
 def test_a_killed_stage_is_a_clear_error_not_a_hang(exports, local_ray):
     with StagedModel(exports["2"]) as model:
         ray.kill(model.actors[1])

@@ -11,7 +11,9 @@ ref, never through the driver.
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import Hashable
@@ -108,10 +110,13 @@ class StagedModel(StagedExport):
             problem = unreachable(address)
             if problem:
                 raise StageFailedError(problem)
+            terminate = signal.getsignal(signal.SIGTERM)
             try:
                 ray.init(address=address, include_dashboard=False, log_to_driver=False)
             except (ConnectionError, ValueError) as e:  # auto with no cluster here; an address Ray cannot read
                 raise StageFailedError(no_cluster(address, str(e))) from None
+            if callable(terminate) and threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, terminate)  # the caller's (the CLI's clean stop), not Ray's crash report
         resources = ray.cluster_resources()
         count = len(self.stage_dirs)
         if options.threads == 0:
