@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
@@ -33,6 +34,10 @@ class _Cli(click.Group):
             self._fail(ctx, f"error: {e}", 1)
         except KeyboardInterrupt:
             self._fail(ctx, "interrupted", 130)
+        except BrokenPipeError:  # the reader of stdout closed it (`| head`): stop quietly, as a shell tool does
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())  # the interpreter's last flush of stdout meets no pipe
+            sys.exit(141)  # 128 + SIGPIPE: what a shell reports for a writer the pipe ended
         except Exception as e:  # a missing extra, or a bug (not bad input): still one line unless --debug
             hint = missing_extra(e.name) if isinstance(e, ModuleNotFoundError) else None
             if hint is not None:
@@ -298,7 +303,8 @@ def run(export_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_
               help="A Jinja chat template used in place of the export's (tokenizer_config.json chat_template): a "
                    "file, or the template itself.")
 @click.option("-n", "--max-new-tokens", type=click.IntRange(min=1), default=512, show_default=True,
-              help="The most tokens a reply generates.")
+              help="The most tokens a reply generates; the oldest turns are dropped to leave this much room in the "
+                   "context, so a value near the context's length keeps little history.")
 @_sampling_options
 @click.option("--provider", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--threads", type=click.IntRange(min=0), default=0, show_default=True,
@@ -315,7 +321,7 @@ def chat(export_dir, system, chat_template, max_new_tokens, temperature, top_k, 
     """Chat with EXPORT_DIR in the terminal, through its chat template: a line is a message (end a line with \\ to
     go on to the next), /reset starts again, /exit or Ctrl-D ends, /help lists the commands. A turn prefills only
     its new tokens: the conversation before it stays in the cache; its oldest turns make room when the context
-    fills. Ctrl-C ends a reply where it is."""
+    cannot hold it and a reply of -n tokens. Ctrl-C ends a reply where it is."""
     from .manifest import is_staged, read_manifest, require_whole
     from .runtime import ExportedModel, RuntimeOptions
     from .runtime.chat import ChatTemplate
@@ -445,7 +451,8 @@ def bench(quick, preset, checkpoint, contexts, batches, engines, steps, threads,
     result = run_bench(cfg, progress=_progress())
     click.echo(table(result))
     json_path, png = save(result, out or workdir / "results", "quick" if quick else "results")
-    click.echo(f"saved {json_path}" + (f" and {png}" if png else ""))
+    click.echo(f"saved {json_path}" + (f" and {png}" if png else "; no chart: matplotlib is not installed (pip "
+                                                                 "install 'mla-deploy[bench]')"))
 
 
 @main.command()

@@ -212,6 +212,21 @@ def test_speculative_rows_say_when_mtp_is_left_out(exported):
     assert any("mtp left out: the export has no draft graph" in s for s in said), said
 
 
+def test_an_engine_whose_module_is_missing_is_named_before_anything_is_built(tmp_path, monkeypatch):
+    """The transformers engine without the transformers package: the extra to install, said before the checkpoint,
+    the exports and the bandwidth probe, not after them."""
+    import importlib.util
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "transformers" else find(name, *args))
+    out = CliRunner().invoke(main, ["bench", "--preset", "tiny-v3", "--workdir", str(tmp_path / "w"),
+                                    "--engines", "onnx-factored,transformers"])
+    assert out.exit_code == 1 and out.stderr == ("error: `mla-deploy bench` needs the 'bench' extra (module "
+                                                 "'transformers' is not installed): pip install 'mla-deploy[bench]'\n")
+    assert not (tmp_path / "w").exists()
+
+
 @pytest.mark.parametrize("args,message", [
     (["--engines", "onnx-fused,torch_naive"], "--engines onnx-fused,torch_naive: expected some of onnx-fused, "),
     (["--batches", "0"], "--batches 0: expected integers >= 1"),

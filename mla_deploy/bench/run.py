@@ -262,8 +262,23 @@ def _decode_points(cfg, engines, result, progress) -> None:
                 progress(f"{engine.name}: ctx {ctx} batch {batch}: {ms:.1f} ms/step, {row['tokens_per_s']:.1f} tok/s")
 
 
+ENGINE_MODULES = {"torch-absorbed": ("torch",), "torch-naive": ("torch",), "transformers": ("torch", "transformers")}
+
+
+def check_engine_modules(engines: tuple[str, ...]) -> None:
+    """ModuleNotFoundError (the CLI names the extra that provides it) for a module an asked-for engine imports and
+    this environment lacks: before any checkpoint or export is built and measured, not after."""
+    import importlib.util
+
+    for name in engines:
+        for module in ENGINE_MODULES.get(name, ()):
+            if importlib.util.find_spec(module) is None:
+                raise ModuleNotFoundError(f"engine {name} imports {module}", name=module)
+
+
 def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda m: None) -> BenchResult:
     t0 = time.perf_counter()
+    check_engine_modules(cfg.engines)
     cfg = fit_contexts(cfg, progress)
     checkpoint, exports = prepare(cfg, progress)
     progress("measuring memory bandwidth")
