@@ -98,6 +98,42 @@ def test_sampling_parameters_out_of_range(model, params, message):
         Generator(model, SamplingParams(**params))
 
 
+def test_settings_given_as_other_types_are_named(model):
+    """A dict for the sampling, a mode's name for the speculation: an InputError saying what the API takes, not an
+    AttributeError from inside it (complete(), Generator and PipelineGenerator, Conversation share the check)."""
+    from mla_deploy.runtime.complete import complete
+
+    with pytest.raises(InputError, match=r"sampling: expected a SamplingParams \(or None\), got dict"):
+        complete(model, prompt_ids=[1, 2], sampling={"temperature": 0})
+    with pytest.raises(InputError, match=r"speculation: expected a Speculation \(or None\), got str 'lookup'"):
+        Generator(model, speculation="lookup")
+
+
+def test_threads_past_four_per_cpu_are_refused_before_onnxruntime_makes_them(exported):
+    from mla_deploy.runtime import RuntimeOptions
+
+    cpus = os.cpu_count() or 1
+    with pytest.raises(InputError, match=rf"threads={4 * cpus + 1}: more than 4 per logical CPU of this machine's "
+                                         rf"{cpus}; 0 takes one per physical core"):
+        ExportedModel(exported(VARIANT), RuntimeOptions(threads=4 * cpus + 1))
+    assert ExportedModel(exported(VARIANT), RuntimeOptions(threads=4 * cpus), graphs=("decode",)).sessions
+
+
+def test_a_reader_that_closes_stdout_early_ends_the_run_quietly(demo_export_dir):
+    """`mla-deploy run ... | head -c 5`: the pipe's end is the reader's choice, not an error: no message, and the exit
+    status a shell gives a writer the pipe ended (128 + SIGPIPE)."""
+    import subprocess
+    import sys
+
+    cli = shutil.which("mla-deploy", path=os.path.dirname(sys.executable))
+    run = subprocess.Popen([cli, "run", str(demo_export_dir), "--prompt", "def ", "-n", "400", "--seed", "1"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert run.stdout.read(5)
+    run.stdout.close()
+    assert run.wait(timeout=120) == 141
+    assert run.stderr.read() == b""
+
+
 def good_feed(model, b=2, t=3, cap=8):
     cfg = model.config
     feed = {io_spec.INPUT_IDS: np.full((b, t), 5, np.int64), io_spec.POSITION_IDS: np.tile(np.arange(t), (b, 1)),

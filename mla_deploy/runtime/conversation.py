@@ -20,6 +20,7 @@ from typing import Callable
 
 from ..errors import InputError
 from .chat import ChatTemplate
+from .generator import check_settings
 from .scheduler import Failed, Finished, Request, Scheduler, TokenEvent
 from .sampling import SamplingParams, is_integer
 from .session import ExportedModel
@@ -50,6 +51,7 @@ class Conversation:
         model's context ends first); `cache_reuse`: once turns are dropped, the later turns' cache entries move up
         past them instead of being prefilled again, runs of at least this many tokens (the Scheduler's option, an
         approximation: 0, off, by default)."""
+        check_settings(sampling, speculation)
         self.tokenizer = Tokenizer.from_export(model.directory, model.manifest)
         if self.tokenizer is None:
             raise InputError(f"{model.directory}: this export has no tokenizer (tokenizer.json) to write messages with")

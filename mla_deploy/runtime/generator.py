@@ -59,6 +59,14 @@ class _State:
     decode_ms: float = 0.0
 
 
+def check_settings(sampling, speculation) -> None:
+    """InputError where `sampling` or `speculation` is given as something else than their types (a dict, a mode's
+    name): the API takes SamplingParams(temperature=0) and Speculation("lookup")."""
+    for name, value, kind in (("sampling", sampling, SamplingParams), ("speculation", speculation, Speculation)):
+        if value is not None and not isinstance(value, kind):
+            raise InputError(f"{name}: expected a {kind.__name__} (or None), got {type(value).__name__} {value!r}")
+
+
 def run_to_end(steps: Generator_[StepOutput, None, GenerationResult]) -> GenerationResult:
     """Run a generation's steps (Generator.stream, PipelineGenerator.stream) through; its GenerationResult."""
     while True:
@@ -81,6 +89,7 @@ class Generator:
         benchmark's replay of known output); acceptance checks them as any draft."""
         model.require_whole("generation")
         self.model = model
+        check_settings(sampling, speculation)
         self.sampling = (model.generation.sampling if sampling is None else sampling).validate(model.config.vocab_size)
         self.speculation = (speculation or Speculation()).resolve(model)
         if self.speculation.mode == "mtp" and io_spec.PREFILL not in model.sessions:

@@ -20,7 +20,7 @@ import numpy as np
 from .. import io_spec
 from ..errors import InputError
 from .generator import (GenerationResult, StepOutput, check_ended_row, check_first_allowed, check_prompts,
-                        run_to_end)
+                        check_settings, run_to_end)
 from .history import appended
 from .sampling import SamplingParams, row_generator, sample
 
@@ -50,6 +50,7 @@ class PipelineGenerator:
                  micro_batches: int = 1):
         """`micro_batches`: how many groups of rows are in flight at once (one per stage keeps every stage busy)."""
         self.model = model
+        check_settings(sampling, None)
         self.sampling = (model.generation.sampling if sampling is None else sampling).validate(model.config.vocab_size)
         if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
             raise InputError(f"micro_batches={micro_batches!r}: must be a positive integer")

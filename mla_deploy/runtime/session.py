@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import warnings
@@ -101,6 +102,19 @@ class RuntimeOptions:
                 raise InputError(f"session_config entry {entry!r}: expected a (key, value) pair of non-empty strings")
 
 
+THREADS_PER_CPU = 4  # the most intra-op threads per logical CPU a session is given (more only time-slice them)
+
+
+def check_threads(threads: int) -> None:
+    """An InputError where `threads` is past THREADS_PER_CPU x this machine's logical CPUs: onnxruntime creates every
+    one (100000 took minutes and 11 GB, unkillable by SIGTERM). Checked where the sessions are made, so a Ray stage
+    weighs its own node's CPUs."""
+    cpus = os.cpu_count() or 1
+    if threads > THREADS_PER_CPU * cpus:
+        raise InputError(f"threads={threads}: more than {THREADS_PER_CPU} per logical CPU of this machine's {cpus}; "
+                         "0 takes one per physical core")
+
+
 PREPACKED_OPS = ("com.microsoft::MatMulNBits", "com.microsoft::QMoE")  # slow unless onnxruntime prepacks them
 
 
@@ -128,6 +142,7 @@ class ExportedModel:
         self.directory = Path(directory)
         self.options = options or RuntimeOptions()
         self.options.validate()
+        check_threads(self.options.threads)
         self.manifest = read_manifest(self.directory)
         if is_staged(self.manifest):
             raise ExportLoadError(f"{self.directory}: a staged export of {len(self.manifest['stages'])} stages; run it "
