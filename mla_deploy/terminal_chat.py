@@ -21,7 +21,7 @@ from .runtime.conversation import Conversation, Turn
 
 COMMANDS = {
     "/reset": "start the conversation again from the system message",
-    "/exit": "end the chat (also /bye, or Ctrl-D)",
+    "/exit": "end the chat (also /bye, /quit, or Ctrl-D)",
     "/help": "this list (also /?)",
 }
 ALIASES = {"/bye": "/exit", "/quit": "/exit", "/?": "/help"}
@@ -36,6 +36,10 @@ def chat_loop(conversation: Conversation, stdin=None) -> None:
             return
         text = message.strip()
         if not text:
+            continue
+        first = text.split()[0]
+        if ALIASES.get(first, first) in COMMANDS and first != text:  # "/reset now": a command, not a message
+            click.echo(f"[{first} takes no argument: /help lists the commands]", err=True)
             continue
         if text.startswith("/") and len(text.split()) == 1:
             command = ALIASES.get(text, text)
@@ -61,7 +65,9 @@ def chat_loop(conversation: Conversation, stdin=None) -> None:
 
 def describe(turn: Turn) -> str:
     """The line after a reply: its length and end, what its prompt cost, its speed."""
-    dropped = f"; the {turn.dropped_turns} oldest turns dropped to fit the context" if turn.dropped_turns else ""
+    n = turn.dropped_turns
+    dropped = ("" if not n else "; the oldest turn dropped to fit the context" if n == 1
+               else f"; the {n} oldest turns dropped to fit the context")
     shifted = f" ({turn.shifted_tokens} moved up)" if turn.shifted_tokens else ""
     return (f"[{len(turn.token_ids)} tokens, {turn.finish_reason}; prompt {turn.prompt_tokens} tokens, "
             f"{turn.prompt_tokens - turn.cached_tokens} prefilled, {turn.cached_tokens} from the cache{shifted}"

@@ -175,7 +175,7 @@ def test_an_export_without_a_chat_template_or_tokenizer_is_refused_by_name(demo_
 
 
 def test_the_chat_command_streams_replies_and_says_what_came_from_the_cache(demo_export_dir, model):
-    typed = (f"{ASKS[0]}\n{ASKS[1].replace(chr(10), chr(92) + chr(10))}\n/reset\n\n/nonsense\n/help\n"
+    typed = (f"{ASKS[0]}\n{ASKS[1].replace(chr(10), chr(92) + chr(10))}\n/reset\n\n/nonsense\n/help\n/reset now\n"
              f"caf\xe9 not UTF-8\n{ASKS[0]}\n/bye\nnever read\n").encode("latin-1")
     result = CliRunner().invoke(main, ["chat", str(demo_export_dir), "--temperature", "0", "--repetition-penalty",
                                        "1", "-n", "10", "--speculative", "off"], input=typed)
@@ -187,6 +187,7 @@ def test_the_chat_command_streams_replies_and_says_what_came_from_the_cache(demo
     assert cached[0] == 0 and cached[1] > 0 and cached[2] > 0 and len(cached) == 3
     assert "[the conversation starts again]" in result.stderr
     assert "[unknown command /nonsense: /help lists them]" in result.stderr and "/reset  start" in result.stderr
+    assert "[/reset takes no argument: /help lists the commands]" in result.stderr and "/quit" in result.stderr
     assert "[the line is not UTF-8 text: dropped]" in result.stderr
 
 
