@@ -174,6 +174,7 @@ class Checkpoint:
     # ---- checking ----
     def _index_tensors(self) -> None:
         skipped, shared, seen = set(), [], {}
+        modules = set()  # skipped layers that hold an MTP module's own tensors
         n = self.config.num_hidden_layers
         # layer n is the MTP module where it holds the module's own tensors; else layers from n on are a deeper
         # model's cut to n layers (a config edited for a quick test), which transformers reads as n layers too
@@ -188,6 +189,8 @@ class Checkpoint:
                 layer = _LAYER.match(stored)
                 if layer and int(layer.group(1)) >= n + mtp:
                     skipped.add(int(layer.group(1)))  # a second or later MTP layer (the draft chains the first)
+                    if stored.removeprefix(layer.group(0)).startswith(MTP_OWN):
+                        modules.add(int(layer.group(1)))
                     continue
                 if stored.startswith(self._mtp_prefix) and stored.removeprefix(self._mtp_prefix).startswith(MTP_SHARED):
                     shared.append(stored)  # DeepSeek-V3's copies of the embedding and the head: the main model's serve
@@ -206,14 +209,11 @@ class Checkpoint:
                               f"chains layer {n}")
         elif skipped:
             self._cut = True
-            mtp_layers = sorted({int(m.group(1)) for file in self.files for stored in file.entries
-                                 if (m := _LAYER.match(stored)) and int(m.group(1)) > n
-                                 and stored.removeprefix(m.group(0)).startswith(MTP_OWN)})
             self.notes.append(f"skipped layer(s) {_spans(sorted(skipped))}: past config.json's num_hidden_layers={n} "
                               f"(layer {n} is no multi-token-prediction module: no {'/'.join(MTP_OWN)}): the model "
                               f"is its first {n} layers, as transformers reads it"
-                              + (f"; the MTP module at layer {_spans(mtp_layers)} drafts for the whole model: no "
-                                 "MTP draft graph" if mtp_layers else ""))
+                              + (f"; the MTP module at layer {_spans(sorted(modules))} drafts for the whole model: "
+                                 "no MTP draft graph" if modules else ""))
         if shared:
             self.notes.append(f"{', '.join(shared)}: the MTP layer's copies of the embedding and output layer, not "
                               "read (the main model's, which they share)")

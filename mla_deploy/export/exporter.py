@@ -204,15 +204,15 @@ def _check_copied_configs(directory: Path) -> list[str]:
     """The tokenizer, generation and tokenizer configs the export copies, read as the runtime reads them: a file it
     would refuse is refused here, before the graphs are written. Returns a note where the checkpoint has no
     tokenizer.json."""
+    tokenizer = directory / "tokenizer.json"
     try:
         GenerationDefaults.from_export(directory)
         tokenizer_config(directory)
-        if (directory / "tokenizer.json").is_file():
-            Tokenizer(directory / "tokenizer.json")
+        if tokenizer.is_file():
+            Tokenizer(tokenizer)
+            return []
     except ExportLoadError as e:
         raise CheckpointError(str(e)) from None
-    if (directory / "tokenizer.json").is_file():
-        return []
     return [f"{directory}: no tokenizer.json, so the export takes token ids alone (`run --prompt-ids`); text "
             "(`run --prompt`, chat, eval, serve's text routes) needs one: copy the model's tokenizer.json in beside "
             "config.json and export again"]

@@ -69,11 +69,8 @@ class ChoiceText:
             return
         piece = self._piece(event.token)
         self.held.append(Out(event, piece, self.base + self.pushed))
-        self.pushed += len(piece)
-        out = self.stops.push(piece, look=not self.unstoppable)
+        self._text(piece)
         self.unstoppable = max(0, self.unstoppable - 1)
-        self.released += len(out)
-        self.ready_text.append(out)
         self._release()
 
     @property
@@ -91,16 +88,20 @@ class ChoiceText:
         sequence decodes it (U+FFFD, TextStream.flush), carried by the last token, which was held with it."""
         tail = self.stream.flush() if self.stream is not None and not self.stops.stopped else ""
         if tail and self.held and not self.held[-1].text:  # (else the echoed prompt's bytes: nothing to carry them)
-            last = self.held.pop()  # the last token's text was "" (TextStream.holding): it carries the tail
-            self.held.append(Out(last.event, tail, last.offset))
-            self.pushed += len(tail)
-            out = self.stops.push(tail, look=not self.unstoppable)
-            self.released += len(out)
-            self.ready_text.append(out)
-        out = self.stops.flush()
+            last = self.held[-1]  # its text was "" (TextStream.holding): it carries the tail
+            self.held[-1] = Out(last.event, tail, last.offset)
+            self._text(tail)
+        self._ready(self.stops.flush())
+        self._release()
+
+    def _text(self, piece: str) -> None:
+        """A generated token's text, through the stop strings: what they let out is ready to send."""
+        self.pushed += len(piece)
+        self._ready(self.stops.push(piece, look=not self.unstoppable))
+
+    def _ready(self, out: str) -> None:
         self.released += len(out)
         self.ready_text.append(out)
-        self._release()
 
     def take(self) -> tuple[str, list[Out]]:
         """The text and tokens safe to send since the last call."""
