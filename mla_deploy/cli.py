@@ -392,16 +392,20 @@ def verify(export_dir, checkpoint, steps, provider):
 
 @main.command(name="eval")
 @click.argument("export_dir", type=click.Path(path_type=Path))
-@click.option("--text", "text_file", required=True, type=click.Path(path_type=Path), help="Text file to score.")
+@click.option("--text", "text_file", type=click.Path(path_type=Path), default=None, help="Text file to score.")
+@click.option("--ids", "ids_file", type=click.Path(path_type=Path), default=None,
+              help="Token ids to score, separated by whitespace or commas (an export without a tokenizer).")
 @click.option("--window", type=click.IntRange(min=1), default=256, show_default=True, help="Tokens per scored window.")
 @click.option(
     "--checkpoint", type=click.Path(path_type=Path), default=None, help="Source checkpoint (default: the one exported)."
 )
-def eval_command(export_dir, text_file, window, checkpoint):
+def eval_command(export_dir, text_file, ids_file, window, checkpoint):
     """Loss and perplexity of a text through the export and through the torch source, side by side."""
+    if (text_file is None) == (ids_file is None):
+        raise click.UsageError("give one of --text FILE or --ids FILE" + (", not both" if text_file else ""))
     from .evaluate import evaluate
 
-    report = evaluate(export_dir, text_file, window, checkpoint, progress=_progress())
+    report = evaluate(export_dir, text_file, window, checkpoint, progress=_progress(), ids_file=ids_file)
     for line in report.lines():
         click.echo(line)
     if not report.passed:

@@ -69,6 +69,42 @@ class EvalReport:
         return lines
 
 
+def _read_text(path: str | Path) -> str:
+    try:
+        text = Path(path).read_text(encoding="utf-8-sig")  # a leading byte-order mark is not text
+    except OSError as e:
+        raise InputError(f"{path}: cannot read ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); eval "
+                         "scores text files") from None
+    if not text.strip():
+        raise InputError(f"{path}: empty; eval needs text to score")
+    return text
+
+
+def read_token_ids(path: str | Path, vocab_size: int) -> list[int]:
+    """Token ids separated by whitespace or commas, each in [0, vocab_size)."""
+    try:
+        words = Path(path).read_text(encoding="ascii").replace(",", " ").split()
+    except OSError as e:
+        raise InputError(f"{path}: cannot read ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}: not a token-id file (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                         "expected integers separated by whitespace or commas") from None
+    ids = []
+    for n, word in enumerate(words, 1):
+        try:
+            ids.append(int(word))
+        except ValueError:
+            raise InputError(f"{path}: token {n} is {word[:20]!r}, not an integer; expected integers separated by "
+                             "whitespace or commas") from None
+        if not 0 <= ids[-1] < vocab_size:
+            raise InputError(f"{path}: token {n} is {ids[-1]}, outside the vocabulary [0, {vocab_size})")
+    if not ids:
+        raise InputError(f"{path}: empty; eval needs token ids to score")
+    return ids
+
+
 class _Progress:
     """'<what>: windows done/total, tokens/s' lines, at most one every few seconds (and at the end)."""
 
@@ -87,11 +123,16 @@ class _Progress:
 
 def evaluate(
     export_dir: str | Path,
-    text_file: str | Path,
+    text_file: str | Path | None = None,
     window: int = 256,
     checkpoint_dir: str | Path | None = None,
     progress: Callable[[str], None] = lambda msg: None,
+    ids_file: str | Path | None = None,
 ) -> EvalReport:
+    """Score `text_file` (UTF-8 text, through the export's tokenizer) or `ids_file` (token ids separated by
+    whitespace or commas: an export without a tokenizer) in windows of `window` tokens."""
+    if (text_file is None) == (ids_file is None):
+        raise InputError("give one of a text file or a token-id file to score" + (", not both" if text_file else ""))
     manifest = read_manifest(export_dir)
     require_whole(export_dir, manifest, "eval")
     if is_staged(manifest):
@@ -101,23 +142,19 @@ def evaluate(
     if isinstance(window, int) and not isinstance(window, bool) and window > model.max_seq_len:
         raise InputError(f"window {window} exceeds the export's maximum length {model.max_seq_len}: score in windows "
                          f"of at most {model.max_seq_len} tokens")
-    tokenizer = Tokenizer.from_export(export_dir, model.manifest)
-    if tokenizer is None:
-        raise InputError(f"{export_dir}: export has no tokenizer; eval needs one to read text")
-    try:
-        text = Path(text_file).read_text(encoding="utf-8")
-    except OSError as e:
-        raise InputError(f"{text_file}: cannot read ({e.strerror})") from None
-    except UnicodeDecodeError as e:
-        raise InputError(f"{text_file}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); eval "
-                         "scores text files") from None
-    if not text.strip():
-        raise InputError(f"{text_file}: empty; eval needs text to score")
+    if ids_file is not None:
+        ids = read_token_ids(ids_file, model.config.vocab_size)
+    else:
+        tokenizer = Tokenizer.from_export(export_dir, model.manifest)
+        if tokenizer is None:
+            raise InputError(f"{export_dir}: export has no tokenizer to read text: give the text as token ids "
+                             "(--ids FILE)")
+        ids = tokenizer.encode(_read_text(text_file))
     source = Path(checkpoint_dir or model.manifest["source"]["path"])
     ckpt = Checkpoint(source)  # the source checked before any scoring, as verify checks it
     if ckpt.content_hash() != model.manifest["source"]["sha256"]:
         raise ExportError(f"{source}: checkpoint differs from the one {export_dir} was exported from (sha256 mismatch)")
-    batch = windows(tokenizer.encode(text), window)
+    batch = windows(ids, window)
     export_nll, export_top1 = export_scores(
         model, batch, on_run=_Progress(progress, "onnx export ", len(batch), window)
     )

@@ -288,6 +288,47 @@ def test_eval_names_a_text_file_it_cannot_score(demo_export, tmp_path):
             "; eval scores text files" if name == "latin1.txt" else ""), result.output
 
 
+def test_eval_reads_a_leading_byte_order_mark_as_no_text(demo_export, tmp_path):
+    from mla_deploy.evaluate import evaluate
+
+    text = (DEMO_CHECKPOINT / "heldout.txt").read_text()[:1500]
+    plain, marked = tmp_path / "plain.txt", tmp_path / "marked.txt"
+    plain.write_text(text, encoding="utf-8")
+    marked.write_text(text, encoding="utf-8-sig")
+    assert marked.read_bytes()[:3] == b"\xef\xbb\xbf"
+    a, b = evaluate(demo_export, plain, window=64), evaluate(demo_export, marked, window=64)
+    assert (a.tokens, a.export_loss) == (b.tokens, b.export_loss)
+
+
+def test_eval_scores_token_ids_as_it_scores_their_text(demo_export, tmp_path):
+    from mla_deploy.runtime import Tokenizer
+
+    text = tmp_path / "text.txt"
+    text.write_text((DEMO_CHECKPOINT / "heldout.txt").read_text()[:1500])
+    ids = Tokenizer.from_export(demo_export, ExportedModel(demo_export).manifest).encode(text.read_text())
+    id_file = tmp_path / "ids.txt"  # commas, spaces and lines alike separate ids
+    id_file.write_text(",".join(map(str, ids[:10])) + "\n" + " ".join(map(str, ids[10:])) + "\n")
+    by_text = CliRunner().invoke(main, ["eval", str(demo_export), "--text", str(text), "--window", "64"])
+    by_ids = CliRunner().invoke(main, ["eval", str(demo_export), "--ids", str(id_file), "--window", "64"])
+    assert by_text.exit_code == by_ids.exit_code == 0, by_ids.output
+    assert by_ids.stdout == by_text.stdout and f"scored {len(ids) - 1} tokens" in by_ids.stdout
+
+
+def test_eval_names_a_token_id_file_it_cannot_score(demo_export, tmp_path):
+    vocab = ExportedModel(demo_export).config.vocab_size
+    cases = {"word.txt": ("1 2, x 4", "token 3 is 'x', not an integer"),
+             "vocab.txt": (f"1 {vocab}", f"token 2 is {vocab}, outside the vocabulary [0, {vocab})"),
+             "negative.txt": ("5,-1", "token 2 is -1, outside the vocabulary"),
+             "empty.txt": (" ,\n", "empty; eval needs token ids to score")}
+    for name, (content, said) in cases.items():
+        (tmp_path / name).write_text(content)
+        result = CliRunner().invoke(main, ["eval", str(demo_export), "--ids", str(tmp_path / name)])
+        assert result.exit_code == 1 and result.stderr.startswith(f"error: {tmp_path / name}: {said}"), result.output
+    for args in ([], ["--ids", str(tmp_path / "word.txt"), "--text", str(tmp_path / "word.txt")]):
+        result = CliRunner().invoke(main, ["eval", str(demo_export), *args])
+        assert result.exit_code == 2 and "give one of --text FILE or --ids FILE" in result.output
+
+
 def test_bench_says_its_disk_use_and_refuses_without_room(tmp_path, monkeypatch):
     from mla_deploy.bench import run as bench_run
 

@@ -317,8 +317,8 @@ def test_export_without_a_tokenizer_says_what_it_cannot_do(checkpoint_dir, tmp_p
     assert not (src / "tokenizer.json").exists()
     result = CliRunner().invoke(main, ["export", str(src), "-o", str(tmp_path / "out"), "--no-verify"])
     assert result.exit_code == 0, result.output
-    assert (f"note: {src}: no tokenizer.json, so the export takes token ids alone (`run --prompt-ids`); text "
-            in result.output), result.output
+    assert (f"note: {src}: no tokenizer.json, so the export takes token ids alone (`run --prompt-ids`, `eval --ids`); "
+            "text" in result.output), result.output
     assert "tokenizer.json" not in json.loads((tmp_path / "out" / "manifest.json").read_text())["tokenizer"]
 
 
@@ -742,6 +742,16 @@ def test_exporting_twice_gives_identical_files(checkpoint_dir, tmp_path):
 
 
 # ---- CLI ----
+def test_eval_scores_an_export_without_a_tokenizer_from_token_ids(exported, tmp_path):
+    out = exported(VARIANT)
+    vocab = ExportedModel(out).config.vocab_size
+    ids = tmp_path / "ids.txt"
+    ids.write_text(" ".join(str(i * 7919 % vocab) for i in range(40)))
+    result = CliRunner().invoke(main, ["eval", str(out), "--ids", str(ids), "--window", "16"])
+    assert result.exit_code == 0, result.output
+    assert "scored 39 tokens in 3 windows" in result.stdout and "top-1 agreement" in result.stdout
+
+
 def test_cli_errors_are_one_line(exported):
     out = str(exported(VARIANT))
     runner = CliRunner()
@@ -754,6 +764,7 @@ def test_cli_errors_are_one_line(exported):
          "'--draft-tokens': 17 is not in the range 1<=x<=16"),
         (["run", out, "--prompt-ids", "1,2", "-n", "0"], "'--max-new-tokens': 0 is not in the range x>=1"),
         (["run", out, "--prompt", "hello"], "has no tokenizer; pass token ids"),
+        (["eval", out, "--text", "/nonexistent.txt"], "has no tokenizer to read text: give the text as token ids"),
         (["run", out], "give one of --prompt TEXT or --prompt-ids IDS"),
         (["run", out, "--prompt", "x", "--prompt-ids", "1"], "give one of --prompt TEXT or --prompt-ids IDS, not both"),
         (["run", "/nonexistent/export", "--prompt-ids", "1"], "export directory does not exist"),

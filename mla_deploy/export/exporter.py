@@ -213,9 +213,9 @@ def _check_copied_configs(directory: Path) -> list[str]:
             return []
     except ExportLoadError as e:
         raise CheckpointError(str(e)) from None
-    return [f"{directory}: no tokenizer.json, so the export takes token ids alone (`run --prompt-ids`); text "
-            "(`run --prompt`, chat, eval, serve's text routes) needs one: copy the model's tokenizer.json in beside "
-            "config.json and export again"]
+    return [f"{directory}: no tokenizer.json, so the export takes token ids alone (`run --prompt-ids`, `eval "
+            "--ids`); text (`run --prompt`, chat, `eval --text`, serve's text routes) needs one: copy the model's "
+            "tokenizer.json in beside config.json and export again"]
 
 
 def _copy_tokenizer(src: Path, dst: Path) -> list[str]:
