@@ -300,9 +300,10 @@ def _read_rope(raw: dict, model_type: str, source: str) -> dict:
                               "range is rounded to whole dimensions, as DeepSeek's YaRN rounds it)")
         out.update(
             rope_factor=_float(merged["factor"]),
-            # transformers' default where the rope block leaves it out: the model's own length
+            # where the rope block leaves it out, transformers' config-level value, else the model's own length
             original_max_position_embeddings=merged.get("original_max_position_embeddings", raw.get(
-                "max_position_embeddings", _DEFAULTS[model_type]["max_position_embeddings"])),
+                "original_max_position_embeddings", raw.get("max_position_embeddings",
+                                                            _DEFAULTS[model_type]["max_position_embeddings"]))),
             beta_fast=_float(merged.get("beta_fast") or 32),
             beta_slow=_float(merged.get("beta_slow") or 1),
             mscale=merged.get("mscale"),

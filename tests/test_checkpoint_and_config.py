@@ -76,6 +76,32 @@ def test_a_rope_scaling_beside_rope_parameters_replaces_it_as_transformers_reads
     assert ours.original_max_position_embeddings == raw["max_position_embeddings"]
 
 
+def test_a_yarn_block_without_its_length_takes_the_configs_own_original_length(checkpoint_dir, tmp_path):
+    """`original_max_position_embeddings` beside the rope block, not in it (Phi-3's form): transformers' model moves
+    it into the block, so the YaRN correction range follows it (the model's max_position_embeddings taken instead
+    put the logits of a tiny V3 0.9 apart)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from mla_deploy.modeling import new_caches
+
+    d = copy_checkpoint(checkpoint_dir, tmp_path)
+    raw = json.loads((d / "config.json").read_text())
+    raw.pop("rope_parameters")
+    raw.update(rope_theta=1e4, original_max_position_embeddings=16, max_position_embeddings=256,
+               rope_scaling={"type": "yarn", "factor": 8.0, "mscale": 1.0, "mscale_all_dim": 1.0})
+    (d / "config.json").write_text(json.dumps(raw))
+    ours = load_model(d)
+    assert ours.cfg.original_max_position_embeddings == 16
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
+    ids = torch.randint(3, ours.cfg.vocab_size, (1, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    got = ours(ids, torch.arange(24)[None], new_caches(ours.cfg, 1, 24), torch.zeros(1, dtype=torch.long),
+               torch.ones(1, 24))
+    assert (got - ref).abs().max().item() < 1e-4
+
+
 def test_missing_field_is_named(checkpoint_dir, tmp_path):
     d = copy_checkpoint(checkpoint_dir, tmp_path)
     edit_config(d, hidden_size=...)

@@ -178,6 +178,28 @@ def test_yarn_with_unequal_mscales_matches_transformers_and_exports(tmp_path, ba
     assert report.passed, report.lines
 
 
+# ---- no shared experts ----
+@pytest.mark.parametrize("base", ["v2_nolora_greedy_yarn", "v3_lora_group_yarn"])
+def test_no_shared_experts_reads_transformers_empty_tensors_and_matches_it(tmp_path, base):
+    """n_shared_experts 0: transformers still saves each MoE layer's shared_experts, as [0, d] tensors (no weights):
+    read as nothing, not refused as unexpected."""
+    hf = build_hf_model(base, n_shared_experts=0)
+    save_hf_model(hf, tmp_path / "ckpt")
+    from mla_deploy.safetensors_io import SafetensorsFile
+
+    saved = SafetensorsFile(tmp_path / "ckpt" / "model.safetensors").entries
+    assert [n for n in saved if "shared_experts" in n and 0 in saved[n][1]]
+    ckpt = Checkpoint(tmp_path / "ckpt")
+    assert not [n for n in ckpt.names() if "shared_experts" in n]
+    ours = load_model(ckpt)
+    cfg = ckpt.config
+    ids = torch.randint(3, cfg.vocab_size, (1, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    got = ours(ids, torch.arange(24)[None], new_caches(cfg, 1, 24), torch.zeros(1, dtype=torch.long), torch.ones(1, 24))
+    assert (got - ref).abs().max().item() < 1e-4
+
+
 # ---- absorb auto ----
 def test_absorb_auto_picks_fused_when_the_latent_is_narrower_than_the_heads(tmp_path):
     hf = build_hf_model("v3_dense_tied", kv_lora_rank=8)  # d_c 8 < d_nope 16: the fused matrices are smaller
