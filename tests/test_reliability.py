@@ -109,6 +109,25 @@ def test_settings_given_as_other_types_are_named(model):
         Generator(model, speculation="lookup")
 
 
+@pytest.mark.parametrize("stops, message", [
+    ("2", r"^stop_token_ids: expected a list of token ids, got str '2'$"),  # was {'2'}: the export's EOS unheeded
+    (2, r"^stop_token_ids: expected a list of token ids, got int 2$"),
+    ([2, 97], r"^stop_token_ids: token id 97 is outside the vocabulary \[0, 97\)$"),
+    ([-5], r"^stop_token_ids: token id -5 is outside the vocabulary"),
+    ([2.0], r"^stop_token_ids: 2.0 is not an integer token id$"),
+])
+def test_stop_token_ids_are_checked(model, stops, message):
+    with pytest.raises(InputError, match=message):
+        Generator(model, stop_token_ids=stops)
+    assert Generator(model, stop_token_ids=np.array([2, 3])).stop_token_ids == {2, 3}
+
+
+@pytest.mark.parametrize("graphs", [(), ("verify",)])
+def test_a_generator_over_neither_prefill_nor_decode_is_refused(exported, graphs):
+    with pytest.raises(InputError, match="^a Generator runs the prefill or the decode graph: load the model with"):
+        Generator(ExportedModel(exported(VARIANT), graphs=graphs))
+
+
 def test_threads_past_four_per_cpu_are_refused_before_onnxruntime_makes_them(exported):
     from mla_deploy.runtime import RuntimeOptions
 

@@ -241,6 +241,45 @@ def test_engine_streams_to_asyncio_and_leaving_early_cancels(model):
         engine.close()
 
 
+@pytest.mark.parametrize("args, options, message", [
+    ((5, 3), {}, r"^prompt_ids: expected a list of token ids, got int 5$"),
+    (([5], 3, {"temperature": 0}), {}, r"^sampling: expected a SamplingParams \(or None\), got dict"),
+    (([5], 3, None, 2), {}, r"^stop_token_ids: expected a list of token ids, got int 2$"),
+    (([5], 3, None, "ab"), {}, r"^stop_token_ids: expected a list of token ids, got str 'ab'$"),
+    (([5], 3, None, [1, 10**5]), {}, r"^stop_token_ids: token id 100000 is outside the vocabulary \[0, "),
+    (([5], 3), {"logprobs": "a"}, r"^logprobs='a': must be None or an integer in \[0, "),
+    (([5], 3), {"logprobs": 2.5}, r"^logprobs=2.5: must be None or an integer"),
+    (([5], 3), {"logprobs": -1}, r"^logprobs=-1: must be None or an integer"),
+    (([5], 0), {"prompt_logprobs": -3}, r"^prompt_logprobs=-3: must be None or an integer"),
+    (([5], 3, SamplingParams(temperature=1.0, seed=1)), {"choice": -1}, r"^choice=-1: must be a non-negative integer$"),
+    (([5], 3), {"speculate": "no"}, r"^speculate='no': must be True or False$"),
+    (([5], 3), {"constraint": "json"}, r"^constraint='json': expected a grammar's Constraint"),
+    (([5], 3), {"logprob": 2}, r"^logprob: not a request option; expected one of choice, constraint, logprobs, "),
+])
+def test_a_request_option_of_the_wrong_type_is_refused_and_the_engine_serves_on(model, args, options, message):
+    """Each of these passed the request's checks and failed the scheduler's next step, and with it the engine for
+    every later request: refused by name where the request is made."""
+    engine = Engine(model, max_batch=2)
+
+    async def tokens():
+        return [e.token async for e in engine.submit([5, 6], 3, SamplingParams(), stop_token_ids=())
+                if isinstance(e, TokenEvent)]
+
+    try:
+        with pytest.raises(InputError, match=message):
+            engine.request(*args, **options)
+        assert len(asyncio.run(tokens())) == 3 and engine.error is None
+    finally:
+        engine.close()
+
+
+def test_an_engine_names_settings_given_as_other_types(model):
+    with pytest.raises(InputError, match=r"^speculation: expected a Speculation \(or None\), got str 'lookup'$"):
+        Engine(model, speculation="lookup")
+    with pytest.raises(InputError, match=r"^options: expected a RuntimeOptions \(or None\), got dict"):
+        ExportedModel(model.directory, {"threads": 2})
+
+
 def test_tokens_generated_before_a_failure_reach_a_consumer_that_fell_behind(model):
     """The scheduler fails while the consumer has not read the tokens of the steps before: they come out first,
     then EngineFailed (not the error alone, which would drop them)."""

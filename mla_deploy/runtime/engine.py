@@ -19,6 +19,7 @@ from typing import AsyncIterator, Sequence
 
 from ..errors import InputError
 from .chain import StagedExport
+from .generator import check_settings
 from .scheduler import Failed, Finished, PromptLogprobs, QueueFull, Request, Scheduler, TokenEvent
 from .staged_scheduler import StagedScheduler
 from .sampling import SamplingParams
@@ -66,6 +67,9 @@ class EngineStats:
     inter_token: Histogram = field(default_factory=Histogram)
 
 
+REQUEST_OPTIONS = frozenset({"logprobs", "prompt_logprobs", "constraint", "choice", "speculate", "min_tokens"})
+
+
 class Engine:
     def __init__(self, model: ExportedModel, max_batch: int = 16, max_queue: int = 256, prefill_chunk: int = 256,
                  speculation: Speculation | None = None, micro_batches: int | None = None,
@@ -75,6 +79,7 @@ class Engine:
         prefilled whole); `speculation`: the scheduler's (runtime.speculative); a request opts out with
         speculate=False; `prefix_caching`, `cache_reuse`: the Scheduler's (runtime.prefix)."""
         self.model = model
+        check_settings(None, speculation)
         if isinstance(model, StagedExport):  # a stage chain: its stages hold the caches
             if cache_reuse:
                 raise InputError(f"cache_reuse={cache_reuse}: a staged export prefills every prompt whole, so it "
@@ -100,8 +105,8 @@ class Engine:
                stop_token_ids: Sequence[int] | None = None, **options) -> AsyncIterator[TokenEvent | Finished]:
         """Queue a request; raises InputError (bad prompt or parameters) or QueueFull before anything runs.
         sampling and stop_token_ids default to the export's generation_config.json (model.generation); `options`
-        are Request's (logprobs, prompt_logprobs, constraint, choice, speculate). Must be called from the event loop
-        that consumes the returned iterator."""
+        are Request's (logprobs, prompt_logprobs, constraint, choice, speculate, min_tokens). Must be called from the
+        event loop that consumes the returned iterator."""
         return _flatten(self.submit_batches(prompt_ids, max_new_tokens, sampling, stop_token_ids, **options))
 
     def submit_batches(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams | None = None,
@@ -117,8 +122,11 @@ class Engine:
         """A checked Request (InputError naming what is wrong), the export's defaults filled in, for submit_all."""
         sampling = self.model.generation.sampling if sampling is None else sampling
         stops = self.model.stop_token_ids if stop_token_ids is None else stop_token_ids
-        request = Request(list(prompt_ids), max_new_tokens, _unsent, sampling,
-                          frozenset(int(t) for t in stops), **options)
+        unknown = sorted(set(options) - REQUEST_OPTIONS)
+        if unknown:
+            raise InputError(f"{', '.join(unknown)}: not a request option; expected one of "
+                             f"{', '.join(sorted(REQUEST_OPTIONS))}")
+        request = Request(prompt_ids, max_new_tokens, _unsent, sampling, stops, **options)
         self.scheduler.check_request(request)
         return request
 

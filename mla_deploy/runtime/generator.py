@@ -100,7 +100,10 @@ class Generator:
         if not is_integer(chunk_size) or chunk_size < 1:
             raise InputError(f"chunk_size={chunk_size!r}: must be a positive integer")
         self.chunk_size = chunk_size
-        self.stop_token_ids = set(model.stop_token_ids if stop_token_ids is None else stop_token_ids)
+        self.stop_token_ids = set(model.stop_token_ids if stop_token_ids is None
+                                  else check_stop_token_ids(stop_token_ids, model.config.vocab_size))
+        if not {io_spec.PREFILL, io_spec.DECODE} & set(model.sessions):
+            raise InputError("a Generator runs the prefill or the decode graph: load the model with them")
         if proposer is not None and self.speculation.mode != "lookup":
             raise InputError(f"a proposer replaces prompt lookup: it needs speculative='lookup', not "
                              f"{self.speculation.mode!r}")
@@ -450,6 +453,20 @@ def check_prompts(prompts, max_new_tokens: int, vocab: int, limit: int, least: i
             )
         rows.append([int(t) for t in row])
     return rows
+
+
+def check_stop_token_ids(stops, vocab: int) -> frozenset[int]:
+    """The stop token ids a caller gives: a list (or set, tuple, 1-d array) of integers in the vocabulary."""
+    if isinstance(stops, np.ndarray) and stops.ndim == 1:
+        stops = stops.tolist()
+    if not isinstance(stops, (list, tuple, set, frozenset)):
+        raise InputError(f"stop_token_ids: expected a list of token ids, got {type(stops).__name__} {stops!r}")
+    for t in stops:
+        if not is_integer(t):
+            raise InputError(f"stop_token_ids: {t!r} is not an integer token id")
+        if not 0 <= t < vocab:
+            raise InputError(f"stop_token_ids: token id {t} is outside the vocabulary [0, {vocab})")
+    return frozenset(int(t) for t in stops)
 
 
 def _tokens(n: int, what: str) -> str:

@@ -20,7 +20,7 @@ import numpy as np
 from .. import io_spec
 from ..errors import InputError
 from .generator import (GenerationResult, StepOutput, check_ended_row, check_first_allowed, check_prompts,
-                        check_settings, run_to_end)
+                        check_settings, check_stop_token_ids, run_to_end)
 from .history import appended
 from .sampling import SamplingParams, row_generator, sample
 
@@ -55,7 +55,8 @@ class PipelineGenerator:
         if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
             raise InputError(f"micro_batches={micro_batches!r}: must be a positive integer")
         self.micro_batches = micro_batches
-        self.stop_token_ids = set(model.stop_token_ids if stop_token_ids is None else stop_token_ids)
+        self.stop_token_ids = set(model.stop_token_ids if stop_token_ids is None
+                                  else check_stop_token_ids(stop_token_ids, model.config.vocab_size))
 
     def generate(self, prompts, max_new_tokens: int, first_allowed: np.ndarray | None = None) -> GenerationResult:
         return run_to_end(self.stream(prompts, max_new_tokens, first_allowed))

@@ -48,12 +48,12 @@ import numpy as np
 from .. import io_spec
 from ..errors import InputError, MLADeployError
 from .cache import CacheBuffers, DecodeBinding
-from .generator import check_prompts
+from .generator import check_prompts, check_settings, check_stop_token_ids
 from .grammar import Constraint, allowed_tokens
 from .draft import MTPDrafter
 from .history import appended
 from .prefix import NONE, Moved, common_length, held_tokens, moved_runs, moved_tokens, reusable_slots
-from .sampling import SamplingParams, row_generator, sample, unusable_logits, unusable_rows
+from .sampling import SamplingParams, is_integer, row_generator, sample, unusable_logits, unusable_rows
 from .session import ExportedModel
 from .speculative import (PRIOR_ACCEPTANCE, DraftPolicy, Speculation, SpeculationStats, accept_row, lookup,
                           measure_cost_model, updated_acceptance, verification_pass, WallClock)
@@ -216,13 +216,33 @@ class Scheduler:
     def check(self, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
         """The prompt as ints, or InputError naming what is wrong (vocabulary, length limit): the Generator's check,
         with 0 new tokens allowed (a request for its prompt's logprobs only)."""
+        if not (isinstance(prompt_ids, (list, tuple)) or isinstance(prompt_ids, np.ndarray) and prompt_ids.ndim == 1):
+            raise InputError(f"prompt_ids: expected a list of token ids, got {type(prompt_ids).__name__} "
+                             f"{prompt_ids!r}"[:200])
         return check_prompts([prompt_ids], max_new_tokens, self.model.config.vocab_size, self.model.max_seq_len,
                              least=0)[0]
 
     def check_request(self, request: Request) -> None:
-        """InputError for what the scheduler cannot run: prompt, length, sampling, logit_bias ids."""
+        """InputError for what the scheduler cannot run: prompt, length, sampling, logit_bias and stop ids, the
+        options' types and ranges (a wrong one would fail the scheduler's step, every request's)."""
         request.prompt_ids = self.check(request.prompt_ids, request.max_new_tokens)
-        request.sampling.validate(self.model.config.vocab_size)
+        check_settings(request.sampling, None)
+        vocab = self.model.config.vocab_size
+        request.sampling.validate(vocab)
+        request.stop_token_ids = check_stop_token_ids(request.stop_token_ids, vocab)
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(request, name)
+            if k is not None and not (is_integer(k) and 0 <= k <= vocab):
+                raise InputError(f"{name}={k!r}: must be None or an integer in [0, {vocab}] (the likeliest tokens "
+                                 "given beside each token's own)")
+        if not (is_integer(request.choice) and request.choice >= 0):
+            raise InputError(f"choice={request.choice!r}: must be a non-negative integer")
+        if not isinstance(request.speculate, bool):
+            raise InputError(f"speculate={request.speculate!r}: must be True or False")
+        if request.constraint is not None and not (callable(getattr(request.constraint, "consume", None))
+                                                   and hasattr(request.constraint, "done")):
+            raise InputError(f"constraint={request.constraint!r}: expected a grammar's Constraint "
+                             "(runtime.grammar.Grammars: json_object(), json_schema(schema)) or None")
         if request.max_new_tokens == 0 and request.prompt_logprobs is None:
             raise InputError("max_new_tokens=0: only a request for its prompt's logprobs may generate nothing")
         if not isinstance(request.min_tokens, int) or not 0 <= request.min_tokens <= request.max_new_tokens:

@@ -140,6 +140,8 @@ class ExportedModel:
         """`graphs` limits the sessions created (a decode-only model for benchmarks holds half the memory)."""
         self._loading = threading.Lock()
         self.directory = Path(directory)
+        if options is not None and not isinstance(options, RuntimeOptions):
+            raise InputError(f"options: expected a RuntimeOptions (or None), got {type(options).__name__} {options!r}")
         self.options = options or RuntimeOptions()
         self.options.validate()
         check_threads(self.options.threads)
