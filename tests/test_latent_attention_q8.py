@@ -189,12 +189,13 @@ def test_every_level_gives_the_same_bits(b, h, dc, dr, cap, lengths, rope):
 
 
 @needs_library
-@pytest.mark.parametrize("where", ["rope", "query"])
+@pytest.mark.parametrize("where", ["rope", "query", "infinite query"])
 @pytest.mark.parametrize("slot", [5, 39, 270])
 def test_a_nan_score_makes_its_row_nan_at_every_level(slot, where):
-    """A NaN in a seen slot's rope value (every head's score there) or in a row's query (every score): the output
-    is NaN at every level, as the function body's softmax gives, where the scalar path had skipped it and the vector
-    ones had zeroed the range; the other row is untouched."""
+    """A NaN in a seen slot's rope value (every head's score there) or in a row's query (every score), or an infinite
+    query value (its codes are not converted from inf / inf): the output is NaN at every level, as the function
+    body's softmax gives, where the scalar path had skipped it and the vector ones had zeroed the range; the other
+    row is untouched."""
     cap = 300
     feed, _ = _case(np.random.default_rng(slot), 2, 16, 64, 16, cap, [cap, cap])
     levels = [None, *HERE]  # the function body, then each level
@@ -205,7 +206,7 @@ def test_a_nan_score_makes_its_row_nan_at_every_level(slot, where):
         feed["rope"] = ort.OrtValue.ortvalue_from_numpy(rope)
     else:
         q = feed["q_latent"].numpy().copy()
-        q[0, 3, slot % 64] = np.nan
+        q[0, 3, slot % 64] = np.nan if where == "query" else np.inf
         feed["q_latent"] = ort.OrtValue.ortvalue_from_numpy(q)
     for level in levels:
         y = _run(_session("float32", 64, level), feed)

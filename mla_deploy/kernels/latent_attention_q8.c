@@ -63,7 +63,8 @@ static inline void ask_ahead(const Ahead *a, int64_t j) {
 /* e^x as exp16 / exp8 compute it, one value: x = n ln 2 + r, Cephes' degree-6 polynomial for e^r (relative error
  * ~2e-7), x clamped to [-87.3, 88.3] */
 static float exp_q8(float x) {
-    x = x != x ? x : fminf(fmaxf(x, -87.3f), 88.3f); /* e^NaN is NaN */
+    if (x != x) return x; /* e^NaN is NaN (and NaN never reaches the integer conversion below) */
+    x = fminf(fmaxf(x, -87.3f), 88.3f);
     float n = nearbyintf(x * 1.44269504088896341f);
     float r = fmaf(-n, 0.693359375f, x);
     r = fmaf(-n, -2.12194440e-4f, r);
@@ -466,8 +467,8 @@ int latent_attention_q8_plan(LatentAttentionQ8 *job) {
             const float *q = job->q_latent + (r * h + head) * dc;
             float peak = 0.0f;
             int nan = 0;
-            for (int64_t k = 0; k < dc; k++) peak = fmaxf(peak, fabsf(q[k])), nan |= q[k] != q[k];
-            float qs = nan ? NAN : peak / 127.0f; /* a NaN query: every score NaN, on every path */
+            for (int64_t k = 0; k < dc; k++) peak = fmaxf(peak, fabsf(q[k])), nan |= !isfinite(q[k]);
+            float qs = nan ? NAN : peak / 127.0f; /* a NaN or infinite query: every score NaN, on every path */
             job->q_scale[r * job->lanes + head] = qs;
             for (int64_t k = 0; k < dc; k++) {
                 float v = qs > 0.0f ? nearbyintf(q[k] / qs) : 0.0f; /* NaN: 0 (qs > 0 is false) */
