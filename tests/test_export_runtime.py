@@ -453,6 +453,10 @@ def test_session_config_entries_reach_both_sessions_and_win(exported):
     for bad in [("session.inter_op.allow_spinning", 1)], [("session.inter_op.allow_spinning",)], [("", "1")]:
         with pytest.raises(InputError, match=r"session_config entry .*: expected a \(key, value\) pair"):
             ExportedModel(out, RuntimeOptions(session_config=tuple(bad)))
+    # onnxruntime takes any key and ignores one it does not know: a key without its area is named
+    with pytest.raises(InputError, match=r"^session_config key 'intra_op.allow_spinning': not an onnxruntime session "
+                                         r"option; their keys begin with session\., optimization\., mlas\., ep\.$"):
+        ExportedModel(out, RuntimeOptions(session_config=(("intra_op.allow_spinning", "0"),)))
 
 
 def test_runtime_options_are_checked_before_any_session(exported):

@@ -100,8 +100,12 @@ class RuntimeOptions:
         for entry in self.session_config:
             if not (isinstance(entry, tuple) and len(entry) == 2 and all(isinstance(x, str) and x for x in entry)):
                 raise InputError(f"session_config entry {entry!r}: expected a (key, value) pair of non-empty strings")
+            if not entry[0].startswith(SESSION_CONFIG_AREAS):  # onnxruntime takes any key and ignores unknown ones
+                raise InputError(f"session_config key {entry[0]!r}: not an onnxruntime session option; their keys "
+                                 f"begin with {', '.join(SESSION_CONFIG_AREAS)}")
 
 
+SESSION_CONFIG_AREAS = ("session.", "optimization.", "mlas.", "ep.")  # the areas of onnxruntime's config keys
 THREADS_PER_CPU = 4  # the most intra-op threads per logical CPU a session is given (more only time-slice them)
 
 
