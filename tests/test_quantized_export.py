@@ -408,9 +408,12 @@ def test_expert_choices_are_checked_and_auto_follows_the_config():
     # quantized: mla_deploy.QRoutedExperts reads only the chosen experts whatever their number
     assert resolve_experts(v2lite, "auto", int4) == resolve_experts(demo, "auto", int4, "kernel") == "kernel"
     assert resolve_experts(v2lite, "auto", int4, "onnxruntime") == "qmoe"
-    # QMoE's rule: the expert matrices in whole blocks along K (the demo's 160-wide experts are not whole 64-blocks)
-    assert resolve_experts(demo, "qmoe", quantize_module.Quantization(4, 64)) == "branches"
+    # QMoE's rule: the expert matrices in whole blocks along K (the demo's 160-wide experts are not whole 64-blocks):
+    # auto takes branches there, an explicit qmoe is refused (it was replaced by branches without a word)
     assert resolve_experts(demo, "auto", quantize_module.Quantization(4, 64), "onnxruntime") == "branches"
+    with pytest.raises(ExportError, match=r"^--experts qmoe needs hidden_size and moe_intermediate_size in whole "
+                                          r"blocks of --block-size 64 \(this config: \d+ and 160\)"):
+        resolve_experts(demo, "qmoe", quantize_module.Quantization(4, 64), "onnxruntime")
     for requested, quantization, ops, message in (
             ("qmoe", None, None, "needs --quantize"),
             ("kernel", int4, "onnxruntime", "reads float16 scales; --quantized-ops onnxruntime stores float32 ones"),

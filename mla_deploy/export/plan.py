@@ -409,7 +409,7 @@ def quantized_layouts(q: Quantization, quantized_ops: str) -> dict:
 def resolve_experts(cfg: MLAConfig, requested: str, quantization: Quantization | None,
                     quantized_ops: str | None = "kernel") -> str:
     """How the routed experts run (module docstring). QMoE needs both expert matrices' K in whole quantization
-    blocks; where they are not, the experts run in branches even if QMoE was asked for."""
+    blocks; where they are not, auto runs the experts in branches and an explicit qmoe is refused."""
     if requested not in EXPERTS:
         raise ExportError(f"--experts {requested}: expected one of {', '.join(EXPERTS)}")
     if requested == "kernel" and quantization is not None and quantized_ops != "kernel":
@@ -423,6 +423,10 @@ def resolve_experts(cfg: MLAConfig, requested: str, quantization: Quantization |
         return "kernel"
     if requested in ("auto", "qmoe") and quantization is not None:
         whole_blocks = cfg.hidden_size % quantization.block == 0 and cfg.moe_intermediate_size % quantization.block == 0
+        if requested == "qmoe" and not whole_blocks:
+            raise ExportError(f"--experts qmoe needs hidden_size and moe_intermediate_size in whole blocks of "
+                              f"--block-size {quantization.block} (this config: {cfg.hidden_size} and "
+                              f"{cfg.moe_intermediate_size}): use a block size dividing both, or auto / branches")
         return "qmoe" if whole_blocks else "branches"
     if requested != "auto":
         return requested
