@@ -151,6 +151,11 @@ class Checkpoint:
         file, stored, _ = self._where[name]
         scale_file, scale_name = self._scales[name]
         scale_inv = scale_file.float32(scale_name)
+        if not np.isfinite(scale_inv).all():  # named here: a NaN or infinite scale makes its whole block so
+            bad = np.argwhere(~np.isfinite(scale_inv))[0].tolist()
+            raise CheckpointError(f"{self.directory}: {scale_name} holds {int((~np.isfinite(scale_inv)).sum())} "
+                                  f"non-finite block scale(s) (NaN or infinity), the first {scale_inv[tuple(bad)]} at "
+                                  f"{bad}")
         shape, step = file.entries[stored][1], self.fp8_block[0]
         out = np.empty(shape, np.float32)
         for start in range(0, shape[0], step):
@@ -316,6 +321,9 @@ class Checkpoint:
                                       "weight per expert, as DeepSeek-V3 publishes them)")
             if name not in self._scales:
                 raise CheckpointError(f"{where}: {name} is float8_e4m3fn but {name}_scale_inv is missing")
+            if len(file.entries[stored][1]) != 2:
+                raise CheckpointError(f"{where}: {name} is float8_e4m3fn of shape {list(file.entries[stored][1])}: "
+                                      "block-scaled float8 weights are matrices [out, in]")
             want = fp8.scale_shape(file.entries[stored][1], self.fp8_block)
             scale_file, scale_name = self._scales[name]
             scale_dtype, got = scale_file.entries[scale_name][:2]

@@ -45,7 +45,8 @@ def dequantize(codes: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int],
     br, bc = block
     rows = np.arange(first_row, first_row + codes.shape[0]) // br  # [r] scale row of each weight row
     cols = np.arange(codes.shape[1]) // bc  # [in] scale column of each weight column
-    return e4m3_to_float32(codes) * scale_inv[rows[:, None], cols[None, :]]  # [r, in]
+    with np.errstate(over="ignore"):  # past float32: infinite, which the reader's finiteness check names
+        return e4m3_to_float32(codes) * scale_inv[rows[:, None], cols[None, :]]  # [r, in]
 
 
 def block_size(config: dict, source: str) -> tuple[int, int] | None:

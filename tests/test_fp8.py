@@ -147,6 +147,18 @@ def test_fp8_checkpoint_errors_name_the_problem(fp8_checkpoints, tmp_path):
     wrong_grid = write("wrong-grid", {**tensors, scale: torch.ones(1, 1)}, config)
     with pytest.raises(CheckpointError, match=r"weight_scale_inv has shape \[1, 1\], expected \[3, 4\]"):
         Checkpoint(wrong_grid)
+    bad_scale = tensors[scale].clone()
+    bad_scale[1, 2] = float("inf")
+    inf_scale = write("inf-scale", {**tensors, scale: bad_scale}, config)  # named, not its weight's values
+    with pytest.raises(CheckpointError, match=r"kv_a_proj_with_mqa.weight_scale_inv holds 1 non-finite block "
+                                              r"scale\(s\) \(NaN or infinity\), the first inf at \[1, 2\]$"):
+        Checkpoint(inf_scale).tensor(scale.removesuffix("_scale_inv"))
+    norm = "model.layers.0.input_layernorm.weight"  # a float8 vector with a scale: refused, not an IndexError
+    vector = write("vector", {**tensors, norm: tensors[norm].to(torch.float8_e4m3fn),
+                              norm.removesuffix(".weight") + ".weight_scale_inv": torch.ones(1)}, config)
+    with pytest.raises(CheckpointError, match=rf"{norm} is float8_e4m3fn of shape \[\d+\]: block-scaled float8 "
+                                              r"weights are matrices \[out, in\]$"):
+        Checkpoint(vector)
     int_scale = write("int-scale", {**tensors, scale: tensors[scale].to(torch.int32)}, config)
     with pytest.raises(CheckpointError, match=r"weight_scale_inv is I32: block scales are floating point"):
         Checkpoint(int_scale)
