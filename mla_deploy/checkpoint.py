@@ -151,11 +151,7 @@ class Checkpoint:
         file, stored, _ = self._where[name]
         scale_file, scale_name = self._scales[name]
         scale_inv = scale_file.float32(scale_name)
-        if not np.isfinite(scale_inv).all():  # named here: a NaN or infinite scale makes its whole block so
-            bad = np.argwhere(~np.isfinite(scale_inv))[0].tolist()
-            raise CheckpointError(f"{self.directory}: {scale_name} holds {int((~np.isfinite(scale_inv)).sum())} "
-                                  f"non-finite block scale(s) (NaN or infinity), the first {scale_inv[tuple(bad)]} at "
-                                  f"{bad}")
+        _check_finite(scale_inv, scale_name, self.directory)  # named itself, not by the block it makes non-finite
         shape, step = file.entries[stored][1], self.fp8_block[0]
         out = np.empty(shape, np.float32)
         for start in range(0, shape[0], step):

@@ -150,8 +150,8 @@ def test_fp8_checkpoint_errors_name_the_problem(fp8_checkpoints, tmp_path):
     bad_scale = tensors[scale].clone()
     bad_scale[1, 2] = float("inf")
     inf_scale = write("inf-scale", {**tensors, scale: bad_scale}, config)  # named, not its weight's values
-    with pytest.raises(CheckpointError, match=r"kv_a_proj_with_mqa.weight_scale_inv holds 1 non-finite block "
-                                              r"scale\(s\) \(NaN or infinity\), the first inf at \[1, 2\]$"):
+    with pytest.raises(CheckpointError, match=r"kv_a_proj_with_mqa.weight_scale_inv holds 1 non-finite "
+                                              r"value\(s\) \(NaN or infinity\), the first inf at \[1, 2\]$"):
         Checkpoint(inf_scale).tensor(scale.removesuffix("_scale_inv"))
     norm = "model.layers.0.input_layernorm.weight"  # a float8 vector with a scale: refused, not an IndexError
     vector = write("vector", {**tensors, norm: tensors[norm].to(torch.float8_e4m3fn),
