@@ -5,6 +5,7 @@ register blocks; its errors; the choice an export makes; and the same export wit
 ops."""
 
 import dataclasses
+import warnings
 
 import numpy as np
 import onnx_ir as ir
@@ -414,3 +415,23 @@ def test_a_library_built_before_the_level_query_reads_as_unknown(monkeypatch):
     a library to rebuild, not an AttributeError."""
     monkeypatch.setattr(kernels.ctypes, "CDLL", lambda path: object())
     assert kernels.isa() is None
+
+
+@needs_library
+def test_a_cap_above_the_cpus_level_warns_which_path_runs(demo_export_dir, monkeypatch):
+    """MLA_DEPLOY_ISA caps, never raises: asking for a level the CPU lacks (here one claiming only AVX2) warns with
+    the level the kernels run, as a session registers the kernels; a cap at or below the CPU's, or none, says
+    nothing."""
+    monkeypatch.setattr(kernels, "isa", lambda: "avx2")  # dispatch.c's answer: the cap, limited to the CPU's level
+    monkeypatch.setenv("MLA_DEPLOY_ISA", "avx512")
+    with pytest.warns(RuntimeWarning, match="MLA_DEPLOY_ISA=avx512: this CPU lacks the avx512 path; the kernels run "
+                                            "avx2"):
+        ExportedModel(demo_export_dir)
+    for cap in ("avx2", None):
+        if cap is None:
+            monkeypatch.delenv("MLA_DEPLOY_ISA")
+        else:
+            monkeypatch.setenv("MLA_DEPLOY_ISA", cap)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            kernels.warn_above_cpu()

@@ -51,6 +51,7 @@ from __future__ import annotations
 import ctypes
 import importlib.machinery
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -125,6 +126,17 @@ def isa() -> str | None:
     path = library()
     level = getattr(ctypes.CDLL(str(path)), "MlaDeployIsa", None) if path is not None else None
     return None if level is None else ISA_LEVELS[level()]
+
+
+def warn_above_cpu() -> None:
+    """A RuntimeWarning where MLA_DEPLOY_ISA asks for a level this CPU does not have: the cap never raises the
+    level, so the kernels run the CPU's own (a forced-path test or benchmark would otherwise measure another path
+    than it names)."""
+    cap = os.environ.get("MLA_DEPLOY_ISA")
+    level = isa() if cap in ISA_LEVELS else None
+    if level is not None and ISA_LEVELS.index(level) < ISA_LEVELS.index(cap):
+        warnings.warn(f"MLA_DEPLOY_ISA={cap}: this CPU lacks the {cap} path; the kernels run {level}, its highest",
+                      RuntimeWarning, stacklevel=2)
 
 
 def column_strips(w_in_out: np.ndarray) -> np.ndarray:

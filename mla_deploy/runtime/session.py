@@ -265,6 +265,7 @@ class ExportedModel:
         # their function bodies and runs them on the device
         if self.options.kernels and self.device == "cpu" and (library := kernels.library()) is not None:
             so.register_custom_ops_library(str(library))
+            kernels.warn_above_cpu()
         return so
 
     def _populate(self, skip: frozenset[tuple[int, int]] = frozenset()) -> int:
