@@ -413,6 +413,14 @@ def test_a_proposer_in_place_of_lookup_is_checked_like_any_draft(exported, alway
                                        stats.accepted < stats.proposed / 4)
     with pytest.raises(InputError, match="a proposer replaces prompt lookup: it needs speculative='lookup'"):
         Generator(model, SamplingParams(), speculation=Speculation("off"), proposer=replay)
+    vocab = model.config.vocab_size
+    for drafts, message in (([vocab], f"draft token id {vocab} is outside the vocabulary \\[0, {vocab}\\)"),
+                            ([-1], "draft token id -1 is outside the vocabulary"),
+                            ([1.5], "expected a list of draft token ids, got list .*dtype float64"),
+                            ([[1, 2]], "expected a list of draft token ids, got list \\(shape \\(1, 2\\)")):
+        with pytest.raises(InputError, match=message):  # was an onnxruntime Gather error, or a silent cast
+            Generator(model, SamplingParams(), stop_token_ids=(), speculation=Speculation("lookup", 4),
+                      proposer=lambda history, k, drafts=drafts: drafts).generate(PROMPTS, 4)
 
 
 def test_a_seeded_sampled_batch_speculating_draws_what_it_draws_without(exported, always_draft):
@@ -560,6 +568,9 @@ def test_bad_speculation_settings_are_refused_by_name(exported):
     for k in (0, MAX_DRAFT_TOKENS + 1, 2.5, True):
         with pytest.raises(InputError, match=r"draft_tokens=.*: must be an integer in \[1, 16\]"):
             Generator(model, speculation=Speculation("lookup", k))
+    assert Generator(model, speculation=Speculation("lookup", np.int64(4))).speculation.draft_tokens == 4
+    with pytest.raises(InputError, match="ngram=True, min_ngram=1: need 1 <= min_ngram <= ngram"):
+        Speculation("lookup", ngram=True, min_ngram=1).validate()
     with pytest.raises(InputError, match="speculative='beam'"):
         Speculation("beam").validate()
     with pytest.raises(InputError, match="does not fit the export's maximum length 8"):

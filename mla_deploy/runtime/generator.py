@@ -110,6 +110,20 @@ class Generator:
         spec = self.speculation
         self.proposer = proposer or (lambda history, k: lookup(history, k, spec.ngram, spec.min_ngram))
 
+    def _proposals(self, history: np.ndarray, room: int) -> np.ndarray:
+        """The proposer's drafts for a row with `history`, at most `room`: token ids in the vocabulary (a caller's
+        proposer is checked as any input; prompt lookup's pass)."""
+        drafts = self.proposer(history, room)
+        array = np.asarray(drafts)
+        if array.ndim != 1 or (array.size and not np.issubdtype(array.dtype, np.integer)):
+            raise InputError(f"proposer: expected a list of draft token ids, got {type(drafts).__name__} "
+                             f"(shape {array.shape}, dtype {array.dtype})")
+        outside = array[(array < 0) | (array >= self.model.config.vocab_size)]
+        if outside.size:
+            raise InputError(f"proposer: draft token id {outside[0]} is outside the vocabulary "
+                             f"[0, {self.model.config.vocab_size})")
+        return array.astype(np.int64)[:room]
+
     # ---- public ----
     def generate(self, prompts, max_new_tokens: int, first_allowed: np.ndarray | None = None) -> GenerationResult:
         return run_to_end(self.stream(prompts, max_new_tokens, first_allowed))
@@ -190,8 +204,7 @@ class Generator:
             if drafter is not None:
                 drafts = drafter.propose(range(b), policy.lengths(live, rooms))
             else:
-                proposals = [np.asarray(self.proposer(state.history[r], rooms[r]), np.int64)[: rooms[r]]
-                             for r in range(b)]
+                proposals = [self._proposals(state.history[r], rooms[r]) for r in range(b)]
                 drafts = [d[:m] for d, m in zip(proposals, policy.lengths(live, [len(d) for d in proposals]))]
             width = max(len(d) for d in drafts)
             starts = state.lengths.copy()

@@ -69,12 +69,12 @@ class Speculation:
         if self.mode not in MODES:
             raise InputError(f"speculative={self.mode!r}: expected one of {', '.join(MODES)}")
         k = self.draft_tokens
-        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_DRAFT_TOKENS:
+        if not is_integer(k) or not 1 <= k <= MAX_DRAFT_TOKENS:
             raise InputError(f"draft_tokens={k!r}: must be an integer in [1, {MAX_DRAFT_TOKENS}]")
         if max_seq_len is not None and self.mode != "off" and not pass_fits(k, max_seq_len):
             raise InputError(f"draft_tokens={k}: a verification pass of {k + 1} tokens does not fit the export's "
                              f"maximum length {max_seq_len}")
-        if not (isinstance(self.ngram, int) and isinstance(self.min_ngram, int) and 1 <= self.min_ngram <= self.ngram):
+        if not (is_integer(self.ngram) and is_integer(self.min_ngram) and 1 <= self.min_ngram <= self.ngram):
             raise InputError(f"ngram={self.ngram!r}, min_ngram={self.min_ngram!r}: need 1 <= min_ngram <= ngram")
         if self.mode == "mtp" and has_draft is False:
             raise InputError("speculative='mtp' needs the export's draft graph (draft.onnx), written from a checkpoint "
