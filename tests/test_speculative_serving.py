@@ -287,7 +287,7 @@ def test_run_reports_drafts_and_refuses_bad_speculation_by_name(mtp_export, tmp_
 
 
 # ---- serve ----
-def test_serve_takes_a_per_request_opt_out_and_refuses_what_it_cannot_do(mtp_export):
+def test_serve_takes_a_per_request_opt_out_and_refuses_what_it_cannot_do(mtp_export, always_draft):
     pytest.importorskip("fastapi", reason="the server needs the 'serve' extra")
     from fastapi.testclient import TestClient
 
@@ -313,6 +313,14 @@ def test_serve_takes_a_per_request_opt_out_and_refuses_what_it_cannot_do(mtp_exp
                     assert asked.json()["error"]["param"] == "speculative"
                 else:
                     assert asked.status_code == 200
+                metrics = _metrics(client.get("/metrics").text)  # what an operator sees of the drafting
+                drafts = service.engine.scheduler.stats.speculation
+                on = speculation is not None
+                assert metrics[f'mla_speculation_info{{mode="{"lookup" if on else "off"}",'
+                               f'draft_tokens="{3 if on else 0}"}}'] == 1
+                assert metrics["mla_spec_decode_draft_tokens_total"] == drafts.proposed and (drafts.proposed > 0) == on
+                assert metrics["mla_spec_decode_accepted_tokens_total"] == drafts.accepted
+                assert metrics["mla_spec_decode_verify_steps_total"] == drafts.verify_steps
         finally:
             service.engine.close()
     assert replies["on"] == replies["off"]
@@ -358,3 +366,9 @@ def test_min_tokens_holds_the_stop_ids_back_with_and_without_speculation(mtp_exp
         if speculation is not None:
             assert scheduler.stats.speculation.proposed > 0
     assert outs[True].tokens == outs[False].tokens
+
+
+def _metrics(text: str) -> dict[str, float]:
+    """Prometheus' text format as {name{labels}: value}."""
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}

@@ -36,6 +36,16 @@ def render_metrics(service) -> str:
     metric("decode_rows_total", "counter",
            "Rows that produced a token, summed over decode calls (divided by decode_steps_total: batch occupancy).",
            [("", stats.decoded_rows)])
+    spec, drafts = scheduler.speculation, stats.speculation
+    metric("speculation_info", "gauge", "The scheduler's speculative decoding: its mode (off, lookup, mtp) and the "
+           "most draft tokens a row proposes per step.",
+           [(f'{{mode="{spec.mode}",draft_tokens="{spec.draft_tokens if spec.on else 0}"}}', 1)])
+    metric("spec_decode_verify_steps_total", "counter", "Verification passes (steps where a row proposed drafts).",
+           [("", drafts.verify_steps)])
+    metric("spec_decode_draft_tokens_total", "counter", "Draft tokens proposed.", [("", drafts.proposed)])
+    metric("spec_decode_accepted_tokens_total", "counter",
+           "Draft tokens accepted (divided by spec_decode_draft_tokens_total: the acceptance rate).",
+           [("", drafts.accepted)])
     _histogram(lines, "time_to_first_token_seconds", "From submission to the first token.", engine.stats.ttft)
     _histogram(lines, "inter_token_latency_seconds", "Between consecutive tokens of one request.",
                engine.stats.inter_token)
