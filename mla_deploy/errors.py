@@ -29,6 +29,11 @@ class InputError(MLADeployError):
     """Runtime input that is out of range: token ids, lengths, caches, sampling parameters."""
 
 
+class GrammarError(InputError):
+    """A request's grammar (response_format, a forced tool call) that compiled but that the grammar engine cannot
+    follow while generating: its lexer or parser gave up (a pattern too complex to expand, a limit hit)."""
+
+
 class ProviderError(MLADeployError):
     """An onnxruntime execution provider that was asked for but cannot be used."""
 

@@ -521,6 +521,41 @@ def test_a_grammar_masks_its_row_in_a_mixed_batch(model):
     assert plain.tokens == Generator(model, SamplingParams(), stop_token_ids=()).generate([p], 20).token_ids[0]
 
 
+def test_a_grammar_given_up_on_while_generating_fails_its_request_alone(model):
+    """A schema that compiles but whose pattern llguidance's lexer gives up on at the first character (nested
+    repetitions: "too many expressions constructed"): its request ends with Failed(GrammarError) and emits no token
+    the grammar refused; the plain row beside it is what it is alone, and the scheduler takes the next grammar
+    request (it stopped the scheduler, and with it every request of a server)."""
+    pytest.importorskip("llguidance", reason="grammars need the 'serve' extra")
+    from mla_deploy.errors import GrammarError
+    from mla_deploy.runtime.grammar import Grammars
+    from mla_deploy.runtime.scheduler import Failed
+    from mla_deploy.runtime.text import Tokenizer
+
+    tokenizer = Tokenizer(DEMO_CHECKPOINT / "tokenizer.json")
+    grammars = Grammars(tokenizer.path, model.config.vocab_size, [2])
+    p = tokenizer.encode("config = ")
+    scheduler = Scheduler(model, max_batch=3)
+    for params in (SamplingParams(), SamplingParams(temperature=1.0, top_k=5, seed=1)):
+        broken = Collect()
+        scheduler.add(Request(p, 20, broken, params, frozenset({2}), constraint=grammars.json_schema(
+            {"type": "string", "pattern": "^((a{100}){100}){100}$"})))
+        plain = submit(scheduler, p, 12, params)[1]
+        drain(scheduler)
+        (failed,) = [e for e in broken.events if isinstance(e, Failed)]
+        assert isinstance(failed.error, GrammarError) and broken.finished is None
+        assert "the grammar engine gave up on the schema after 0 generated tokens (lexer error: too many " \
+               "expressions constructed)" in str(failed.error)
+        assert broken.tokens == []  # its opening quote was refused: nothing emitted
+        assert plain.tokens == Generator(model, params, stop_token_ids=()).generate([p], 12).token_ids[0]
+    assert scheduler.stats.finished["error"] == 2
+    later = Collect()
+    scheduler.add(Request(p, 20, later, SamplingParams(), frozenset({2}), constraint=grammars.json_schema(
+        {"type": "string", "pattern": "^a{3}$"})))
+    drain(scheduler)
+    assert later.finished.reason == "stop" and tokenizer.decode(later.tokens) == '"aaa"'
+
+
 @pytest.mark.parametrize("k", [0, 1, 3, 20, 64, 100])
 def test_token_logprobs_equal_a_float64_log_softmax_likeliest_first_ties_by_id(k):
     from mla_deploy.runtime.scheduler import LOGPROB_ROWS, _token_logprobs

@@ -618,6 +618,29 @@ def test_a_request_whose_logits_go_nan_gets_a_500_naming_it_and_the_server_serve
         assert metrics['mla_streams_failed_total{status="500"}'] == 1
 
 
+def test_a_schema_the_grammar_engine_gives_up_on_gets_a_400_and_the_server_serves_on(server):
+    """A schema that compiles but whose pattern llguidance's lexer gives up on while generating: OpenAI's
+    invalid_request_error (code "grammar") naming it, plain and streamed (an error event after the 200); the next
+    request is served and /health stays ok (it failed the engine, and every later request with it)."""
+    base, service = server
+    schema = {"type": "string", "pattern": "^((a{100}){100}){100}$"}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 5,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+    bad = httpx.post(base + "/v1/chat/completions", json=body)
+    assert bad.status_code == 400, bad.text
+    error = bad.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "grammar"
+    assert error["message"].startswith("response_format / tools: the grammar engine gave up on the schema after 0 "
+                                       "generated tokens (lexer error: too many expressions constructed)")
+    with httpx.stream("POST", base + "/v1/chat/completions", json={**body, "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert r.status_code == 200 and json.loads(lines[-2][6:])["error"]["code"] == "grammar"
+    assert lines[-1] == "data: [DONE]"
+    good = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "x = ", "max_tokens": 3})
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 3
+    assert httpx.get(base + "/health").status_code == 200 and service.engine.error is None
+
+
 def test_every_chunk_of_a_reply_carries_the_requests_timestamp(monkeypatch):
     """OpenAI stamps a reply once: a stream that crosses a second keeps its `created`."""
     from mla_deploy.serve import protocol

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import InputError, missing_extra
+from ..errors import GrammarError, InputError, missing_extra
 
 # JSON's whitespace: none but the separators json.dumps writes. A schema's own "x-guidance" options override these.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -65,7 +65,7 @@ class Grammars:
         error = ll.LLMatcher.validate_grammar(grammar, self.tokenizer)
         if error:
             raise InputError(f"{what}: cannot be compiled to a grammar: {error}")
-        matcher = ll.LLMatcher(self.tokenizer, grammar)
+        matcher = ll.LLMatcher(self.tokenizer, grammar, log_level=0)  # its errors are raised, not printed
         if matcher.is_error():
             raise InputError(f"{what}: cannot be compiled to a grammar: {matcher.get_error()}")
         return Constraint(matcher, json.dumps(schema, sort_keys=True))
@@ -76,11 +76,16 @@ class Constraint:
 
     def __init__(self, matcher, key: str):
         self.matcher, self.key = matcher, key
+        self.consumed: list[int] = []
 
     def consume(self, token: int) -> None:
-        if not self.matcher.consume_token(int(token)):
-            raise RuntimeError(f"grammar refused token {token} after its own mask allowed it: "
-                               f"{self.matcher.get_error()}")
+        """Advance by the sampled `token`; GrammarError where the grammar cannot go on (llguidance gave up on it while
+        generating: a request's own failure, the others running on)."""
+        if self.matcher.is_error() or not self.matcher.consume_token(int(token)):
+            why = self.matcher.get_error().strip().splitlines()
+            raise GrammarError(f"the grammar engine gave up on the schema after {len(self.consumed)} generated "
+                               f"tokens ({why[0] if why else f'token {token} refused'}): simplify the schema")
+        self.consumed.append(int(token))
 
     @property
     def done(self) -> bool:
@@ -98,5 +103,7 @@ def allowed_tokens(constraints: Sequence[Constraint | None], vocab_size: int) ->
     for row, c in enumerate(constraints):
         if c is not None:
             ll.numpy.fill_next_token_bitmask(c.matcher, bits, row)
+            if c.matcher.is_error():  # given up while computing the mask: every token, and consume() says why
+                bits[row] = -1
     allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size].astype(bool)
     return allowed

@@ -46,7 +46,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from .. import io_spec
-from ..errors import InputError, MLADeployError
+from ..errors import GrammarError, InputError, MLADeployError
 from .cache import CacheBuffers, DecodeBinding
 from .generator import check_prompts, check_settings, check_stop_token_ids
 from .grammar import Constraint, allowed_tokens
@@ -73,7 +73,8 @@ class TokenEvent:
 @dataclass
 class Failed:
     """The request ended by its own fault, the others running on: the model's logits for its row unusable (NaN or
-    infinity: sampling.unusable_rows). Its last event, in place of Finished."""
+    infinity: sampling.unusable_rows), or its grammar given up on while generating (GrammarError). Its last event, in
+    place of Finished."""
     error: MLADeployError
 
 
@@ -641,13 +642,17 @@ class Scheduler:
         if token is None:
             token = int(sample(logits, request.sampling, request.rng, [request.history], [request.counts],
                                self._allowed([request]))[0])
+        if request.constraint is not None:
+            try:
+                request.constraint.consume(token)
+            except GrammarError as e:  # its grammar's own failure: this request ends, the others run on
+                self._finish(request, "error", Failed(e))
+                return
         request.generated.append(token)
         if request.sampling.repetition_penalty != 1.0 or self._speculates(request):  # the readers of the history
             request.remember(token)
         if request.counts is not None:
             request.counts[token] += 1
-        if request.constraint is not None:
-            request.constraint.consume(token)
         self.stats.generated_tokens += 1
         event = TokenEvent(token)
         if request.logprobs is not None:

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from ..errors import InputError, ModelOutputError, ServeError
+from ..errors import GrammarError, InputError, ModelOutputError, ServeError
 from ..runtime.chat import ChatTemplate, GenerationDefaults
 from ..runtime.engine import Engine, EngineFailed, EngineStopped, Finished, PromptLogprobs, QueueFull, TokenEvent
 from ..runtime.grammar import Constraint, Grammars
@@ -394,6 +394,10 @@ def create_app(service: Service) -> FastAPI:
     async def model_output(request: Request, e: ModelOutputError):  # this request's, the engine running on
         return _error(service, APIError(500, str(e), code="model_output"))
 
+    @app.exception_handler(GrammarError)
+    async def grammar_failed(request: Request, e: GrammarError):  # this request's, the engine running on
+        return _error(service, _grammar_error(e))
+
     @app.exception_handler(EngineFailed)
     async def engine_failed(request: Request, e: EngineFailed):  # /health says the same from now on
         return _error(service, _engine_error(e))
@@ -598,13 +602,19 @@ def _engine_error(e: EngineFailed) -> APIError:
                     headers={"Retry-After": "5"} if isinstance(e, EngineStopped) else None)
 
 
+def _grammar_error(e: GrammarError) -> APIError:
+    """400: the request's grammar compiled, but the grammar engine gave up on it while generating."""
+    return APIError(400, f"response_format / tools: {e}", code="grammar")
+
+
 def _stream_error(service: Service, e: Exception) -> APIError:
     """The error a stream ends with: the engine's (503, as every later request gets), or a bug (500)."""
     error = (_engine_error(e) if isinstance(e, EngineFailed) else APIError(500, str(e), code="model_output")
-             if isinstance(e, ModelOutputError) else APIError(500, f"internal error: {type(e).__name__}: {e}"))
+             if isinstance(e, ModelOutputError) else _grammar_error(e) if isinstance(e, GrammarError)
+             else APIError(500, f"internal error: {type(e).__name__}: {e}"))
     service.stream_errors[error.status] = service.stream_errors.get(error.status, 0) + 1  # its response: a 200
     if not isinstance(e, EngineStopped):
-        said = isinstance(e, (EngineFailed, ModelOutputError))  # their message is the whole story; a bug's traceback
+        said = isinstance(e, (EngineFailed, ModelOutputError, GrammarError))  # the whole story; a bug's traceback
         logging.getLogger("uvicorn.error").error("a stream ended with %s", error.message, exc_info=None if said else e)
     return error
 
