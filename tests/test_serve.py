@@ -641,6 +641,47 @@ def test_a_schema_the_grammar_engine_gives_up_on_gets_a_400_and_the_server_serve
     assert httpx.get(base + "/health").status_code == 200 and service.engine.error is None
 
 
+def test_a_schema_compiles_once_per_request_off_the_event_loop(server, monkeypatch):
+    """Compiling a large schema takes seconds: while one compiles, the server answers other requests (it ran on the
+    event loop, stalling every client), and a request for n choices compiles it once (it did per choice), each
+    choice drawing its own document under its own copy of the grammar."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mla_deploy.runtime.grammar import Grammars
+
+    base, _ = server
+    entered, gate, compiled = threading.Event(), threading.Event(), []
+    real = Grammars._compile
+
+    def held(self, schema, what):  # a compile that takes until the test lets it go
+        compiled.append(schema)
+        entered.set()
+        assert gate.wait(60)
+        return real(self, schema, what)
+
+    monkeypatch.setattr(Grammars, "_compile", held)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 12, "n": 3,
+            "temperature": 1.0, "seed": 5,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+    with ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(httpx.post, base + "/v1/chat/completions", json=body, timeout=120)
+        assert entered.wait(60)
+        health = httpx.get(base + "/health", timeout=20)  # answered while the schema is compiling
+        assert health.status_code == 200 and not gate.is_set()
+        gate.set()
+        r = reply.result()
+    assert r.status_code == 200, r.text
+    assert compiled == [schema]  # once for the request, not once per choice
+    choices = r.json()["choices"]
+    assert len(choices) == 3 and len({c["message"]["content"] for c in choices}) > 1  # each its own draws
+    for c in choices:  # a whole document where it stopped, a prefix of one where max_tokens cut it
+        assert c["finish_reason"] == "length" or isinstance(json.loads(c["message"]["content"])["n"], int), c
+        assert c["message"]["content"].startswith('{"n": ')
+
+
 def test_every_chunk_of_a_reply_carries_the_requests_timestamp(monkeypatch):
     """OpenAI stamps a reply once: a stream that crosses a second keeps its `created`."""
     from mla_deploy.serve import protocol

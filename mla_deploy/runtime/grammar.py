@@ -13,7 +13,6 @@ tokens is json.dumps' (", " and ": ", nothing else), so a sampled document canno
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Sequence
 
@@ -68,14 +67,14 @@ class Grammars:
         matcher = ll.LLMatcher(self.tokenizer, grammar, log_level=0)  # its errors are raised, not printed
         if matcher.is_error():
             raise InputError(f"{what}: cannot be compiled to a grammar: {matcher.get_error()}")
-        return Constraint(matcher, json.dumps(schema, sort_keys=True))
+        return Constraint(matcher)
 
 
 class Constraint:
     """One request's grammar state: which tokens may come next, advanced by each sampled token."""
 
-    def __init__(self, matcher, key: str):
-        self.matcher, self.key = matcher, key
+    def __init__(self, matcher):
+        self.matcher = matcher
         self.consumed: list[int] = []
 
     def consume(self, token: int) -> None:
@@ -86,6 +85,10 @@ class Constraint:
             raise GrammarError(f"the grammar engine gave up on the schema after {len(self.consumed)} generated "
                                f"tokens ({why[0] if why else f'token {token} refused'}): simplify the schema")
         self.consumed.append(int(token))
+
+    def copy(self) -> "Constraint":
+        """The same grammar in its own state (one per choice of a request): llguidance's copy, not a compile."""
+        return Constraint(self.matcher.deep_copy())
 
     @property
     def done(self) -> bool:

@@ -159,9 +159,10 @@ class Service:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "mla-deploy",
                 "max_model_len": self.engine.model.max_seq_len}
 
-    def start(self, req: GenerationRequest) -> list[Run]:
+    def start(self, req: GenerationRequest, constraint: Constraint | None = None) -> list[Run]:
         """Validate against the export and queue every prompt's candidates together (one scheduler step admits
-        them all): every refusal happens here, before a reply starts."""
+        them all): every refusal happens here, before a reply starts. `constraint`: the request's grammar, compiled
+        (Service.grammar), each candidate generating under a copy of it."""
         tools = req.tools
         unreadable = why_no_calls(self.tokenizer) if tools is not None and tools.choice == "auto" else None
         if unreadable:
@@ -215,7 +216,7 @@ class Service:
                     requests.append(self.engine.request(
                         ids, max_tokens, sampling, stops, logprobs=logprobs,
                         prompt_logprobs=0 if max_tokens == 0 and prompt_logprobs is None else prompt_logprobs,
-                        constraint=self._constraint(req), choice=j, speculate=req.speculative is not False,
+                        constraint=constraint and constraint.copy(), choice=j, speculate=req.speculative is not False,
                         min_tokens=min(req.min_tokens, max_tokens)))
                     runs.append(Run(i, j, ids, None))
         except InputError as e:  # the length was checked above: what is left is the prompt's ids or logit_bias
@@ -232,8 +233,9 @@ class Service:
             raise APIError(503, f"the engine is not running ({e})", headers={"Retry-After": "5"}) from None
         return runs
 
-    def _constraint(self, req: GenerationRequest) -> Constraint | None:
-        """The grammar a choice is generated under: response_format's, or a forced tool call's (serve.tools)."""
+    def grammar(self, req: GenerationRequest) -> Constraint | None:
+        """The grammar the request's choices are generated under: response_format's, or a forced tool call's
+        (serve.tools). Compiling a large schema takes seconds: the routes call this off the event loop."""
         forced = req.tools is not None and req.tools.forced
         if req.response_format is None and not forced:
             return None
@@ -454,7 +456,7 @@ def create_app(service: Service) -> FastAPI:
 
 async def _generate(service: Service, request: Request, kind: str):
     req = await service.read(request, kind)
-    runs = service.start(req)
+    runs = service.start(req, await asyncio.to_thread(service.grammar, req))
     rid = protocol.new_id(kind)
     if req.stream:
         _count(service, 200)
