@@ -441,6 +441,35 @@ def test_a_choice_ending_inside_a_character_sends_it_as_the_whole_sequence_decod
     assert outs[-1].text.startswith("\ufffd") and outs[2].text == ""
 
 
+@pytest.mark.parametrize("streamed", [True, False])
+def test_a_stop_string_starting_with_a_multibyte_character_takes_its_leading_bytes_tokens(streamed):
+    """Stop "中" reached byte by byte: the tokens carrying its first bytes (text "" until the character completes)
+    are part of the stop string, not sent before it; the tokens sent join to the text sent. With the stop string
+    included in the output they are sent, the last carrying it."""
+    from mla_deploy.runtime import Tokenizer
+    from mla_deploy.runtime.scheduler import TokenEvent
+    from mla_deploy.serve.choices import ChoiceText
+
+    tokenizer = Tokenizer(DEMO_CHECKPOINT / "tokenizer.json")
+    byte = {tokenizer.token_bytes(i): i for i in range(tokenizer.vocab_size)}
+    before = tokenizer.encode("x = ", add_special_tokens=False)
+    ids = before + [byte[bytes([b])] for b in "中".encode()] + tokenizer.encode("y", add_special_tokens=False)
+    for include, text, sent_ids in ((False, "x = ", before), (True, "x = 中", ids[:-1])):
+        choice, sent, outs = ChoiceText(tokenizer, ["中"], set(), include_stop=include), [], []
+        for t in ids:
+            choice.push(TokenEvent(t, None, None))
+            if streamed:
+                piece, taken = choice.take()
+                sent.append(piece)
+                outs += taken
+        choice.finish()
+        piece, taken = choice.take()
+        sent.append(piece)
+        outs += taken
+        assert "".join(sent) == text and choice.stopped
+        assert [o.event.token for o in outs] == sent_ids and "".join(o.text for o in outs) == text
+
+
 def test_the_stop_reason_is_the_stop_string_found_first_or_the_requests_own_stop_id():
     """vLLM's stop_reason: of two stop strings the one that ends the text (the first to appear, the earlier of two
     completed by one token), a stop token id of the request's own, never the model's end of sequence."""

@@ -113,7 +113,9 @@ class ChoiceText:
         end = self.base + self.released
         keep = []
         for out in self.held:
-            if out.offset + len(out.text) <= end:
+            if self.stops.stopped and not out.text and out.offset == end:
+                pass  # its bytes begin the character the stop string starts with: part of it, not sent
+            elif out.offset + len(out.text) <= end:
                 self.ready.append(out)
             elif self.stops.stopped and out.offset < end:  # reaches into the stop string: its text before it
                 self.ready.append(Out(out.event, out.text[: end - out.offset], out.offset, cut=True))
