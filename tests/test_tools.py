@@ -310,6 +310,32 @@ def test_schemas_with_definitions_no_type_or_no_parameters_give_object_arguments
             jsonschema.validate(arguments, schemas[call.function.name])
 
 
+SEVEN = {"type": "integer", "minimum": 7, "maximum": 7}
+RESOURCE = {"$id": "https://example.com/args.json", "$defs": {"x": SEVEN}, "type": "object",
+            "properties": {"a": {"$ref": "#/$defs/x"}}, "required": ["a"], "additionalProperties": False}
+ANCHORED = {"$defs": {"x": {**SEVEN, "$anchor": "seven"}}, "type": "object", "properties": {"b": {"$ref": "#seven"}},
+            "required": ["b"], "additionalProperties": False}
+
+
+def test_required_calls_keep_references_by_anchor_and_within_an_id_resource(client):
+    """Under "required" each function's schema moves below the list's root: JSON-pointer references move with it,
+    while an anchor ("#seven") and the references of a schema with its own $id (a resource, resolved against itself)
+    already resolve there; re-pointing them was a 400 for schemas the function alone compiles."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": RESOURCE}},
+             {"type": "function", "function": {"name": "g", "parameters": ANCHORED}}]
+    called = set()
+    for seed in range(4):
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, tool_choice="required",
+                                           parallel_tool_calls=False, max_tokens=40, temperature=1.0, seed=seed)
+        if r.choices[0].finish_reason == "length":
+            continue
+        [call] = r.choices[0].message.tool_calls
+        arguments = json.loads(call.function.arguments)
+        assert arguments == ({"a": 7} if call.function.name == "f" else {"b": 7})
+        called.add(call.function.name)
+    assert called
+
+
 def test_streams_end_with_the_finish_alone_so_the_sdk_closes_every_call(client):
     """The openai SDK's stream helper closes a call's arguments at the next chunk: the finish comes in a chunk of its
     own, and a forced call's first chunk says content null, as OpenAI's do."""

@@ -97,14 +97,16 @@ NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSc
 
 
 def _rebased(schema, root: str):
-    """`schema` with every local reference ("#...") re-pointed below `root` (a JSON pointer of where it now lies)."""
+    """`schema` with every local JSON-pointer reference ("#", "#/...") re-pointed below `root` (a JSON pointer of
+    where it now lies). An anchor ("#name") resolves wherever its `$anchor` lies, and a schema with an `$id` is a
+    resource of its own whose references resolve against it: both are left as they are."""
     if isinstance(schema, list):
         return [_rebased(item, root) for item in schema]
-    if not isinstance(schema, dict):
+    if not isinstance(schema, dict) or "$id" in schema:
         return schema
     out = {}
     for key, value in schema.items():
-        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
             out[key] = root + value[1:]
         elif key in NAMED and isinstance(value, dict):  # its keys are names ("default" a property), not keywords
             out[key] = {name: _rebased(sub, root) for name, sub in value.items()}
