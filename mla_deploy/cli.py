@@ -14,7 +14,7 @@ import click
 
 from .cli_options import (MAX_DRAFT_TOKENS, _parse_ids, _parse_ints, _parse_modes, _ray_address_option, _sampling_given,
                           _sampling_options, _session_config_option, _speculation, _speculation_options, _utf8)
-from .errors import MLADeployError, missing_extra
+from .errors import MLADeployError, install_command, missing_extra
 from .presets import DEMO_CHECKPOINT
 
 
@@ -455,8 +455,8 @@ def bench(quick, preset, checkpoint, contexts, batches, engines, steps, threads,
     result = run_bench(cfg, progress=_progress())
     click.echo(table(result))
     json_path, png = save(result, out or workdir / "results", "quick" if quick else "results")
-    click.echo(f"saved {json_path}" + (f" and {png}" if png else "; no chart: matplotlib is not installed (pip "
-                                                                 "install 'mla-deploy[bench]')"))
+    click.echo(f"saved {json_path}" + (f" and {png}" if png else "; no chart: matplotlib is not installed "
+                                                                 f"({install_command('bench')})"))
 
 
 @main.command()

@@ -92,5 +92,36 @@ def missing_extra(module: str | None) -> str | None:
     top = (module or "").split(".")[0]
     if top not in EXTRAS:
         return None
-    return (f"needs the '{EXTRAS[top]}' extra (module {top!r} is not installed): "
-            f"pip install 'mla-deploy[{EXTRAS[top]}]'")
+    return f"needs the '{EXTRAS[top]}' extra (module {top!r} is not installed): {install_command(EXTRAS[top])}"
+
+
+def install_command(extra: str, source: dict | None = None) -> str:
+    """The pip command that adds `extra` to this installation, from where it was installed (`source`: pip's
+    direct_url.json of it, read when not given): a directory (a clone's `pip install .`, `-e` where editable), a
+    wheel or sdist, a git URL, else the package index by name."""
+    import shlex
+    from urllib.parse import unquote, urlparse
+
+    source = _installed_from() if source is None else source
+    url = source.get("url", "")
+    local = unquote(urlparse(url).path) if url.startswith("file://") else None
+    if local and ("dir_info" in source or "archive_info" in source):
+        editable = "-e " if source.get("dir_info", {}).get("editable") else ""
+        return f"pip install {editable}{shlex.quote(f'{local}[{extra}]')}"
+    if url and ("archive_info" in source or "vcs_info" in source):
+        vcs = source.get("vcs_info")
+        where = url if vcs is None else f"{vcs.get('vcs', 'git')}+{url}" + (
+            f"@{vcs['requested_revision']}" if vcs.get("requested_revision") else "")
+        return f"pip install {shlex.quote(f'mla-deploy[{extra}] @ {where}')}"
+    return f"pip install 'mla-deploy[{extra}]'"
+
+
+def _installed_from() -> dict:
+    """pip's record of where this installation came from (PEP 610's direct_url.json); {} for one from an index."""
+    import importlib.metadata
+    import json
+
+    try:
+        return json.loads(importlib.metadata.distribution("mla-deploy").read_text("direct_url.json") or "{}")
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return {}

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from mla_deploy.errors import install_command
 from mla_deploy.bench import BenchConfig, run_bench
 from mla_deploy.bench.report import save, table
 from mla_deploy.bench.run import ALL_ENGINES, expected_active_experts, fit_contexts, needed_exports
@@ -223,7 +224,7 @@ def test_an_engine_whose_module_is_missing_is_named_before_anything_is_built(tmp
     out = CliRunner().invoke(main, ["bench", "--preset", "tiny-v3", "--workdir", str(tmp_path / "w"),
                                     "--engines", "onnx-factored,transformers"])
     assert out.exit_code == 1 and out.stderr == ("error: `mla-deploy bench` needs the 'bench' extra (module "
-                                                 "'transformers' is not installed): pip install 'mla-deploy[bench]'\n")
+                                                 f"'transformers' is not installed): {install_command('bench')}\n")
     assert not (tmp_path / "w").exists()
 
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 from click.testing import CliRunner
 
-from mla_deploy import integrity
+from mla_deploy import errors, integrity
 from mla_deploy.cli import main
 from mla_deploy.errors import ExportLoadError
 from mla_deploy.export import export
@@ -164,14 +164,29 @@ def test_a_missing_extra_is_one_line_naming_the_install(demo_export, tmp_path, b
     assert done.stdout == ""
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: `mla-deploy {args[0]}` needs the '{extra}' extra"), lines
-    assert lines[0].endswith(f"pip install 'mla-deploy[{extra}]'")
+    assert lines[0].endswith(f": {errors.install_command(extra)}")  # this checkout's: pip install -e '...[extra]'
     assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
 
 
 def test_an_unknown_missing_module_stays_an_internal_error(monkeypatch):
-    from mla_deploy import errors
-
     assert errors.missing_extra("numpy") is None and errors.missing_extra("torch.nn") is not None
+
+
+def test_the_install_command_adds_the_extra_where_the_install_came_from():
+    """pip's record of the installation (PEP 610): a clone's directory (editable or not), a wheel, a git URL, an
+    index. mla-deploy is on no index, so a user who installed from a clone was told a command that fails."""
+    assert errors.install_command("export", {"url": "file:///home/u/my%20clone", "dir_info": {"editable": True}}) \
+        == "pip install -e '/home/u/my clone[export]'"
+    assert errors.install_command("serve", {"url": "file:///src/mla-deploy", "dir_info": {}}) \
+        == "pip install '/src/mla-deploy[serve]'"
+    assert errors.install_command("bench", {"url": "file:///tmp/mla_deploy-0.1.0-cp311-linux_x86_64.whl",
+                                            "archive_info": {}}) \
+        == "pip install '/tmp/mla_deploy-0.1.0-cp311-linux_x86_64.whl[bench]'"
+    git = {"url": "https://example.com/o/mla-deploy.git", "vcs_info": {"vcs": "git", "commit_id": "0" * 40}}
+    assert errors.install_command("ray", git) == "pip install 'mla-deploy[ray] @ git+https://example.com/o/mla-deploy.git'"
+    assert errors.install_command("ray", {**git, "vcs_info": {**git["vcs_info"], "requested_revision": "v1"}}) \
+        == "pip install 'mla-deploy[ray] @ git+https://example.com/o/mla-deploy.git@v1'"
+    assert errors.install_command("export", {}) == "pip install 'mla-deploy[export]'"
 
 
 # ---- option errors before output ----

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import uvicorn
 
-from ..errors import ExportLoadError, ServeError
+from ..errors import ExportLoadError, ServeError, install_command
 from ..manifest import is_staged, read_manifest, require_whole
 from ..runtime import ExportedModel, RuntimeOptions
 from ..runtime.chain import StagedExport
@@ -40,7 +40,7 @@ def build_service(export_dir: str | Path, max_batch: int = 16, max_queue: int = 
             from ..runtime.stages import StagedModel
         except ImportError as e:
             raise ExportLoadError(f"{export_dir}: a staged export runs its stages on Ray, which is not installed "
-                                  f"({e}): pip install 'mla-deploy[serve,ray]'") from None
+                                  f"({e}): {install_command('serve,ray')}") from None
         model = StagedModel(export_dir, options, address=ray_address)
     else:
         model = ExportedModel(export_dir, options)
