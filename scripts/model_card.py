@@ -48,7 +48,7 @@ checkpoint in the DeepseekV3 layout and loads through exactly the code path of a
 
 Reproduce the held-out figure on an export:
 
-    mla-deploy export mla_deploy/models/demo -o out/demo
+    mla-deploy export mla_deploy/models/demo -o out/demo    # already there after scripts/demo
     mla-deploy eval out/demo --text mla_deploy/models/demo/heldout.txt
 
 Retrain from scratch (same seed, same files, same numbers up to floating-point reduction order):
