@@ -12,15 +12,15 @@ import sys
 import numpy as np
 import pytest
 import torch
-from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
-                          TopKLogitsWarper, TopPLogitsWarper)
+from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor,
+                          TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from mla_deploy import io_spec
 from mla_deploy.errors import InputError
 from mla_deploy.runtime import ExportedModel, Generator, SamplingParams
 from mla_deploy.runtime.feeds import prefill_feed
 from mla_deploy.runtime.sampling import (NUCLEUS_MAX_CANDIDATES, NUCLEUS_RATIOS, apply_repetition_penalty,
-                                         nucleus_ids, sample)
+                                         nucleus_ids, row_generator, sample)
 
 DRAWS = 40_000
 LOGITS = np.array([2.0, 1.6, 1.5, 0.9, 0.3, -0.2, -0.4, -1.0, 0.05, 1.1, -2.5, 0.7], np.float32)
@@ -31,6 +31,8 @@ def reference_probs(logits: np.ndarray, history: np.ndarray, params: SamplingPar
     """The distribution transformers' generate() samples from, with its own processors and warpers."""
     scores = torch.tensor(logits, dtype=torch.float64)[None]  # [1, vocab]
     ids = torch.tensor(history)[None]  # [1, len]
+    if params.logit_bias:  # first, as generate() appends it (and vLLM adds the bias before its penalties)
+        scores = SequenceBiasLogitsProcessor({(t,): b for t, b in params.logit_bias})(ids, scores)
     if params.repetition_penalty != 1.0:
         scores = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(ids, scores)
     if params.temperature != 1.0:
@@ -72,6 +74,9 @@ CASES = {
     "all four": SamplingParams(temperature=0.7, top_k=7, top_p=0.9, repetition_penalty=1.3, seed=10),
     "min-p 0.3": SamplingParams(temperature=1.0, min_p=0.3, seed=11),
     "top-p 0.95, min-p 0.4": SamplingParams(temperature=1.2, top_p=0.95, min_p=0.4, seed=12),
+    # tokens 0 and 5 are in the history: the penalty scales their biased logits
+    "bias, repetition 1.8": SamplingParams(temperature=1.0, repetition_penalty=1.8,
+                                           logit_bias=((0, 1.5), (5, 2.0), (3, -1.0)), seed=13),
 }
 
 
@@ -200,6 +205,47 @@ def test_a_draw_above_the_rounded_total_mass_returns_the_last_token():
     allowed = np.array([[True] * 5 + [False]])
     assert sample(wider, SamplingParams(temperature=1.0), HighestDraw(), [np.array([], np.int64)],
                   allowed=allowed).tolist() == [4]
+
+
+def test_the_bias_case_tells_the_orders_apart():
+    """Guards "bias, repetition 1.8": the penalty over the biased logits and the bias over the penalised ones are
+    distributions far apart (the sampler added the bias last, unlike vLLM and transformers)."""
+    params = CASES["bias, repetition 1.8"]
+    bias_first = reference_probs(LOGITS, HISTORY, params)
+    penalised = reference_probs(LOGITS, HISTORY, SamplingParams(temperature=1.0, repetition_penalty=1.8))
+    biased = np.log(penalised)
+    for token, bias in params.logit_bias:
+        biased[token] += bias
+    bias_last = np.exp(biased) / np.exp(biased).sum()
+    assert 0.5 * np.abs(bias_first - bias_last).sum() > 0.05
+
+
+def test_each_seed_and_row_draws_its_own_stream():
+    """Row 0 draws the seed's own stream (a request's first choice, as numpy's default_rng(seed)); another row its
+    own, which no other (seed, row) shares: numpy reads a seed [seed, row] as one integer's 32-bit words, so seed 5's
+    second choice drew seed 2^32 + 5's first."""
+    first = [row_generator(seed, row).random(4).tolist() for seed, row in ((5, 1), (5 + 2**32, 0), (5, 2),
+                                                                             (7 + 3 * 2**32, 2), (7, 3), (5, 0))]
+    assert len({tuple(f) for f in first}) == len(first)
+    assert first[1] == np.random.default_rng(5 + 2**32).random(4).tolist()
+    assert first[-1] == np.random.default_rng(5).random(4).tolist()
+    assert first[0] == row_generator(5, 1).random(4).tolist()  # seeded: the same stream each time
+
+
+def test_a_draw_above_the_kept_mass_lands_on_a_kept_token_of_nonzero_probability():
+    """top_p a hair under 1 keeps top-k's zero-probability tokens in the nucleus; a uniform above the kept tokens'
+    rounded total (1 - 2^-53 there) drew the last kept id, of probability 0, where the speculative path's draw()
+    takes the last of probability > 0."""
+
+    class HighestDraw:
+        def random(self, shape):
+            return np.full(shape, np.nextafter(1.0, 0.0))
+
+    params = SamplingParams(temperature=1.0, top_k=5, top_p=float(np.nextafter(1.0, 0.0)))
+    for seed in range(600):  # seeds 242 and 472 among them: logits whose kept mass rounds to 1 - 2^-53
+        logits = (np.random.default_rng(seed).normal(size=(1, 64)) * 2).astype(np.float32)
+        token = sample(logits, params, [HighestDraw()], [np.zeros(0, np.int64)])[0]
+        assert token in np.argsort(-logits[0], kind="stable")[:5], seed
 
 
 def test_zero_is_a_seed_and_top_k_zero_is_off():

@@ -125,10 +125,10 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator 
            history: list[np.ndarray], counts: Sequence[np.ndarray] | None = None,
            allowed: np.ndarray | None = None) -> np.ndarray:
     """logits [b, vocab] float32 -> token ids [b] int64. `rng`: one generator for every row, or one per row (a
-    request's seed then draws the same tokens whichever rows share the call). In order: repetition penalty
-    (`history`: each row's prompt and generated ids), presence and frequency penalties (`counts`: each row's
-    generated-token counts [vocab]), logit_bias, the `allowed` mask [b, vocab] (a grammar's: the others get
-    probability 0), then temperature, top-k, top-p and min-p (transformers' order)."""
+    request's seed then draws the same tokens whichever rows share the call). In order: logit_bias, repetition
+    penalty (`history`: each row's prompt and generated ids), presence and frequency penalties (`counts`: each row's
+    generated-token counts [vocab]), the `allowed` mask [b, vocab] (a grammar's: the others get probability 0),
+    then temperature, top-k, top-p and min-p (transformers' order)."""
     logits = adjusted_logits(logits, params, history, counts, allowed)
     if params.greedy:
         return logits.argmax(-1).astype(np.int64)
@@ -140,7 +140,7 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator 
             ids = kept_ids(row, params)
             kept = row[ids]  # a copy
             kept /= kept.sum()
-            tokens.append(ids[min(int((np.cumsum(kept) < ui).sum()), len(ids) - 1)])
+            tokens.append(ids[draw(kept[None], np.array([[ui]]))[0]])  # a kept id of probability > 0
         return np.array(tokens, np.int64)
     return draw(probs, u)
 
@@ -176,9 +176,13 @@ def draw(probs: np.ndarray, u: np.ndarray) -> np.ndarray:
 
 def row_generator(seed: int | None, row: int) -> np.random.Generator:
     """The random generator of a batch's row `row` (the scheduler: of a request's choice `row`): seeded by `seed`
-    alone for row 0, by (seed, row) for the others; None: fresh entropy. Each row drawing from its own, a row that
-    speculation gives several tokens in a step (several draws) leaves the others' draws where they were."""
-    return np.random.default_rng(seed if seed is None or row == 0 else [seed, row])
+    alone for row 0, by the row as a spawn key of the seed for the others (a stream no other seed and row give:
+    numpy reads a seed [seed, row] as the 32-bit words of one integer, so seed + 2^32 row would share it); None:
+    fresh entropy. Each row drawing from its own, a row that speculation gives several tokens in a step (several
+    draws) leaves the others' draws where they were."""
+    if seed is None or row == 0:
+        return np.random.default_rng(seed)
+    return np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(row,)))
 
 
 def uniform(rng: np.random.Generator | Sequence[np.random.Generator], rows: int) -> np.ndarray:
@@ -221,12 +225,13 @@ def finite(logits: np.ndarray) -> np.ndarray:
 
 def adjusted_logits(logits: np.ndarray, params: SamplingParams, history: list[np.ndarray],
                     counts: Sequence[np.ndarray] | None = None, allowed: np.ndarray | None = None) -> np.ndarray:
-    """float64 logits after the repetition penalty, presence and frequency penalties, logit_bias and the mask, in
-    that order: what greedy takes the argmax of (the model's own logits checked finite first)."""
-    logits = apply_repetition_penalty(finite(logits).astype(np.float64), history, params.repetition_penalty)
+    """float64 logits after logit_bias, the repetition penalty, presence and frequency penalties and the mask, in
+    that order (the bias first, as vLLM and transformers add it: a repetition penalty scales the biased logit):
+    what greedy takes the argmax of (the model's own logits checked finite first)."""
+    logits = apply_logit_bias(finite(logits).astype(np.float64), params.logit_bias)
+    logits = apply_repetition_penalty(logits, history, params.repetition_penalty)
     if params.counts_tokens:
         logits = apply_presence_frequency(logits, counts, params.presence_penalty, params.frequency_penalty)
-    logits = apply_logit_bias(logits, params.logit_bias)
     if allowed is not None:
         logits = np.where(allowed, logits, -np.inf)
     return logits

@@ -240,7 +240,7 @@ def parse_request(body: dict, kind: str) -> GenerationRequest:
     req.frequency_penalty = _number(body.get("frequency_penalty"), "frequency_penalty", -2.0, 2.0)
     req.logit_bias = _logit_bias(body.get("logit_bias"))
     seed = _int(body.get("seed"), "seed", minimum=-(2**63), maximum=2**64 - 1)  # OpenAI's: any 64-bit integer
-    req.seed = None if seed is None else seed % 2**64  # one to one onto what numpy's generators take
+    req.seed = None if seed is None else seed % 2**64  # what numpy's generators take (-1 and 2**64 - 1 alike)
     req.stop, req.stop_token_ids = _stops(body.get("stop"))
     req.stop_token_ids += _token_ids(body.get("stop_token_ids"), "stop_token_ids") or []
     if req.tools is not None and req.tools.forced and (req.stop or req.stop_token_ids):
