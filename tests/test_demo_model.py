@@ -83,6 +83,30 @@ def test_eval_loss_equals_torch_cross_entropy_computed_independently(demo_export
     assert abs(report.export_loss - loss.item()) < 1e-4
 
 
+def test_scoring_takes_its_log_normalizers_a_few_rows_at_a_time():
+    """log_softmax_nll over [3, 50, vocab] (more positions than one chunk of NLL_ROWS, and a ragged last one) equals
+    torch's float64 log_softmax; a graph run's windows are bounded by the bytes of logits they return (V2-Lite's
+    102400-token vocabulary: 5 windows of 256, one of 1024), so scoring a large vocabulary holds no GB-sized
+    float64 temporaries; too little text is said in tokens."""
+    import numpy as np
+    import pytest
+
+    from mla_deploy.errors import InputError
+    from mla_deploy.runtime import scoring
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 3, (3, 50, 97)).astype(np.float32)
+    targets = rng.integers(0, 97, (3, 50))
+    want = -torch.log_softmax(torch.from_numpy(logits).double(), -1).gather(-1, torch.from_numpy(targets)[..., None])
+    got = scoring.log_softmax_nll(logits, targets)
+    assert got.shape == (3, 50) and scoring.NLL_ROWS < 150 and np.allclose(got, want[..., 0].numpy(), atol=1e-12)
+    assert [scoring.runs_of(w, 102400) for w in (256, 1024, 4096)] == [5, 1, 1]
+    assert scoring.runs_of(256, 4096) == 8  # the demo's: the most
+    for ids, says in (([], "0 tokens to score"), ([5], "1 token to score")):
+        with pytest.raises(InputError, match=f"{says}; scoring needs at least 2"):
+            scoring.windows(ids, 4)
+
+
 def _likeness():
     import importlib.util
     import sys

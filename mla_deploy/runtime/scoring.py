@@ -24,24 +24,41 @@ def windows(ids: list[int], window: int) -> list[np.ndarray]:
     if window < 1:
         raise InputError(f"window={window}: must be positive")
     if len(ids) < 2:
-        raise InputError(f"text has {len(ids)} tokens; scoring needs at least 2")
+        raise InputError(f"{len(ids)} token{'' if len(ids) == 1 else 's'} to score; scoring needs at least 2")
     return [np.array(ids[start : start + window + 1], np.int64) for start in range(0, len(ids) - 1, window)]
 
 
+NLL_ROWS = 64  # positions whose log-normalizers are taken at once: float64 temporaries of [64, vocab]
+LOGITS_BUDGET = 512 * 2**20  # bytes of float32 logits one graph run may return ([windows, window, vocab])
+
+
 def log_softmax_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
-    """logits [..., vocab], targets [...] -> negative log-likelihood [...] in float64."""
-    logits = logits.astype(np.float64)
-    top = logits.max(-1, keepdims=True)
-    log_z = np.log(np.exp(logits - top).sum(-1)) + top[..., 0]
-    return log_z - np.take_along_axis(logits, targets[..., None], -1)[..., 0]
+    """logits [..., vocab], targets [...] -> negative log-likelihood [...] in float64, NLL_ROWS positions at a time
+    (a whole [8, 256, 102400] batch in float64 would hold several GB of temporaries)."""
+    flat, wanted = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    nll = np.empty(len(flat), np.float64)
+    for start in range(0, len(flat), NLL_ROWS):
+        rows = flat[start : start + NLL_ROWS].astype(np.float64)
+        top = rows.max(-1, keepdims=True)
+        log_z = np.log(np.exp(rows - top).sum(-1)) + top[:, 0]
+        nll[start : start + NLL_ROWS] = log_z - rows[np.arange(len(rows)), wanted[start : start + NLL_ROWS]]
+    return nll.reshape(targets.shape)
 
 
-def export_scores(model: ExportedModel, batch: list[np.ndarray], rows_per_run: int = 8,
+def runs_of(window: int, vocab: int, most: int = 8) -> int:
+    """Windows per graph run: up to `most`, fewer where their logits would pass LOGITS_BUDGET (one at least)."""
+    return max(1, min(most, LOGITS_BUDGET // (window * vocab * 4)))
+
+
+def export_scores(model: ExportedModel, batch: list[np.ndarray], rows_per_run: int | None = None,
                   on_run: Callable[[int], None] = lambda done: None) -> tuple[np.ndarray, np.ndarray]:
     """NLL of each next token of each window and the export's top-1 prediction there, window after window in one
-    array each (len(w) - 1 per window w). `on_run(windows done)` after each graph run."""
+    array each (len(w) - 1 per window w). `rows_per_run`: windows per graph run (default runs_of the longest).
+    `on_run(windows done)` after each graph run."""
     cfg = model.config
     out, top1 = [], []
+    if rows_per_run is None:
+        rows_per_run = runs_of(max(len(w) for w in batch) - 1, cfg.vocab_size) if batch else 1
     for start in range(0, len(batch), rows_per_run):
         runs = batch[start : start + rows_per_run]
         for length in dict.fromkeys(len(w) for w in runs):  # a run's windows share a length (the last may not)
