@@ -618,6 +618,14 @@ def test_tokens_that_arrive_together_leave_as_one_chunk(server):
     cut = run(["return"], [events])
     assert len(cut) == 1 and cut[0].finish_reason == "stop" and cut[0].text == "def add(a, b):\n    "
     assert "".join(o.text for o in cut[0].tokens) == cut[0].text
+    # cut by max_tokens inside a character: its bytes are U+FFFD only at the end, where a stop string of it is found,
+    # so the choice stopped there ("stop", the string as its reason), not "length"
+    byte = {service.tokenizer.token_bytes(i): i for i in range(service.tokenizer.vocab_size)}
+    partial = [TokenEvent(t) for t in ids[:3] + [byte[b"\xe4"], byte[b"\xb8"]]]
+    for stop, reason in ((["\ufffd"], "stop"), (["zz"], "length")):
+        pieces = run(stop, [partial + [Finished("length", 3, len(partial))]])
+        assert (pieces[-1].finish_reason, pieces[-1].stop_reason) == (reason, stop[0] if reason == "stop" else None)
+        assert "".join(p.text for p in pieces).endswith("\ufffd") == (reason == "length")
 
 
 def test_a_request_whose_logits_go_nan_gets_a_500_naming_it_and_the_server_serves_on(demo_export_dir, tmp_path):

@@ -353,8 +353,8 @@ class Service:
                             yield Piece(*choice.take(), "stop", generated, cumulative, cached, choice.stop_reason)
                             return
                     elif isinstance(event, Finished):
-                        choice.finish()
-                        reason = "length" if event.reason == "length" else "stop"
+                        choice.finish()  # the held text, a stop string maybe found in it
+                        reason = "length" if event.reason == "length" and not choice.stopped else "stop"
                         yield Piece(*choice.take(), reason, event.completion_tokens, cumulative,
                                     event.cached_tokens, choice.stop_reason if reason == "stop" else None)
                         return
