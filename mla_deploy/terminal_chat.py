@@ -1,9 +1,8 @@
 """The terminal side of `mla-deploy chat`: reads messages, runs the slash commands, streams the replies of a
-runtime.conversation.Conversation and says after each what it cost.
-
-At a terminal the line is read with Python's `input` (line editing and history where the readline module is there);
-from a pipe, line by line, the replies alone on stdout and everything else on stderr. A line ending in a backslash
-goes on to the next. Ctrl-C during a reply ends the reply (a flag the conversation asks between scheduler steps, so
+runtime.conversation.Conversation and says after each what it cost. At a terminal the line is read with Python's
+`input` (line editing and history where the readline module is there); from a pipe, line by line, the replies alone
+on stdout and everything else on stderr. A line ending in a backslash goes on to the next; "//" sends a message that
+starts with a slash. Ctrl-C during a reply ends the reply (a flag the conversation asks between scheduler steps, so
 no step is cut in two); at the prompt it drops the line.
 """
 
@@ -24,6 +23,7 @@ COMMANDS = {
     "/exit": "end the chat (also /bye, /quit, or Ctrl-D)",
     "/help": "this list (also /?)",
 }
+ESCAPE = "//"  # a message that starts with a slash: "//tmp" sends "/tmp"
 ALIASES = {"/bye": "/exit", "/quit": "/exit", "/?": "/help"}
 
 
@@ -37,21 +37,11 @@ def chat_loop(conversation: Conversation, stdin=None) -> None:
         text = message.strip()
         if not text:
             continue
-        first = text.split()[0]
-        if ALIASES.get(first, first) in COMMANDS and first != text:  # "/reset now": a command, not a message
-            click.echo(f"[{first} takes no argument: /help lists the commands]", err=True)
-            continue
-        if text.startswith("/") and len(text.split()) == 1:
-            command = ALIASES.get(text, text)
-            if command == "/exit":
+        if text.startswith(ESCAPE):  # a message, its first slash dropped
+            message = message.replace(ESCAPE, "/", 1)
+        elif (done := _command(text, conversation)) is not None:
+            if done == "/exit":
                 return
-            if command == "/reset":
-                conversation.reset()
-                click.echo("[the conversation starts again]", err=True)
-            elif command == "/help":
-                click.echo("\n".join(f"  {name:<8}{what}" for name, what in COMMANDS.items()), err=True)
-            else:
-                click.echo(f"[unknown command {text}: /help lists them]", err=True)
             continue
         try:
             with _interrupt_flag() as interrupted:
@@ -61,6 +51,27 @@ def chat_loop(conversation: Conversation, stdin=None) -> None:
             continue
         click.echo()
         click.echo(describe(turn), err=True)
+
+
+def _command(text: str, conversation: Conversation) -> str | None:
+    """Run `text` where it is a slash command (one word starting with "/", or a command given an argument, which is
+    refused): the command, None for a message."""
+    first = text.split()[0]
+    if ALIASES.get(first, first) in COMMANDS and first != text:  # "/reset now": a command, not a message
+        click.echo(f"[{first} takes no argument: /help lists the commands]", err=True)
+        return first
+    if not (text.startswith("/") and len(text.split()) == 1):
+        return None
+    command = ALIASES.get(text, text)
+    if command == "/reset":
+        conversation.reset()
+        click.echo("[the conversation starts again]", err=True)
+    elif command == "/help":
+        click.echo("\n".join(f"  {name:<8}{what}" for name, what in COMMANDS.items()), err=True)
+        click.echo(f"  {ESCAPE + 'text':<8}send a message that starts with a slash (/text)", err=True)
+    else:
+        click.echo(f"[unknown command {text}: /help lists them; {ESCAPE}{text[1:]} sends it as a message]", err=True)
+    return command
 
 
 def describe(turn: Turn) -> str:
@@ -89,8 +100,10 @@ def _read_message(stdin) -> str | None:
             click.echo("[the line is not UTF-8 text: dropped]", err=True)
             lines = []
             continue
-        if line is None:
-            return "\n".join(lines) if lines else None
+        if line is None:  # the end of the input ends the chat, even within a message
+            if lines:
+                click.echo("[the unfinished message (its last line ended in a backslash) is not sent]", err=True)
+            return None
         if not line.endswith("\\"):
             return "\n".join(lines + [line])
         lines.append(line[:-1])

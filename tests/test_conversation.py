@@ -186,9 +186,25 @@ def test_the_chat_command_streams_replies_and_says_what_came_from_the_cache(demo
     cached = [int(n) for n in re.findall(r"(\d+) from the cache", result.stderr)]
     assert cached[0] == 0 and cached[1] > 0 and cached[2] > 0 and len(cached) == 3
     assert "[the conversation starts again]" in result.stderr
-    assert "[unknown command /nonsense: /help lists them]" in result.stderr and "/reset  start" in result.stderr
+    assert "[unknown command /nonsense: /help lists them; //nonsense sends it as a message]" in result.stderr
+    assert "/reset  start" in result.stderr and "//text  send a message that starts with a slash" in result.stderr
     assert "[/reset takes no argument: /help lists the commands]" in result.stderr and "/quit" in result.stderr
     assert "[the line is not UTF-8 text: dropped]" in result.stderr
+
+
+def test_a_message_may_start_with_a_slash_and_the_end_of_input_ends_an_unfinished_one(demo_export_dir, model):
+    """"//tmp" sends "/tmp" (a one-word message starting with a slash was an unknown command, and could not be
+    sent); the end of the input within a message (its last line ending in a backslash) ends the chat without
+    sending it, as Ctrl-D ends it anywhere."""
+    typed = "//tmp\n  //reset now\nunfinished \\\n".encode()
+    result = CliRunner().invoke(main, ["chat", str(demo_export_dir), "--temperature", "0", "--repetition-penalty",
+                                       "1", "-n", "8", "--speculative", "off"], input=typed)
+    assert result.exit_code == 0, result.output
+    chat = Conversation(model, GREEDY, max_new_tokens=8)
+    replies = [chat.say("/tmp").text, chat.say("  /reset now").text]
+    assert result.stdout == f"{replies[0]}\n{replies[1]}\n"
+    assert len(re.findall(r"from the cache", result.stderr)) == 2
+    assert "[the unfinished message (its last line ended in a backslash) is not sent]" in result.stderr
 
 
 def test_the_chat_command_refuses_bad_sampling_before_loading(tmp_path):
