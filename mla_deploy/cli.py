@@ -399,15 +399,19 @@ def verify(export_dir, checkpoint, steps, provider):
 @click.option(
     "--checkpoint", type=click.Path(path_type=Path), default=None, help="Source checkpoint (default: the one exported)."
 )
-def eval_command(export_dir, text_file, ids_file, window, checkpoint):
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
+def eval_command(export_dir, text_file, ids_file, window, checkpoint, as_json):
     """Loss and perplexity of a text through the export and through the torch source, side by side."""
     if (text_file is None) == (ids_file is None):
         raise click.UsageError("give one of --text FILE or --ids FILE" + (", not both" if text_file else ""))
     from .evaluate import evaluate
 
     report = evaluate(export_dir, text_file, window, checkpoint, progress=_progress(), ids_file=ids_file)
-    for line in report.lines():
-        click.echo(line)
+    if as_json:
+        click.echo(json.dumps({**report.to_dict(), "window": window}))
+    else:
+        for line in report.lines():
+            click.echo(line)
     if not report.passed:
         click.echo("error: export and torch source disagree by more than 1e-4 (EvalReport.TOLERANCE)", err=True)
         sys.exit(1)

@@ -68,6 +68,26 @@ class EvalReport:
                          f"against the float source: {cost}")
         return lines
 
+    def to_dict(self) -> dict:
+        """The report as `eval --json` prints it: both losses and perplexities, their difference, top-1 agreement,
+        what the export is (dtype, quantization, caches) and whether it passed."""
+        return {"tokens": self.tokens, "windows": self.windows,
+                "export": {"loss": self.export_loss, "perplexity": _exp(self.export_loss)},
+                "torch": {"loss": self.torch_loss, "perplexity": _exp(self.torch_loss)},
+                "loss_difference": self.export_loss - self.torch_loss, "top1_agreement": self.top1_agreement,
+                "dtype": self.dtype, "quantization": self.quantization,
+                "caches": {"latent": self.caches[0], "rope": self.caches[1]},
+                "lossy": self.lossy, "passed": self.passed, "tolerance": None if self.lossy else self.TOLERANCE}
+
+
+def _exp(loss: float) -> float | None:
+    """exp(loss) as JSON carries it: None where it overflows or the loss is not finite."""
+    try:
+        value = math.exp(loss)
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) else None
+
 
 def _read_text(path: str | Path) -> str:
     try:

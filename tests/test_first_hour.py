@@ -327,6 +327,13 @@ def test_eval_scores_token_ids_as_it_scores_their_text(demo_export, tmp_path):
     by_ids = CliRunner().invoke(main, ["eval", str(demo_export), "--ids", str(id_file), "--window", "64"])
     assert by_text.exit_code == by_ids.exit_code == 0, by_ids.output
     assert by_ids.stdout == by_text.stdout and f"scored {len(ids) - 1} tokens" in by_ids.stdout
+    as_json = CliRunner().invoke(main, ["eval", str(demo_export), "--ids", str(id_file), "--window", "64", "--json"])
+    assert as_json.exit_code == 0, as_json.output
+    report = json.loads(as_json.stdout)  # one object, the figures the text lines print
+    assert (report["tokens"], report["window"], report["passed"], report["dtype"]) == (len(ids) - 1, 64, True,
+                                                                                        "float32")
+    assert f"loss {report['export']['loss']:.4f}  perplexity {report['export']['perplexity']:.3f}" in by_ids.stdout
+    assert abs(report["loss_difference"]) <= report["tolerance"] and report["quantization"] is None
 
 
 def test_eval_names_a_token_id_file_it_cannot_score(demo_export, tmp_path):
