@@ -419,23 +419,12 @@ def test_a_choice_ending_inside_a_character_sends_it_as_the_whole_sequence_decod
     tokenizer decodes the whole sequence (U+FFFD), carried by the last token, as `complete()` gives them; a character
     completed by the next token comes whole. The tokens sent join to the text sent, streamed or not."""
     from mla_deploy.runtime import Tokenizer
-    from mla_deploy.runtime.scheduler import TokenEvent
     from mla_deploy.serve.choices import ChoiceText
 
     tokenizer = Tokenizer(DEMO_CHECKPOINT / "tokenizer.json")
     byte = {tokenizer.token_bytes(i): i for i in range(tokenizer.vocab_size)}
     ids = [byte[b"\xc3"], byte[b"\xa9"], byte[b"\xf0"], byte[b"\x9f"]]  # "é", then the first two bytes of an emoji
-    choice, sent, outs = ChoiceText(tokenizer, [], set()), [], []
-    for t in ids:
-        choice.push(TokenEvent(t, None, None))
-        if streamed:
-            text, taken = choice.take()
-            sent.append(text)
-            outs += taken
-    choice.finish()
-    text, taken = choice.take()
-    sent.append(text)
-    outs += taken
+    sent, outs = _sent(ChoiceText(tokenizer, [], set()), ids, streamed)
     assert "".join(sent) == tokenizer.decode(ids) and tokenizer.decode(ids).startswith("é\ufffd")
     assert [o.event.token for o in outs] == ids and "".join(o.text for o in outs) == "".join(sent)
     assert outs[-1].text.startswith("\ufffd") and outs[2].text == ""
@@ -447,7 +436,6 @@ def test_a_stop_string_starting_with_a_multibyte_character_takes_its_leading_byt
     are part of the stop string, not sent before it; the tokens sent join to the text sent. With the stop string
     included in the output they are sent, the last carrying it."""
     from mla_deploy.runtime import Tokenizer
-    from mla_deploy.runtime.scheduler import TokenEvent
     from mla_deploy.serve.choices import ChoiceText
 
     tokenizer = Tokenizer(DEMO_CHECKPOINT / "tokenizer.json")
@@ -455,19 +443,27 @@ def test_a_stop_string_starting_with_a_multibyte_character_takes_its_leading_byt
     before = tokenizer.encode("x = ", add_special_tokens=False)
     ids = before + [byte[bytes([b])] for b in "中".encode()] + tokenizer.encode("y", add_special_tokens=False)
     for include, text, sent_ids in ((False, "x = ", before), (True, "x = 中", ids[:-1])):
-        choice, sent, outs = ChoiceText(tokenizer, ["中"], set(), include_stop=include), [], []
-        for t in ids:
-            choice.push(TokenEvent(t, None, None))
-            if streamed:
-                piece, taken = choice.take()
-                sent.append(piece)
-                outs += taken
-        choice.finish()
-        piece, taken = choice.take()
-        sent.append(piece)
-        outs += taken
+        choice = ChoiceText(tokenizer, ["中"], set(), include_stop=include)
+        sent, outs = _sent(choice, ids, streamed)
         assert "".join(sent) == text and choice.stopped
         assert [o.event.token for o in outs] == sent_ids and "".join(o.text for o in outs) == text
+
+
+def _sent(choice, ids, streamed):
+    """What a choice sends of tokens `ids` then its end: the text pieces and the tokens, taken after every token
+    (streamed) or once at the end."""
+    from mla_deploy.runtime.scheduler import TokenEvent
+
+    sent, outs = [], []
+    for t in ids:
+        choice.push(TokenEvent(t, None, None))
+        if streamed:
+            text, taken = choice.take()
+            sent.append(text)
+            outs += taken
+    choice.finish()
+    text, taken = choice.take()
+    return sent + [text], outs + taken
 
 
 def test_the_stop_reason_is_the_stop_string_found_first_or_the_requests_own_stop_id():
