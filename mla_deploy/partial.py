@@ -37,6 +37,29 @@ def partial_directory(out: Path, note: Callable[[str], None] | None = None,
     return tmp
 
 
+def empty_directory(path: Path) -> bool:
+    """A directory (not a link to one) with nothing in it, as `mktemp -d` makes one: a build may take its place."""
+    return path.is_dir() and not path.is_symlink() and next(path.iterdir(), None) is None
+
+
+def move_into_place(tmp: Path, out: Path) -> None:
+    """Rename the complete build `tmp` to `out`. An earlier directory at `out` (one the caller may replace) is
+    swapped out first and removed after; where the new one cannot take its place (an error, a signal between the
+    two renames) the earlier one is put back, so a failed replacement leaves what was there."""
+    if not out.exists():
+        tmp.rename(out)
+        return
+    old = scratch_path(out, "old")
+    out.rename(old)
+    try:
+        tmp.rename(out)
+    except BaseException:
+        if old.exists() and not out.exists():
+            old.rename(out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def nearest_existing(path: Path) -> Path:
     """`path` or its nearest ancestor that exists: where a directory created at `path` would go."""
     path = path.absolute()

@@ -15,6 +15,7 @@ the full model.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import zlib
 from collections.abc import Callable
@@ -29,7 +30,7 @@ from numpy.random import default_rng
 from .checkpoint import expected_tensors, parameter_count
 from .config import MLAConfig
 from .errors import ConfigError, InputError, MLADeployError
-from .partial import nearest_existing, partial_directory, unwritable_parent
+from .partial import empty_directory, move_into_place, nearest_existing, partial_directory, unwritable_parent
 from .progress import progress_bar
 from .safetensors_io import SafetensorsFile, SafetensorsWriter, float32_to_bf16
 
@@ -38,6 +39,8 @@ PRESET_DIR = MODELS_DIR / "presets"
 DEMO_CHECKPOINT = MODELS_DIR / "demo"  # the bundled demo model: `export`'s default checkpoint
 SHARD_BYTES = 5 * 1024**3  # transformers' default max_shard_size
 INDEX_FILE = "model.safetensors.index.json"
+# what a random checkpoint holds: config.json, its weights in one file or shards, the shards' index
+WRITTEN = re.compile(r"config\.json|model\.safetensors(\.index\.json)?|model-\d{5}-of-\d{5}\.safetensors")
 _STORED = {"float32": ("F32", 4), "bfloat16": ("BF16", 2)}
 _BLOCK_ELEMENTS = 1 << 22  # rows drawn per block: ~16 MB of float32 at a time
 
@@ -111,12 +114,15 @@ def write_random_checkpoint(raw: dict, out: str | Path, seed: int = 0, source: s
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         (tmp / "config.json").write_text(config_text)
-    except BaseException:
+        if empty_directory(out):
+            out.rmdir()
+        move_into_place(tmp, out)  # an earlier random checkpoint there: replaced once this one is whole
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise InputError(f"{out}: writing the checkpoint failed ({e.strerror or e}); nothing was left behind, "
+                             "and an earlier checkpoint there is as it was") from None
         raise
-    if out.is_dir():  # an earlier random checkpoint (_check_replaceable), or an empty directory
-        shutil.rmtree(out)
-    tmp.rename(out)
     return out
 
 
@@ -167,6 +173,12 @@ def _check_replaceable(out: Path) -> None:
     if not isinstance(earlier, dict) or "_random_weights" not in earlier:
         raise InputError(f"{out}: a directory that is not a random checkpoint written by `mla-deploy preset`; choose "
                          "another output path or remove it yourself (nothing was written)")
+    others = sorted(p.name for p in out.iterdir() if not WRITTEN.fullmatch(p.name))
+    if others:
+        listed = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise InputError(f"{out}: a random checkpoint that also holds what `mla-deploy preset` did not write "
+                         f"({listed}), which replacing it would delete; move them, or choose another output path "
+                         "(nothing was written)")
 
 
 def _shards(shapes: dict[str, tuple[int, ...]], itemsize: int) -> dict[str, list[str]]:

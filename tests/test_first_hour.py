@@ -404,6 +404,25 @@ def test_bench_does_not_import_the_command_line():
     assert done.stdout.strip() == "False"
 
 
+def test_a_preset_that_cannot_be_written_says_so_and_keeps_the_earlier_one(tmp_path):
+    """A file-size limit (EFBIG, as a full disk gives ENOSPC) mid-write: one line naming the failure (it was an
+    internal error), no partial directory, and the earlier random checkpoint at -o as it was."""
+    out = tmp_path / "ckpt"
+    assert CliRunner().invoke(main, ["preset", "tiny-v3", "-o", str(out)]).exit_code == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    code = ("import resource, sys\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 2**20, 16 * 2**20))\n"
+            "from mla_deploy.cli import main\n"
+            f"main(['preset', 'v2lite-2L', '-o', {str(out)!r}])\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (f"error: {out}: writing the checkpoint failed (File too large); "
+                                                    "nothing was left behind, and an earlier checkpoint there is as "
+                                                    "it was")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
 def test_killed_preset_leaves_no_partial_directory(tmp_path):
     """SIGTERM unwinds like Ctrl-C: the half-written checkpoint directory is removed, exit 130. Sent as soon as the
     partial directory exists, leaving the whole write as margin: two layers (~2 GB, ~13 s here). With one layer
@@ -445,6 +464,14 @@ def test_preset_replaces_only_an_earlier_random_checkpoint(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "plain.txt"]  # no partial directory left
     earlier = tmp_path / "earlier"
     assert cli.invoke(main, ["preset", "tiny-v3", "-o", str(earlier), "--seed", "1"]).exit_code == 0
+    (earlier / "NOTES.md").write_text("mine")  # the user's, beside the random weights: replacing would delete it
+    (earlier / "out").mkdir()
+    kept = cli.invoke(main, ["preset", "tiny-v3", "-o", str(earlier), "--seed", "2"])
+    assert kept.exit_code == 1 and "also holds what `mla-deploy preset` did not write (NOTES.md, out)" in kept.output
+    assert (earlier / "NOTES.md").read_text() == "mine" and json.loads((earlier / "config.json").read_text())[
+        "_random_weights"] == {"seed": 1}
+    (earlier / "NOTES.md").unlink()
+    (earlier / "out").rmdir()
     assert cli.invoke(main, ["preset", "tiny-v3", "-o", str(earlier), "--seed", "2"]).exit_code == 0
     assert json.loads((earlier / "config.json").read_text())["_random_weights"] == {"seed": 2}
     whole = (earlier / "model.safetensors").read_bytes()

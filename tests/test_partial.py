@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from mla_deploy.partial import partial_directory, scratch_path, stale_leftovers
+from mla_deploy.partial import move_into_place, partial_directory, scratch_path, stale_leftovers
 from tiny import VARIANTS
 
 
@@ -100,3 +100,37 @@ def test_an_output_under_a_file_is_refused_before_any_work(tmp_path):
         assert result.exit_code != 0 and "internal error" not in result.output, result.output
         assert f"{a_file} is a file, not a directory" in result.output, result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"] and a_file.read_text() == "mine"
+
+
+def test_a_replacement_that_cannot_take_its_place_puts_the_earlier_one_back(tmp_path, monkeypatch):
+    """The swap renames the earlier directory aside, then the new one in: where the second rename fails or a signal
+    arrives between them, the earlier one is renamed back (it was left hidden as `.out.old-...`, and the next build
+    removed it as a dead process's leftover); once the new one is in place the earlier one is removed."""
+    import pathlib
+
+    import pytest
+
+    out, new = tmp_path / "out", tmp_path / ".out.partial"
+    real = pathlib.Path.rename
+    for failure in (KeyboardInterrupt(), OSError(28, "No space left on device")):
+        out.mkdir(exist_ok=True)
+        (out / "weights.bin").write_text("earlier")
+        new.mkdir()
+        (new / "weights.bin").write_text("new")
+
+        def rename(self, target, failure=failure):
+            if self == new:
+                raise failure
+            return real(self, target)
+
+        monkeypatch.setattr(pathlib.Path, "rename", rename)
+        with pytest.raises(type(failure)):
+            move_into_place(new, out)
+        monkeypatch.setattr(pathlib.Path, "rename", real)
+        assert (out / "weights.bin").read_text() == "earlier" and not scratch_path(out, "old").exists()
+        (new / "weights.bin").unlink()
+        new.rmdir()
+    new.mkdir()
+    (new / "weights.bin").write_text("new")
+    move_into_place(new, out)
+    assert (out / "weights.bin").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]

@@ -27,7 +27,7 @@ from .. import __version__, integrity, io_spec
 from ..checkpoint import Checkpoint, CheckpointView
 from ..errors import CheckpointError, ExportError, ExportLoadError
 from ..manifest import MANIFEST_FILE, MANIFEST_VERSION, TOKENIZER_FILES, WEIGHTS_FILE, file_sha256, not_an_export
-from ..partial import partial_directory, scratch_path, unwritable_parent
+from ..partial import empty_directory, move_into_place, partial_directory, unwritable_parent
 from ..progress import progress_bar
 from ..runtime.chat import GenerationDefaults, tokenizer_config
 from ..runtime.text import Tokenizer
@@ -239,7 +239,7 @@ def _fsync_tree(directory: Path) -> None:
 def _check_output(out: Path, force: bool) -> None:
     """Nothing at `out` (or an empty directory, as `mktemp -d` makes one), or an earlier export there and --force:
     the one thing --force replaces. Anything else is refused, nothing deleted."""
-    if _empty_directory(out):
+    if empty_directory(out):
         return
     if not (out.exists() or out.is_symlink()):
         if (why := unwritable_parent(out)) is not None:
@@ -253,18 +253,8 @@ def _check_output(out: Path, force: bool) -> None:
                                                  "deleted: " if force else "") + "choose another output path")
 
 
-def _empty_directory(path: Path) -> bool:
-    return path.is_dir() and not path.is_symlink() and next(path.iterdir(), None) is None
-
-
 def _move_into_place(tmp: Path, out: Path, force: bool) -> None:
     _check_output(out, force)  # still nothing, or an earlier export, after the build
-    if _empty_directory(out):
+    if empty_directory(out):
         out.rmdir()
-    if out.exists():  # --force: swap, then remove the old export
-        old = scratch_path(out, "old")
-        out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(out)
+    move_into_place(tmp, out)  # --force: the earlier export swapped out, removed once the new one is in place
