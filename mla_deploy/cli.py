@@ -447,7 +447,7 @@ def bench(quick, preset, checkpoint, contexts, batches, engines, steps, threads,
           draft_tokens):
     """Benchmark engines side by side: decode speed vs context, prefill, memory, bandwidth limit."""
     from .bench import BenchConfig, run_bench
-    from .bench.report import save, table
+    from .bench.report import check_destination, save, table
 
     overrides = {k: v for k, v in dict(
         preset=preset, checkpoint=checkpoint, threads=threads, workdir=workdir, steps=steps,
@@ -456,6 +456,8 @@ def bench(quick, preset, checkpoint, contexts, batches, engines, steps, threads,
         speculative=_parse_modes(speculative_modes), draft_tokens=draft_tokens).items() if v is not None}
     overrides["contexts_named"] = contexts is not None
     cfg = BenchConfig.quick(**overrides) if quick else BenchConfig(**overrides)
+    if out is not None:  # before the run, not after it (the default, in --workdir, is checked with it)
+        check_destination(out)
     result = run_bench(cfg, progress=_progress())
     click.echo(table(result))
     json_path, png = save(result, out or workdir / "results", "quick" if quick else "results")

@@ -1,12 +1,13 @@
 """The benchmark code paths on a tiny preset: every engine runs and reports the right fields. No timing assertions."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
-from mla_deploy.errors import install_command
+from mla_deploy.errors import MLADeployError, install_command
 from mla_deploy.bench import BenchConfig, run_bench
 from mla_deploy.bench.report import save, table
 from mla_deploy.bench.run import ALL_ENGINES, expected_active_experts, fit_contexts, needed_exports
@@ -103,6 +104,41 @@ def test_a_workdir_that_is_a_file_is_named(tmp_path):
     assert (tmp_path / "file").read_text() == "mine"
 
 
+def test_results_that_could_not_be_saved_are_refused_before_the_run(tmp_path, monkeypatch):
+    """--out a file, under a file, or read-only, and a --workdir that cannot be created: one line each before any
+    checkpoint or export is built (--out was found only after the whole run, its results lost; the workdir was an
+    internal error). results.json is whole or absent: written beside, then renamed."""
+    from mla_deploy.bench import run as bench_run
+
+    monkeypatch.setattr(bench_run, "build_preset", lambda *a, **k: pytest.fail("built before the destination was "
+                                                                             "checked"))
+    (tmp_path / "file").write_text("mine")
+    readonly = tmp_path / "ro"
+    readonly.mkdir()
+    readonly.chmod(0o555)
+    try:
+        cases = [(["--out", str(tmp_path / "file")], f"--out {tmp_path / 'file'}: is a file"),
+                 (["--out", str(tmp_path / "file" / "r")], f"--out {tmp_path / 'file' / 'r'}: cannot be created"),
+                 (["--workdir", str(tmp_path / "file" / "w"), "--out", str(tmp_path / "r")],
+                  f"--workdir {tmp_path / 'file' / 'w'}: cannot be created")]
+        if not os.access(readonly, os.W_OK):  # root writes anywhere
+            cases.append((["--out", str(readonly)], f"--out {readonly}: is not writable"))
+        for args, says in cases:
+            out = CliRunner().invoke(main, ["bench", "--quick", "--preset", "tiny-v3", *args])
+            assert out.exit_code == 1 and out.output.strip().splitlines()[-1].startswith(f"error: {says}"), out.output
+        assert (tmp_path / "file").read_text() == "mine"
+    finally:
+        readonly.chmod(0o755)
+
+    class Result:
+        def to_json(self):
+            raise OSError(28, "No space left on device")
+
+    with pytest.raises(MLADeployError, match=f"--out {tmp_path / 'r'}: cannot save the results"):
+        save(Result(), tmp_path / "r")
+    assert list((tmp_path / "r").iterdir()) == []  # no partial file
+
+
 def test_only_the_exports_the_chosen_engines_read_are_built(tmp_path):
     def needed(engines, speculative=()):
         return needed_exports(BenchConfig(preset="tiny-v3", workdir=tmp_path, engines=engines, speculative=speculative))
@@ -136,8 +172,16 @@ def test_decompressed_kv_baseline_computes_the_same_model(checkpoint_dir, tmp_pa
     from mla_deploy.bench.mha_baseline import export_mha_baseline, past_key, past_value, present_key, present_value
     from mla_deploy.modeling import load_model, new_caches
 
+    from mla_deploy.bench import mha_baseline
+
     src, _ = checkpoint_dir("v3_lora_group_yarn")
+    with pytest.MonkeyPatch.context() as patch:  # interrupted while saving the graph: nothing a later run would reuse
+        patch.setattr(mha_baseline.ir, "save", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+        with pytest.raises(KeyboardInterrupt):
+            export_mha_baseline(src, tmp_path)
+    assert list(tmp_path.iterdir()) == []
     path = export_mha_baseline(src, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["decode_mha.onnx", "weights_mha.bin"]  # no partial left
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     model = load_model(src)
     cfg = model.cfg

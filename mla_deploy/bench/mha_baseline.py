@@ -9,6 +9,7 @@ not in the export contract (io_spec).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import onnx_ir as ir
@@ -108,7 +109,14 @@ def export_mha_baseline(checkpoint_dir: str | Path, out_dir: str | Path, max_seq
     ckpt = Checkpoint(checkpoint_dir)
     cfg = ckpt.config
     out.mkdir(parents=True, exist_ok=True)
-    with WeightsFile(out / MHA_WEIGHTS) as weights:
-        model = build_mha_decode(cfg, ckpt.tensor, max_seq_len or cfg.max_position_embeddings, weights)
-    ir.save(model, out / MHA_FILE)
+    graph = out / f".{MHA_FILE}.partial-{os.getpid()}"  # renamed into place last: the graph is there only whole
+    try:
+        with WeightsFile(out / MHA_WEIGHTS) as weights:
+            model = build_mha_decode(cfg, ckpt.tensor, max_seq_len or cfg.max_position_embeddings, weights)
+        ir.save(model, graph)
+        graph.replace(out / MHA_FILE)
+    except BaseException:
+        graph.unlink(missing_ok=True)
+        (out / MHA_WEIGHTS).unlink(missing_ok=True)
+        raise
     return out / MHA_FILE

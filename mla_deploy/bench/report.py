@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+from ..errors import MLADeployError
+from ..partial import unwritable_parent
 
 from .run import BenchResult
 
@@ -114,10 +118,27 @@ def targets(result: BenchResult) -> list[str]:
     return out
 
 
+def check_destination(directory: Path) -> None:
+    """Refuse before a benchmark runs where its results could not be saved: `directory` a file, or not creatable."""
+    if directory.exists() and not directory.is_dir():
+        raise MLADeployError(f"--out {directory}: is a file; results.json and results.png go in a directory")
+    if not directory.exists() and (why := unwritable_parent(directory)) is not None:
+        raise MLADeployError(f"--out {directory}: cannot be created ({why})")
+    if directory.is_dir() and not os.access(directory, os.W_OK | os.X_OK):
+        raise MLADeployError(f"--out {directory}: is not writable")
+
+
 def save(result: BenchResult, directory: Path, name: str = "results") -> tuple[Path, Path | None]:
-    directory.mkdir(parents=True, exist_ok=True)
+    """results.json (whole or not at all: written beside, then renamed) and its chart in `directory`."""
     json_path = directory / f"{name}.json"
-    json_path.write_text(result.to_json() + "\n")
+    partial = directory / f".{name}.json.partial-{os.getpid()}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        partial.write_text(result.to_json() + "\n")
+        partial.replace(json_path)
+    except OSError as e:
+        partial.unlink(missing_ok=True)
+        raise MLADeployError(f"--out {directory}: cannot save the results ({e.strerror or e})") from None
     return json_path, chart(result, directory / f"{name}.png")
 
 

@@ -102,7 +102,10 @@ def prepare(cfg: BenchConfig, progress: Callable[[str], None]) -> tuple[Path, di
     if cfg.workdir.exists() and not cfg.workdir.is_dir():
         raise MLADeployError(f"--workdir {cfg.workdir}: is a file; the benchmark builds its checkpoint and exports "
                              "in a directory")
-    cfg.workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        cfg.workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise MLADeployError(f"--workdir {cfg.workdir}: cannot be created ({e.strerror or e})") from None
     checkpoint, model_cfg = model_config(cfg)
     max_len = cfg.max_len()
     outputs = {mode: cfg.workdir / f"{checkpoint.name}-export-{mode}-{max_len}" for mode in needed_exports(cfg)}
