@@ -168,6 +168,24 @@ def test_a_missing_extra_is_one_line_naming_the_install(demo_export, tmp_path, b
     assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
 
 
+def test_ctrl_c_while_the_command_line_loads_is_one_line():
+    """An interrupt during the first half second (the command line's imports) ends `mla-deploy` with "interrupted"
+    and 130, as one later does, not the import's traceback; `python -m mla_deploy` is the same command."""
+    code = ("import builtins\n"
+            "real = builtins.__import__\n"
+            "def interrupted(name, *args, **kwargs):\n"
+            "    if name == 'cli' or name.endswith('.cli'):\n"
+            "        raise KeyboardInterrupt\n"
+            "    return real(name, *args, **kwargs)\n"
+            "builtins.__import__ = interrupted\n"
+            "from mla_deploy.__main__ import main\n"
+            "main()\n")
+    done = subprocess.run([sys.executable, "-c", code, "--help"], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stderr, done.stdout) == (130, "interrupted\n", "")
+    helped = subprocess.run([sys.executable, "-m", "mla_deploy", "--help"], capture_output=True, text=True, timeout=60)
+    assert helped.returncode == 0 and "Usage: python -m mla_deploy [OPTIONS] COMMAND" in helped.stdout
+
+
 def test_an_unknown_missing_module_stays_an_internal_error(monkeypatch):
     assert errors.missing_extra("numpy") is None and errors.missing_extra("torch.nn") is not None
 
