@@ -37,6 +37,13 @@ def partial_directory(out: Path, note: Callable[[str], None] | None = None,
     return tmp
 
 
+def destination(out: str | Path) -> Path:
+    """A build's destination as given, or absolute where its last part names no directory of its own ("." or "..",
+    whose hidden siblings would land inside it): the build is renamed into place from beside it."""
+    out = Path(out)
+    return Path(os.path.abspath(out)) if out.name in ("", "..") else out
+
+
 def empty_directory(path: Path) -> bool:
     """A directory (not a link to one) with nothing in it, as `mktemp -d` makes one: a build may take its place."""
     return path.is_dir() and not path.is_symlink() and next(path.iterdir(), None) is None

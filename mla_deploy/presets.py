@@ -30,7 +30,8 @@ from numpy.random import default_rng
 from .checkpoint import expected_tensors, parameter_count
 from .config import MLAConfig
 from .errors import ConfigError, InputError, MLADeployError
-from .partial import empty_directory, move_into_place, nearest_existing, partial_directory, unwritable_parent
+from .partial import destination, empty_directory, move_into_place, nearest_existing, partial_directory, \
+    unwritable_parent
 from .progress import progress_bar
 from .safetensors_io import SafetensorsFile, SafetensorsWriter, float32_to_bf16
 
@@ -85,7 +86,7 @@ def random_checkpoint_bytes(raw: dict, source: str = "config") -> int:
 def write_random_checkpoint(raw: dict, out: str | Path, seed: int = 0, source: str = "config",
                             note: Callable[[str], None] = lambda text: None) -> Path:
     """A random-weight checkpoint for the HF config dict `raw`, in its `torch_dtype`, sharded and streamed."""
-    out = Path(out)
+    out = destination(out)
     cfg = MLAConfig.from_hf_dict(raw, source=source)
     config_text = json.dumps({**raw, "_random_weights": {"seed": seed}}, indent=2) + "\n"
     stored, itemsize = _stored(raw, source)

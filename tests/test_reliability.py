@@ -279,6 +279,30 @@ def test_export_into_an_empty_directory_fills_it(checkpoint_dir, tmp_path):
     assert [p.name for p in other.iterdir()] == ["empty"]
 
 
+
+def test_export_into_the_current_directory_builds_beside_it(checkpoint_dir, tmp_path, monkeypatch):
+    """`-o .` in an empty directory: the build goes beside it, not into it (its hidden partial, named from "",
+    landed inside ".", which then was no longer empty, refused after the whole build); an empty directory whose
+    parent cannot take the rename is refused before the checkpoint is read."""
+    src, _ = checkpoint_dir(VARIANT)
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    export(src, ".", verify=None)
+    assert (here / "manifest.json").exists() and [p.name for p in tmp_path.iterdir()] == ["here"]
+    monkeypatch.chdir(tmp_path)
+    locked = tmp_path / "locked"
+    (locked / "empty").mkdir(parents=True)
+    locked.chmod(0o555)
+    try:
+        if not os.access(locked, os.W_OK):  # root writes anywhere
+            with pytest.raises(ExportError, match=f"{locked / 'empty'}: cannot be replaced \\({locked} is not "
+                                                  "writable\\)"):
+                export(src, locked / "empty", verify=None)
+    finally:
+        locked.chmod(0o755)
+
+
 def _tree(root: Path) -> dict:
     """Every path under root (links not followed) with its bytes, or its target for a link."""
     tree = {}

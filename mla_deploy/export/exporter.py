@@ -27,7 +27,7 @@ from .. import __version__, integrity, io_spec
 from ..checkpoint import Checkpoint, CheckpointView
 from ..errors import CheckpointError, ExportError, ExportLoadError
 from ..manifest import MANIFEST_FILE, MANIFEST_VERSION, TOKENIZER_FILES, WEIGHTS_FILE, file_sha256, not_an_export
-from ..partial import empty_directory, move_into_place, partial_directory, unwritable_parent
+from ..partial import destination, empty_directory, move_into_place, partial_directory, unwritable_parent
 from ..progress import progress_bar
 from ..runtime.chat import GenerationDefaults, tokenizer_config
 from ..runtime.text import Tokenizer
@@ -53,7 +53,7 @@ class ExportResult:
 def export(checkpoint_dir: str | Path, out_dir: str | Path, options: ExportOptions = ExportOptions(),
            progress: Progress = lambda msg: None, verify: Callable[[Path], None] | None = None) -> ExportResult:
     """Export a checkpoint; `verify(tmp_dir)` (raising on failure) runs before the directory is moved into place."""
-    out = Path(out_dir)
+    out = destination(out_dir)
     options.check()
     _check_output(out, options.force)
     progress(f"loading checkpoint {checkpoint_dir}")
@@ -239,7 +239,10 @@ def _fsync_tree(directory: Path) -> None:
 def _check_output(out: Path, force: bool) -> None:
     """Nothing at `out` (or an empty directory, as `mktemp -d` makes one), or an earlier export there and --force:
     the one thing --force replaces. Anything else is refused, nothing deleted."""
-    if empty_directory(out):
+    if empty_directory(out):  # taken by a rename in its parent
+        if not os.access(out.absolute().parent, os.W_OK | os.X_OK):
+            raise ExportError(f"{out}: cannot be replaced ({out.absolute().parent} is not writable); choose another "
+                              "output path")
         return
     if not (out.exists() or out.is_symlink()):
         if (why := unwritable_parent(out)) is not None:
