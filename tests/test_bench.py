@@ -106,8 +106,8 @@ def test_a_workdir_that_is_a_file_is_named(tmp_path):
 
 def test_results_that_could_not_be_saved_are_refused_before_the_run(tmp_path, monkeypatch):
     """--out a file, under a file, or read-only, and a --workdir that cannot be created: one line each before any
-    checkpoint or export is built (--out was found only after the whole run, its results lost; the workdir was an
-    internal error). results.json is whole or absent: written beside, then renamed."""
+    checkpoint or export is built (found after the run, its results would be lost). results.json is whole or
+    absent: written beside, then renamed."""
     from mla_deploy.bench import run as bench_run
 
     monkeypatch.setattr(bench_run, "build_preset", lambda *a, **k: pytest.fail("built before the destination was "

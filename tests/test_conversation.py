@@ -193,8 +193,8 @@ def test_the_chat_command_streams_replies_and_says_what_came_from_the_cache(demo
 
 
 def test_a_message_may_start_with_a_slash_and_the_end_of_input_ends_an_unfinished_one(demo_export_dir, model):
-    """"//tmp" sends "/tmp" (a one-word message starting with a slash was an unknown command, and could not be
-    sent); the end of the input within a message (its last line ending in a backslash) ends the chat without
+    """"//tmp" sends "/tmp" (one word starting with a slash is otherwise a command); the end of the input within a
+    message (its last line ending in a backslash) ends the chat without
     sending it, as Ctrl-D ends it anywhere."""
     typed = "//tmp\n  //reset now\nunfinished \\\n".encode()
     result = CliRunner().invoke(main, ["chat", str(demo_export_dir), "--temperature", "0", "--repetition-penalty",

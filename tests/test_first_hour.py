@@ -192,7 +192,7 @@ def test_an_unknown_missing_module_stays_an_internal_error(monkeypatch):
 
 def test_the_install_command_adds_the_extra_where_the_install_came_from():
     """pip's record of the installation (PEP 610): a clone's directory (editable or not), a wheel, a git URL, an
-    index. mla-deploy is on no index, so a user who installed from a clone was told a command that fails."""
+    index. mla-deploy is on no index: its name alone is no command for a user who installed from a clone."""
     assert errors.install_command("export", {"url": "file:///home/u/my%20clone", "dir_info": {"editable": True}}) \
         == "pip install -e '/home/u/my clone[export]'"
     assert errors.install_command("serve", {"url": "file:///src/mla-deploy", "dir_info": {}}) \
@@ -423,8 +423,8 @@ def test_bench_does_not_import_the_command_line():
 
 
 def test_a_preset_that_cannot_be_written_says_so_and_keeps_the_earlier_one(tmp_path):
-    """A file-size limit (EFBIG, as a full disk gives ENOSPC) mid-write: one line naming the failure (it was an
-    internal error), no partial directory, and the earlier random checkpoint at -o as it was."""
+    """A file-size limit (EFBIG, as a full disk gives ENOSPC) mid-write: one line naming the failure, no partial
+    directory, and the earlier random checkpoint at -o untouched."""
     out = tmp_path / "ckpt"
     assert CliRunner().invoke(main, ["preset", "tiny-v3", "-o", str(out)]).exit_code == 0
     before = {p.name: p.read_bytes() for p in out.iterdir()}

@@ -104,8 +104,8 @@ def test_an_output_under_a_file_is_refused_before_any_work(tmp_path):
 
 def test_a_replacement_that_cannot_take_its_place_puts_the_earlier_one_back(tmp_path, monkeypatch):
     """The swap renames the earlier directory aside, then the new one in: where the second rename fails or a signal
-    arrives between them, the earlier one is renamed back (it was left hidden as `.out.old-...`, and the next build
-    removed it as a dead process's leftover); once the new one is in place the earlier one is removed."""
+    arrives between them, the earlier one is renamed back (not left hidden as `.out.old-...`, which the next build
+    removes as a dead process's leftover); once the new one is in place the earlier one is removed."""
     import pathlib
 
     import pytest

@@ -281,9 +281,9 @@ def test_export_into_an_empty_directory_fills_it(checkpoint_dir, tmp_path):
 
 
 def test_export_into_the_current_directory_builds_beside_it(checkpoint_dir, tmp_path, monkeypatch):
-    """`-o .` in an empty directory: the build goes beside it, not into it (its hidden partial, named from "",
-    landed inside ".", which then was no longer empty, refused after the whole build); an empty directory whose
-    parent cannot take the rename is refused before the checkpoint is read."""
+    """`-o .` in an empty directory: the build goes beside it, not into it (a hidden partial named from "" would
+    land inside "." and leave it not empty); an empty directory whose parent cannot take the rename is refused
+    before the checkpoint is read."""
     src, _ = checkpoint_dir(VARIANT)
     here = tmp_path / "here"
     here.mkdir()

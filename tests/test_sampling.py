@@ -209,7 +209,7 @@ def test_a_draw_above_the_rounded_total_mass_returns_the_last_token():
 
 def test_the_bias_case_tells_the_orders_apart():
     """Guards "bias, repetition 1.8": the penalty over the biased logits and the bias over the penalised ones are
-    distributions far apart (the sampler added the bias last, unlike vLLM and transformers)."""
+    distributions far apart, so the case tells vLLM's and transformers' order (bias first) from the other."""
     params = CASES["bias, repetition 1.8"]
     bias_first = reference_probs(LOGITS, HISTORY, params)
     penalised = reference_probs(LOGITS, HISTORY, SamplingParams(temperature=1.0, repetition_penalty=1.8))
@@ -222,8 +222,8 @@ def test_the_bias_case_tells_the_orders_apart():
 
 def test_each_seed_and_row_draws_its_own_stream():
     """Row 0 draws the seed's own stream (a request's first choice, as numpy's default_rng(seed)); another row its
-    own, which no other (seed, row) shares: numpy reads a seed [seed, row] as one integer's 32-bit words, so seed 5's
-    second choice drew seed 2^32 + 5's first."""
+    own, which no other (seed, row) shares: numpy reads a seed [seed, row] as one integer's 32-bit words, so
+    default_rng([5, 1]) is seed 2^32 + 5's stream, not a second one of seed 5."""
     first = [row_generator(seed, row).random(4).tolist() for seed, row in ((5, 1), (5 + 2**32, 0), (5, 2),
                                                                              (7 + 3 * 2**32, 2), (7, 3), (5, 0))]
     assert len({tuple(f) for f in first}) == len(first)
@@ -234,8 +234,8 @@ def test_each_seed_and_row_draws_its_own_stream():
 
 def test_a_draw_above_the_kept_mass_lands_on_a_kept_token_of_nonzero_probability():
     """top_p a hair under 1 keeps top-k's zero-probability tokens in the nucleus; a uniform above the kept tokens'
-    rounded total (1 - 2^-53 there) drew the last kept id, of probability 0, where the speculative path's draw()
-    takes the last of probability > 0."""
+    rounded total (1 - 2^-53 there) lands on the last kept id of probability > 0, as the speculative path's draw()
+    does, never on a kept id of probability 0."""
 
     class HighestDraw:
         def random(self, shape):

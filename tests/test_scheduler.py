@@ -525,7 +525,7 @@ def test_a_grammar_given_up_on_while_generating_fails_its_request_alone(model):
     """A schema that compiles but whose pattern llguidance's lexer gives up on at the first character (nested
     repetitions: "too many expressions constructed"): its request ends with Failed(GrammarError) and emits no token
     the grammar refused; the plain row beside it is what it is alone, and the scheduler takes the next grammar
-    request (it stopped the scheduler, and with it every request of a server)."""
+    request (a failure of the scheduler's own would end every request of a server)."""
     pytest.importorskip("llguidance", reason="grammars need the 'serve' extra")
     from mla_deploy.errors import GrammarError
     from mla_deploy.runtime.grammar import Grammars

@@ -654,7 +654,7 @@ def test_a_request_whose_logits_go_nan_gets_a_500_naming_it_and_the_server_serve
 def test_a_schema_the_grammar_engine_gives_up_on_gets_a_400_and_the_server_serves_on(server):
     """A schema that compiles but whose pattern llguidance's lexer gives up on while generating: OpenAI's
     invalid_request_error (code "grammar") naming it, plain and streamed (an error event after the 200); the next
-    request is served and /health stays ok (it failed the engine, and every later request with it)."""
+    request is served and /health stays ok (the engine runs on)."""
     base, service = server
     schema = {"type": "string", "pattern": "^((a{100}){100}){100}$"}
     body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 5,
@@ -675,8 +675,8 @@ def test_a_schema_the_grammar_engine_gives_up_on_gets_a_400_and_the_server_serve
 
 
 def test_a_schema_compiles_once_per_request_off_the_event_loop(server, monkeypatch):
-    """Compiling a large schema takes seconds: while one compiles, the server answers other requests (it ran on the
-    event loop, stalling every client), and a request for n choices compiles it once (it did per choice), each
+    """Compiling a large schema takes seconds: while one compiles, the server answers other requests (on the event
+    loop it would stall every client), and a request for n choices compiles it once, not once per choice, each
     choice drawing its own document under its own copy of the grammar."""
     import threading
     from concurrent.futures import ThreadPoolExecutor

@@ -418,7 +418,7 @@ def test_a_proposer_in_place_of_lookup_is_checked_like_any_draft(exported, alway
                             ([-1], "draft token id -1 is outside the vocabulary"),
                             ([1.5], "expected a list of draft token ids, got list .*dtype float64"),
                             ([[1, 2]], "expected a list of draft token ids, got list \\(shape \\(1, 2\\)")):
-        with pytest.raises(InputError, match=message):  # was an onnxruntime Gather error, or a silent cast
+        with pytest.raises(InputError, match=message):  # not an onnxruntime Gather error, nor a silent cast
             Generator(model, SamplingParams(), stop_token_ids=(), speculation=Speculation("lookup", 4),
                       proposer=lambda history, k, drafts=drafts: drafts).generate(PROMPTS, 4)
 

@@ -320,7 +320,7 @@ ANCHORED = {"$defs": {"x": {**SEVEN, "$anchor": "seven"}}, "type": "object", "pr
 def test_required_calls_keep_references_by_anchor_and_within_an_id_resource(client):
     """Under "required" each function's schema moves below the list's root: JSON-pointer references move with it,
     while an anchor ("#seven") and the references of a schema with its own $id (a resource, resolved against itself)
-    already resolve there; re-pointing them was a 400 for schemas the function alone compiles."""
+    already resolve there (re-pointed, they would fail schemas the function alone compiles)."""
     tools = [{"type": "function", "function": {"name": "f", "parameters": RESOURCE}},
              {"type": "function", "function": {"name": "g", "parameters": ANCHORED}}]
     called = set()
