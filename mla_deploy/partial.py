@@ -85,6 +85,12 @@ def unwritable_parent(out: Path) -> str | None:
     return None
 
 
+def unreplaceable(out: Path) -> str | None:
+    """Why the directory at `out` cannot be replaced by a rename in its parent (None: it can, as far as that shows)."""
+    parent = out.absolute().parent
+    return None if os.access(parent, os.W_OK | os.X_OK) else f"{parent} is not writable"
+
+
 def scratch_path(out: Path, kind: str) -> Path:
     """This process's hidden sibling of `out` of one kind (`partial`: being built; `old`: being replaced)."""
     return out.parent / f".{out.name}.{kind}-{_host()}-{os.getpid()}"

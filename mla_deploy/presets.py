@@ -30,8 +30,8 @@ from numpy.random import default_rng
 from .checkpoint import expected_tensors, parameter_count
 from .config import MLAConfig
 from .errors import ConfigError, InputError, MLADeployError
-from .partial import destination, empty_directory, move_into_place, nearest_existing, partial_directory, \
-    unwritable_parent
+from .partial import (destination, empty_directory, move_into_place, nearest_existing, partial_directory,
+                      unreplaceable, unwritable_parent)
 from .progress import progress_bar
 from .safetensors_io import SafetensorsFile, SafetensorsWriter, float32_to_bf16
 
@@ -165,6 +165,8 @@ def _check_replaceable(out: Path) -> None:
         return
     if out.is_symlink() or not out.is_dir():
         raise InputError(f"{out}: exists and is not a directory; choose another output path (nothing was written)")
+    if (why := unreplaceable(out)) is not None:  # the checkpoint takes its place by a rename
+        raise InputError(f"{out}: cannot be replaced ({why}); choose another output path (nothing was written)")
     if not any(out.iterdir()):
         return
     try:

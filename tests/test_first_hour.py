@@ -422,6 +422,22 @@ def test_bench_does_not_import_the_command_line():
     assert done.stdout.strip() == "False"
 
 
+def test_a_preset_whose_directory_cannot_be_replaced_is_refused_before_writing(tmp_path, monkeypatch):
+    """The checkpoint takes an empty or earlier directory's place by a rename in its parent: a parent this process
+    cannot write is said before a byte is written."""
+    import os
+    from pathlib import Path
+
+    locked = tmp_path / "locked"
+    (locked / "empty").mkdir(parents=True)
+    access = os.access  # root writes anywhere: the parent's answer is set here
+    monkeypatch.setattr(os, "access", lambda path, mode: access(path, mode) and Path(path) != locked)
+    result = CliRunner().invoke(main, ["preset", "tiny-v3", "-o", str(locked / "empty")])
+    assert result.exit_code == 1 and f"{locked / 'empty'}: cannot be replaced ({locked} is not writable)" in \
+        result.output, result.output
+    assert sorted(p.name for p in locked.iterdir()) == ["empty"] and not any((locked / "empty").iterdir())
+
+
 def test_a_preset_that_cannot_be_written_says_so_and_keeps_the_earlier_one(tmp_path):
     """A file-size limit (EFBIG, as a full disk gives ENOSPC) mid-write: one line naming the failure, no partial
     directory, and the earlier random checkpoint at -o untouched."""

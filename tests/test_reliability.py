@@ -293,14 +293,15 @@ def test_export_into_the_current_directory_builds_beside_it(checkpoint_dir, tmp_
     monkeypatch.chdir(tmp_path)
     locked = tmp_path / "locked"
     (locked / "empty").mkdir(parents=True)
-    locked.chmod(0o555)
-    try:
-        if not os.access(locked, os.W_OK):  # root writes anywhere
-            with pytest.raises(ExportError, match=f"{locked / 'empty'}: cannot be replaced \\({locked} is not "
-                                                  "writable\\)"):
-                export(src, locked / "empty", verify=None)
-    finally:
-        locked.chmod(0o755)
+    export(src, locked / "earlier", verify=None)
+    access = os.access  # a parent this process cannot write (root writes anywhere: its answer is set here)
+    monkeypatch.setattr(os, "access", lambda path, mode: access(path, mode) and Path(path) != locked)
+    for out, force in ((locked / "empty", False), (locked / "earlier", True)):
+        with pytest.raises(ExportError, match=f"{out}: cannot be replaced \\({locked} is not writable\\)"):
+            export(src, out, ExportOptions(force=force), verify=None)
+    with pytest.raises(ExportError, match="output directory exists"):  # without --force: that, first
+        export(src, locked / "earlier", verify=None)
+    assert sorted(p.name for p in locked.iterdir()) == ["earlier", "empty"]
 
 
 def _tree(root: Path) -> dict:

@@ -27,7 +27,8 @@ from .. import __version__, integrity, io_spec
 from ..checkpoint import Checkpoint, CheckpointView
 from ..errors import CheckpointError, ExportError, ExportLoadError
 from ..manifest import MANIFEST_FILE, MANIFEST_VERSION, TOKENIZER_FILES, WEIGHTS_FILE, file_sha256, not_an_export
-from ..partial import destination, empty_directory, move_into_place, partial_directory, unwritable_parent
+from ..partial import (destination, empty_directory, move_into_place, partial_directory, unreplaceable,
+                       unwritable_parent)
 from ..progress import progress_bar
 from ..runtime.chat import GenerationDefaults, tokenizer_config
 from ..runtime.text import Tokenizer
@@ -239,21 +240,19 @@ def _fsync_tree(directory: Path) -> None:
 def _check_output(out: Path, force: bool) -> None:
     """Nothing at `out` (or an empty directory, as `mktemp -d` makes one), or an earlier export there and --force:
     the one thing --force replaces. Anything else is refused, nothing deleted."""
-    if empty_directory(out):  # taken by a rename in its parent
-        if not os.access(out.absolute().parent, os.W_OK | os.X_OK):
-            raise ExportError(f"{out}: cannot be replaced ({out.absolute().parent} is not writable); choose another "
-                              "output path")
-        return
     if not (out.exists() or out.is_symlink()):
         if (why := unwritable_parent(out)) is not None:
             raise ExportError(f"{out}: cannot be created ({why}); choose another output path")
         return
-    what = not_an_export(out)
-    if what is None and not force:
-        raise ExportError(f"{out}: output directory exists (use --force to replace it)")
-    if what is not None:
-        raise ExportError(f"{out}: {what}; " + ("--force replaces only an earlier mla-deploy export, so nothing was "
-                                                 "deleted: " if force else "") + "choose another output path")
+    if not empty_directory(out):
+        what = not_an_export(out)
+        if what is None and not force:
+            raise ExportError(f"{out}: output directory exists (use --force to replace it)")
+        if what is not None:
+            raise ExportError(f"{out}: {what}; " + ("--force replaces only an earlier mla-deploy export, so nothing "
+                                                     "was deleted: " if force else "") + "choose another output path")
+    if (why := unreplaceable(out)) is not None:  # the export takes its place by a rename in the parent
+        raise ExportError(f"{out}: cannot be replaced ({why}); choose another output path")
 
 
 def _move_into_place(tmp: Path, out: Path, force: bool) -> None:
