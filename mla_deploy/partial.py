@@ -50,9 +50,11 @@ def empty_directory(path: Path) -> bool:
 
 
 def move_into_place(tmp: Path, out: Path) -> None:
-    """Rename the complete build `tmp` to `out`. An earlier directory at `out` (one the caller may replace) is
-    swapped out first and removed after; where the new one cannot take its place (an error, a signal between the
-    two renames) the earlier one is put back, so a failed replacement leaves what was there."""
+    """Rename the complete build `tmp` to `out`. An empty directory there is taken; an earlier directory (one the
+    caller may replace) is swapped out first and removed after; where the new one cannot take its place (an error,
+    a signal between the two renames) the earlier one is put back, so a failed replacement leaves what was there."""
+    if empty_directory(out):
+        out.rmdir()
     if not out.exists():
         tmp.rename(out)
         return

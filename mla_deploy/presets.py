@@ -30,8 +30,8 @@ from numpy.random import default_rng
 from .checkpoint import expected_tensors, parameter_count
 from .config import MLAConfig
 from .errors import ConfigError, InputError, MLADeployError
-from .partial import (destination, empty_directory, move_into_place, nearest_existing, partial_directory,
-                      unreplaceable, unwritable_parent)
+from .partial import (destination, move_into_place, nearest_existing, partial_directory, unreplaceable,
+                      unwritable_parent)
 from .progress import progress_bar
 from .safetensors_io import SafetensorsFile, SafetensorsWriter, float32_to_bf16
 
@@ -115,8 +115,6 @@ def write_random_checkpoint(raw: dict, out: str | Path, seed: int = 0, source: s
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         (tmp / "config.json").write_text(config_text)
-        if empty_directory(out):
-            out.rmdir()
         move_into_place(tmp, out)  # an earlier random checkpoint there: replaced once this one is whole
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -257,6 +257,4 @@ def _check_output(out: Path, force: bool) -> None:
 
 def _move_into_place(tmp: Path, out: Path, force: bool) -> None:
     _check_output(out, force)  # still nothing, or an earlier export, after the build
-    if empty_directory(out):
-        out.rmdir()
     move_into_place(tmp, out)  # --force: the earlier export swapped out, removed once the new one is in place
