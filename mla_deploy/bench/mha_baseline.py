@@ -9,7 +9,6 @@ not in the export contract (io_spec).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import onnx_ir as ir
@@ -25,6 +24,7 @@ from ..export.plan import ExportOptions, ExportPlan
 from ..export.rope import rope
 from ..export.weights import WeightsFile
 from ..io_spec import INPUT_IDS, LOGITS, POSITION_IDS, TensorSpec
+from ..partial import scratch_path
 
 MHA_FILE = "decode_mha.onnx"
 MHA_WEIGHTS = "weights_mha.bin"
@@ -109,7 +109,7 @@ def export_mha_baseline(checkpoint_dir: str | Path, out_dir: str | Path, max_seq
     ckpt = Checkpoint(checkpoint_dir)
     cfg = ckpt.config
     out.mkdir(parents=True, exist_ok=True)
-    graph = out / f".{MHA_FILE}.partial-{os.getpid()}"  # renamed into place last: the graph is there only whole
+    graph = scratch_path(out / MHA_FILE, "partial")  # renamed into place last: the graph is there only whole
     try:
         with WeightsFile(out / MHA_WEIGHTS) as weights:
             model = build_mha_decode(cfg, ckpt.tensor, max_seq_len or cfg.max_position_embeddings, weights)

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from ..errors import MLADeployError
-from ..partial import unwritable_parent
+from ..partial import scratch_path, unwritable_parent
 
 from .run import BenchResult
 
@@ -131,7 +131,7 @@ def check_destination(directory: Path) -> None:
 def save(result: BenchResult, directory: Path, name: str = "results") -> tuple[Path, Path | None]:
     """results.json (whole or not at all: written beside, then renamed) and its chart in `directory`."""
     json_path = directory / f"{name}.json"
-    partial = directory / f".{name}.json.partial-{os.getpid()}"
+    partial = scratch_path(json_path, "partial")
     try:
         directory.mkdir(parents=True, exist_ok=True)
         partial.write_text(result.to_json() + "\n")
