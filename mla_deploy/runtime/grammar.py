@@ -75,16 +75,16 @@ class Constraint:
 
     def __init__(self, matcher):
         self.matcher = matcher
-        self.consumed: list[int] = []
+        self.consumed = 0  # tokens advanced by
 
     def consume(self, token: int) -> None:
         """Advance by the sampled `token`; GrammarError where the grammar cannot go on (llguidance gave up on it while
         generating: a request's own failure, the others running on)."""
         if self.matcher.is_error() or not self.matcher.consume_token(int(token)):
             why = self.matcher.get_error().strip().splitlines()
-            raise GrammarError(f"the grammar engine gave up on the schema after {len(self.consumed)} generated "
+            raise GrammarError(f"the grammar engine gave up on the schema after {self.consumed} generated "
                                f"tokens ({why[0] if why else f'token {token} refused'}): simplify the schema")
-        self.consumed.append(int(token))
+        self.consumed += 1
 
     def copy(self) -> "Constraint":
         """The same grammar in its own state (one per choice of a request): llguidance's copy, not a compile."""
